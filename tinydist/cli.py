@@ -1,0 +1,45 @@
+"""The `tinydist` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from tinydist import logs
+
+
+def _devices(args: argparse.Namespace) -> int:
+    from tinydist.runtime.registry import discover
+    infos = discover()
+    width = max(len(info.name) for info in infos)
+    for info in infos:
+        status = "ok " if info.usable else "n/a"
+        print(f"{info.name:<{width}}  {status}  {info.detail}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from tinydist.demo import main
+    main()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tinydist", description="asyncio-native distributed tensor runtime")
+    parser.add_argument("--log-format", choices=["console", "json"], help="log rendering (default: TINYDIST_LOG_FORMAT or console)")
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="lowest level printed")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands.add_parser("devices", help="list usable devices, and why others cannot open").set_defaults(run=_devices)
+    commands.add_parser("demo", help="run the demo job on local CPU devices").set_defaults(run=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logs.configure(args.log_format, args.log_level)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""LLVM IR text → optimised native object code for the host CPU.
+
+The target machine is built from the host's CPU name and feature string, and the O3 pipeline runs
+*with* that target machine: without it LLVM's cost model knows no vector width and nothing is
+vectorised.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass
+
+import llvmlite
+import llvmlite.binding as llvm
+
+from tinydist.errors import CompileError
+
+_init_lock = threading.Lock()
+_initialised = False
+
+
+def _initialise_llvm() -> None:
+    global _initialised
+    with _init_lock:
+        if not _initialised:
+            llvm.initialize_native_target()
+            llvm.initialize_native_asmprinter()
+            _initialised = True
+
+
+@dataclass(frozen=True)
+class HostTarget:
+    """What the compiled code depends on; every field is part of the compile-cache key."""
+
+    triple: str
+    cpu: str
+    features: str
+    llvm_version: str
+    llvmlite_version: str
+
+    def cache_key_parts(self) -> tuple[str, ...]:
+        return (self.triple, self.cpu, self.features, self.llvm_version, self.llvmlite_version)
+
+
+@functools.cache
+def host_target() -> HostTarget:
+    _initialise_llvm()
+    return HostTarget(
+        triple=llvm.get_process_triple(),
+        cpu=llvm.get_host_cpu_name(),
+        features=llvm.get_host_cpu_features().flatten(),
+        llvm_version=".".join(map(str, llvm.llvm_version_info)),
+        llvmlite_version=llvmlite.__version__,
+    )
+
+
+class HostCompiler:
+    """Compiles LLVM IR for this machine's CPU. Thread-safe (one lock: LLVM contexts are not)."""
+
+    def __init__(self, opt_level: int = 3) -> None:
+        if opt_level not in (0, 1, 2, 3):
+            raise ValueError(f"opt_level must be 0..3, got {opt_level}")
+        _initialise_llvm()
+        self.opt_level = opt_level
+        self.target = host_target()
+        self._lock = threading.Lock()
+        self._machine = llvm.Target.from_triple(self.target.triple).create_target_machine(
+            cpu=self.target.cpu, features=self.target.features, opt=opt_level, reloc="pic", codemodel="default")
+
+    def optimise(self, ir_text: str) -> llvm.ModuleRef:
+        """Parse, verify and run the O<n> pipeline with the host target machine."""
+        try:
+            module = llvm.parse_assembly(ir_text)
+            module.verify()
+        except RuntimeError as exc:
+            raise CompileError(f"LLVM rejected the kernel IR: {exc}") from exc
+        module.triple = self._machine.triple
+        module.data_layout = str(self._machine.target_data)
+        if self.opt_level:
+            tuning = llvm.PipelineTuningOptions(speed_level=self.opt_level)
+            tuning.loop_vectorization = True
+            tuning.slp_vectorization = True
+            builder = llvm.create_pass_builder(self._machine, tuning)
+            builder.getModulePassManager().run(module, builder)
+        return module
+
+    def compile(self, ir_text: str) -> bytes:
+        """IR text → relocatable object code (ELF on Linux)."""
+        with self._lock:
+            return self._machine.emit_object(self.optimise(ir_text))
+
+    def assembly(self, ir_text: str) -> str:
+        """The optimised machine code as text, for inspection (e.g. checking vector registers)."""
+        with self._lock:
+            return self._machine.emit_assembly(self.optimise(ir_text))

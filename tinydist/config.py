@@ -1,0 +1,120 @@
+"""One registry for every setting read from the environment.
+
+Each setting is declared once, here, with its type, default and meaning; `docs/env_vars.md`
+lists them. Code reads `settings.NAME`; tests override with `settings.override(NAME=value)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    parse: Callable[[str], Any]
+    default: Callable[[], Any]
+    doc: str
+
+
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in allowed:
+            raise ValueError(f"expected one of {', '.join(allowed)}, got {text!r}")
+        return value
+    return parse
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tinydist"
+
+
+class Settings:
+    """Settings read lazily from the environment, once each; overridable in a scope."""
+
+    def __init__(self) -> None:
+        self._declared: dict[str, Setting] = {}
+        self._values: dict[str, Any] = {}
+
+    def declare(self, setting: Setting) -> None:
+        if setting.name in self._declared:
+            raise ValueError(f"setting {setting.name} is declared twice")
+        self._declared[setting.name] = setting
+
+    def declared(self) -> list[Setting]:
+        return list(self._declared.values())
+
+    def __getattr__(self, name: str) -> Any:
+        declared = self.__dict__.get("_declared", {})
+        if name not in declared:
+            raise AttributeError(f"no setting named {name}; declared: {', '.join(sorted(declared))}")
+        values = self.__dict__["_values"]
+        if name not in values:
+            setting = declared[name]
+            raw = os.environ.get(f"TINYDIST_{name}")
+            if raw is None:
+                values[name] = setting.default()
+            else:
+                try:
+                    values[name] = setting.parse(raw)
+                except ValueError as exc:
+                    raise ValueError(f"environment variable TINYDIST_{name}={raw!r} is invalid: {exc}") from None
+        return values[name]
+
+    @contextlib.contextmanager
+    def override(self, **values: Any) -> Iterator[None]:
+        for name in values:
+            if name not in self._declared:
+                raise AttributeError(f"no setting named {name}")
+        saved = {name: self._values.get(name, _UNSET) for name in values}
+        self._values.update(values)
+        try:
+            yield
+        finally:
+            for name, old in saved.items():
+                if old is _UNSET:
+                    self._values.pop(name, None)
+                else:
+                    self._values[name] = old
+
+
+_UNSET = object()
+settings = Settings()
+
+for _setting in (
+    Setting("LOG_FORMAT", _choice("console", "json"), lambda: "console",
+            "Log rendering: readable console lines, or one JSON object per line."),
+    Setting("LOG_LEVEL", _choice("debug", "info", "warning", "error"), lambda: "warning",
+            "Lowest log level printed."),
+    Setting("CPU_DEVICES", _positive_int, lambda: max(4, os.cpu_count() or 1),
+            "How many virtual CPU devices (CPU:0 … CPU:n-1) exist; each has its own worker threads."),
+    Setting("CACHE_DIR", Path, _default_cache_dir,
+            "Where compiled kernels (object code) are cached on disk."),
+    Setting("COMPILE_CACHE", _choice("1", "0"), lambda: "1",
+            "Set to 0 to bypass the on-disk compile cache."),
+    Setting("TIMELINE_TIMEOUT", _positive_float, lambda: 30.0,
+            "Seconds a timeline may stand still under a waiter before its device is declared hung."),
+    Setting("CPU_MEMORY_LIMIT", _positive_int, lambda: 1 << 40,
+            "Bytes one CPU device may hold allocated at once."),
+):
+    settings.declare(_setting)

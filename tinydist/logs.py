@@ -1,0 +1,48 @@
+"""Structured logging: readable console lines by default, JSON lines on request.
+
+Every logger carries the ids of what it speaks for (device, queue, timeline), bound once where
+the object is made, so each record can be filtered by them.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import structlog
+
+from tinydist.config import settings
+
+_configured: tuple[str, str] | None = None
+
+
+def configure(log_format: str | None = None, level: str | None = None) -> None:
+    """(Re)configure rendering; arguments default to TINYDIST_LOG_FORMAT / TINYDIST_LOG_LEVEL."""
+    global _configured
+    log_format = log_format or settings.LOG_FORMAT
+    level = level or settings.LOG_LEVEL
+    if log_format not in ("console", "json"):
+        raise ValueError(f"log format must be 'console' or 'json', got {log_format!r}")
+    renderer: Any = (structlog.processors.JSONRenderer() if log_format == "json"
+                     else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()))
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    _configured = (log_format, level)
+
+
+def get_logger(**ids: Any) -> structlog.typing.FilteringBoundLogger:
+    """A logger bound to `ids` (e.g. device="CPU:1", queue="compute")."""
+    if _configured is None:
+        configure()
+    return structlog.get_logger("tinydist").bind(**ids)

@@ -1,0 +1,153 @@
+"""Allocators: symmetric ownership of device memory.
+
+`alloc` takes resources in steps — reserve the bytes against the device's limit, map memory,
+record it in the ledger — and pushes the undo of each step onto a stack; if any step fails, the
+stack unwinds and everything taken so far is given back before the error propagates. `free` runs
+the same undos. `alloc_many` is all-or-nothing over several buffers.
+
+Back ends implement `_map` / `_unmap` (and may add steps); the ledger lets tests and `close()`
+prove that nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tinydist.errors import AllocationError
+from tinydist.runtime.buffer import Buffer
+from tinydist.runtime.faults import faults
+
+if TYPE_CHECKING:
+    from tinydist.runtime.device import Device
+
+
+@dataclass(frozen=True)
+class AllocatorStatistics:
+    live_buffers: int
+    live_bytes: int
+    reserved_bytes: int
+    peak_bytes: int
+    limit_bytes: int
+
+
+class Allocator(ABC):
+    def __init__(self, device: Device, limit_bytes: int) -> None:
+        self.device = device
+        self.limit_bytes = limit_bytes
+        self._lock = threading.Lock()
+        self._reserved = 0
+        self._peak = 0
+        self._ledger: dict[int, int] = {}  # address -> bytes mapped
+        self._bases: weakref.WeakSet[Buffer] = weakref.WeakSet()
+
+    # ---- back-end hooks ----------------------------------------------------------------------
+
+    @abstractmethod
+    def _map(self, nbytes: int) -> int:
+        """Take `nbytes` of device memory; return its address."""
+
+    @abstractmethod
+    def _unmap(self, address: int, nbytes: int) -> None:
+        """Give back exactly what `_map` returned."""
+
+    # ---- public ------------------------------------------------------------------------------
+
+    def alloc(self, nbytes: int) -> Buffer:
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool):
+            raise TypeError(f"{self.device.name}: allocation size must be an int, got {type(nbytes).__name__}")
+        if nbytes <= 0:
+            raise ValueError(f"{self.device.name}: allocation size must be positive, got {nbytes}")
+        self.device.check_usable()
+        with contextlib.ExitStack() as undo:
+            try:
+                self._reserve(nbytes)
+                undo.callback(self._unreserve, nbytes)
+                faults.check("alloc.map")
+                address = self._map(nbytes)
+                undo.callback(self._unmap, address, nbytes)
+                faults.check("alloc.register")
+                self._register(address, nbytes)
+                undo.callback(self._unregister, address)
+                buffer = Buffer(self.device, nbytes, address, lambda: self._free(address, nbytes))
+                self._bases.add(buffer)
+            except AllocationError:
+                raise
+            except Exception as exc:
+                raise AllocationError(
+                    f"{self.device.name}: allocating {nbytes} bytes failed ({exc}); "
+                    f"in use: {self._reserved} of {self.limit_bytes} bytes; nothing was kept") from exc
+            undo.pop_all()
+        return buffer
+
+    def alloc_many(self, sizes: Sequence[int]) -> list[Buffer]:
+        """Allocate every size or none: a failure frees the ones already made."""
+        made: list[Buffer] = []
+        try:
+            for size in sizes:
+                made.append(self.alloc(size))
+        except BaseException:
+            for buffer in reversed(made):
+                buffer.free()
+            raise
+        return made
+
+    def from_blob(self, address: int, nbytes: int, owner: Any = None) -> Buffer:
+        """Wrap external memory; it is never freed by tinydist, and `owner` is kept alive until its
+        last device use completes after `free()`."""
+        if nbytes <= 0 or address <= 0:
+            raise ValueError(f"{self.device.name}: from_blob needs a positive address and size, got address={address:#x}, nbytes={nbytes}")
+        self.device.check_usable()
+        return Buffer(self.device, nbytes, address, lambda: None, external=True, owner=owner)
+
+    def release_all(self) -> int:
+        """Free every buffer still allocated (used when the device closes); returns how many."""
+        live = [b for b in list(self._bases) if not b.freed]
+        for buffer in live:
+            for view in buffer.live_views():
+                view.release()
+            buffer.free()
+        return len(live)
+
+    def statistics(self) -> AllocatorStatistics:
+        with self._lock:
+            return AllocatorStatistics(len(self._ledger), sum(self._ledger.values()), self._reserved, self._peak, self.limit_bytes)
+
+    def outstanding(self) -> dict[int, int]:
+        """address -> bytes of everything mapped and not yet given back."""
+        with self._lock:
+            return dict(self._ledger)
+
+    # ---- steps and their undos ---------------------------------------------------------------
+
+    def _reserve(self, nbytes: int) -> None:
+        faults.check("alloc.reserve")
+        with self._lock:
+            if self._reserved + nbytes > self.limit_bytes:
+                raise AllocationError(
+                    f"{self.device.name}: out of memory allocating {nbytes} bytes: "
+                    f"{self._reserved} of {self.limit_bytes} bytes in use; free buffers or raise TINYDIST_CPU_MEMORY_LIMIT")
+            self._reserved += nbytes
+            self._peak = max(self._peak, self._reserved)
+
+    def _unreserve(self, nbytes: int) -> None:
+        with self._lock:
+            self._reserved -= nbytes
+
+    def _register(self, address: int, nbytes: int) -> None:
+        with self._lock:
+            self._ledger[address] = nbytes
+
+    def _unregister(self, address: int) -> None:
+        with self._lock:
+            del self._ledger[address]
+
+    def _free(self, address: int, nbytes: int) -> None:
+        self._unregister(address)
+        self._unmap(address, nbytes)
+        self._unreserve(nbytes)

@@ -1,0 +1,137 @@
+"""Buffers and views of device memory.
+
+A base buffer owns a range of memory (or borrows it, for external memory); a view is
+`(base, offset, nbytes)` into it. Views are checked against their base before anything touches
+memory. A base cannot be freed while live views of it exist, nor twice. Freeing is immediate for
+the caller (no new use is accepted) but the memory is given back only after the last device work
+that touches it has completed, so an in-flight kernel never sees freed memory — the same rule
+keeps external memory referenced until its last use.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from tinydist.errors import BufferInUse, OutOfBounds, UseAfterFree
+from tinydist.runtime.dependencies import AccessLog
+
+if TYPE_CHECKING:
+    from tinydist.runtime.device import Device
+
+
+class Buffer:
+    __slots__ = ("device", "nbytes", "offset", "base", "accesses", "_address", "_finalizer",
+                 "_freed", "_views", "_external", "__weakref__")
+
+    def __init__(self, device: Device, nbytes: int, address: int, release: Callable[[], None],
+                 *, external: bool = False, owner: Any = None) -> None:
+        """A base buffer; made by allocators (`Allocator.alloc`, `Allocator.from_blob`), not by users."""
+        self.device = device
+        self.nbytes = nbytes
+        self.offset = 0
+        self.base = self
+        self.accesses = AccessLog()
+        self._address = address
+        # The same path gives memory back on free() and when the buffer is garbage collected.
+        self._finalizer: weakref.finalize | None = weakref.finalize(self, _release_when_idle, self.accesses, release, owner)
+        self._finalizer.atexit = False
+        self._external = external
+        self._freed = False
+        self._views: weakref.WeakSet[Buffer] = weakref.WeakSet()
+
+    @classmethod
+    def _view_of(cls, base: Buffer, offset: int, nbytes: int) -> Buffer:
+        view = cls.__new__(cls)
+        view.device, view.nbytes, view.offset, view.base = base.device, nbytes, offset, base
+        view.accesses = base.accesses
+        view._address, view._finalizer, view._external = base._address, None, base._external
+        view._freed, view._views = False, weakref.WeakSet()
+        base._views.add(view)
+        return view
+
+    def __repr__(self) -> str:
+        kind = "external " if self._external else ""
+        if self.is_view:
+            return f"Buffer(view of {self.base!r}, offset={self.offset}, nbytes={self.nbytes})"
+        state = ", freed" if self._freed else ""
+        return f"Buffer({kind}device={self.device.name!r}, nbytes={self.nbytes}{state})"
+
+    @property
+    def is_view(self) -> bool:
+        return self.base is not self
+
+    @property
+    def freed(self) -> bool:
+        return self._freed or self.base._freed
+
+    @property
+    def external(self) -> bool:
+        return self._external
+
+    @property
+    def address(self) -> int:
+        """The memory address of this buffer's first byte (checked: the base must be alive)."""
+        self.check_alive()
+        return self._address + self.offset
+
+    def check_alive(self) -> None:
+        if self.base._freed or self._freed:
+            raise UseAfterFree(f"{self!r} was freed; allocate a new buffer")
+
+    def view(self, offset: int, nbytes: int) -> Buffer:
+        """A view of `nbytes` bytes starting `offset` bytes into this buffer (or view)."""
+        self.check_alive()
+        if not isinstance(offset, int) or not isinstance(nbytes, int):
+            raise TypeError(f"view offset and nbytes must be ints, got {type(offset).__name__} and {type(nbytes).__name__}")
+        if offset < 0 or nbytes < 0 or offset > self.nbytes or nbytes > self.nbytes - offset:
+            raise OutOfBounds(f"view [{offset}, {offset}+{nbytes}) is outside {self!r} (valid: 0 <= offset <= offset+nbytes <= {self.nbytes})")
+        return Buffer._view_of(self.base, self.offset + offset, nbytes)
+
+    def release(self) -> None:
+        """Drop this view (views also drop when garbage collected). Idempotent."""
+        if not self.is_view:
+            raise TypeError(f"release() is for views; free the base {self!r} with free()")
+        self._freed = True
+        self.base._views.discard(self)
+
+    def live_views(self) -> list[Buffer]:
+        return [v for v in self.base._views if not v._freed]
+
+    def free(self) -> None:
+        """Give the base's memory back once all device work on it has completed."""
+        if self.is_view:
+            raise TypeError(f"free() frees a base buffer; {self!r} is a view: call release() on it")
+        if self._freed:
+            raise UseAfterFree(f"double free of {self!r}")
+        views = self.live_views()
+        if views:
+            raise BufferInUse(f"cannot free {self!r}: {len(views)} live view(s), e.g. {views[0]!r}; release them first")
+        self._freed = True
+        assert self._finalizer is not None
+        self._finalizer()
+
+
+def _release_when_idle(accesses: AccessLog, release: Callable[[], None], owner: Any) -> None:
+    """Call `release` once every device access recorded in `accesses` has completed.
+
+    `owner` (external memory's owner) is referenced here only to keep it alive until then.
+    """
+    pending = accesses.pending()
+    if not pending:
+        release()
+        return
+    remaining = [len(pending)]
+    lock = threading.Lock()
+
+    def one_done() -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            release()
+
+    for timeline, value in pending.items():
+        timeline.call_when_reached(value, one_done)

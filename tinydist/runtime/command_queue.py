@@ -1,0 +1,119 @@
+"""A device queue: FIFO submissions run by one worker thread, each proven done by a timeline value.
+
+A submission is a batch of commands, each a `(callable, args)` pair: a native kernel (a ctypes
+function, which releases the GIL while it runs), a memmove, or a wait on another queue's timeline.
+The hand-off to the worker — one put, one thread wake-up, one timeline signal — is paid per batch,
+not per command. The worker records each batch's start and end on the monotonic clock.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tinydist.errors import ClosedResourceError, DeviceFailed
+from tinydist.logs import get_logger
+from tinydist.runtime.timeline import Timeline
+
+if TYPE_CHECKING:
+    from tinydist.runtime.device import Device
+
+Command = tuple[Callable[..., Any], tuple[Any, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchTiming:
+    value: int
+    commands: int
+    start_ns: int
+    end_ns: int
+
+
+@dataclass(frozen=True)
+class QueueStatistics:
+    submitted: int
+    completed: int
+    in_flight: int
+
+
+_STOP = object()
+
+
+class CommandQueue:
+    def __init__(self, device: Device, kind: str, history: int = 4096) -> None:
+        self.device = device
+        self.kind = kind
+        self.name = f"{device.name}/{kind}"
+        self.timeline = Timeline(self.name, device)
+        self.timings: deque[BatchTiming] = deque(maxlen=history)
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._submitted = 0
+        self._submit_lock = threading.Lock()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.log = get_logger(device=device.name, queue=kind, timeline=self.name)
+
+    def __repr__(self) -> str:
+        return f"CommandQueue({self.name!r}, submitted={self._submitted}, completed={self.timeline.value})"
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"tinydist:{self.name}", daemon=True)
+            self._thread.start()
+
+    def submit(self, commands: Sequence[Command]) -> int:
+        """Queue a batch; returns the timeline value that proves it completed."""
+        if self._closed:
+            raise ClosedResourceError(f"queue {self.name} is closed")
+        failure = self.timeline.failure
+        if failure is not None:
+            raise failure
+        with self._submit_lock:
+            self._submitted += 1
+            value = self._submitted
+            self._inbox.put((commands, value))
+        return value
+
+    @property
+    def last_submitted(self) -> int:
+        return self._submitted
+
+    def statistics(self) -> QueueStatistics:
+        completed = self.timeline.value
+        return QueueStatistics(self._submitted, completed, self._submitted - completed)
+
+    def stop(self, timeout: float) -> bool:
+        """Stop taking work and let the worker finish what it has; True if it exited in time."""
+        self._closed = True
+        if self._thread is None:
+            return True
+        self._inbox.put(_STOP)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        clock = time.perf_counter_ns
+        while True:
+            item = self._inbox.get()
+            if item is _STOP:
+                return
+            commands, value = item
+            if self.timeline.failure is not None:
+                continue  # a failed device runs nothing more; its waiters were woken with the error
+            start = clock()
+            try:
+                for fn, args in commands:
+                    fn(*args)
+            except DeviceFailed as exc:
+                self.device.mark_failed(DeviceFailed(f"{self.name}: batch {value} depended on failed work: {exc}"))
+                continue
+            except BaseException as exc:  # noqa: BLE001 - any failure in native work fails the device
+                self.device.mark_failed(DeviceFailed(f"{self.name}: batch {value} failed: {type(exc).__name__}: {exc}"))
+                continue
+            self.timings.append(BatchTiming(value, len(commands), start, clock()))
+            self.timeline.signal(value)

@@ -1,0 +1,46 @@
+"""CPU devices: host memory, native kernels from LLVM, one worker thread per queue.
+
+`CPU:0`, `CPU:1`, … are virtual devices over the same host memory. Each has its own compute and
+copy workers; ctypes releases the GIL while a kernel runs, so devices really run in parallel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+from tinydist.config import settings
+from tinydist.runtime.cpu.allocator import CPUAllocator
+from tinydist.runtime.cpu.loader import native_loader
+from tinydist.runtime.device import Device
+from tinydist.runtime.program import Program
+
+# ctypes.memmove is itself a foreign function: the GIL is released while it copies.
+_memmove = ctypes.memmove
+
+
+class CPUDevice(Device):
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self._allocator: CPUAllocator | None = None
+
+    @property
+    def allocator(self) -> CPUAllocator:
+        if self._allocator is None:
+            self.check_usable()
+        assert self._allocator is not None
+        return self._allocator
+
+    def _open_backend(self) -> None:
+        self._allocator = CPUAllocator(self, settings.CPU_MEMORY_LIMIT)
+
+    def _close_backend(self) -> None:
+        if self._allocator is not None:
+            self._allocator.release_all()
+
+    def load_program(self, object_code: bytes, entry: str, signature: Sequence[str]) -> Program:
+        self.check_usable()
+        return native_loader.load(object_code, entry, signature)
+
+    def host_copy(self) -> object:
+        return _memmove

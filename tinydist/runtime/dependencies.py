@@ -1,0 +1,72 @@
+"""Ordering between queues and devices, keyed by (base buffer, byte range).
+
+Each base buffer owns an `AccessLog`, so the key's first half is the log's owner. Every submitted
+access to a base buffer is recorded as (byte range, read/write, timeline, value).
+A new access must wait for earlier overlapping accesses that conflict with it — a read waits for
+writes (RAW), a write waits for reads and writes (WAR, WAW) — unless they were submitted on the
+same queue, whose FIFO order already guarantees it. Disjoint ranges of one base never wait on each
+other: writing bytes [0,4) and then reading [8,12) runs unordered, reading [2,6) waits.
+
+Records whose timeline has passed their value are pruned; a newer record on the same timeline that
+covers an older one's range (and writes if the older one wrote) replaces it, so a hot buffer keeps
+a short list.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from tinydist.runtime.timeline import Timeline
+
+
+@dataclass(frozen=True, slots=True)
+class Access:
+    start: int
+    end: int
+    write: bool
+    timeline: Timeline
+    value: int
+
+
+class AccessLog:
+    """The unfinished accesses to one base buffer."""
+
+    __slots__ = ("_lock", "_records")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._records: list[Access] = []
+
+    def waits_for(self, start: int, end: int, write: bool, queue_timeline: Timeline) -> dict[Timeline, int]:
+        """Timeline values an access to bytes [start, end) from the queue of `queue_timeline` must wait for."""
+        waits: dict[Timeline, int] = {}
+        with self._lock:
+            if not self._records:
+                return waits
+            live = self._records = [r for r in self._records if r.timeline.value < r.value]
+            for r in live:
+                if (write or r.write) and r.start < end and start < r.end and r.timeline is not queue_timeline:
+                    if waits.get(r.timeline, -1) < r.value:
+                        waits[r.timeline] = r.value
+        return waits
+
+    def record(self, start: int, end: int, write: bool, timeline: Timeline, value: int) -> None:
+        new = Access(start, end, write, timeline, value)
+        with self._lock:
+            kept = [r for r in self._records
+                    if r.timeline.value < r.value
+                    and not (r.timeline is timeline and start <= r.start and r.end <= end and (write or not r.write))]
+            kept.append(new)
+            self._records = kept
+
+    def pending(self) -> dict[Timeline, int]:
+        """The latest unfinished value per timeline that touches this base (any range, any mode)."""
+        result: dict[Timeline, int] = {}
+        with self._lock:
+            for r in self._records:
+                if r.timeline.value < r.value and result.get(r.timeline, -1) < r.value:
+                    result[r.timeline] = r.value
+        return result
+
+    def __len__(self) -> int:
+        return len(self._records)

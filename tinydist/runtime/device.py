@@ -1,0 +1,305 @@
+"""Device: an async resource owning an allocator, queues (compute, copy) and their timelines.
+
+    async with tinydist.open_device("CPU:1") as dev:
+        buf = dev.allocator.alloc(4096)
+        with dev.batch() as batch:               # one submission, one worker hand-off
+            batch.launch(program, buf, 1024)
+        await batch.completion.wait()
+
+Lifecycle is an explicit state machine (UNOPENED → OPEN → CLOSED, with FAILED reachable from
+OPEN); `open` and `aclose` are idempotent, a closed device is not reopened (open a new one), and a
+failed device refuses new work with the error that failed it until it is closed.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import numpy as np
+
+from tinydist.config import settings
+from tinydist.errors import ClosedResourceError, DeviceError, DeviceFailed, OutOfBounds
+from tinydist.logs import get_logger
+from tinydist.runtime.buffer import Buffer
+from tinydist.runtime.command_queue import Command, CommandQueue
+from tinydist.runtime.dependencies import AccessLog
+from tinydist.runtime.timeline import Timeline
+
+if TYPE_CHECKING:
+    from tinydist.runtime.allocator import Allocator
+    from tinydist.runtime.program import Program
+
+
+class DeviceState(enum.Enum):
+    UNOPENED = "unopened"  # made by open_device(), not yet opened
+    OPEN = "open"          # accepts work
+    FAILED = "failed"      # a hang or fault: refuses work until closed
+    CLOSED = "closed"      # workers stopped, memory given back; cannot reopen
+
+
+class Completion:
+    """A submission's proof of completion: its queue's timeline reaching `value`."""
+
+    __slots__ = ("timeline", "value")
+
+    def __init__(self, timeline: Timeline, value: int) -> None:
+        self.timeline = timeline
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"Completion({self.timeline.name}@{self.value})"
+
+    def done(self) -> bool:
+        return self.timeline.reached(self.value)
+
+    async def wait(self, timeout: float | None = None) -> None:
+        await self.timeline.wait(self.value, timeout)
+
+
+class Device(ABC):
+    queue_kinds: tuple[str, ...] = ("compute", "copy")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.state = DeviceState.UNOPENED
+        self.failure: DeviceFailed | None = None
+        self.queues: dict[str, CommandQueue] = {}
+        self._state_lock = threading.Lock()
+        self.log = get_logger(device=name)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, {self.state.value})"
+
+    # ---- back-end hooks ----------------------------------------------------------------------
+
+    @property
+    @abstractmethod
+    def allocator(self) -> Allocator: ...
+
+    @abstractmethod
+    def _open_backend(self) -> None:
+        """Take the device's resources (memory, program loader); undo them all if it fails."""
+
+    @abstractmethod
+    def _close_backend(self) -> None:
+        """Give back everything `_open_backend` took."""
+
+    @abstractmethod
+    def load_program(self, object_code: bytes, entry: str, signature: Sequence[str]) -> Program:
+        """Load compiled code; `signature` lists arg kinds: "r"/"w"/"rw" buffers, "i64"/"f64" scalars."""
+
+    def host_copy(self) -> Any:
+        """The callable that copies `nbytes` from a source address to a destination address."""
+        raise DeviceError(f"{self.name} has no host-addressable copy; it needs a transfer engine")
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    async def open(self) -> Device:
+        with self._state_lock:
+            if self.state in (DeviceState.OPEN, DeviceState.FAILED):
+                return self
+            if self.state is DeviceState.CLOSED:
+                raise ClosedResourceError(f"{self.name} was closed; open a new one with tinydist.open_device({self.name!r})")
+            self._open_backend()
+            try:
+                self.queues = {kind: CommandQueue(self, kind) for kind in self.queue_kinds}
+                for q in self.queues.values():
+                    q.start()
+            except BaseException:
+                for q in self.queues.values():
+                    q.stop(timeout=1.0)
+                self.queues = {}
+                self._close_backend()
+                raise
+            self.state = DeviceState.OPEN
+        self.log.debug("device opened", queues=list(self.queues))
+        return self
+
+    async def aclose(self, timeout: float | None = None) -> None:
+        """Wait (bounded) for submitted work, stop the workers and give back all memory. Idempotent."""
+        with self._state_lock:
+            if self.state in (DeviceState.CLOSED, DeviceState.UNOPENED):
+                self.state = DeviceState.CLOSED
+                return
+        timeout = settings.TIMELINE_TIMEOUT if timeout is None else timeout
+        if self.state is DeviceState.OPEN:
+            try:
+                await self.synchronize(timeout)
+            except DeviceFailed:
+                pass  # closing a failed device still gives everything back
+        stuck = []
+        for q in self.queues.values():
+            if not await anyio.to_thread.run_sync(q.stop, timeout):
+                stuck.append(q.name)
+        with self._state_lock:
+            self.state = DeviceState.CLOSED
+        self._close_backend()
+        if stuck:
+            self.log.error("worker threads did not stop", queues=stuck)
+        self.log.debug("device closed")
+
+    async def __aenter__(self) -> Device:
+        return await self.open()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def mark_failed(self, error: DeviceFailed) -> DeviceFailed:
+        """Mark the device failed and wake every waiter on every timeline with the first error."""
+        with self._state_lock:
+            if self.failure is None:
+                self.failure = error
+                if self.state is DeviceState.OPEN:
+                    self.state = DeviceState.FAILED
+            first = self.failure
+        for q in self.queues.values():
+            q.timeline.fail(first)
+        if first is error:
+            self.log.error("device failed", error=str(error))
+        return first
+
+    def check_usable(self) -> None:
+        if self.state is DeviceState.OPEN:
+            return
+        if self.failure is not None:
+            raise self.failure
+        if self.state is DeviceState.CLOSED:
+            raise ClosedResourceError(f"{self.name} is closed")
+        raise DeviceError(f"{self.name} is not open; use `async with tinydist.open_device({self.name!r}) as dev`")
+
+    # ---- work --------------------------------------------------------------------------------
+
+    def batch(self, queue: str = "compute") -> Batch:
+        self.check_usable()
+        try:
+            return Batch(self, self.queues[queue])
+        except KeyError:
+            raise ValueError(f"{self.name} has no queue {queue!r}; queues: {', '.join(self.queues)}") from None
+
+    async def synchronize(self, timeout: float | None = None) -> None:
+        """Wait until everything submitted so far on every queue has completed."""
+        for q in self.queues.values():
+            await q.timeline.wait(q.last_submitted, timeout)
+
+    def copyin(self, buffer: Buffer, data: Any) -> Completion:
+        """Copy host data (numpy array or bytes-like) into `buffer` on the copy queue."""
+        with self.batch("copy") as batch:
+            batch.write_from_host(buffer, data)
+        return batch.completion
+
+    async def copyout(self, buffer: Buffer, out: np.ndarray | None = None, timeout: float | None = None) -> np.ndarray:
+        """Read `buffer` back to host memory (a synchronisation point); returns uint8 bytes or `out`."""
+        host = np.empty(buffer.nbytes, np.uint8) if out is None else out
+        with self.batch("copy") as batch:
+            batch.read_to_host(host, buffer)
+        await batch.completion.wait(timeout)
+        return host
+
+
+def _host_view(data: Any, writable: bool) -> np.ndarray:
+    array = data if isinstance(data, np.ndarray) else np.frombuffer(memoryview(data), np.uint8)
+    if not array.flags.c_contiguous:
+        raise ValueError(f"host array must be C-contiguous (got strides {array.strides}); pass np.ascontiguousarray(x)")
+    if writable and not array.flags.writeable:
+        raise ValueError("host destination is read-only")
+    return array
+
+
+class Batch:
+    """Commands for one queue, submitted together. Use as `with device.batch(queue) as batch:`.
+
+    Each buffer access is checked (alive, in bounds, on the right device) and ordered against
+    earlier work on other queues through its base's access log, before it joins the batch.
+    """
+
+    __slots__ = ("device", "queue", "completion", "_commands", "_accesses", "_keepalive", "_waited", "_timeout")
+
+    def __init__(self, device: Device, queue: CommandQueue) -> None:
+        self.device = device
+        self.queue = queue
+        self.completion: Completion | None = None
+        self._commands: list[Command] = []
+        # (access log, start, end) -> writes?; one record per range at submit, however often it is used
+        self._accesses: dict[tuple[AccessLog, int, int], bool] = {}
+        self._keepalive: list[Any] = []
+        self._waited: dict[Timeline, int] = {}
+        self._timeout = settings.TIMELINE_TIMEOUT
+
+    def __enter__(self) -> Batch:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.submit()
+
+    def __len__(self) -> int:
+        return len(self._commands)
+
+    def _access(self, buffer: Buffer, write: bool) -> int:
+        """Order this access after conflicting work on other queues; returns the buffer's address."""
+        address = buffer.address  # checks the buffer is alive
+        start = buffer.offset
+        key = (buffer.accesses, start, start + buffer.nbytes)
+        seen = self._accesses.get(key)
+        if seen is None or (write and not seen):
+            # Earlier commands of this batch with the same range already waited for what a read needs.
+            for timeline, value in key[0].waits_for(start, key[2], write, self.queue.timeline).items():
+                if self._waited.get(timeline, 0) < value:
+                    self._waited[timeline] = value
+                    self._commands.append((timeline.wait_blocking, (value, self._timeout)))
+            self._accesses[key] = write or bool(seen)
+        return address
+
+    def launch(self, program: Program, *args: Any) -> None:
+        """Run `program` with `args` matching its signature (buffers must live on this device)."""
+        if len(args) != len(program.signature):
+            raise TypeError(f"{program.name} takes {len(program.signature)} arguments {program.signature}, got {len(args)}")
+        values = list(args)
+        for i, write in program.buffer_args:
+            arg = args[i]
+            if not isinstance(arg, Buffer):
+                raise TypeError(f"{program.name} argument {i} must be a Buffer ({program.signature[i]}), got {type(arg).__name__}")
+            if arg.device is not self.device:
+                raise DeviceError(f"{program.name} on {self.device.name} cannot use {arg!r} implicitly; copy it to {self.device.name} first")
+            values[i] = self._access(arg, write)
+        self._commands.append((program.cfunc, tuple(values)))
+
+    def copy(self, dst: Buffer, src: Buffer) -> None:
+        """Device-to-device (or within one device) copy of `src` into `dst` (same size)."""
+        if dst.nbytes != src.nbytes:
+            raise OutOfBounds(f"copy size mismatch: {src!r} has {src.nbytes} bytes, {dst!r} has {dst.nbytes}")
+        source = self._access(src, False)
+        self._commands.append((self.device.host_copy(), (self._access(dst, True), source, dst.nbytes)))
+
+    def write_from_host(self, dst: Buffer, data: Any) -> None:
+        host = _host_view(data, writable=False)
+        if host.nbytes != dst.nbytes:
+            raise OutOfBounds(f"copyin size mismatch: host data has {host.nbytes} bytes, {dst!r} has {dst.nbytes}")
+        self._keepalive.append(host)
+        self._commands.append((self.device.host_copy(), (self._access(dst, True), host.ctypes.data, dst.nbytes)))
+
+    def read_to_host(self, out: np.ndarray, src: Buffer) -> None:
+        host = _host_view(out, writable=True)
+        if host.nbytes != src.nbytes:
+            raise OutOfBounds(f"copyout size mismatch: host array has {host.nbytes} bytes, {src!r} has {src.nbytes}")
+        self._keepalive.append(host)
+        self._commands.append((self.device.host_copy(), (host.ctypes.data, self._access(src, False), src.nbytes)))
+
+    def submit(self) -> Completion:
+        if self.completion is not None:
+            raise RuntimeError("this batch was already submitted; start a new one with device.batch()")
+        self.device.check_usable()
+        value = self.queue.submit(self._commands)
+        timeline = self.queue.timeline
+        for (log, start, end), write in self._accesses.items():
+            log.record(start, end, write, timeline, value)
+        if self._keepalive:
+            keep = self._keepalive
+            timeline.call_when_reached(value, keep.clear)
+        self.completion = Completion(timeline, value)
+        return self.completion

@@ -1,0 +1,81 @@
+"""The sync facade: one background event loop that scripts drive without writing `async` code.
+
+The engine owns an anyio blocking portal (an event loop in a thread, with its own task group) and
+the devices it opened for sync callers. `engine.run(async_fn, *args)` runs a coroutine function on
+it and returns its result, so the sync path and the async path are the same engine.
+
+    engine = get_engine()
+    dev = engine.device("CPU:1")                 # opened once, closed at exit or engine.close()
+    data = engine.run(dev.copyout, buf)
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
+from typing import Any, TypeVar
+
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from tinydist.errors import ClosedResourceError
+from tinydist.runtime.device import Device
+from tinydist.runtime.registry import canonical_name, open_device
+
+T = TypeVar("T")
+
+
+class Engine:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._portal_cm: AbstractContextManager[BlockingPortal] | None = start_blocking_portal(backend="asyncio")
+        self._portal: BlockingPortal | None = self._portal_cm.__enter__()
+        self._devices: dict[str, Device] = {}
+
+    def run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run `await fn(*args)` on the engine's loop; not callable from that loop itself."""
+        if self._portal is None:
+            raise ClosedResourceError("the tinydist engine is closed")
+        return self._portal.call(fn, *args)
+
+    def device(self, name: str) -> Device:
+        """The engine's open device `name` (opened on first use)."""
+        canonical = canonical_name(name)
+        with self._lock:
+            device = self._devices.get(canonical)
+            if device is None:
+                device = open_device(canonical)
+                self.run(device.open)
+                self._devices[canonical] = device
+            return device
+
+    def open_devices(self) -> list[Device]:
+        with self._lock:
+            return list(self._devices.values())
+
+    def close(self) -> None:
+        """Close every device the engine opened, then stop its loop. Idempotent."""
+        with self._lock:
+            if self._portal is None:
+                return
+            devices, self._devices = list(self._devices.values()), {}
+            for device in devices:
+                self._portal.call(device.aclose)
+            portal_cm, self._portal_cm, self._portal = self._portal_cm, None, None
+        assert portal_cm is not None
+        portal_cm.__exit__(None, None, None)
+
+
+_engine: Engine | None = None
+_engine_lock = threading.Lock()
+
+
+def get_engine() -> Engine:
+    """The process's engine, started on first use and closed at interpreter exit."""
+    global _engine
+    with _engine_lock:
+        if _engine is None:
+            _engine = Engine()
+            atexit.register(_engine.close)
+        return _engine

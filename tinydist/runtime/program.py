@@ -1,0 +1,35 @@
+"""A loaded kernel: its entry point as a native callable, and the kinds of its arguments."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+ARG_KINDS = {"r": ctypes.c_void_p, "w": ctypes.c_void_p, "rw": ctypes.c_void_p,
+             "i64": ctypes.c_int64, "f64": ctypes.c_double, "f32": ctypes.c_float}
+
+
+def check_signature(entry: str, signature: Sequence[str]) -> tuple[str, ...]:
+    bad = [kind for kind in signature if kind not in ARG_KINDS]
+    if bad:
+        raise ValueError(f"kernel {entry}: unknown argument kind(s) {bad}; known: {', '.join(ARG_KINDS)}")
+    return tuple(signature)
+
+
+@dataclass(frozen=True)
+class Program:
+    name: str
+    signature: tuple[str, ...]
+    cfunc: Any  # a ctypes function: calling it releases the GIL for the kernel's duration
+    address: int
+
+    @property
+    def buffer_args(self) -> tuple[tuple[int, bool], ...]:
+        """(argument index, writes?) for each buffer argument; cached, it is on the launch path."""
+        cached = self.__dict__.get("_buffer_args")
+        if cached is None:
+            cached = tuple((i, kind != "r") for i, kind in enumerate(self.signature) if kind in ("r", "w", "rw"))
+            object.__setattr__(self, "_buffer_args", cached)
+        return cached

@@ -1,0 +1,87 @@
+"""Device names, back ends and discovery.
+
+A name is `KIND[:INDEX]` ("CPU" is "CPU:0"). Each back end says which of its devices are usable
+here and, for those that are not, why — a back end that exists is not a device that opens.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tinydist.config import settings
+from tinydist.errors import DeviceNotFound, DeviceUnavailable
+from tinydist.runtime.device import Device
+
+_NAME = re.compile(r"^([A-Za-z][A-Za-z0-9_]*)(?::(\d+))?$")
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    name: str
+    usable: bool
+    detail: str
+
+
+def canonical_name(name: str) -> str:
+    """"cpu" / "CPU" / "CPU:0" → "CPU:0"; anything malformed is a ValueError naming the format."""
+    if not isinstance(name, str):
+        raise TypeError(f"device name must be a string like 'CPU:1', got {type(name).__name__}")
+    match = _NAME.match(name.strip())
+    if not match:
+        raise ValueError(f"malformed device name {name!r}; expected KIND or KIND:INDEX, e.g. 'CPU:1'")
+    return f"{match.group(1).upper()}:{int(match.group(2) or 0)}"
+
+
+def _discover_cpu() -> list[DeviceInfo]:
+    count = settings.CPU_DEVICES
+    return [DeviceInfo(f"CPU:{i}", True, "host memory, LLVM native code, own worker threads") for i in range(count)]
+
+
+def _discover_cuda() -> list[DeviceInfo]:
+    library = ctypes.util.find_library("cuda")
+    if library is None:
+        return [DeviceInfo("CUDA", False, "no CUDA driver library (libcuda.so) on this machine")]
+    return [DeviceInfo("CUDA", False, f"driver library {library} found, but tinydist's CUDA back end is not built yet")]
+
+
+def _open_cpu(name: str) -> Device:
+    from tinydist.runtime.cpu.device import CPUDevice
+    return CPUDevice(name)
+
+
+@dataclass(frozen=True)
+class Backend:
+    kind: str
+    discover: Callable[[], list[DeviceInfo]]
+    make: Callable[[str], Device] | None
+
+
+BACKENDS: dict[str, Backend] = {
+    "CPU": Backend("CPU", _discover_cpu, _open_cpu),
+    "CUDA": Backend("CUDA", _discover_cuda, None),
+}
+
+
+def discover() -> list[DeviceInfo]:
+    return [info for backend in BACKENDS.values() for info in backend.discover()]
+
+
+def open_device(name: str) -> Device:
+    """The device called `name`, not yet opened: use `async with open_device(name) as dev`."""
+    canonical = canonical_name(name)
+    kind = canonical.split(":")[0]
+    backend = BACKENDS.get(kind)
+    usable = [info.name for info in discover() if info.usable]
+    if backend is None:
+        raise DeviceNotFound(f"no device back end {kind!r} (from {name!r}); available devices: {', '.join(usable)}")
+    infos = backend.discover()
+    match = [info for info in infos if info.name == canonical]
+    if not match or backend.make is None:
+        reasons = "; ".join(f"{info.name}: {info.detail}" for info in infos if not info.usable)
+        if reasons:
+            raise DeviceUnavailable(f"{canonical} cannot open here ({reasons}); available devices: {', '.join(usable)}")
+        raise DeviceNotFound(f"no device {canonical}; available devices: {', '.join(usable)}")
+    return backend.make(canonical)

@@ -1,0 +1,218 @@
+"""Timeline: a monotonic 64-bit counter that devices signal and hosts await.
+
+A queue's worker thread signals the value of each finished submission; async code awaits a value
+(`await timeline.wait(v)`) and device-side code (a worker thread executing a cross-queue wait)
+blocks on it (`timeline.wait_blocking(v)`). Nothing polls: signalling wakes exactly the waiters
+whose target was reached, async ones through their own event loop's thread-safe callback.
+
+A wait whose deadline passes while the timeline made no progress declares its device hung: the
+device is marked failed and every waiter on every timeline of that device wakes with the same
+`DeviceHang`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tinydist.config import settings
+from tinydist.errors import DeviceFailed, DeviceHang
+
+if TYPE_CHECKING:
+    from tinydist.runtime.device import Device
+
+MAX_VALUE = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class TimelineStatistics:
+    value: int
+    async_waiters: int
+    blocked_threads: int
+    failed: bool
+
+
+class _AsyncWaiter:
+    __slots__ = ("target", "loop", "future")
+
+    def __init__(self, target: int, loop: asyncio.AbstractEventLoop, future: asyncio.Future[object]) -> None:
+        self.target = target
+        self.loop = loop
+        self.future = future
+
+
+_DEADLINE = object()
+
+
+def _resolve(future: asyncio.Future[object], error: BaseException | None, result: object = None) -> None:
+    if not future.done():
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+
+class Timeline:
+    """A monotonic counter owned by one device (usually one per queue)."""
+
+    def __init__(self, name: str, device: Device | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.name = name
+        self.device = device
+        self._clock = clock
+        self._value = 0
+        self._progress_at = clock()
+        self._failure: DeviceFailed | None = None
+        self._cond = threading.Condition(threading.Lock())
+        self._waiters: list[_AsyncWaiter] = []
+        self._blocked = 0
+        self._callbacks: list[tuple[int, Callable[[], None]]] = []
+
+    def __repr__(self) -> str:
+        return f"Timeline({self.name!r}, value={self._value})"
+
+    @property
+    def value(self) -> int:
+        return self._value
+
+    @property
+    def failure(self) -> DeviceFailed | None:
+        return self._failure
+
+    def reached(self, value: int) -> bool:
+        return self._value >= value
+
+    def statistics(self) -> TimelineStatistics:
+        return TimelineStatistics(self._value, len(self._waiters), self._blocked, self._failure is not None)
+
+    # ---- signalling (any thread) -------------------------------------------------------------
+
+    def signal(self, value: int) -> None:
+        """Advance to `value`; wakes waiters whose target is reached. Safe from any thread."""
+        if not 0 <= value <= MAX_VALUE:
+            raise ValueError(f"timeline {self.name}: value {value} is outside 0..2**64-1")
+        with self._cond:
+            if value < self._value:
+                raise ValueError(f"timeline {self.name} is monotonic: cannot move from {self._value} back to {value}")
+            self._value = value
+            self._progress_at = self._clock()
+            ready = [w for w in self._waiters if w.target <= value]
+            if ready:
+                self._waiters = [w for w in self._waiters if w.target > value]
+            due = [cb for target, cb in self._callbacks if target <= value]
+            if due:
+                self._callbacks = [(t, cb) for t, cb in self._callbacks if t > value]
+            if self._blocked:
+                self._cond.notify_all()
+        for waiter in ready:
+            _wake(waiter, None)
+        for callback in due:
+            callback()
+
+    def call_when_reached(self, value: int, callback: Callable[[], None]) -> None:
+        """Run `callback()` (on the signalling thread) once the timeline reaches `value`, or now."""
+        with self._cond:
+            if self._value < value and self._failure is None:
+                self._callbacks.append((value, callback))
+                return
+        callback()
+
+    def fail(self, error: DeviceFailed) -> None:
+        """Wake every waiter with `error`; later waits raise it. Pending callbacks still run."""
+        with self._cond:
+            if self._failure is not None:
+                return
+            self._failure = error
+            waiters, self._waiters = self._waiters, []
+            callbacks, self._callbacks = self._callbacks, []
+            self._cond.notify_all()
+        for waiter in waiters:
+            _wake(waiter, error)
+        # Callbacks release resources held for in-flight work; a failed device does no more work.
+        for _, callback in callbacks:
+            callback()
+
+    # ---- waiting -----------------------------------------------------------------------------
+
+    async def wait(self, value: int, timeout: float | None = None) -> None:
+        """Return once the timeline reaches `value`.
+
+        `timeout` (default TINYDIST_TIMELINE_TIMEOUT) bounds how long the timeline may stand still:
+        if it makes no progress for that long the device is declared hung and `DeviceHang` raised.
+        """
+        if self._value >= value:
+            await asyncio.sleep(0)  # always a checkpoint, as trio's design rules ask
+            return
+        if self._failure is not None:
+            raise self._failure
+        timeout = _default_timeout() if timeout is None else timeout
+        loop = asyncio.get_running_loop()
+        window_start = self._clock()
+        while True:
+            future: asyncio.Future[object] = loop.create_future()
+            waiter = _AsyncWaiter(value, loop, future)
+            with self._cond:
+                if self._value >= value:
+                    return
+                if self._failure is not None:
+                    raise self._failure
+                self._waiters.append(waiter)
+            deadline = loop.call_later(max(window_start + timeout - self._clock(), 0.0), _resolve, future, None, _DEADLINE)
+            try:
+                outcome = await future
+            finally:
+                deadline.cancel()
+                with self._cond:
+                    if waiter in self._waiters:
+                        self._waiters.remove(waiter)
+            if outcome is not _DEADLINE or self._value >= value:
+                return
+            if self._progress_at <= window_start:
+                raise self._declare_hang(value, timeout)
+            window_start = self._progress_at  # it moved: the watchdog restarts from its last progress
+
+    def wait_blocking(self, value: int, timeout: float | None = None) -> None:
+        """Block this (worker) thread until `value`; same hang rule as `wait`. Never on an event loop."""
+        timeout = _default_timeout() if timeout is None else timeout
+        with self._cond:
+            window_start = self._clock()
+            self._blocked += 1
+            try:
+                while self._value < value:
+                    if self._failure is not None:
+                        raise self._failure
+                    remaining = window_start + timeout - self._clock()
+                    if remaining <= 0:
+                        if self._progress_at > window_start:
+                            window_start = self._progress_at
+                            continue
+                        break
+                    self._cond.wait(remaining)
+                else:
+                    return
+            finally:
+                self._blocked -= 1
+        raise self._declare_hang(value, timeout)
+
+    def _declare_hang(self, value: int, timeout: float) -> DeviceFailed:
+        error = DeviceHang(
+            f"timeline {self.name} stayed at {self._value} for {timeout:g}s while waiting for {value}; "
+            f"device {self.device.name if self.device else '?'} is marked failed — close and reopen it")
+        if self.device is not None:
+            return self.device.mark_failed(error)
+        self.fail(error)
+        return self._failure or error
+
+
+def _wake(waiter: _AsyncWaiter, error: BaseException | None) -> None:
+    try:
+        waiter.loop.call_soon_threadsafe(_resolve, waiter.future, error)
+    except RuntimeError:
+        pass  # that event loop is closed: nobody is left to wake
+
+
+def _default_timeout() -> float:
+    return settings.TIMELINE_TIMEOUT
