@@ -60,6 +60,10 @@ class Completion:
     async def wait(self, timeout: float | None = None) -> None:
         await self.timeline.wait(self.value, timeout)
 
+    def wait_blocking(self, timeout: float | None = None) -> None:
+        """Block this thread (never an event loop's) until done; same hang rule as `wait`."""
+        self.timeline.wait_blocking(self.value, timeout)
+
 
 class Device(ABC):
     queue_kinds: tuple[str, ...] = ("compute", "copy")

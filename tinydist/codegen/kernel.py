@@ -1,0 +1,70 @@
+"""The kernel IR: what the scheduler hands to code generation.
+
+A kernel computes one output buffer (contiguous, `out_shape`) from input buffer slots. Its
+expression tree has at most one `reduce`: nodes below it are evaluated over the full iteration
+`shape`, nodes above it over the output shape (the reduced axes have size 1 there). Loads carry a
+ShapeTracker mapping the iteration index to an element of their slot's buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tinydist.dtypes import DType
+from tinydist.shape import Shape, ShapeTracker
+
+
+@dataclass(frozen=True, eq=True)
+class KNode:
+    op: str                      # "load", "const", "reduce", or an elementwise op name ("add", "exp", "cast" …)
+    srcs: tuple[KNode, ...]
+    arg: Any                     # load: (slot, ShapeTracker); const: value; reduce: "sum"/"max"/"min"/"prod"
+    dtype: DType
+    _hash: int = field(default=0, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.op, self.srcs, self.arg, self.dtype)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def walk(self) -> list[KNode]:
+        """Every node once, sources before users."""
+        seen: dict[int, KNode] = {}
+
+        def visit(node: KNode) -> None:
+            if id(node) in seen:
+                return
+            for src in node.srcs:
+                visit(src)
+            seen[id(node)] = node
+        visit(self)
+        return list(seen.values())
+
+
+def load(slot: int, tracker: ShapeTracker, dtype: DType) -> KNode:
+    return KNode("load", (), (slot, tracker), dtype)
+
+
+def const(value: Any, dtype: DType) -> KNode:
+    return KNode("const", (), value, dtype)
+
+
+@dataclass(frozen=True)
+class KernelAST:
+    shape: Shape                         # iteration space
+    reduce_axes: tuple[int, ...]         # axes of `shape` that are reduced
+    root: KNode                          # the value stored at each output index
+    slot_dtypes: tuple[DType, ...]       # input slots' element types
+    out_dtype: DType
+    aliased_slots: tuple[int, ...] = ()  # input slots that are the output buffer itself (in-place assign)
+
+    @property
+    def out_shape(self) -> Shape:
+        return tuple(1 if axis in self.reduce_axes else size for axis, size in enumerate(self.shape))
+
+    def describe(self) -> str:
+        ops = sorted({node.op for node in self.root.walk() if node.op not in ("load", "const")})
+        reduce = f" reduce{list(self.reduce_axes)}" if self.reduce_axes else ""
+        return f"{self.out_dtype.name}{list(self.out_shape)} <- {'+'.join(ops) or 'copy'}{reduce} over {list(self.shape)}"

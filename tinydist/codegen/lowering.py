@@ -1,0 +1,436 @@
+"""Kernel IR → LLVM IR text.
+
+The loop nest is emitted by us, not discovered by LLVM: adjacent axes that every load walks
+contiguously are collapsed into one loop first (so a 4096×4096 elementwise kernel is one loop of
+16M), reduced axes run innermost with the accumulator in a register, and the innermost loop is
+affine in its induction variable so LLVM's loop vectoriser can widen it.
+
+Floating-point flags: every float op may `contract` (a*b+c → fma, one rounding instead of two).
+Only a reduction's accumulation carries `reassoc`, which lets the vectoriser keep several partial
+sums (lanes × interleave) and combine them at the end: the result differs from a sequential sum
+in the last bits, with an error bound no worse than the sequential one (it is closer to pairwise
+summation). Nothing else is reordered, and NaN/inf semantics are kept (no `nnan`/`ninf`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+from llvmlite import ir
+
+from tinydist import dtypes
+from tinydist.codegen import transcendental
+from tinydist.codegen.kernel import KernelAST, KNode
+from tinydist.dtypes import DType
+from tinydist.shape import ShapeTracker, View, prod
+
+I1, I8, I32, I64 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64)
+F32, F64 = ir.FloatType(), ir.DoubleType()
+CONTRACT = ("contract",)
+REASSOC = ("reassoc", "contract")
+
+
+def llvm_type(dtype: DType, in_memory: bool = False) -> ir.Type:
+    if dtype is dtypes.bool_:
+        return I8 if in_memory else I1
+    return {dtypes.float32: F32, dtypes.float64: F64, dtypes.int32: I32, dtypes.int64: I64}[dtype]
+
+
+# ---- dimension collapsing ---------------------------------------------------------------------
+
+def collapse(ast: KernelAST) -> tuple[tuple[int, ...], tuple[int, ...], dict[int, ShapeTracker]]:
+    """Merge adjacent axes that every load (and the output) walks as one; returns the new shape,
+    reduce axes, and each load node's tracker rewritten for the new shape (keyed by id)."""
+    shape = ast.shape
+    loads = [n for n in ast.root.walk() if n.op == "load"]
+    n = len(shape)
+
+    def mergeable(axis: int) -> bool:  # can axis and axis+1 become one?
+        if (axis in ast.reduce_axes) != (axis + 1 in ast.reduce_axes):
+            return False
+        for node in loads:  # loads above the reduce see the output shape; the same rule holds there
+            top = node.arg[1].views[-1]
+            if top.mask is not None and (top.mask[axis] != (0, top.shape[axis]) or top.mask[axis + 1] != (0, top.shape[axis + 1])):
+                return False
+            if top.shape[axis] != 1 and top.shape[axis + 1] != 1 and top.strides[axis] != top.strides[axis + 1] * top.shape[axis + 1]:
+                return False
+        return True
+
+    groups: list[list[int]] = []
+    for axis in range(n):
+        if groups and mergeable(axis - 1) and all(mergeable(a) for a in range(groups[-1][0], axis)):
+            groups[-1].append(axis)
+        else:
+            groups.append([axis])
+    new_shape = tuple(prod([shape[a] for a in g]) for g in groups)
+    new_reduce = tuple(i for i, g in enumerate(groups) if g[0] in ast.reduce_axes)
+    out_groups_shape = tuple(1 if i in new_reduce else s for i, s in enumerate(new_shape))
+    trackers = {}
+    for node in loads:
+        tracker: ShapeTracker = node.arg[1]
+        top = tracker.views[-1]
+        target = new_shape if top.shape == shape else out_groups_shape
+        strides, mask = [], []
+        for g, size in zip(groups, target):
+            real = [a for a in g if top.shape[a] != 1]
+            strides.append(top.strides[real[-1]] if real else 0)
+            # merged groups are unmasked (checked above); a lone axis keeps its own mask
+            mask.append(top.mask[g[0]] if top.mask is not None and len(g) == 1 else (0, size))
+        trackers[id(node)] = ShapeTracker(tracker.views[:-1] + (View.create(target, tuple(strides), top.offset, None if top.mask is None else tuple(mask)),))
+    return new_shape, new_reduce, trackers
+
+
+# ---- IR building ------------------------------------------------------------------------------
+
+class _Lowerer:
+    def __init__(self, ast: KernelAST) -> None:
+        self.ast = ast
+        self.module = ir.Module(name="tinydist")
+        self.shape, self.reduce_axes, self.trackers = collapse(ast)
+        arg_types = [ir.PointerType()] * (1 + len(ast.slot_dtypes))
+        self.fn = ir.Function(self.module, ir.FunctionType(ir.VoidType(), arg_types), name="KERNEL")
+        self.out, self.slots = self.fn.args[0], self.fn.args[1:]
+        if not ast.aliased_slots:  # an in-place assign reads the memory it writes: no noalias there
+            self.out.add_attribute("noalias")
+        for i, slot in enumerate(self.slots):
+            if i not in ast.aliased_slots:
+                slot.add_attribute("noalias")
+        self.entry = self.fn.append_basic_block("entry")
+        self.b = ir.IRBuilder(self.entry)
+
+    # -- helpers --
+
+    def intrinsic(self, name: str, ret: ir.Type, args: list[ir.Type]) -> ir.Function:
+        existing = self.module.globals.get(name)
+        if existing is not None:
+            return existing
+        return ir.Function(self.module, ir.FunctionType(ret, args), name=name)
+
+    def _suffix(self, t: ir.Type) -> str:
+        return {F32: "f32", F64: "f64", I32: "i32", I64: "i64", I1: "i1", I8: "i8"}[t]
+
+    def call(self, base: str, value_type: ir.Type, *args: ir.Value) -> ir.Value:
+        fn = self.intrinsic(f"llvm.{base}.{self._suffix(value_type)}", value_type, [a.type for a in args])
+        return self.b.call(fn, list(args))
+
+    def loop(self, count: int, body: Callable[[ir.Value], None], name: str) -> None:
+        """for i in range(count): body(i) — rotated form (count ≥ 1 is known), canonical for LLVM."""
+        pre = self.b.block
+        header = self.fn.append_basic_block(f"{name}.body")
+        after = self.fn.append_basic_block(f"{name}.end")
+        self.b.branch(header)
+        self.b.position_at_end(header)
+        index = self.b.phi(I64, name=name)
+        index.add_incoming(ir.Constant(I64, 0), pre)
+        body(index)
+        nxt = self.b.add(index, ir.Constant(I64, 1), name=f"{name}.next", flags=("nuw", "nsw"))
+        index.add_incoming(nxt, self.b.block)
+        self.b.cbranch(self.b.icmp_unsigned("==", nxt, ir.Constant(I64, count)), after, header)
+        self.b.position_at_end(after)
+
+    def loops(self, axes: list[int], body: Callable[[dict[int, ir.Value]], None], prefix: str) -> None:
+        indices: dict[int, ir.Value] = {}
+
+        def nest(k: int) -> None:
+            if k == len(axes):
+                body(dict(indices))
+                return
+
+            def inner(i: ir.Value) -> None:
+                indices[axes[k]] = i
+                nest(k + 1)
+            self.loop(self.shape[axes[k]], inner, f"{prefix}{axes[k]}")
+        nest(0)
+
+    # -- indexing --
+
+    def offset(self, tracker: ShapeTracker, index: list[ir.Value]) -> tuple[ir.Value, ir.Value | None]:
+        """Element offset into the base buffer and (if masked) whether the element exists."""
+        b = self.b
+        valid: ir.Value | None = None
+        current = index
+        offset: ir.Value = ir.Constant(I64, 0)
+        for depth, view in enumerate(reversed(tracker.views)):
+            if depth:  # a lower view sees the flat index of the one above it
+                flat, current = offset, []
+                for size in reversed(view.shape):
+                    current.append(b.urem(flat, ir.Constant(I64, size)) if size != 1 else ir.Constant(I64, 0))
+                    flat = b.udiv(flat, ir.Constant(I64, size)) if size != 1 else flat
+                current.reverse()
+            offset = ir.Constant(I64, view.offset)
+            for i, (size, stride) in enumerate(zip(view.shape, view.strides)):
+                if stride and size != 1:
+                    term = current[i] if stride == 1 else b.mul(current[i], ir.Constant(I64, stride), flags=("nsw",))
+                    offset = b.add(offset, term, flags=("nsw",)) if not (isinstance(offset, ir.Constant) and offset.constant == 0) else term
+            if view.mask is not None:
+                for i, ((lo, hi), size) in enumerate(zip(view.mask, view.shape)):
+                    if lo == 0 and hi == size:
+                        continue
+                    ok = b.and_(b.icmp_signed(">=", current[i], ir.Constant(I64, lo)), b.icmp_signed("<", current[i], ir.Constant(I64, hi)))
+                    valid = ok if valid is None else b.and_(valid, ok)
+        return offset, valid
+
+    def load(self, node: KNode, index: list[ir.Value]) -> ir.Value:
+        slot = node.arg[0]
+        tracker = self.trackers[id(node)]
+        offset, valid = self.offset(tracker, index)
+        mem_type = llvm_type(node.dtype, in_memory=True)
+        if valid is not None:
+            offset = self.b.select(valid, offset, ir.Constant(I64, 0))
+        pointer = self.b.gep(self.slots[slot], [offset], inbounds=True, source_etype=mem_type)
+        value = self.b.load(pointer, typ=mem_type)
+        if node.dtype is dtypes.bool_:
+            value = self.b.icmp_unsigned("!=", value, ir.Constant(I8, 0))
+        if valid is not None:
+            value = self.b.select(valid, value, ir.Constant(value.type, 0))
+        return value
+
+    # -- expressions --
+
+    def evaluate(self, root: KNode, index: list[ir.Value], cache: dict[int, ir.Value], reduced: ir.Value | None = None) -> ir.Value:
+        def visit(node: KNode) -> ir.Value:
+            key = id(node)
+            if key in cache:
+                return cache[key]
+            if node.op == "reduce":
+                assert reduced is not None, "a reduce below another reduce is split by the scheduler"
+                value = reduced
+            elif node.op == "load":
+                value = self.load(node, index)
+            elif node.op == "const":
+                value = constant(node.dtype, node.arg)
+            else:
+                value = self.alu(node, [visit(src) for src in node.srcs])
+            cache[key] = value
+            return value
+        return visit(root)
+
+    def alu(self, node: KNode, args: list[ir.Value]) -> ir.Value:
+        return ALU_RULES[node.op](self, node, args)
+
+    # -- the kernel --
+
+    def build(self) -> str:
+        reduce_node = next((n for n in self.ast.root.walk() if n.op == "reduce"), None)
+        outer = [a for a in range(len(self.shape)) if a not in self.reduce_axes]
+        out_strides = _contiguous([1 if a in self.reduce_axes else s for a, s in enumerate(self.shape)])
+        out_type = llvm_type(self.ast.out_dtype, in_memory=True)
+
+        def store(value: ir.Value, idx: dict[int, ir.Value]) -> None:
+            flat: ir.Value = ir.Constant(I64, 0)
+            for axis in outer:
+                if out_strides[axis] and self.shape[axis] != 1:
+                    term = idx[axis] if out_strides[axis] == 1 else self.b.mul(idx[axis], ir.Constant(I64, out_strides[axis]), flags=("nsw",))
+                    flat = term if isinstance(flat, ir.Constant) else self.b.add(flat, term, flags=("nsw",))
+            if self.ast.out_dtype is dtypes.bool_:
+                value = self.b.zext(value, I8)
+            pointer = self.b.gep(self.out, [flat], inbounds=True, source_etype=out_type)
+            self.b.store(value, pointer)
+
+        def full_index(idx: dict[int, ir.Value]) -> list[ir.Value]:
+            return [idx.get(a, ir.Constant(I64, 0)) for a in range(len(self.shape))]
+
+        if reduce_node is None:
+            self.loops(outer, lambda idx: store(self.evaluate(self.ast.root, full_index(idx), {}), idx), "i")
+        else:
+            acc_type = llvm_type(reduce_node.dtype)
+            acc = _entry_alloca(self, acc_type)
+
+            def body(idx: dict[int, ir.Value]) -> None:
+                self.b.store(identity(reduce_node.arg, reduce_node.dtype), acc)
+
+                def step(ridx: dict[int, ir.Value]) -> None:
+                    value = self.evaluate(reduce_node.srcs[0], full_index({**idx, **ridx}), {})
+                    self.b.store(combine(self, reduce_node.arg, reduce_node.dtype, self.b.load(acc), value), acc)
+                self.loops(list(self.reduce_axes), step, "r")
+                result = self.evaluate(self.ast.root, full_index(idx), {}, reduced=self.b.load(acc))
+                store(result, idx)
+            self.loops(outer, body, "i")
+        self.b.ret_void()
+        return str(self.module)
+
+
+def _contiguous(shape: list[int]) -> list[int]:
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= size
+    return list(reversed(strides))
+
+
+def _entry_alloca(lowerer: _Lowerer, t: ir.Type) -> ir.Value:
+    saved = lowerer.b.block
+    with lowerer.b.goto_block(lowerer.entry):
+        lowerer.b.position_at_start(lowerer.entry)
+        slot = lowerer.b.alloca(t)
+    lowerer.b.position_at_end(saved)
+    return slot
+
+
+def constant(dtype: DType, value: Any) -> ir.Constant:
+    t = llvm_type(dtype)
+    if dtype.is_float:
+        return ir.Constant(t, float(value))
+    return ir.Constant(t, int(bool(value)) if dtype.is_bool else int(value))
+
+
+def identity(op: str, dtype: DType) -> ir.Constant:
+    if op == "sum":
+        return constant(dtype, 0)
+    if op == "prod":
+        return constant(dtype, 1)
+    if dtype.is_float:
+        return constant(dtype, float("-inf") if op == "max" else float("inf"))
+    info = (1 << (dtype.itemsize * 8 - 1))
+    return constant(dtype, -info if op == "max" else info - 1)
+
+
+def combine(lowerer: _Lowerer, op: str, dtype: DType, acc: ir.Value, value: ir.Value) -> ir.Value:
+    b = lowerer.b
+    if dtype.is_float:
+        if op == "sum":
+            return b.fadd(acc, value, flags=REASSOC)
+        if op == "prod":
+            return b.fmul(acc, value, flags=REASSOC)
+        return lowerer.call("maximum" if op == "max" else "minimum", acc.type, acc, value)
+    if op == "sum":
+        return b.add(acc, value)
+    if op == "prod":
+        return b.mul(acc, value)
+    return lowerer.call("smax" if op == "max" else "smin", acc.type, acc, value)
+
+
+# ---- elementwise rules: op name → how to lower it, per dtype kind -----------------------------
+
+def _float_or_int(f: Callable[..., ir.Value], i: Callable[..., ir.Value]) -> Callable[[_Lowerer, KNode, list[ir.Value]], ir.Value]:
+    def rule(lw: _Lowerer, node: KNode, args: list[ir.Value]) -> ir.Value:
+        return f(lw, *args) if node.srcs[0].dtype.is_float else i(lw, *args)
+    return rule
+
+
+def _cast(lw: _Lowerer, node: KNode, args: list[ir.Value]) -> ir.Value:
+    (x,), src, dst = args, node.srcs[0].dtype, node.dtype
+    b, to = lw.b, llvm_type(dst)
+    if src is dst:
+        return x
+    if dst.is_bool:
+        return b.fcmp_unordered("!=", x, ir.Constant(x.type, 0.0)) if src.is_float else b.icmp_unsigned("!=", x, ir.Constant(x.type, 0))
+    if src.is_bool:
+        return b.uitofp(x, to) if dst.is_float else b.zext(x, to)
+    if src.is_float and dst.is_float:
+        return b.fpext(x, to) if dst.itemsize > src.itemsize else b.fptrunc(x, to)
+    if src.is_float:  # saturating: NaN → 0 and out-of-range clamps, never poison
+        return lw.b.call(lw.intrinsic(f"llvm.fptosi.sat.{lw._suffix(to)}.{lw._suffix(x.type)}", to, [x.type]), [x])
+    if dst.is_float:
+        return b.sitofp(x, to)
+    return b.sext(x, to) if dst.itemsize > src.itemsize else b.trunc(x, to)
+
+
+def _floordiv_int(lw: _Lowerer, a: ir.Value, d: ir.Value) -> ir.Value:
+    b = lw.b
+    zero, one = ir.Constant(a.type, 0), ir.Constant(a.type, 1)
+    bad = b.icmp_signed("==", d, zero)
+    safe_d = b.select(bad, one, d)
+    q = b.sdiv(a, safe_d)  # INT_MIN // -1 wraps as in numpy
+    r = b.srem(a, safe_d)
+    adjust = b.and_(b.icmp_signed("!=", r, zero), b.icmp_signed("!=", b.icmp_signed("<", r, zero), b.icmp_signed("<", safe_d, zero)))
+    q = b.select(adjust, b.sub(q, one), q)
+    return b.select(bad, zero, q)  # numpy: integer division by zero gives 0
+
+
+def _mod_int(lw: _Lowerer, a: ir.Value, d: ir.Value) -> ir.Value:
+    b = lw.b
+    zero, one = ir.Constant(a.type, 0), ir.Constant(a.type, 1)
+    bad = b.icmp_signed("==", d, zero)
+    safe_d = b.select(bad, one, d)
+    r = b.srem(a, safe_d)
+    adjust = b.and_(b.icmp_signed("!=", r, zero), b.icmp_signed("!=", b.icmp_signed("<", r, zero), b.icmp_signed("<", safe_d, zero)))
+    return b.select(bad, zero, b.select(adjust, b.add(r, safe_d), r))
+
+
+def _mod_float(lw: _Lowerer, a: ir.Value, d: ir.Value) -> ir.Value:
+    b = lw.b
+    r = b.frem(a, d)  # sign of the dividend; numpy's % takes the divisor's sign
+    zero = ir.Constant(a.type, 0.0)
+    adjust = b.and_(b.fcmp_ordered("!=", r, zero), b.xor(b.fcmp_ordered("<", r, zero), b.fcmp_ordered("<", d, zero)))
+    fixed = b.select(adjust, b.fadd(r, d), r)
+    return b.select(b.fcmp_ordered("==", r, zero), lw.call("copysign", a.type, zero, d), fixed)
+
+
+def _floordiv_float(lw: _Lowerer, a: ir.Value, d: ir.Value) -> ir.Value:
+    # numpy: (a - a % d) / d, rounded toward -inf; equal to floor(a / d) except in rounding corner cases
+    b = lw.b
+    mod = _mod_float(lw, a, d)
+    div = b.fdiv(b.fsub(a, mod), d)
+    rounded = lw.call("floor", a.type, div)
+    diff = b.fsub(div, rounded)
+    bump = b.fcmp_ordered(">", diff, ir.Constant(a.type, 0.5))
+    result = b.select(bump, b.fadd(rounded, ir.Constant(a.type, 1.0)), rounded)
+    is_zero_div = b.fcmp_ordered("==", d, ir.Constant(a.type, 0.0))
+    return b.select(is_zero_div, b.fdiv(a, d), result)
+
+
+def _cmp(pred: str) -> Callable[[_Lowerer, KNode, list[ir.Value]], ir.Value]:
+    def rule(lw: _Lowerer, node: KNode, args: list[ir.Value]) -> ir.Value:
+        a, c = args
+        if node.srcs[0].dtype.is_float:
+            # NaN compares false except for != (numpy semantics)
+            return lw.b.fcmp_unordered(pred, a, c) if pred == "!=" else lw.b.fcmp_ordered(pred, a, c)
+        if node.srcs[0].dtype.is_bool:
+            return lw.b.icmp_unsigned(pred, a, c)
+        return lw.b.icmp_signed(pred, a, c)
+    return rule
+
+
+def _minmax(which: str) -> Callable[[_Lowerer, KNode, list[ir.Value]], ir.Value]:
+    def rule(lw: _Lowerer, node: KNode, args: list[ir.Value]) -> ir.Value:
+        a, c = args
+        dtype = node.srcs[0].dtype
+        if dtype.is_float:  # NaN-propagating, like numpy.maximum / minimum
+            return lw.call("maximum" if which == "max" else "minimum", a.type, a, c)
+        if dtype.is_bool:
+            return lw.b.or_(a, c) if which == "max" else lw.b.and_(a, c)
+        return lw.call("smax" if which == "max" else "smin", a.type, a, c)
+    return rule
+
+
+def _transcendental(name: str) -> Callable[[_Lowerer, KNode, list[ir.Value]], ir.Value]:
+    def rule(lw: _Lowerer, node: KNode, args: list[ir.Value]) -> ir.Value:
+        return getattr(transcendental, name)(lw.b, *args)
+    return rule
+
+
+ALU_RULES: dict[str, Callable[[_Lowerer, KNode, list[ir.Value]], ir.Value]] = {
+    "add": _float_or_int(lambda lw, a, c: lw.b.fadd(a, c, flags=CONTRACT), lambda lw, a, c: lw.b.add(a, c)),
+    "sub": _float_or_int(lambda lw, a, c: lw.b.fsub(a, c, flags=CONTRACT), lambda lw, a, c: lw.b.sub(a, c)),
+    "mul": _float_or_int(lambda lw, a, c: lw.b.fmul(a, c, flags=CONTRACT), lambda lw, a, c: lw.b.mul(a, c)),
+    "div": lambda lw, node, args: lw.b.fdiv(*args, flags=CONTRACT),
+    "idiv": _float_or_int(_floordiv_float, _floordiv_int),
+    "mod": _float_or_int(_mod_float, _mod_int),
+    "pow": _transcendental("pow"),
+    "max": _minmax("max"),
+    "min": _minmax("min"),
+    "and": lambda lw, node, args: lw.b.and_(*args),
+    "or": lambda lw, node, args: lw.b.or_(*args),
+    "xor": lambda lw, node, args: lw.b.xor(*args),
+    "cmplt": _cmp("<"), "cmple": _cmp("<="), "cmpeq": _cmp("=="), "cmpne": _cmp("!="),
+    "where": lambda lw, node, args: lw.b.select(*args),
+    "neg": _float_or_int(lambda lw, a: lw.b.fneg(a), lambda lw, a: lw.b.neg(a)),
+    "not": lambda lw, node, args: lw.b.not_(args[0]),
+    "abs": _float_or_int(lambda lw, a: lw.call("fabs", a.type, a), lambda lw, a: lw.call("abs", a.type, a, ir.Constant(I1, 0))),
+    "floor": lambda lw, node, args: lw.call("floor", args[0].type, args[0]),
+    "sqrt": lambda lw, node, args: lw.call("sqrt", args[0].type, args[0]),
+    "exp": _transcendental("exp"), "exp2": _transcendental("exp2"),
+    "log": _transcendental("log"), "log2": _transcendental("log2"),
+    "sin": _transcendental("sin"), "cos": _transcendental("cos"),
+    "cast": _cast,
+}
+
+
+def lower(ast: KernelAST) -> tuple[str, str]:
+    """(entry name, LLVM IR text). The name is a hash of the IR, so equal kernels share code."""
+    text = _Lowerer(ast).build()
+    name = "k_" + hashlib.sha256(text.encode()).hexdigest()[:20]
+    return name, text.replace('@"KERNEL"', f'@"{name}"').replace("@KERNEL", f"@{name}")

@@ -1,0 +1,140 @@
+"""The lazy graph: what a Tensor is until it is realized.
+
+A `LazyNode` is one operation over its sources, with a known shape, dtype and device. Tensor
+methods build nodes; `realize` hands the graph to the scheduler, which fuses nodes into kernels.
+Once a node's result exists on a device, `node.buffer` holds it and the node is a leaf for every
+later graph that uses it.
+
+Movement ops never create work: they become a VIEW (a ShapeTracker over a base node). Over an
+unrealized elementwise node, reshape / permute / shrink are pushed down to its sources, so
+`(a + b).T` stays one fused kernel; expand and pad over computed values make the scheduler
+materialize the value first (recomputing it per expanded element would cost more, and padding
+must read zeros, not f(0)).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+from tinydist.dtypes import DType
+from tinydist.runtime.buffer import Buffer
+from tinydist.shape import Shape, ShapeTracker, prod
+
+
+class Op(enum.Enum):
+    # leaves
+    BUFFER = "buffer"        # realized memory (node.buffer)
+    CONST = "const"          # a scalar (arg), shape ()
+    # elementwise, unary
+    NEG = "neg"; ABS = "abs"; NOT = "not"; SQRT = "sqrt"; EXP = "exp"; EXP2 = "exp2"; LOG = "log"  # noqa: E702
+    LOG2 = "log2"; SIN = "sin"; COS = "cos"; CAST = "cast"; FLOOR = "floor"  # noqa: E702
+    # elementwise, binary
+    ADD = "add"; SUB = "sub"; MUL = "mul"; DIV = "div"; IDIV = "idiv"; MOD = "mod"; POW = "pow"  # noqa: E702
+    MAX = "max"; MIN = "min"; AND = "and"; OR = "or"; XOR = "xor"  # noqa: E702
+    CMPLT = "cmplt"; CMPLE = "cmple"; CMPEQ = "cmpeq"; CMPNE = "cmpne"  # noqa: E702
+    # elementwise, ternary
+    WHERE = "where"
+    # reduction over arg = (reduce op, axes); keeps reduced axes with size 1
+    REDUCE = "reduce"
+    # structure
+    VIEW = "view"            # arg: ShapeTracker over srcs[0] (never itself a VIEW)
+    CONTIGUOUS = "contiguous"
+    MATMUL = "matmul"        # srcs: (a [B,M,K], b [B,K,N]) contiguous → [B,M,N]
+    COPY = "copy"            # srcs[0] moved to this node's device
+    ASSIGN = "assign"        # srcs: (target BUFFER node, value): write value into target's memory
+
+
+UNARY = frozenset({Op.NEG, Op.ABS, Op.NOT, Op.SQRT, Op.EXP, Op.EXP2, Op.LOG, Op.LOG2, Op.SIN, Op.COS, Op.CAST, Op.FLOOR})
+BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.IDIV, Op.MOD, Op.POW, Op.MAX, Op.MIN, Op.AND, Op.OR, Op.XOR,
+                    Op.CMPLT, Op.CMPLE, Op.CMPEQ, Op.CMPNE})
+ELEMENTWISE = UNARY | BINARY | {Op.WHERE}
+TRANSCENDENTAL = frozenset({Op.EXP, Op.EXP2, Op.LOG, Op.LOG2, Op.SIN, Op.COS, Op.POW})
+REDUCE_OPS = ("sum", "max", "min", "prod")
+
+_ids = itertools.count()
+
+
+class LazyNode:
+    __slots__ = ("op", "srcs", "arg", "dtype", "shape", "device", "buffer", "id", "_readers", "__weakref__")
+
+    def __init__(self, op: Op, srcs: tuple[LazyNode, ...], arg: Any, dtype: DType, shape: Shape, device: str,
+                 buffer: Buffer | None = None) -> None:
+        self.op = op
+        self.srcs = srcs
+        self.arg = arg
+        self.dtype = dtype
+        self.shape = tuple(shape)
+        self.device = device
+        self.buffer = buffer
+        self.id = next(_ids)
+        # Who reads this node, weakly: an assign must let readers of the old value run first.
+        self._readers: list[weakref.ref[LazyNode]] | None = None
+        for src in srcs:
+            if src._readers is None:
+                src._readers = []
+            src._readers.append(weakref.ref(self))
+
+    def live_readers(self) -> Iterator[LazyNode]:
+        """Unrealized nodes still alive that read this node."""
+        for ref in self._readers or ():
+            reader = ref()
+            if reader is not None and not reader.realized:
+                yield reader
+
+    def __repr__(self) -> str:
+        state = " realized" if self.buffer is not None else ""
+        return f"<{self.op.name} {self.dtype.name}{list(self.shape)} {self.device}{state}>"
+
+    @property
+    def realized(self) -> bool:
+        return self.buffer is not None
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def base(self) -> LazyNode:
+        return self.srcs[0] if self.op is Op.VIEW else self
+
+    @property
+    def tracker(self) -> ShapeTracker:
+        return self.arg if self.op is Op.VIEW else ShapeTracker.contiguous(self.shape)
+
+
+def buffer_node(buffer: Buffer, dtype: DType, shape: Shape, device: str) -> LazyNode:
+    return LazyNode(Op.BUFFER, (), None, dtype, shape, device, buffer)
+
+
+def const_node(value: Any, dtype: DType, device: str) -> LazyNode:
+    return LazyNode(Op.CONST, (), dtype.np.type(value).item(), dtype, (), device)
+
+
+def elementwise(op: Op, srcs: tuple[LazyNode, ...], dtype: DType, arg: Any = None) -> LazyNode:
+    shape, device = srcs[0].shape, srcs[0].device
+    return LazyNode(op, srcs, arg, dtype, shape, device)
+
+
+_PUSHABLE = frozenset({"reshape", "permute", "shrink", "step"})
+
+
+def view(node: LazyNode, movement: str, arg: Any) -> LazyNode:
+    """Apply a movement op (`reshape`, `permute`, `expand`, `shrink`, `pad`, `step`, `as_strided`)."""
+    if node.buffer is None and node.op in ELEMENTWISE and movement in _PUSHABLE:
+        return elementwise(node.op, tuple(view(src, movement, arg) for src in node.srcs), node.dtype, node.arg)
+    if node.buffer is None and node.op is Op.VIEW:
+        base, tracker = node.srcs[0], node.arg
+    else:  # realized memory (of any op) is contiguous in its own shape
+        base, tracker = node, ShapeTracker.contiguous(node.shape)
+    new = tracker.as_strided(*arg) if movement == "as_strided" else getattr(tracker, movement)(arg)
+    if new.contiguous_base and new.shape == base.shape:
+        return base
+    return LazyNode(Op.VIEW, (base,), new, base.dtype, new.shape, base.device)

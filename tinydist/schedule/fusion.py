@@ -1,0 +1,189 @@
+"""Fusion: the lazy graph → kernel calls over numbered buffers.
+
+Rules, in the order they are applied:
+
+  1. Realized nodes are inputs (read-only leaves).
+  2. A node is materialized (gets a buffer) when it is a target; a reduce that is viewed
+     (e.g. broadcast back against its input, as in softmax) or is a second reduce in one kernel;
+     the base of an expand/pad over computed values; a matmul, its operands, a copy and its
+     source, a `contiguous`; and a node used more than once when recomputing it would cost more
+     than storing it (it contains a transcendental, a reduce, or more than a few ops).
+  3. Everything else — chains of elementwise ops, the reduce they feed, and elementwise ops
+     applied to that reduce's result — is inlined into the kernel that computes the
+     materialized node that uses it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from tinydist import dtypes
+from tinydist.codegen import kernel as K
+from tinydist.codegen.kernel import KernelAST, KNode
+from tinydist.codegen.matmul import workspace_bytes
+from tinydist.lazy import ELEMENTWISE, TRANSCENDENTAL, LazyNode, Op
+from tinydist.schedule.items import BufferSpec, Call, CopyCall, KernelCall, MatmulCall
+from tinydist.shape import ShapeTracker
+
+CHEAP_RECOMPUTE_OPS = 3
+
+
+@dataclass
+class FusedGraph:
+    specs: list[BufferSpec] = field(default_factory=list)      # one per buffer number
+    calls: list[Call] = field(default_factory=list)            # producers before their readers
+    number: dict[int, int] = field(default_factory=dict)       # id(node) -> buffer number
+    aliases: dict[int, int] = field(default_factory=dict)      # assign version -> buffer whose memory it is
+    overwrites: dict[int, int] = field(default_factory=dict)   # assign version -> the version it overwrites
+
+
+def _consumers(targets: list[LazyNode]) -> Counter[int]:
+    counts: Counter[int] = Counter()
+    seen: set[int] = set()
+    stack = list(targets)
+    while stack:
+        node = stack.pop()
+        if id(node) in seen or node.realized:
+            continue
+        seen.add(id(node))
+        for src in node.srcs:
+            counts[id(src)] += 1
+            stack.append(src)
+    return counts
+
+
+def _inline_cost(node: LazyNode, limit: int) -> int:
+    """Ops an inlined copy of `node` would recompute (stops counting past `limit`)."""
+    if node.realized or node.op not in ELEMENTWISE:
+        return 0 if node.realized or node.op in (Op.CONST, Op.VIEW) else limit + 1
+    if node.op in TRANSCENDENTAL:
+        return limit + 1
+    return 1 + sum(_inline_cost(src, limit) for src in node.srcs)
+
+
+class _Fuser:
+    def __init__(self, targets: list[LazyNode], inputs: list[LazyNode]) -> None:
+        self.targets = targets
+        self.graph = FusedGraph()
+        for node in inputs:
+            self._new_buffer(node, BufferSpec(node.nbytes, node.dtype, node.shape, node.device))
+        self.consumers = _consumers(targets)
+        self.must_materialize: set[int] = {id(t) for t in targets}
+
+    def run(self) -> FusedGraph:
+        for target in self.targets:
+            self.materialize(target)
+        return self.graph
+
+    def buffer_of(self, node: LazyNode) -> int:
+        """The buffer number holding `node`'s value (materializing it if needed)."""
+        return self.graph.number[id(node)] if node.realized else self.materialize(node)
+
+    def _new_buffer(self, node: LazyNode | None, spec: BufferSpec) -> int:
+        number = len(self.graph.specs)
+        self.graph.specs.append(spec)
+        if node is not None:
+            self.graph.number[id(node)] = number
+        return number
+
+    def materialize(self, node: LazyNode) -> int:
+        if id(node) in self.graph.number:
+            return self.graph.number[id(node)]
+        if node.numel == 0:  # nothing to compute: an empty buffer, no call
+            return self._new_buffer(node, BufferSpec(0, node.dtype, node.shape, node.device))
+        if node.op is Op.MATMUL:
+            return self._matmul(node)
+        if node.op is Op.COPY:
+            src = self.buffer_of(node.srcs[0])
+            out = self._new_buffer(node, BufferSpec(node.nbytes, node.dtype, node.shape, node.device, lane="copy"))
+            self.graph.calls.append(CopyCall(out, src, node.nbytes, node.device))
+            return out
+        if node.op is Op.ASSIGN:
+            return self._assign(node)
+        return self._kernel(node, out=None)
+
+    def _kernel(self, node: LazyNode, out: int | None, aliased: int | None = None) -> int:
+        """A kernel computing `node` into a new buffer, or into `out` (an assign; `aliased` is the
+        buffer number of the memory being overwritten, which the kernel may also read)."""
+        slots: dict[int, int] = {}     # buffer number -> slot
+        reduce_info: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # (input shape, axes)
+
+        def slot(number: int) -> int:
+            return slots.setdefault(number, len(slots))
+
+        def load_of(base: LazyNode, tracker: ShapeTracker) -> KNode:
+            if base.op is Op.CONST and not base.realized and all(v.mask is None for v in tracker.views):
+                return K.const(base.arg, base.dtype)
+            return K.load(slot(self.buffer_of(base)), tracker, base.dtype)
+
+        def build(n: LazyNode, top: bool) -> KNode:
+            if n is not node and (n.realized or id(n) in self.graph.number or self._should_materialize(n)):
+                return load_of(n, ShapeTracker.contiguous(n.shape))
+            if n.op is Op.VIEW:
+                base = n.srcs[0]
+                if not (base.realized or base.op is Op.CONST):
+                    self.materialize(base)
+                return load_of(base, n.arg)
+            if n.op is Op.CONST:
+                return K.const(n.arg, n.dtype)
+            if n.op is Op.CONTIGUOUS:
+                return build(n.srcs[0], top)
+            if n.op is Op.REDUCE:
+                reduce_op, axes = n.arg
+                if reduce_info or not top:  # one reduce per kernel: a nested one gets its own kernel
+                    return load_of(n, ShapeTracker.contiguous(n.shape))
+                reduce_info.append((n.srcs[0].shape, axes))
+                return KNode("reduce", (build(n.srcs[0], False),), reduce_op, n.dtype)
+            if n.op in ELEMENTWISE:
+                srcs = tuple(build(s, top) for s in n.srcs)
+                return KNode(n.op.value, srcs, n.arg, n.dtype)
+            return load_of(n, ShapeTracker.contiguous(n.shape))  # matmul / copy / assign results
+
+        root = build(node, True)
+        shape, axes = reduce_info[0] if reduce_info else (node.shape, ())
+        inputs = tuple(sorted(slots, key=slots.__getitem__))
+        aliased_slots = tuple(slots[b] for b in inputs if aliased is not None and self._memory_of(b) == self._memory_of(aliased))
+        ast = KernelAST(shape, axes, root, tuple(self.graph.specs[b].dtype for b in inputs), node.dtype, aliased_slots)
+        if out is None:
+            out = self._new_buffer(node, BufferSpec(node.nbytes, node.dtype, node.shape, node.device))
+        self.graph.calls.append(KernelCall(ast, out, inputs, node.device))
+        return out
+
+    def _should_materialize(self, node: LazyNode) -> bool:
+        if id(node) in self.must_materialize:
+            return True
+        if node.op in (Op.MATMUL, Op.COPY, Op.ASSIGN, Op.CONTIGUOUS):
+            return True
+        if self.consumers[id(node)] > 1 and node.op not in (Op.VIEW, Op.CONST):
+            return node.op is Op.REDUCE or _inline_cost(node, CHEAP_RECOMPUTE_OPS) > CHEAP_RECOMPUTE_OPS
+        return False
+
+    def _matmul(self, node: LazyNode) -> int:
+        a_node, b_node = node.srcs
+        a, b = self.buffer_of(a_node), self.buffer_of(b_node)
+        (ba, m, k), (bb, _, n) = a_node.shape, b_node.shape
+        batch = max(ba, bb)
+        workspace = self._new_buffer(None, BufferSpec(workspace_bytes(m, n, k, node.dtype.name), dtypes.bool_, (), node.device))
+        out = self._new_buffer(node, BufferSpec(node.nbytes, node.dtype, node.shape, node.device))
+        self.graph.calls.append(MatmulCall(out, a, b, workspace, batch, m, n, k, 0 if ba == 1 else m * k,
+                                           0 if bb == 1 else k * n, node.dtype, node.device))
+        return out
+
+    def _memory_of(self, number: int) -> int:
+        return self.graph.aliases.get(number, number)
+
+    def _assign(self, node: LazyNode) -> int:
+        target, value = node.srcs
+        old = self.buffer_of(target)
+        out = self._new_buffer(node, self.graph.specs[old])
+        self.graph.aliases[out] = self._memory_of(old)
+        self.graph.overwrites[out] = old
+        if value.numel:
+            self._kernel(value, out=out, aliased=old)
+        return out
+
+
+def fuse(targets: list[LazyNode], inputs: list[LazyNode]) -> FusedGraph:
+    """Kernel calls computing `targets`; `inputs` (realized nodes) take buffer numbers 0.. in order."""
+    return _Fuser(targets, inputs).run()

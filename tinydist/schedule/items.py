@@ -1,0 +1,90 @@
+"""What a schedule is made of: buffers by number, and the calls that read and write them.
+
+Buffers are numbered so one schedule can be replayed over different memory (the schedule cache
+and the JIT rely on it): numbers below `n_inputs` are already-realized inputs, in the order the
+graph walk met them; the rest are made by this schedule (its targets and its intermediates).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tinydist.codegen.kernel import KernelAST
+from tinydist.dtypes import DType
+from tinydist.shape import Shape
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    nbytes: int
+    dtype: DType
+    shape: Shape
+    device: str
+    lane: str = "compute"  # copy outputs live in the copy lane's arena
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    ast: KernelAST
+    out: int
+    inputs: tuple[int, ...]
+    device: str
+    queue: str = "compute"
+
+    @property
+    def reads(self) -> tuple[int, ...]:
+        return self.inputs
+
+    def describe(self) -> str:
+        return f"kernel {self.ast.describe()}"
+
+
+@dataclass(frozen=True)
+class MatmulCall:
+    out: int
+    a: int
+    b: int
+    workspace: int
+    batch: int
+    m: int
+    n: int
+    k: int
+    a_batch_stride: int
+    b_batch_stride: int
+    dtype: DType
+    device: str
+    queue: str = "compute"
+
+    @property
+    def inputs(self) -> tuple[int, ...]:
+        return (self.a, self.b)
+
+    @property
+    def reads(self) -> tuple[int, ...]:
+        return (self.a, self.b)
+
+    def describe(self) -> str:
+        return f"matmul {self.dtype.name} {self.batch}x[{self.m}x{self.k}]@[{self.k}x{self.n}]"
+
+
+@dataclass(frozen=True)
+class CopyCall:
+    out: int
+    src: int
+    nbytes: int
+    device: str  # the destination: the copy runs on its copy queue
+    queue: str = "copy"
+
+    @property
+    def inputs(self) -> tuple[int, ...]:
+        return (self.src,)
+
+    @property
+    def reads(self) -> tuple[int, ...]:
+        return (self.src,)
+
+    def describe(self) -> str:
+        return f"copy {self.nbytes} bytes -> {self.device}"
+
+
+Call = KernelCall | MatmulCall | CopyCall

@@ -1,0 +1,62 @@
+"""Ordering calls into a LINEAR list: RAW edges (a producer before its readers) and WAR edges
+(every reader of a buffer's old contents before the assign that overwrites that memory).
+
+An assign creates a new *version* of the target's buffer: a new buffer number whose memory is
+the target's (`aliases`). Readers of the old version must run before the overwrite; readers of
+the new version after it. A cycle (say, two tensors assigned from each other in one realize) has
+no valid order and is an error, never a best-effort order.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+from tinydist.errors import TinydistError
+from tinydist.schedule.items import Call
+
+
+class ScheduleCycleError(TinydistError, ValueError):
+    """The requested computation has no valid order (e.g. tensors assigned from each other)."""
+
+
+def linearize(calls: Sequence[Call], overwrites: dict[int, int]) -> list[Call]:
+    """`overwrites` maps an assign's output buffer number to the version number it overwrites."""
+    producer = {call.out: i for i, call in enumerate(calls)}
+    readers: dict[int, list[int]] = {}
+    for i, call in enumerate(calls):
+        for number in call.reads:
+            readers.setdefault(number, []).append(i)
+    edges: list[set[int]] = [set() for _ in calls]
+    for i, call in enumerate(calls):
+        for number in call.reads:
+            if number in producer and producer[number] != i:
+                edges[producer[number]].add(i)                # RAW
+        old = overwrites.get(call.out)
+        if old is not None:
+            for reader in readers.get(old, ()):
+                if reader != i:
+                    edges[reader].add(i)                      # WAR
+            if old in producer and producer[old] != i:
+                edges[producer[old]].add(i)                   # WAW: the older version is written first
+    indegree = [0] * len(calls)
+    for targets in edges:
+        for j in targets:
+            indegree[j] += 1
+    ready = [i for i, d in enumerate(indegree) if d == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        i = heapq.heappop(ready)  # lowest index first: keeps the fuser's order when it is valid
+        order.append(i)
+        for j in edges[i]:
+            indegree[j] -= 1
+            if indegree[j] == 0:
+                heapq.heappush(ready, j)
+    if len(order) != len(calls):
+        stuck = [calls[i].describe() for i, d in enumerate(indegree) if d > 0]
+        raise ScheduleCycleError(
+            f"the schedule has a cycle through {len(stuck)} call(s): {'; '.join(stuck[:4])}. "
+            "Each overwrites memory another still has to read (e.g. a.assign(b) with b.assign(a)); "
+            "realize one of them first or assign from a copy (.contiguous()).")
+    return [calls[i] for i in order]
