@@ -116,5 +116,7 @@ for _setting in (
             "Seconds a timeline may stand still under a waiter before its device is declared hung."),
     Setting("CPU_MEMORY_LIMIT", _positive_int, lambda: 1 << 40,
             "Bytes one CPU device may hold allocated at once."),
+    Setting("ALLOCATOR_CACHE", int, lambda: 1 << 30,
+            "Bytes of freed device memory each allocator keeps for reuse (0 disables the cache)."),
 ):
     settings.declare(_setting)

@@ -5,6 +5,11 @@ record it in the ledger — and pushes the undo of each step onto a stack; if an
 stack unwinds and everything taken so far is given back before the error propagates. `free` runs
 the same undos. `alloc_many` is all-or-nothing over several buffers.
 
+Freed memory is kept in a size-keyed cache (bounded by TINYDIST_ALLOCATOR_CACHE bytes) and handed
+out again for the next allocation of the same size: repeated realizes of one graph then never pay
+for mapping and first-touch page faults again. The cache is the allocator's own: `trim()` and
+closing the device give it back. The ledger and statistics count live buffers only.
+
 Back ends implement `_map` / `_unmap` (and may add steps); the ledger lets tests and `close()`
 prove that nothing is left behind.
 """
@@ -34,16 +39,20 @@ class AllocatorStatistics:
     reserved_bytes: int
     peak_bytes: int
     limit_bytes: int
+    cached_bytes: int = 0
 
 
 class Allocator(ABC):
-    def __init__(self, device: Device, limit_bytes: int) -> None:
+    def __init__(self, device: Device, limit_bytes: int, cache_bytes: int = 0) -> None:
         self.device = device
         self.limit_bytes = limit_bytes
+        self.cache_limit = cache_bytes
         self._lock = threading.Lock()
         self._reserved = 0
         self._peak = 0
         self._ledger: dict[int, int] = {}  # address -> bytes mapped
+        self._cache: dict[int, list[int]] = {}  # nbytes -> addresses of freed blocks of that size
+        self._cached_bytes = 0
         self._bases: weakref.WeakSet[Buffer] = weakref.WeakSet()
 
     # ---- back-end hooks ----------------------------------------------------------------------
@@ -69,8 +78,12 @@ class Allocator(ABC):
                 self._reserve(nbytes)
                 undo.callback(self._unreserve, nbytes)
                 faults.check("alloc.map")
-                address = self._map(nbytes)
-                undo.callback(self._unmap, address, nbytes)
+                address = self._take_cached(nbytes)
+                if address is None:
+                    address = self._map(nbytes)
+                    undo.callback(self._unmap, address, nbytes)
+                else:
+                    undo.callback(self._put_cached, address, nbytes)
                 faults.check("alloc.register")
                 self._register(address, nbytes)
                 undo.callback(self._unregister, address)
@@ -106,17 +119,31 @@ class Allocator(ABC):
         return Buffer(self.device, nbytes, address, lambda: None, external=True, owner=owner)
 
     def release_all(self) -> int:
-        """Free every buffer still allocated (used when the device closes); returns how many."""
+        """Free every buffer still allocated and empty the cache (the device is closing); returns
+        how many buffers were still live."""
         live = [b for b in list(self._bases) if not b.freed]
         for buffer in live:
             for view in buffer.live_views():
                 view.release()
             buffer.free()
+        self.cache_limit = 0
+        self.trim()
         return len(live)
+
+    def trim(self) -> int:
+        """Give every cached block back; returns the bytes released."""
+        with self._lock:
+            blocks = [(address, nbytes) for nbytes, addresses in self._cache.items() for address in addresses]
+            self._cache.clear()
+            self._cached_bytes = 0
+        for address, nbytes in blocks:
+            self._unmap(address, nbytes)
+        return sum(nbytes for _, nbytes in blocks)
 
     def statistics(self) -> AllocatorStatistics:
         with self._lock:
-            return AllocatorStatistics(len(self._ledger), sum(self._ledger.values()), self._reserved, self._peak, self.limit_bytes)
+            return AllocatorStatistics(len(self._ledger), sum(self._ledger.values()), self._reserved, self._peak,
+                                       self.limit_bytes, self._cached_bytes)
 
     def outstanding(self) -> dict[int, int]:
         """address -> bytes of everything mapped and not yet given back."""
@@ -147,7 +174,24 @@ class Allocator(ABC):
         with self._lock:
             del self._ledger[address]
 
+    def _take_cached(self, nbytes: int) -> int | None:
+        with self._lock:
+            blocks = self._cache.get(nbytes)
+            if not blocks:
+                return None
+            self._cached_bytes -= nbytes
+            return blocks.pop()
+
+    def _put_cached(self, address: int, nbytes: int) -> None:
+        with self._lock:
+            keep = self._cached_bytes + nbytes <= self.cache_limit
+            if keep:
+                self._cache.setdefault(nbytes, []).append(address)
+                self._cached_bytes += nbytes
+        if not keep:
+            self._unmap(address, nbytes)
+
     def _free(self, address: int, nbytes: int) -> None:
         self._unregister(address)
-        self._unmap(address, nbytes)
         self._unreserve(nbytes)
+        self._put_cached(address, nbytes)

@@ -125,6 +125,7 @@ def _release_when_idle(accesses: AccessLog, release: Callable[[], None], owner: 
         return
     remaining = [len(pending)]
     lock = threading.Lock()
+    keep = [owner]  # the callbacks below hold the owner until the last access completes
 
     def one_done() -> None:
         with lock:
@@ -132,6 +133,7 @@ def _release_when_idle(accesses: AccessLog, release: Callable[[], None], owner: 
             last = remaining[0] == 0
         if last:
             release()
+            keep.clear()
 
     for timeline, value in pending.items():
         timeline.call_when_reached(value, one_done)

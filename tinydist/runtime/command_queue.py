@@ -103,17 +103,24 @@ class CommandQueue:
             if item is _STOP:
                 return
             commands, value = item
-            if self.timeline.failure is not None:
-                continue  # a failed device runs nothing more; its waiters were woken with the error
+            timeline = self.timeline
+            if timeline.failure is not None:
+                timeline.retire(value)  # a failed device runs nothing more: what the batch held goes back
+                continue
             start = clock()
             try:
                 for fn, args in commands:
+                    if timeline.failure is not None:
+                        break  # failed mid-batch (a hang declared elsewhere): run no more of it
                     fn(*args)
             except DeviceFailed as exc:
+                self.log.error("batch depended on failed work", value=value, error=str(exc))
                 self.device.mark_failed(DeviceFailed(f"{self.name}: batch {value} depended on failed work: {exc}"))
-                continue
             except BaseException as exc:  # noqa: BLE001 - any failure in native work fails the device
+                self.log.error("batch failed", value=value, error=f"{type(exc).__name__}: {exc}")
                 self.device.mark_failed(DeviceFailed(f"{self.name}: batch {value} failed: {type(exc).__name__}: {exc}"))
+            if timeline.failure is not None:
+                timeline.retire(value)
                 continue
             self.timings.append(BatchTiming(value, len(commands), start, clock()))
-            self.timeline.signal(value)
+            timeline.signal(value)

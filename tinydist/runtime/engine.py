@@ -50,6 +50,12 @@ class Engine:
                 self._devices[canonical] = device
             return device
 
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Block until all work submitted so far on the engine's devices has completed."""
+        for device in self.open_devices():
+            for queue in device.queues.values():
+                queue.timeline.wait_blocking(queue.last_submitted, timeout)
+
     def open_devices(self) -> list[Device]:
         with self._lock:
             return list(self._devices.values())

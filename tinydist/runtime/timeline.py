@@ -70,6 +70,9 @@ class Timeline:
         self._waiters: list[_AsyncWaiter] = []
         self._blocked = 0
         self._callbacks: list[tuple[int, Callable[[], None]]] = []
+        # The highest value whose work is over — done, or skipped because the device failed.
+        # Callbacks release what that work held, so they wait for this, never for the failure alone.
+        self._retired = 0
 
     def __repr__(self) -> str:
         return f"Timeline({self.name!r}, value={self._value})"
@@ -98,6 +101,7 @@ class Timeline:
             if value < self._value:
                 raise ValueError(f"timeline {self.name} is monotonic: cannot move from {self._value} back to {value}")
             self._value = value
+            self._retired = max(self._retired, value)
             self._progress_at = self._clock()
             ready = [w for w in self._waiters if w.target <= value]
             if ready:
@@ -107,33 +111,43 @@ class Timeline:
                 self._callbacks = [(t, cb) for t, cb in self._callbacks if t > value]
             if self._blocked:
                 self._cond.notify_all()
-        for waiter in ready:
-            _wake(waiter, None)
+        # Callbacks first (they give back memory and keep-alives held for the finished work), so a
+        # waiter that wakes on this value also observes everything it released.
         for callback in due:
             callback()
+        for waiter in ready:
+            _wake(waiter, None)
 
     def call_when_reached(self, value: int, callback: Callable[[], None]) -> None:
-        """Run `callback()` (on the signalling thread) once the timeline reaches `value`, or now."""
+        """Run `callback()` once the work up to `value` is over (reached, or retired after a
+        failure) — on the thread that finishes it, or now if it already has."""
         with self._cond:
-            if self._value < value and self._failure is None:
+            if self._retired < value:
                 self._callbacks.append((value, callback))
                 return
         callback()
 
+    def retire(self, value: int) -> None:
+        """The work up to `value` is over without reaching it (skipped or aborted on a failed
+        device): run the callbacks waiting for it, without moving the counter."""
+        with self._cond:
+            self._retired = max(self._retired, value)
+            due = [cb for target, cb in self._callbacks if target <= value]
+            self._callbacks = [(t, cb) for t, cb in self._callbacks if t > value]
+        for callback in due:
+            callback()
+
     def fail(self, error: DeviceFailed) -> None:
-        """Wake every waiter with `error`; later waits raise it. Pending callbacks still run."""
+        """Wake every waiter with `error`; later waits raise it. Callbacks wait for `retire`: a
+        kernel may still be running, and what it holds must not be given back underneath it."""
         with self._cond:
             if self._failure is not None:
                 return
             self._failure = error
             waiters, self._waiters = self._waiters, []
-            callbacks, self._callbacks = self._callbacks, []
             self._cond.notify_all()
         for waiter in waiters:
             _wake(waiter, error)
-        # Callbacks release resources held for in-flight work; a failed device does no more work.
-        for _, callback in callbacks:
-            callback()
 
     # ---- waiting -----------------------------------------------------------------------------
 

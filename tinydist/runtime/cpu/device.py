@@ -32,7 +32,7 @@ class CPUDevice(Device):
         return self._allocator
 
     def _open_backend(self) -> None:
-        self._allocator = CPUAllocator(self, settings.CPU_MEMORY_LIMIT)
+        self._allocator = CPUAllocator(self, settings.CPU_MEMORY_LIMIT, settings.ALLOCATOR_CACHE)
 
     def _close_backend(self) -> None:
         if self._allocator is not None:

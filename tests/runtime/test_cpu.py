@@ -1,0 +1,247 @@
+"""CPU devices and their code path: LLVM IR → vectorised native code → cached → loaded → run in parallel."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import anyio
+import numpy as np
+import pytest
+
+from tinydist.codegen.compile_cache import CompileCache
+from tinydist.codegen.compiler import HostCompiler, host_target
+from tinydist.errors import CompileError
+from tinydist.runtime.cpu.loader import NativeLoader
+from tinydist.runtime.device import Device
+
+from .helpers import SCALE_IR, SPIN_IR, Kernels, clock_gettime_address, spin_reference
+
+SCALE_SIG = ["w", "r", "f32", "i64"]
+SPIN_SIG = ["rw", "i64", "i64"]
+TIMED_SIG = ["rw", "w", "i64", "i64"]
+
+# ---- kernels on devices ------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("n", [0, 1, 7, 16, 1000, 4099])
+async def test_kernel_matches_numpy(cpu: Device, kernels: Kernels, n: int) -> None:
+    scale = cpu.load_program(kernels.scale, "rt_scale_f32", SCALE_SIG)
+    rng = np.random.default_rng(n)
+    data = rng.standard_normal(n + 1).astype(np.float32)
+    sentinel = np.float32(123.5)
+    x, y = cpu.allocator.alloc(4 * (n + 1)), cpu.allocator.alloc(4 * (n + 1))
+    cpu.copyin(x, data)
+    cpu.copyin(y, np.full(n + 1, sentinel, np.float32))
+    with cpu.batch() as batch:
+        batch.launch(scale, y, x, -1.75, n)
+    with anyio.fail_after(20):
+        out = (await cpu.copyout(y, timeout=20)).view(np.float32)
+    np.testing.assert_array_equal(out[:n], np.float32(-1.75) * data[:n])
+    assert out[n] == sentinel   # nothing written past n
+
+
+@pytest.mark.anyio
+async def test_spin_kernel_matches_reference(cpu: Device, kernels: Kernels) -> None:
+    spin = cpu.load_program(kernels.spin, "rt_spin_f64", SPIN_SIG)
+    start = np.array([0.0, -3.0, 10.0, 0.125, 1e6], np.float64)
+    buf = cpu.allocator.alloc(start.nbytes)
+    cpu.copyin(buf, start)
+    with cpu.batch() as batch:
+        batch.launch(spin, buf, len(start), 7)
+    with anyio.fail_after(20):
+        out = (await cpu.copyout(buf, timeout=20)).view(np.float64)
+    assert out.tolist() == [spin_reference(v, 7) for v in start.tolist()]
+
+
+@pytest.mark.anyio
+async def test_two_devices_run_kernels_at_the_same_time(cpu: Device, cpu1: Device, kernels: Kernels) -> None:
+    fixed_point = spin_reference(0.0, 1000)   # x -> 0.75 x + 1 settles (in float64) within 1000 steps
+    assert spin_reference(fixed_point, 1) == fixed_point
+    clock = clock_gettime_address()
+    devices = (cpu, cpu1)
+    programs = {dev: dev.load_program(kernels.timed_spin, "rt_spin_timed", TIMED_SIG) for dev in devices}
+    xs = {dev: dev.allocator.alloc(8) for dev in devices}
+    times = {dev: dev.allocator.alloc(16) for dev in devices}
+    for dev in devices:
+        dev.copyin(xs[dev], np.zeros(1, np.float64))
+    with anyio.fail_after(60):
+        for dev in devices:
+            await dev.synchronize(60)
+
+        # size the kernel to ~100 ms on this machine (a tuning step; nothing asserts on durations)
+        probe_iters = 1_000_000
+        with cpu.batch() as probe:
+            probe.launch(programs[cpu], xs[cpu], times[cpu], probe_iters, clock)
+        t = (await cpu.copyout(times[cpu], timeout=60)).view(np.int64)
+        per_iter_ns = max(int(t[1] - t[0]), 1) / probe_iters
+        iters = int(min(max(100e6 / per_iter_ns, 1e6), 5e8))
+
+        completions = []
+        for dev in devices:   # both submitted before either is awaited
+            with dev.batch() as batch:
+                batch.launch(programs[dev], xs[dev], times[dev], iters, clock)
+                batch.launch(programs[dev], xs[dev], dev.allocator.alloc(16), 1, clock)
+                batch.launch(programs[dev], xs[dev], dev.allocator.alloc(16), 1, clock)
+            completions.append(batch.completion)
+        native = []
+        for dev, completion in zip(devices, completions):
+            await completion.wait(60)
+            assert (await dev.copyout(xs[dev], timeout=60)).view(np.float64)[0] == fixed_point
+            native.append((await dev.copyout(times[dev], timeout=60)).view(np.int64).tolist())
+    timings = [dev.queues["compute"].timings[-1] for dev in devices]
+    for completion, timing in zip(completions, timings):
+        assert timing.value == completion.value
+        assert timing.commands == 3
+        assert timing.start_ns < timing.end_ns
+    # the batches overlap on the worker threads' clocks...
+    assert max(t.start_ns for t in timings) < min(t.end_ns for t in timings), timings
+    # ...and the native kernels themselves ran at the same time (the GIL was released)
+    assert all(start < end for start, end in native), native
+    assert max(start for start, _ in native) < min(end for _, end in native), native
+
+
+@pytest.mark.anyio
+async def test_queue_statistics_and_timings(cpu: Device) -> None:
+    copy = cpu.queues["copy"]
+    buf = cpu.allocator.alloc(32)
+    with cpu.batch("copy") as batch:
+        for i in range(5):
+            batch.write_from_host(buf, np.full(32, i, np.uint8))
+    with anyio.fail_after(20):
+        await batch.completion.wait(20)
+    timing = copy.timings[-1]
+    assert (timing.value, timing.commands) == (1, 5)
+    stats = copy.statistics()
+    assert (stats.submitted, stats.completed, stats.in_flight) == (1, 1, 0)
+    with anyio.fail_after(20):
+        out = await cpu.copyout(buf, timeout=20)
+    np.testing.assert_array_equal(out, np.full(32, 4, np.uint8))   # FIFO within the batch
+
+
+# ---- compiler ----------------------------------------------------------------------------------
+
+
+def test_o3_output_is_vectorised() -> None:
+    if "+avx2" not in host_target().features and "+avx512f" not in host_target().features:
+        pytest.skip("host CPU has no 256/512-bit vectors")
+    vector = re.compile(r"%[yz]mm\d+")
+    assert vector.search(HostCompiler().assembly(SCALE_IR))
+    assert not vector.search(HostCompiler(opt_level=0).assembly(SCALE_IR))
+
+
+def test_malformed_ir_is_a_compile_error_with_llvms_message() -> None:
+    with pytest.raises(CompileError, match="LLVM rejected the kernel IR") as info:
+        HostCompiler().compile("define void @broken( {\n")
+    assert "error" in str(info.value).lower() and len(str(info.value)) > len("LLVM rejected the kernel IR: ")
+
+
+def test_invalid_ir_fails_verification() -> None:
+    bad = "define i32 @rt_bad() {\nentry:\n  ret void\n}\n"
+    with pytest.raises(CompileError, match="LLVM rejected the kernel IR"):
+        HostCompiler().compile(bad)
+
+
+def test_opt_level_is_checked() -> None:
+    with pytest.raises(ValueError, match="opt_level must be 0..3"):
+        HostCompiler(opt_level=4)
+
+
+# ---- compile cache -----------------------------------------------------------------------------
+
+
+def test_cache_miss_then_hit(tmp_path, monkeypatch) -> None:
+    compiler = HostCompiler()
+    cache = CompileCache(compiler, directory=tmp_path, enabled=True)
+    first = cache.compile(SCALE_IR)
+    assert (cache.statistics.hits, cache.statistics.misses) == (0, 1)
+    assert cache.path(SCALE_IR).read_bytes() == first
+    assert first.startswith(b"\x7fELF")
+
+    def must_not_compile(ir: str) -> bytes:
+        raise AssertionError("a cache hit must not compile")
+
+    monkeypatch.setattr(compiler, "compile", must_not_compile)
+    assert cache.compile(SCALE_IR) == first
+    assert (cache.statistics.hits, cache.statistics.misses) == (1, 1)
+    # a second cache over the same directory (a new process) uses the file too
+    other = CompileCache(compiler, directory=tmp_path, enabled=True)
+    assert other.compile(SCALE_IR) == first
+    assert (other.statistics.hits, other.statistics.misses) == (1, 0)
+
+
+def test_cache_key_covers_ir_opt_level_and_target(tmp_path, monkeypatch) -> None:
+    compiler = HostCompiler()
+    cache = CompileCache(compiler, directory=tmp_path, enabled=True)
+    key = cache.key(SCALE_IR)
+    assert cache.key(SCALE_IR) == key
+    assert cache.key(SCALE_IR + "\n") != key
+    assert cache.key(SPIN_IR) != key
+    assert CompileCache(HostCompiler(opt_level=2), directory=tmp_path).key(SCALE_IR) != key
+    for field in ("cpu", "features", "triple", "llvm_version", "llvmlite_version"):
+        other = HostCompiler()
+        monkeypatch.setattr(other, "target", dataclasses.replace(other.target, **{field: "other"}))
+        assert CompileCache(other, directory=tmp_path).key(SCALE_IR) != key, field
+    # a different target does not pick up this target's cached object
+    cache.compile(SCALE_IR)
+    other = HostCompiler()
+    monkeypatch.setattr(other, "target", dataclasses.replace(other.target, cpu="other"))
+    elsewhere = CompileCache(other, directory=tmp_path, enabled=True)
+    elsewhere.compile(SCALE_IR)
+    assert (elsewhere.statistics.hits, elsewhere.statistics.misses) == (0, 1)
+
+
+def test_disabled_cache_always_compiles(tmp_path, monkeypatch) -> None:
+    compiler = HostCompiler()
+    calls: list[str] = []
+    real = compiler.compile
+    monkeypatch.setattr(compiler, "compile", lambda ir: (calls.append(ir), real(ir))[1])
+    cache = CompileCache(compiler, directory=tmp_path, enabled=False)
+    a, b = cache.compile(SCALE_IR), cache.compile(SCALE_IR)
+    assert a == b and len(calls) == 2
+    assert (cache.statistics.hits, cache.statistics.misses) == (0, 2)
+    assert not (tmp_path / "kernels").exists()
+
+
+def test_cache_setting_disables_it(tmp_path) -> None:
+    from tinydist.config import settings
+    with settings.override(COMPILE_CACHE="0"):
+        assert not CompileCache(HostCompiler(), directory=tmp_path).enabled
+    with settings.override(COMPILE_CACHE="1"):
+        assert CompileCache(HostCompiler(), directory=tmp_path).enabled
+
+
+# ---- loader ------------------------------------------------------------------------------------
+
+_DUP_IR = """
+define void @rt_dup(ptr %out) {{
+entry:
+  store i32 {value}, ptr %out
+  ret void
+}}
+"""
+
+
+def test_loader_refuses_a_second_definition_of_a_symbol() -> None:
+    loader = NativeLoader()
+    compiler = HostCompiler()
+    one, two = compiler.compile(_DUP_IR.format(value=1)), compiler.compile(_DUP_IR.format(value=2))
+    assert one != two
+    first = loader.load(one, "rt_dup", ["w"])
+    again = loader.load(one, "rt_dup", ["w"])   # the same object loads once and is shared
+    assert again.address == first.address
+    with pytest.raises(CompileError, match="'rt_dup' is already defined by another loaded object"):
+        loader.load(two, "rt_dup", ["w"])
+    out = np.zeros(1, np.int32)
+    first.cfunc(out.ctypes.data)
+    assert out[0] == 1   # still the first definition
+
+
+def test_loader_errors() -> None:
+    loader = NativeLoader()
+    code = HostCompiler().compile(_DUP_IR.format(value=3).replace("rt_dup", "rt_present"))
+    with pytest.raises(CompileError, match="defines no function 'rt_absent'"):
+        loader.load(code, "rt_absent", ["w"])
+    with pytest.raises(ValueError, match="unknown argument kind"):
+        loader.load(code, "rt_present", ["ptr"])

@@ -1,0 +1,60 @@
+"""The sync facade: one background event loop that scripts drive without `async`."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from tinydist.errors import ClosedResourceError
+from tinydist.runtime.device import DeviceState
+from tinydist.runtime.engine import Engine
+
+
+@pytest.fixture
+def engine():
+    eng = Engine()
+    try:
+        yield eng
+    finally:
+        eng.close()
+
+
+def test_device_opened_once_and_runs_async_functions(engine: Engine) -> None:
+    dev = engine.device("CPU:2")
+    assert dev.state is DeviceState.OPEN
+    assert engine.device("CPU:2") is dev
+    assert engine.device("cpu:2") is dev     # same device under any spelling of its name
+    assert engine.open_devices() == [dev]
+    buf = dev.allocator.alloc(256)
+    data = np.arange(64, dtype=np.float32) * 1.5
+    dev.copyin(buf, data)
+    out = engine.run(dev.copyout, buf)
+    np.testing.assert_array_equal(out.view(np.float32), data)
+
+
+def test_close_closes_devices_and_is_idempotent() -> None:
+    engine = Engine()
+    dev = engine.device("CPU:2")
+    other = engine.device("CPU:3")
+    buf = dev.allocator.alloc(64)
+    engine.close()
+    assert dev.state is DeviceState.CLOSED and other.state is DeviceState.CLOSED
+    assert buf.freed and dev.allocator.statistics().live_buffers == 0
+    assert not [t for t in threading.enumerate() if t.name.startswith(("tinydist:CPU:2/", "tinydist:CPU:3/"))]
+    engine.close()
+    with pytest.raises(ClosedResourceError, match="engine is closed"):
+        engine.run(dev.copyout, buf)
+    with pytest.raises(ClosedResourceError):
+        engine.device("CPU:1")
+    assert engine.open_devices() == []
+
+
+def test_engine_surfaces_errors_from_the_loop(engine: Engine) -> None:
+    with pytest.raises(ValueError, match="malformed device name"):
+        engine.device("CPU:")
+    dev = engine.device("CPU:2")
+    buf = dev.allocator.alloc(8)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        engine.run(dev.copyout, buf, np.zeros(16, np.uint8)[::2])
