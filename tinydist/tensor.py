@@ -29,6 +29,11 @@ Scalar = int | float | bool
 _rng = np.random.default_rng(0)
 
 
+def synchronize(timeout: float | None = None) -> None:
+    """Block until every submitted kernel and copy has finished (realize() only submits)."""
+    get_engine().synchronize(timeout)
+
+
 def manual_seed(seed: int) -> None:
     """Seed `Tensor.rand` / `Tensor.randn` (a host-side generator; results are reproducible)."""
     global _rng
@@ -131,10 +136,9 @@ class Tensor:
         if out.size == 0:
             return out
         self.realize()
-        device = get_engine().device(self.device)
-        with device.batch("copy") as batch:
-            batch.read_to_host(out.reshape(-1).view(np.uint8), self.node.buffer)
-        batch.completion.wait_blocking()
+        batch = get_engine().device(self.device).batch("copy")
+        batch.read_to_host(out.reshape(-1).view(np.uint8), self.node.buffer)
+        batch.submit(inline=True).wait_blocking()
         return out
 
     def item(self) -> Scalar:
@@ -606,7 +610,9 @@ def _upload(array: np.ndarray, dtype: DType, device: str) -> LazyNode:
         return Tensor.full(array.shape, 0, dtype, device).node
     dev = get_engine().device(device)
     buffer = dev.allocator.alloc(array.nbytes)
-    dev.copyin(buffer, array.reshape(-1).view(np.uint8)).wait_blocking()
+    batch = dev.batch("copy")
+    batch.write_from_host(buffer, array.reshape(-1).view(np.uint8))
+    batch.submit(inline=True).wait_blocking()
     return buffer_node(buffer, dtype, array.shape, device)
 
 

@@ -294,11 +294,13 @@ class Batch:
         self._keepalive.append(host)
         self._commands.append((self.device.host_copy(), (host.ctypes.data, self._access(src, False), src.nbytes)))
 
-    def submit(self) -> Completion:
+    def submit(self, inline: bool = False) -> Completion:
+        """Hand the batch to its queue; `inline=True` runs it on this thread when the queue is idle
+        (for synchronous callers about to wait; see CommandQueue.submit)."""
         if self.completion is not None:
             raise RuntimeError("this batch was already submitted; start a new one with device.batch()")
         self.device.check_usable()
-        value = self.queue.submit(self._commands)
+        value = self.queue.submit(self._commands, inline)
         timeline = self.queue.timeline
         for (log, start, end), write in self._accesses.items():
             log.record(start, end, write, timeline, value)
