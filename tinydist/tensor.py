@@ -12,8 +12,9 @@ Compound ops (matmul, convolution, pooling, softmax, layernorm) live in `tinydis
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,18 @@ from tinydist.runtime.registry import canonical_name
 
 Scalar = int | float | bool
 _rng = np.random.default_rng(0)
+_assign_observers: list[list[LazyNode]] = []
+
+
+@contextlib.contextmanager
+def observe_assigns() -> Iterator[list[LazyNode]]:
+    """Collect the assign nodes made in this scope (the JIT captures them as side effects)."""
+    seen: list[LazyNode] = []
+    _assign_observers.append(seen)
+    try:
+        yield seen
+    finally:
+        _assign_observers.remove(seen)
 
 
 def synchronize(timeout: float | None = None) -> None:
@@ -175,6 +188,8 @@ class Tensor:
         if not self.node.realized:
             self.realize()
         self.node = LazyNode(Op.ASSIGN, (self.node, value.node), None, self.dtype, self.shape, self.device)
+        for observer in _assign_observers:
+            observer.append(self.node)
         return self
 
     # ---- factories ----------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Allocators: symmetric ownership of device memory.
 
 `alloc` takes resources in steps — reserve the bytes against the device's limit, map memory,
-record it in the ledger — and pushes the undo of each step onto a stack; if any step fails, the
+record it in the ledger — and keeps the undo of each step; if any step fails, the
 stack unwinds and everything taken so far is given back before the error propagates. `free` runs
 the same undos. `alloc_many` is all-or-nothing over several buffers.
 
@@ -16,11 +16,10 @@ prove that nothing is left behind.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -73,29 +72,30 @@ class Allocator(ABC):
         if nbytes <= 0:
             raise ValueError(f"{self.device.name}: allocation size must be positive, got {nbytes}")
         self.device.check_usable()
-        with contextlib.ExitStack() as undo:
-            try:
-                self._reserve(nbytes)
-                undo.callback(self._unreserve, nbytes)
-                faults.check("alloc.map")
-                address = self._take_cached(nbytes)
-                if address is None:
-                    address = self._map(nbytes)
-                    undo.callback(self._unmap, address, nbytes)
-                else:
-                    undo.callback(self._put_cached, address, nbytes)
-                faults.check("alloc.register")
-                self._register(address, nbytes)
-                undo.callback(self._unregister, address)
-                buffer = Buffer(self.device, nbytes, address, lambda: self._free(address, nbytes))
-                self._bases.add(buffer)
-            except AllocationError:
+        undo: list[Callable[[], None]] = []  # the inverse of each step taken so far, run in reverse on failure
+        try:
+            self._reserve(nbytes)
+            undo.append(lambda: self._unreserve(nbytes))
+            faults.check("alloc.map")
+            address = self._take_cached(nbytes)
+            if address is None:
+                address = self._map(nbytes)
+                undo.append(lambda: self._unmap(address, nbytes))
+            else:
+                undo.append(lambda: self._put_cached(address, nbytes))
+            faults.check("alloc.register")
+            self._register(address, nbytes)
+            undo.append(lambda: self._unregister(address))
+            buffer = Buffer(self.device, nbytes, address, lambda: self._free(address, nbytes))
+            self._bases.add(buffer)
+        except Exception as exc:
+            for step in reversed(undo):
+                step()
+            if isinstance(exc, AllocationError):
                 raise
-            except Exception as exc:
-                raise AllocationError(
-                    f"{self.device.name}: allocating {nbytes} bytes failed ({exc}); "
-                    f"in use: {self._reserved} of {self.limit_bytes} bytes; nothing was kept") from exc
-            undo.pop_all()
+            raise AllocationError(
+                f"{self.device.name}: allocating {nbytes} bytes failed ({exc}); "
+                f"in use: {self._reserved} of {self.limit_bytes} bytes; nothing was kept") from exc
         return buffer
 
     def alloc_many(self, sizes: Sequence[int]) -> list[Buffer]:

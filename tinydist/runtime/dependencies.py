@@ -53,6 +53,9 @@ class AccessLog:
     def record(self, start: int, end: int, write: bool, timeline: Timeline, value: int) -> None:
         new = Access(start, end, write, timeline, value)
         with self._lock:
+            if not self._records:
+                self._records.append(new)
+                return
             kept = [r for r in self._records
                     if r.timeline.value < r.value
                     and not (r.timeline is timeline and start <= r.start and r.end <= end and (write or not r.write))]

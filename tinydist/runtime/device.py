@@ -244,6 +244,16 @@ class Batch:
     def __len__(self) -> int:
         return len(self._commands)
 
+    def track(self, buffer: Buffer, write: bool) -> int:
+        """Order the batch after conflicting work on `buffer`, record the access, and return its
+        address — for `command`s whose buffers are not passed as Buffer arguments."""
+        return self._access(buffer, write)
+
+    def command(self, fn: Any, args: tuple[Any, ...]) -> None:
+        """Append a raw command. The caller must `track` every buffer it touches that other
+        queues may also touch (memory private to one queue needs no tracking: FIFO orders it)."""
+        self._commands.append((fn, args))
+
     def _access(self, buffer: Buffer, write: bool) -> int:
         """Order this access after conflicting work on other queues; returns the buffer's address."""
         address = buffer.address  # checks the buffer is alive

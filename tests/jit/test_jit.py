@@ -1,0 +1,140 @@
+"""td.jit: capture once, replay with signature checks, equal results to the un-jitted function."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tinydist as td
+
+rng = np.random.default_rng(7)
+
+
+def _weights() -> tuple[td.Tensor, td.Tensor, td.Tensor, np.ndarray, np.ndarray]:
+    w1 = rng.standard_normal((64, 64)).astype(np.float32)
+    w2 = rng.standard_normal((64, 10)).astype(np.float32)
+    return td.Tensor(w1), td.Tensor(np.zeros(64, np.float32)), td.Tensor(w2), w1, w2
+
+
+def _reference_mlp(x: np.ndarray, w1: np.ndarray, w2: np.ndarray) -> np.ndarray:
+    h = np.maximum(x @ w1, 0) @ w2
+    e = np.exp(h - h.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def test_mlp_replays_equal_numpy_and_link_one_entry_point() -> None:
+    w1, b1, w2, n1, n2 = _weights()
+
+    @td.jit
+    def mlp(x: td.Tensor) -> td.Tensor:
+        return ((x @ w1 + b1).relu() @ w2).softmax()
+
+    for _ in range(6):
+        x = rng.standard_normal((1, 64)).astype(np.float32)
+        np.testing.assert_allclose(mlp(td.Tensor(x)).numpy(), _reference_mlp(x, n1, n2), rtol=1e-4, atol=1e-6)
+    assert mlp.captured is not None
+    assert mlp.captured.entry.signature == ()  # one native entry point, addresses bound inside
+
+
+def test_outputs_are_fresh_and_feeding_an_output_back_is_safe() -> None:
+    @td.jit
+    def step(x: td.Tensor) -> td.Tensor:
+        return x * 2 + 1
+
+    x = td.Tensor(np.ones(8, np.float32))
+    results = []
+    for _ in range(5):
+        x = step(x)
+        results.append(x)
+    expected = np.ones(8, np.float32)
+    for result in results:  # every returned tensor keeps its own value
+        expected = expected * 2 + 1
+        np.testing.assert_array_equal(result.numpy(), expected)
+
+
+def test_weights_changed_in_place_are_seen_by_replays() -> None:
+    w = td.Tensor(np.ones(4, np.float32))
+
+    @td.jit
+    def scale(x: td.Tensor) -> td.Tensor:
+        return x * w
+
+    x = td.Tensor(np.full(4, 3, np.float32))
+    for _ in range(3):
+        scale(x)
+    w.assign(w * 5).realize()
+    np.testing.assert_array_equal(scale(x).numpy(), np.full(4, 15, np.float32))
+
+
+def test_assigns_inside_the_function_run_on_every_replay() -> None:
+    counter = td.Tensor(np.zeros(3, np.float32))
+
+    @td.jit
+    def tick(x: td.Tensor) -> td.Tensor:
+        counter.assign(counter + x)
+        return x * 1
+
+    x = td.Tensor(np.ones(3, np.float32))
+    for _ in range(5):
+        tick(x)
+    np.testing.assert_array_equal(counter.numpy(), np.full(3, 5, np.float32))
+
+
+def test_signature_mismatches_name_the_argument_and_the_difference() -> None:
+    @td.jit
+    def f(x: td.Tensor, scale: float) -> td.Tensor:
+        return x * scale
+
+    x = td.Tensor(np.ones((2, 3), np.float32))
+    for _ in range(3):
+        f(x, 2.0)
+    with pytest.raises(td.JitError, match=r"argument 'x': captured as Tensor float32\[2, 3\].*got Tensor float32\[3, 3\]"):
+        f(td.Tensor(np.ones((3, 3), np.float32)), 2.0)
+    with pytest.raises(td.JitError, match=r"argument 'x'.*got Tensor float64"):
+        f(td.Tensor(np.ones((2, 3), np.float64)), 2.0)
+    with pytest.raises(td.JitError, match=r"argument 'x'.*on CPU:1"):
+        f(td.Tensor(np.ones((2, 3), np.float32), device="CPU:1"), 2.0)
+    with pytest.raises(td.JitError, match=r"argument 'scale' was float 2.0 at capture and is float 3.0 now"):
+        f(x, 3.0)
+    with pytest.raises(td.JitError, match="missing a required argument: 'scale'"):
+        f(x)
+    np.testing.assert_array_equal(f(x, 2.0).numpy(), np.full((2, 3), 2, np.float32))  # still usable
+
+
+def test_keyword_arguments_and_tuple_outputs() -> None:
+    @td.jit
+    def f(a: td.Tensor, b: td.Tensor) -> tuple[td.Tensor, td.Tensor]:
+        return a + b, (a * b).sum()
+
+    a, b = np.arange(4, dtype=np.float32), np.ones(4, np.float32)
+    for _ in range(4):
+        s, p = f(b=td.Tensor(b), a=td.Tensor(a))
+        np.testing.assert_array_equal(s.numpy(), a + b)
+        assert p.item() == pytest.approx(float((a * b).sum()))
+
+
+def test_async_callers_await_a_replay() -> None:
+    import anyio
+
+    @td.jit
+    def f(x: td.Tensor) -> td.Tensor:
+        return x.exp()
+
+    x = np.linspace(-1, 1, 16).astype(np.float32)
+
+    async def main() -> list[np.ndarray]:
+        return [(await f.acall(td.Tensor(x))).numpy() for _ in range(4)]
+
+    for out in anyio.run(main):
+        np.testing.assert_allclose(out, np.exp(x), rtol=1e-6)
+
+
+def test_returning_an_input_unchanged_is_refused() -> None:
+    @td.jit
+    def identity(x: td.Tensor) -> td.Tensor:
+        return x
+
+    x = td.Tensor(np.ones(2, np.float32))
+    identity(x)
+    with pytest.raises(td.JitError, match="nothing to capture"):
+        identity(x)

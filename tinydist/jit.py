@@ -1,0 +1,278 @@
+"""`td.jit`: capture a tensor function once, replay it per call with microsecond overhead.
+
+    @td.jit
+    def step(x: td.Tensor) -> td.Tensor: ...
+    step(x)   # call 1 runs normally, call 2 captures, later calls replay
+
+Capture schedules the function's output graph once, binds every buffer once (inputs the caller
+passes are copied into buffers the JIT owns; weights are bound where they live; intermediates get
+one arena), compiles the kernels and links them into ONE native entry point that calls each kernel in order with its buffer addresses
+baked in. A replay is then: check the signature, one batch of [copy inputs in, call the entry
+point, copy outputs out], no Python graph at all.
+
+The signature is checked on every replay: argument names and count, shapes, dtypes, devices, and
+the Python values that were baked in at capture (a changed scalar is an error, never the old
+value silently). Inputs are copied in, so feeding an output back as the next input is safe; an
+input the function assigns to is copied back out after the replay.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tinydist.codegen.compile_cache import CompileCache
+from tinydist.codegen.compiler import HostCompiler
+from tinydist.errors import TinydistError
+from tinydist.lazy import LazyNode, buffer_node
+from tinydist.realize import programs, realize
+from tinydist.runtime.buffer import Buffer
+from tinydist.runtime.device import Completion
+from tinydist.runtime.engine import get_engine
+from tinydist.runtime.program import Program
+from tinydist.schedule import Schedule, create_schedule
+from tinydist.schedule.items import CopyCall, KernelCall, MatmulCall
+from tinydist.tensor import Tensor, observe_assigns
+
+_entry_ids = itertools.count()
+
+
+class JitError(TinydistError, ValueError):
+    """A replay's arguments differ from the captured signature."""
+
+
+@dataclass(frozen=True)
+class _ArgSpec:
+    name: str
+    kind: str                 # "tensor" or "value"
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
+    device: str = ""
+    value: Any = None
+
+    def describe(self) -> str:
+        if self.kind == "tensor":
+            return f"Tensor {self.dtype}{list(self.shape)} on {self.device}"
+        return f"{type(self.value).__name__} {self.value!r}"
+
+
+def _flatten(result: Any) -> tuple[list[Tensor], Callable[[list[Tensor]], Any]]:
+    """Output tensors of a result (a Tensor, or a tuple/list/dict of them) and how to rebuild it."""
+    if isinstance(result, Tensor):
+        return [result], lambda ts: ts[0]
+    if isinstance(result, (tuple, list)) and all(isinstance(r, Tensor) for r in result):
+        kind = type(result)
+        return list(result), lambda ts: kind(ts)
+    if isinstance(result, dict) and all(isinstance(r, Tensor) for r in result.values()):
+        keys = list(result)
+        return [result[k] for k in keys], lambda ts: dict(zip(keys, ts))
+    raise JitError(f"a jitted function must return a Tensor or a tuple/list/dict of Tensors, got {type(result).__name__}")
+
+
+class _Captured:
+    """One captured graph: buffers bound, kernels compiled, entry point linked."""
+
+    def __init__(self, schedule: Schedule, inputs: list[LazyNode], arg_nodes: dict[int, int],
+                 outputs: list[LazyNode], rebuild: Callable[[list[Tensor]], Any]) -> None:
+        engine = get_engine()
+        self.schedule = schedule
+        self.rebuild = rebuild
+        self.output_specs = [(node.shape, node.dtype) for node in outputs]
+        self.output_bytes = [node.nbytes for node in outputs]
+        devices = {node.device for node in outputs} | {call.device for call in schedule.linear}
+        if len(devices) != 1 or any(isinstance(c, CopyCall) for c in schedule.linear):
+            raise JitError(f"captured graphs must run on one device without copies; this one uses {sorted(devices)} "
+                           "(move inputs and weights to one device, or call the function without td.jit)")
+        self.device = engine.device(devices.pop())
+        self.buffers: list[Buffer | None] = [None] * len(schedule.specs)
+        self.arg_slots: list[tuple[int, int]] = []      # (argument index, buffer number)
+        for number, node in enumerate(inputs):
+            position = arg_nodes.get(id(node))
+            if position is None:
+                self.buffers[number] = node.buffer    # a weight: bound where it lives
+            else:
+                self.buffers[number] = engine.device(node.device).allocator.alloc(node.nbytes)
+                self.arg_slots.append((position, number))
+        self.arenas: list[Buffer] = []
+        for (device_name, lane), size in schedule.plan.arena_bytes.items():
+            if size:
+                arena = engine.device(device_name).allocator.alloc(size)
+                self.arenas.append(arena)
+                for number, where in schedule.plan.arena_of.items():
+                    if where == (device_name, lane):
+                        self.buffers[number] = arena.view(schedule.plan.offsets[number], schedule.specs[number].nbytes)
+        for number in range(schedule.n_inputs, len(schedule.specs)):
+            spec = schedule.specs[number]
+            if self.buffers[number] is None and number not in schedule.aliases and spec.nbytes:
+                self.buffers[number] = engine.device(spec.device).allocator.alloc(spec.nbytes)
+        for version, memory in schedule.aliases.items():
+            self.buffers[version] = self.buffers[memory]
+        self.output_numbers = [schedule.aliases.get(n, n) for n in schedule.targets[:len(outputs)]]
+        # inputs the function assigned to: their new value is copied back to the caller's tensor
+        self.written_args = [(position, number) for position, number in self.arg_slots
+                             if number in schedule.aliases.values()]
+        self.entry = self._link()
+        self.arg_copies = [(position, self.buffers[number].address, self.buffers[number].nbytes)
+                           for position, number in self.arg_slots]
+        self.output_copies = [(self.buffers[n].address, self.buffers[n].nbytes) for n in self.output_numbers]
+        self.written_copies = [(position, self.buffers[number].address, self.buffers[number].nbytes)
+                               for position, number in self.written_args]
+        # Buffers the JIT owns are touched only by its replays, in FIFO order on one queue: only
+        # the weights it shares with the rest of the program need ordering against other work.
+        private = {number for _, number in self.arg_slots}
+        shared: dict[int, tuple[Buffer, bool]] = {}
+        for number in range(len(inputs)):
+            buffer = self.buffers[number]
+            if number not in private and buffer is not None:
+                written = number in schedule.aliases.values()
+                shared[id(buffer)] = (buffer, written or shared.get(id(buffer), (buffer, False))[1])
+        self.accesses = list(shared.values())
+
+    def _link(self) -> Program:
+        """One native function calling every kernel in order, addresses bound."""
+        device = self.device
+        lines = []
+        for call in self.schedule.linear:
+            if isinstance(call, KernelCall):
+                program = programs.kernel(call.ast, device)
+                args = [self.buffers[call.out], *(self.buffers[i] for i in call.inputs)]
+                operands = [f"ptr inttoptr (i64 {b.address} to ptr)" for b in args]
+            else:
+                assert isinstance(call, MatmulCall)
+                program = programs.matmul(call.dtype, device)
+                pointers = [self.buffers[n] for n in (call.out, call.a, call.b, call.workspace)]
+                scalars = (call.batch, call.m, call.n, call.k, call.a_batch_stride, call.b_batch_stride, call.m * call.n)
+                operands = [f"ptr inttoptr (i64 {b.address} to ptr)" for b in pointers] + [f"i64 {v}" for v in scalars]
+            lines.append(f"  call void inttoptr (i64 {program.address} to ptr)({', '.join(operands)})")
+        name = f"jit_entry_{next(_entry_ids)}_{id(self):x}"
+        ir_text = f"define void @{name}() {{\nentry:\n" + "\n".join(lines) + "\n  ret void\n}\n"
+        object_code = CompileCache(HostCompiler(opt_level=1), enabled=False).compile(ir_text)
+        return device.load_program(object_code, name, [])
+
+    def replay(self, args: list[Tensor], inline: bool) -> tuple[Any, Completion]:
+        device = self.device
+        out_buffers = [device.allocator.alloc(nbytes) for nbytes in self.output_bytes]
+        batch = device.batch("compute")
+        copy = device.host_copy()
+        for position, address, nbytes in self.arg_copies:
+            batch.command(copy, (address, batch.track(args[position].node.buffer, False), nbytes))
+        for buffer, write in self.accesses:
+            batch.track(buffer, write)
+        batch.command(self.entry.cfunc, ())
+        for out, (address, nbytes) in zip(out_buffers, self.output_copies):
+            batch.command(copy, (batch.track(out, True), address, nbytes))
+        for position, address, nbytes in self.written_copies:
+            batch.command(copy, (batch.track(args[position].node.buffer, True), address, nbytes))
+        completion = batch.submit(inline=inline)
+        outputs = [Tensor(buffer_node(buffer, dtype, shape, device.name))
+                   for buffer, (shape, dtype) in zip(out_buffers, self.output_specs)]
+        return self.rebuild(outputs), completion
+
+
+class TinyJit:
+    """A jitted function; see the module docstring."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.signature = inspect.signature(fn)
+        self.calls = 0
+        self.captured: _Captured | None = None
+        self.specs: tuple[_ArgSpec, ...] = ()
+        self.tensor_positions: list[int] = []
+        functools.update_wrapper(self, fn)
+
+    def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, Any]]:
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise JitError(f"{self.fn.__name__}: {exc}") from None
+        bound.apply_defaults()
+        flat: list[tuple[str, Any]] = []
+        for name, value in bound.arguments.items():
+            kind = self.signature.parameters[name].kind
+            if kind is inspect.Parameter.VAR_POSITIONAL:
+                flat.extend((f"{name}[{i}]", v) for i, v in enumerate(value))
+            elif kind is inspect.Parameter.VAR_KEYWORD:
+                flat.extend((f"{name}[{k!r}]", v) for k, v in value.items())
+            else:
+                flat.append((name, value))
+        return flat
+
+    @staticmethod
+    def _spec(name: str, value: Any) -> _ArgSpec:
+        if isinstance(value, Tensor):
+            return _ArgSpec(name, "tensor", value.shape, value.dtype.name, value.device)
+        return _ArgSpec(name, "value", value=value)
+
+    def _check(self, flat: list[tuple[str, Any]]) -> None:
+        if len(flat) != len(self.specs):
+            raise JitError(f"{self.fn.__name__} was captured with {len(self.specs)} arguments "
+                           f"({', '.join(s.name for s in self.specs)}), called with {len(flat)}")
+        for spec, (name, value) in zip(self.specs, flat):
+            if spec.kind == "tensor":
+                if not isinstance(value, Tensor):
+                    raise JitError(f"argument {name!r}: captured as {spec.describe()}, got {type(value).__name__}")
+                got = (value.shape, value.dtype.name, value.device)
+                if got != (spec.shape, spec.dtype, spec.device):
+                    raise JitError(f"argument {name!r}: captured as {spec.describe()}, got {self._spec(name, value).describe()}")
+            elif isinstance(value, Tensor) or type(value) is not type(spec.value) or not _same_value(value, spec.value):
+                raise JitError(f"argument {name!r} was {spec.describe()} at capture and is {self._spec(name, value).describe()} now; "
+                               "Python values are baked into the captured graph — pass a Tensor to vary it, or make a new jit")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        result, completion = self._call(args, kwargs, inline=True)
+        return result
+
+    async def acall(self, *args: Any, **kwargs: Any) -> Any:
+        """The same call for async code: replays without blocking the event loop and awaits it."""
+        result, completion = self._call(args, kwargs, inline=False)
+        if completion is not None:
+            await completion.wait()
+        return result
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any], inline: bool) -> tuple[Any, Completion | None]:
+        flat = self._bind(args, kwargs)
+        tensors = [v for _, v in flat if isinstance(v, Tensor)]
+        realize([t.node for t in tensors])
+        self.calls += 1
+        if self.captured is not None:
+            self._check(flat)
+            return self.captured.replay(tensors, inline)
+        if self.calls == 1:  # a normal run first: lazily built state (weights …) gets realized
+            result = self.fn(*args, **kwargs)
+            outputs, _ = _flatten(result)
+            completions = realize([t.node for t in outputs])
+            return result, completions[-1] if completions else None
+        self.specs = tuple(self._spec(name, value) for name, value in flat)
+        with observe_assigns() as assigns:
+            result = self.fn(*args, **kwargs)
+        outputs, rebuild = _flatten(result)
+        nodes = [t.node for t in outputs]
+        arg_nodes = {id(t.node): i for i, t in enumerate(tensors)}
+        if any(node.realized for node in nodes):
+            raise JitError(f"{self.fn.__name__} returns an input or an already computed tensor unchanged; "
+                           "there is nothing to capture — return a computed value")
+        # assigns made inside the function (e.g. an optimizer's weight updates) are part of the step
+        side_effects = [a for a in assigns if not a.realized]
+        schedule, inputs = create_schedule(nodes + side_effects)
+        self.captured = _Captured(schedule, inputs, arg_nodes, nodes, rebuild)
+        for node, number in zip(side_effects, schedule.targets[len(nodes):]):
+            node.buffer = self.captured.buffers[schedule.aliases.get(number, number)]
+        return self.captured.replay(tensors, inline)
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b) if not isinstance(a, float) or a == a else b != b
+    except Exception:  # noqa: BLE001 - objects without a usable == compare by identity
+        return a is b
+
+
+def jit(fn: Callable[..., Any]) -> TinyJit:
+    """Capture `fn` on its second call and replay it afterwards; see the module docstring."""
+    return TinyJit(fn)
