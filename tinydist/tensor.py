@@ -169,6 +169,12 @@ class Tensor:
         src = self.contiguous().node
         return Tensor(LazyNode(Op.COPY, (src,), None, self.dtype, self.shape, device))
 
+    def shard(self, devices: Sequence[str], axis: int | None = 0) -> Any:
+        """Split along `axis` over `devices` (uneven splits allowed; axis=None replicates): a
+        `tinydist.multi.MultiTensor` whose ops run per shard, in parallel."""
+        from tinydist.multi.sharded import MultiTensor
+        return MultiTensor.shard(self, devices, axis)
+
     def contiguous(self) -> Tensor:
         node = self.node
         if node.realized or (node.op not in (Op.VIEW,) and node.op is not Op.CONST):

@@ -1,0 +1,103 @@
+"""Allreduce across devices of one process, built as graph: copies plus elementwise reductions.
+
+Each algorithm returns, for every device, a tensor on that device holding the reduction of all
+inputs. Because they are ordinary graph nodes (COPY onto the destination's copy queue, then a fused
+kernel on its compute queue), chunks of a ring overlap: while one chunk's copy runs on a device's
+copy queue, the previous chunk's addition runs on its compute queue.
+
+  naive    every device copies every other device's whole input and reduces: (n-1)·S per device
+  ring     reduce-scatter then allgather around a ring, in n chunks: 2·(n-1)/n·S per device
+  all2all  device i reduces chunk i from all devices, then everyone gathers the reduced chunks
+
+`choose` picks one from the device count and element count (rule in its docstring); the choice is
+logged and can be forced per call or with TINYDIST_ALLREDUCE.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from tinydist.config import settings
+from tinydist.logs import get_logger
+from tinydist.tensor import Tensor, cat
+
+log = get_logger(layer="multi")
+
+ALGORITHMS = ("naive", "ring", "all2all")
+REDUCE_OPS = ("sum", "max", "min", "prod")
+# Below this many elements the chunk bookkeeping of a ring costs more than the bytes it saves.
+RING_MIN_ELEMENTS = 1 << 16
+
+
+def _combine(op: str) -> Callable[[Tensor, Tensor], Tensor]:
+    return {"sum": lambda a, b: a + b, "prod": lambda a, b: a * b,
+            "max": lambda a, b: a.maximum(b), "min": lambda a, b: a.minimum(b)}[op]
+
+
+def choose(devices: int, elements: int, requested: str = "auto") -> str:
+    """`requested` if explicit; else TINYDIST_ALLREDUCE if set to an algorithm; else naive for two
+    devices or small inputs (fewest steps), ring otherwise (least traffic per device)."""
+    if requested == "auto":
+        requested = settings.ALLREDUCE
+    if requested != "auto":
+        if requested not in ALGORITHMS:
+            raise ValueError(f"unknown allreduce algorithm {requested!r}; choose one of {', '.join(ALGORITHMS)} or 'auto'")
+        return requested
+    return "naive" if devices <= 2 or elements < RING_MIN_ELEMENTS else "ring"
+
+
+def _chunks(n: int, parts: int) -> list[tuple[int, int]]:
+    edges = np.linspace(0, n, parts + 1).round().astype(int)
+    return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def allreduce(inputs: Sequence[Tensor], op: str = "sum", algorithm: str = "auto") -> list[Tensor]:
+    """One result per input, on the input's device, each the `op`-reduction of all inputs."""
+    if op not in REDUCE_OPS:
+        raise ValueError(f"unknown reduce op {op!r}; choose one of {', '.join(REDUCE_OPS)}")
+    shapes = {t.shape for t in inputs}
+    if len(shapes) != 1 or len({t.dtype for t in inputs}) != 1:
+        raise ValueError(f"allreduce inputs must agree in shape and dtype, got {[(t.shape, t.dtype.name) for t in inputs]}")
+    n = len(inputs)
+    if n == 1:
+        return list(inputs)
+    shape = inputs[0].shape
+    elements = int(np.prod(shape, dtype=np.int64))
+    chosen = choose(n, elements, algorithm)
+    log.info("allreduce", algorithm=chosen, devices=[t.device for t in inputs], elements=elements, op=op)
+    combine = _combine(op)
+    if chosen == "naive" or elements < n:
+        return [_reduce_all([t.to(inputs[i].device) for t in inputs], combine) for i in range(n)]
+    flat = [t.reshape(-1) for t in inputs]
+    bounds = _chunks(elements, n)
+    if chosen == "ring":
+        reduced = _ring_reduce_scatter(flat, bounds, combine)
+    else:
+        reduced = [_reduce_all([flat[j][lo:hi].to(flat[i].device) for j in range(n)], combine)
+                   for i, (lo, hi) in enumerate(bounds)]
+    # allgather: every device assembles all reduced chunks (chunk i lives on device i)
+    return [cat([reduced[c].to(flat[i].device) for c in range(n)]).reshape(shape) for i in range(n)]
+
+
+def _reduce_all(parts: list[Tensor], combine: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+    result = parts[0]
+    for part in parts[1:]:
+        result = combine(result, part)
+    return result
+
+
+def _ring_reduce_scatter(flat: list[Tensor], bounds: list[tuple[int, int]],
+                         combine: Callable[[Tensor, Tensor], Tensor]) -> list[Tensor]:
+    """After n-1 steps device i holds the full reduction of chunk i (returned in chunk order)."""
+    n = len(flat)
+    # partial[d][c]: device d's running reduction of chunk c
+    partial = [[flat[d][lo:hi] for lo, hi in bounds] for d in range(n)]
+    for step in range(n - 1):
+        for d in range(n):
+            chunk = (d - step - 1) % n          # the chunk device d passes on at this step
+            nxt = (d + 1) % n
+            incoming = partial[d][chunk].to(flat[nxt].device)
+            partial[nxt][chunk] = combine(partial[nxt][chunk], incoming)
+    return [partial[c][c] for c in range(n)]
