@@ -81,7 +81,7 @@ def test_reduce_over_other_axes_keeps_the_sharding() -> None:
 
 def test_gather_to_one_device_is_each_shard_copied_once() -> None:
     x = rng.standard_normal((8, 5)).astype(np.float32)
-    m = td.Tensor(x).shard(DEVICES3, axis=1)
+    m = td.Tensor(x).shard(DEVICES3, axis=1).realize()
     gathered = m.to("CPU:3")
     assert gathered.device == "CPU:3"
     schedule, _ = create_schedule([gathered.node])
