@@ -5,6 +5,12 @@ contiguously are collapsed into one loop first (so a 4096×4096 elementwise kern
 16M), reduced axes run innermost with the accumulator in a register, and the innermost loop is
 affine in its induction variable so LLVM's loop vectoriser can widen it.
 
+A contiguous one-dimensional elementwise kernel (every load walks its input with stride 1 or 0)
+is emitted as explicit vector code — a loop over 64-byte vectors plus a scalar tail — so that an
+output much larger than the caches can be written with streaming (non-temporal) stores: they
+skip reading each cache line before overwriting it, a fifth of a triad's memory traffic. LLVM's
+vectoriser will not widen non-temporal stores itself.
+
 Floating-point flags: every float op may `contract` (a*b+c → fma, one rounding instead of two).
 Only a reduction's accumulation carries `reassoc`, which lets the vectoriser keep several partial
 sums (lanes × interleave) and combine them at the end: the result differs from a sequential sum
@@ -28,14 +34,25 @@ from tinydist.shape import ShapeTracker, View, prod
 
 I1, I8, I32, I64 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64)
 F32, F64 = ir.FloatType(), ir.DoubleType()
+VECTOR_BYTES = 64                  # one AVX-512 register, one cache line
+STREAMING_STORE_BYTES = 32 << 20   # bigger than this machine's last-level cache
 CONTRACT = ("contract",)
 REASSOC = ("reassoc", "contract")
 
 
-def llvm_type(dtype: DType, in_memory: bool = False) -> ir.Type:
+def llvm_type(dtype: DType, in_memory: bool = False, width: int | None = None) -> ir.Type:
     if dtype is dtypes.bool_:
-        return I8 if in_memory else I1
-    return {dtypes.float32: F32, dtypes.float64: F64, dtypes.int32: I32, dtypes.int64: I64}[dtype]
+        scalar = I8 if in_memory else I1
+    else:
+        scalar = {dtypes.float32: F32, dtypes.float64: F64, dtypes.int32: I32, dtypes.int64: I64}[dtype]
+    return ir.VectorType(scalar, width) if width else scalar
+
+
+def splat(t: ir.Type, value: Any) -> ir.Constant:
+    """`value` as a constant of type `t`, repeated in every lane when `t` is a vector."""
+    if isinstance(t, ir.VectorType):
+        return ir.Constant(t, [value] * t.count)
+    return ir.Constant(t, value)
 
 
 # ---- dimension collapsing ---------------------------------------------------------------------
@@ -99,6 +116,7 @@ class _Lowerer:
                 slot.add_attribute("noalias")
         self.entry = self.fn.append_basic_block("entry")
         self.b = ir.IRBuilder(self.entry)
+        self.width: int | None = None  # lanes while emitting a vector loop body
 
     # -- helpers --
 
@@ -109,7 +127,13 @@ class _Lowerer:
         return ir.Function(self.module, ir.FunctionType(ret, args), name=name)
 
     def _suffix(self, t: ir.Type) -> str:
+        if isinstance(t, ir.VectorType):
+            return f"v{t.count}{self._suffix(t.element)}"
         return {F32: "f32", F64: "f64", I32: "i32", I64: "i64", I1: "i1", I8: "i8"}[t]
+
+    def typ(self, dtype: DType) -> ir.Type:
+        """The register type of `dtype` in the code being emitted (a vector inside a vector loop)."""
+        return llvm_type(dtype, width=self.width)
 
     def call(self, base: str, value_type: ir.Type, *args: ir.Value) -> ir.Value:
         fn = self.intrinsic(f"llvm.{base}.{self._suffix(value_type)}", value_type, [a.type for a in args])
@@ -177,6 +201,15 @@ class _Lowerer:
         tracker = self.trackers[id(node)]
         offset, valid = self.offset(tracker, index)
         mem_type = llvm_type(node.dtype, in_memory=True)
+        if self.width:  # vector body: stride 1 loads a vector, stride 0 broadcasts one element
+            pointer = self.b.gep(self.slots[slot], [offset], inbounds=True, source_etype=mem_type)
+            if tracker.views[0].strides[0] == 1:
+                value = self.b.load(pointer, typ=ir.VectorType(mem_type, self.width), align=node.dtype.itemsize)
+            else:
+                value = self.broadcast(self.b.load(pointer, typ=mem_type))
+            if node.dtype is dtypes.bool_:
+                value = self.b.icmp_unsigned("!=", value, splat(value.type, 0))
+            return value
         if valid is not None:
             offset = self.b.select(valid, offset, ir.Constant(I64, 0))
         pointer = self.b.gep(self.slots[slot], [offset], inbounds=True, source_etype=mem_type)
@@ -186,6 +219,11 @@ class _Lowerer:
         if valid is not None:
             value = self.b.select(valid, value, ir.Constant(value.type, 0))
         return value
+
+    def broadcast(self, scalar: ir.Value) -> ir.Value:
+        vector_type = ir.VectorType(scalar.type, self.width)
+        first = self.b.insert_element(ir.Constant(vector_type, None), scalar, ir.Constant(I32, 0))
+        return self.b.shuffle_vector(first, ir.Constant(vector_type, None), ir.Constant(ir.VectorType(I32, self.width), [0] * self.width))
 
     # -- expressions --
 
@@ -200,7 +238,7 @@ class _Lowerer:
             elif node.op == "load":
                 value = self.load(node, index)
             elif node.op == "const":
-                value = constant(node.dtype, node.arg)
+                value = constant(node.dtype, node.arg, self.width)
             else:
                 value = self.alu(node, [visit(src) for src in node.srcs])
             cache[key] = value
@@ -232,7 +270,10 @@ class _Lowerer:
         def full_index(idx: dict[int, ir.Value]) -> list[ir.Value]:
             return [idx.get(a, ir.Constant(I64, 0)) for a in range(len(self.shape))]
 
-        if reduce_node is None:
+        width = self.vector_width() if reduce_node is None else None
+        if width:
+            self.vector_loops(width, out_type)
+        elif reduce_node is None:
             self.loops(outer, lambda idx: store(self.evaluate(self.ast.root, full_index(idx), {}), idx), "i")
         else:
             acc_type = llvm_type(reduce_node.dtype)
@@ -252,6 +293,54 @@ class _Lowerer:
         return str(self.module)
 
 
+    def vector_width(self) -> int | None:
+        """Lanes for an explicit vector loop, or None when the kernel is not 1-D contiguous."""
+        if len(self.shape) != 1:
+            return None
+        nodes = self.ast.root.walk()
+        for node in nodes:
+            if node.op == "load":
+                tracker = self.trackers[id(node)]
+                if len(tracker.views) != 1 or tracker.views[0].mask is not None or tracker.views[0].strides[0] not in (0, 1):
+                    return None
+        widest = max(node.dtype.itemsize for node in nodes)
+        width = VECTOR_BYTES // max(widest, self.ast.out_dtype.itemsize)
+        return width if self.shape[0] >= width else None
+
+    def vector_loops(self, width: int, out_type: ir.Type) -> None:
+        n = self.shape[0]
+        vectors, tail = divmod(n, width)
+        itemsize = self.ast.out_dtype.itemsize
+        # Outputs start 64-byte aligned (allocator alignment, 256-byte arena blocks), so every
+        # vector store is aligned to its own size — which streaming stores require.
+        streaming = n * itemsize >= STREAMING_STORE_BYTES and not self.ast.aliased_slots
+
+        def store(value: ir.Value, flat: ir.Value, aligned: bool) -> ir.Instruction:
+            if self.ast.out_dtype is dtypes.bool_:
+                value = self.b.zext(value, ir.VectorType(I8, width) if aligned else I8)
+            pointer = self.b.gep(self.out, [flat], inbounds=True, source_etype=out_type)
+            return self.b.store(value, pointer, align=width * itemsize if aligned else itemsize)
+
+        def vector_body(k: ir.Value) -> None:
+            first = self.b.mul(k, ir.Constant(I64, width), flags=("nuw", "nsw"))
+            self.width = width
+            value = self.evaluate(self.ast.root, [first], {})
+            self.width = None
+            stored = store(value, first, aligned=True)
+            if streaming:
+                stored.set_metadata("nontemporal", self.module.add_metadata([ir.Constant(I32, 1)]))
+
+        def tail_body(i: ir.Value) -> None:
+            index = self.b.add(i, ir.Constant(I64, vectors * width), flags=("nuw", "nsw"))
+            store(self.evaluate(self.ast.root, [index], {}), index, aligned=False)
+
+        self.loop(vectors, vector_body, "v")
+        if tail:
+            self.loop(tail, tail_body, "t")
+        if streaming:  # streaming stores are weakly ordered: fence before the queue signals completion
+            self.b.fence("seq_cst")
+
+
 def _contiguous(shape: list[int]) -> list[int]:
     strides, acc = [], 1
     for size in reversed(shape):
@@ -269,11 +358,11 @@ def _entry_alloca(lowerer: _Lowerer, t: ir.Type) -> ir.Value:
     return slot
 
 
-def constant(dtype: DType, value: Any) -> ir.Constant:
-    t = llvm_type(dtype)
+def constant(dtype: DType, value: Any, width: int | None = None) -> ir.Constant:
+    t = llvm_type(dtype, width=width)
     if dtype.is_float:
-        return ir.Constant(t, float(value))
-    return ir.Constant(t, int(bool(value)) if dtype.is_bool else int(value))
+        return splat(t, float(value))
+    return splat(t, int(bool(value)) if dtype.is_bool else int(value))
 
 
 def identity(op: str, dtype: DType) -> ir.Constant:
@@ -312,11 +401,11 @@ def _float_or_int(f: Callable[..., ir.Value], i: Callable[..., ir.Value]) -> Cal
 
 def _cast(lw: _Lowerer, node: KNode, args: list[ir.Value]) -> ir.Value:
     (x,), src, dst = args, node.srcs[0].dtype, node.dtype
-    b, to = lw.b, llvm_type(dst)
+    b, to = lw.b, lw.typ(dst)
     if src is dst:
         return x
     if dst.is_bool:
-        return b.fcmp_unordered("!=", x, ir.Constant(x.type, 0.0)) if src.is_float else b.icmp_unsigned("!=", x, ir.Constant(x.type, 0))
+        return b.fcmp_unordered("!=", x, splat(x.type, 0.0)) if src.is_float else b.icmp_unsigned("!=", x, splat(x.type, 0))
     if src.is_bool:
         return b.uitofp(x, to) if dst.is_float else b.zext(x, to)
     if src.is_float and dst.is_float:
@@ -330,7 +419,7 @@ def _cast(lw: _Lowerer, node: KNode, args: list[ir.Value]) -> ir.Value:
 
 def _floordiv_int(lw: _Lowerer, a: ir.Value, d: ir.Value) -> ir.Value:
     b = lw.b
-    zero, one = ir.Constant(a.type, 0), ir.Constant(a.type, 1)
+    zero, one = splat(a.type, 0), splat(a.type, 1)
     bad = b.icmp_signed("==", d, zero)
     safe_d = b.select(bad, one, d)
     q = b.sdiv(a, safe_d)  # INT_MIN // -1 wraps as in numpy
@@ -342,7 +431,7 @@ def _floordiv_int(lw: _Lowerer, a: ir.Value, d: ir.Value) -> ir.Value:
 
 def _mod_int(lw: _Lowerer, a: ir.Value, d: ir.Value) -> ir.Value:
     b = lw.b
-    zero, one = ir.Constant(a.type, 0), ir.Constant(a.type, 1)
+    zero, one = splat(a.type, 0), splat(a.type, 1)
     bad = b.icmp_signed("==", d, zero)
     safe_d = b.select(bad, one, d)
     r = b.srem(a, safe_d)
@@ -353,7 +442,7 @@ def _mod_int(lw: _Lowerer, a: ir.Value, d: ir.Value) -> ir.Value:
 def _mod_float(lw: _Lowerer, a: ir.Value, d: ir.Value) -> ir.Value:
     b = lw.b
     r = b.frem(a, d)  # sign of the dividend; numpy's % takes the divisor's sign
-    zero = ir.Constant(a.type, 0.0)
+    zero = splat(a.type, 0.0)
     adjust = b.and_(b.fcmp_ordered("!=", r, zero), b.xor(b.fcmp_ordered("<", r, zero), b.fcmp_ordered("<", d, zero)))
     fixed = b.select(adjust, b.fadd(r, d), r)
     return b.select(b.fcmp_ordered("==", r, zero), lw.call("copysign", a.type, zero, d), fixed)
@@ -366,9 +455,9 @@ def _floordiv_float(lw: _Lowerer, a: ir.Value, d: ir.Value) -> ir.Value:
     div = b.fdiv(b.fsub(a, mod), d)
     rounded = lw.call("floor", a.type, div)
     diff = b.fsub(div, rounded)
-    bump = b.fcmp_ordered(">", diff, ir.Constant(a.type, 0.5))
-    result = b.select(bump, b.fadd(rounded, ir.Constant(a.type, 1.0)), rounded)
-    is_zero_div = b.fcmp_ordered("==", d, ir.Constant(a.type, 0.0))
+    bump = b.fcmp_ordered(">", diff, splat(a.type, 0.5))
+    result = b.select(bump, b.fadd(rounded, splat(a.type, 1.0)), rounded)
+    is_zero_div = b.fcmp_ordered("==", d, splat(a.type, 0.0))
     return b.select(is_zero_div, b.fdiv(a, d), result)
 
 
