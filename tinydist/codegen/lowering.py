@@ -275,6 +275,8 @@ class _Lowerer:
             self.vector_loops(width, out_type)
         elif reduce_node is None:
             self.loops(outer, lambda idx: store(self.evaluate(self.ast.root, full_index(idx), {}), idx), "i")
+        elif self.reduce_axes[-1] < len(self.shape) - 1 and reduce_node.dtype is self.ast.out_dtype:
+            self.accumulate_in_output(reduce_node, outer, store, full_index, out_type)
         else:
             acc_type = llvm_type(reduce_node.dtype)
             acc = _entry_alloca(self, acc_type)
@@ -292,6 +294,43 @@ class _Lowerer:
         self.b.ret_void()
         return str(self.module)
 
+
+    def accumulate_in_output(self, reduce_node: KNode, outer: list[int], store: Callable[..., None],
+                             full_index: Callable[[dict[int, ir.Value]], list[ir.Value]], out_type: ir.Type) -> None:
+        """Reduce axes that lie before the innermost kept axes: loop the reduction outside those
+        axes and accumulate into the output row, so the inner loop walks memory contiguously
+        (and vectorises) instead of striding down columns."""
+        last_reduce = self.reduce_axes[-1]
+        before = [a for a in outer if a < last_reduce]
+        inner = [a for a in outer if a > last_reduce]
+        out_strides = _contiguous([1 if a in self.reduce_axes else s for a, s in enumerate(self.shape)])
+
+        def out_pointer(idx: dict[int, ir.Value]) -> ir.Value:
+            flat: ir.Value = ir.Constant(I64, 0)
+            for axis in outer:
+                if self.shape[axis] != 1:
+                    term = self.b.mul(idx[axis], ir.Constant(I64, out_strides[axis]), flags=("nsw",))
+                    flat = self.b.add(flat, term, flags=("nsw",))
+            return self.b.gep(self.out, [flat], inbounds=True, source_etype=out_type)
+
+        def accumulated(idx: dict[int, ir.Value]) -> ir.Value:
+            value = self.b.load(out_pointer(idx), typ=out_type)
+            return self.b.icmp_unsigned("!=", value, ir.Constant(I8, 0)) if reduce_node.dtype is dtypes.bool_ else value
+
+        def per_row(idx: dict[int, ir.Value]) -> None:
+            self.loops(inner, lambda i: store(identity(reduce_node.arg, reduce_node.dtype), {**idx, **i}), "z")
+
+            def step(ridx: dict[int, ir.Value]) -> None:
+                def lane(i: dict[int, ir.Value]) -> None:
+                    where = {**idx, **ridx, **i}
+                    value = self.evaluate(reduce_node.srcs[0], full_index(where), {})
+                    store(combine(self, reduce_node.arg, reduce_node.dtype, accumulated({**idx, **i}), value), {**idx, **i})
+                self.loops(inner, lane, "c")
+            self.loops(list(self.reduce_axes), step, "r")
+            if self.ast.root is not reduce_node:  # elementwise ops on the result, in a last pass
+                self.loops(inner, lambda i: store(self.evaluate(self.ast.root, full_index({**idx, **i}), {},
+                                                                reduced=accumulated({**idx, **i})), {**idx, **i}), "p")
+        self.loops(before, per_row, "o")
 
     def vector_width(self) -> int | None:
         """Lanes for an explicit vector loop, or None when the kernel is not 1-D contiguous."""
