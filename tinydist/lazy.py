@@ -58,8 +58,20 @@ REDUCE_OPS = ("sum", "max", "min", "prod")
 _ids = itertools.count()
 
 
+# ---- autograd hook (tinydist.autograd) ------------------------------------------------------
+# A node `requires_grad` when it is a float value computed (with gradients enabled) from a node
+# that requires grad; leaves are marked by tinydist.autograd. realize() keeps `srcs` of such
+# nodes so backward() can still walk the forward graph after the forward was computed.
+class _GradMode:
+    enabled = True
+
+
+grad_mode = _GradMode()
+# ---- end autograd hook -----------------------------------------------------------------------
+
+
 class LazyNode:
-    __slots__ = ("op", "srcs", "arg", "dtype", "shape", "device", "buffer", "id", "_readers", "__weakref__")
+    __slots__ = ("op", "srcs", "arg", "dtype", "shape", "device", "buffer", "id", "_readers", "requires_grad", "__weakref__")
 
     def __init__(self, op: Op, srcs: tuple[LazyNode, ...], arg: Any, dtype: DType, shape: Shape, device: str,
                  buffer: Buffer | None = None) -> None:
@@ -73,10 +85,21 @@ class LazyNode:
         self.id = next(_ids)
         # Who reads this node, weakly: an assign must let readers of the old value run first.
         self._readers: list[weakref.ref[LazyNode]] | None = None
+        grad = False
         for src in srcs:
-            if src._readers is None:
-                src._readers = []
-            src._readers.append(weakref.ref(self))
+            src._add_reader(self)
+
+    def _add_reader(self, reader: LazyNode) -> None:
+        readers = self._readers
+        if readers is None:
+            self._readers = readers = []
+        readers.append(weakref.ref(reader))
+        # A long-lived node (a weight) is read by every graph built from it: drop dead entries
+        # whenever the list doubles, so it stays proportional to the readers still alive.
+        if len(readers) >= 32 and len(readers) & (len(readers) - 1) == 0:
+            readers[:] = [ref for ref in readers if ref() is not None]
+            grad = grad or src.requires_grad
+        self.requires_grad = grad and grad_mode.enabled and op is not Op.ASSIGN and dtype.is_float  # autograd hook
 
     def live_readers(self) -> Iterator[LazyNode]:
         """Unrealized nodes still alive that read this node."""

@@ -81,12 +81,16 @@ def _shape_arg(shape: Sequence[Any]) -> tuple[int, ...]:
 
 
 class Tensor:
-    __slots__ = ("node", "__weakref__")
+    __slots__ = ("node", "grad", "_grad_hooks", "__weakref__")  # grad, _grad_hooks: tinydist.autograd
 
-    def __init__(self, data: Any, device: str | None = None, dtype: Any = None) -> None:
+    def __init__(self, data: Any, device: str | None = None, dtype: Any = None, requires_grad: bool = False) -> None:
+        self.grad: Tensor | None = None   # autograd: filled by backward() on leaves that require grad
+        self._grad_hooks: list[Any] | None = None
         device = canonical_name(device or "CPU")
         if isinstance(data, LazyNode):
             self.node = data
+            if requires_grad:
+                self.requires_grad_()
             return
         if isinstance(data, Tensor):
             data = data.numpy()
@@ -96,6 +100,38 @@ class Tensor:
         target = to_dtype(dtype if dtype is not None else array.dtype)
         array = np.ascontiguousarray(array, dtype=target.np)
         self.node = _upload(array, target, device)
+        if requires_grad:
+            self.requires_grad_()
+
+    # ---- autograd (tinydist.autograd) ---------------------------------------------------------
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.node.requires_grad
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        self.requires_grad_(value)
+
+    def requires_grad_(self, value: bool = True) -> Tensor:
+        from tinydist.autograd import set_requires_grad
+        set_requires_grad(self, value)
+        return self
+
+    @property
+    def is_leaf(self) -> bool:
+        from tinydist.autograd import is_leaf
+        return is_leaf(self.node) or not self.node.requires_grad
+
+    def backward(self, gradient: Tensor | None = None, retain_graph: bool = False) -> None:
+        """Accumulate d(self)/d(leaf) into `.grad` of every leaf that requires grad (lazily)."""
+        from tinydist.autograd import backward
+        backward(self, gradient, retain_graph)
+
+    def detach(self) -> Tensor:
+        """The same value, cut from the autograd graph."""
+        from tinydist.autograd import detach
+        return detach(self)
 
     # ---- properties ---------------------------------------------------------------------------
 
@@ -193,7 +229,11 @@ class Tensor:
         value = value.cast(self.dtype)._broadcast_to(self.shape)
         if not self.node.realized:
             self.realize()
+        old = self.node
         self.node = LazyNode(Op.ASSIGN, (self.node, value.node), None, self.dtype, self.shape, self.device)
+        if old.requires_grad:  # autograd: a leaf stays a leaf across in-place updates
+            from tinydist.autograd import after_assign
+            after_assign(self, old)
         for observer in _assign_observers:
             observer.append(self.node)
         return self
@@ -557,7 +597,7 @@ class Tensor:
         if value == 0:
             return padded
         inside = Tensor.full(self.shape, True, dtypes.bool_, self.device)._view("pad", pairs_t)
-        return inside.where(padded, value)
+        return inside.where(padded, Tensor.full((), value, self.dtype, self.device))
 
     def shrink(self, bounds: Sequence[tuple[int, int]]) -> Tensor:
         bounds = tuple((int(lo), int(hi)) for lo, hi in bounds)

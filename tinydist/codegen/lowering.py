@@ -64,20 +64,23 @@ def collapse(ast: KernelAST) -> tuple[tuple[int, ...], tuple[int, ...], dict[int
     loads = [n for n in ast.root.walk() if n.op == "load"]
     n = len(shape)
 
-    def mergeable(axis: int) -> bool:  # can axis and axis+1 become one?
-        if (axis in ast.reduce_axes) != (axis + 1 in ast.reduce_axes):
+    def joins(group: list[int], axis: int) -> bool:
+        """Can `axis` join `group` (the axes just before it) as one loop for every load?"""
+        if (axis in ast.reduce_axes) != (group[0] in ast.reduce_axes):
             return False
         for node in loads:  # loads above the reduce see the output shape; the same rule holds there
             top = node.arg[1].views[-1]
-            if top.mask is not None and (top.mask[axis] != (0, top.shape[axis]) or top.mask[axis + 1] != (0, top.shape[axis + 1])):
+            if top.mask is not None and any(top.mask[a] != (0, top.shape[a]) for a in (*group, axis)):
                 return False
-            if top.shape[axis] != 1 and top.shape[axis + 1] != 1 and top.strides[axis] != top.strides[axis + 1] * top.shape[axis + 1]:
+            # the group's innermost non-unit axis must step exactly over the new axis's extent
+            inner = [a for a in group if top.shape[a] != 1]
+            if inner and top.shape[axis] != 1 and top.strides[inner[-1]] != top.strides[axis] * top.shape[axis]:
                 return False
         return True
 
     groups: list[list[int]] = []
     for axis in range(n):
-        if groups and mergeable(axis - 1) and all(mergeable(a) for a in range(groups[-1][0], axis)):
+        if groups and joins(groups[-1], axis):
             groups[-1].append(axis)
         else:
             groups.append([axis])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,12 @@ if TYPE_CHECKING:
     from tinydist.runtime.device import Device
 
 Command = tuple[Callable[..., Any], tuple[Any, ...]]
+
+# Observability hooks (tinydist.trace, tinydist.metrics). TRACER is None unless tracing is on; the
+# worker reads it once per batch, so tracing off costs one global load per batch and nothing per
+# command. QUEUES lets the metrics collector read every live queue's counters at scrape time.
+TRACER: Any = None
+QUEUES: weakref.WeakSet[CommandQueue] = weakref.WeakSet()
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +60,12 @@ class CommandQueue:
         self.timings: deque[BatchTiming] = deque(maxlen=history)
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._submitted = 0
+        self.bytes_copied = 0  # bytes submitted in copy commands (read by tinydist.metrics)
         self._submit_lock = threading.Lock()
         self._closed = False
         self._thread: threading.Thread | None = None
         self.log = get_logger(device=device.name, queue=kind, timeline=self.name)
+        QUEUES.add(self)
 
     def __repr__(self) -> str:
         return f"CommandQueue({self.name!r}, submitted={self._submitted}, completed={self.timeline.value})"
@@ -66,7 +75,7 @@ class CommandQueue:
             self._thread = threading.Thread(target=self._run, name=f"tinydist:{self.name}", daemon=True)
             self._thread.start()
 
-    def submit(self, commands: Sequence[Command], inline: bool = False) -> int:
+    def submit(self, commands: Sequence[Command], inline: bool = False, nbytes: int = 0) -> int:
         """Queue a batch; returns the timeline value that proves it completed.
 
         `inline=True` (for synchronous callers that wait right away anyway): if the queue is idle —
@@ -80,12 +89,18 @@ class CommandQueue:
             raise failure
         with self._submit_lock:
             self._submitted += 1
+            self.bytes_copied += nbytes
             value = self._submitted
             if inline and self.timeline.value == value - 1:
                 self._execute(commands, value)
             else:
                 self._inbox.put((commands, value))
         return value
+
+    @property
+    def worker(self) -> threading.Thread | None:
+        """The thread running this queue's batches (None before start)."""
+        return self._thread
 
     @property
     def last_submitted(self) -> int:
@@ -117,11 +132,15 @@ class CommandQueue:
             timeline.retire(value)  # a failed device runs nothing more: what the batch held goes back
             return
         start = time.perf_counter_ns()
+        tracer = TRACER
         try:
-            for fn, args in commands:
-                if timeline.failure is not None:
-                    break  # failed mid-batch (a hang declared elsewhere): run no more of it
-                fn(*args)
+            if tracer is not None:
+                tracer.run_batch(self, commands, value)  # same loop, each command timed
+            else:
+                for fn, args in commands:
+                    if timeline.failure is not None:
+                        break  # failed mid-batch (a hang declared elsewhere): run no more of it
+                    fn(*args)
         except DeviceFailed as exc:
             self.log.error("batch depended on failed work", value=value, error=str(exc))
             self.device.mark_failed(DeviceFailed(f"{self.name}: batch {value} depended on failed work: {exc}"))
