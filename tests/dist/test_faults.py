@@ -1,0 +1,68 @@
+"""Faults: a rank SIGKILLed or hanging mid-collective, and the launcher stopping a job when one rank fails."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import pytest
+
+from .helpers import finish, launch, shm_entries, spawn_ranks
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_sigkill_mid_collective_survivors_name_the_dead_rank(transport, no_shm_leak):
+    procs = spawn_ranks(4, "faults.py", "kill", "2", env={"TINYDIST_COLLECTIVE_TIMEOUT": "3", "TINYDIST_TRANSPORT": transport})
+    results = finish(procs, timeout=60)
+    assert results[2][0] == -9, results[2]
+    for rank in (0, 1, 3):
+        rc, out = results[rank]
+        assert rc == 0, out
+        found = re.search(r"RANKFAILED rank=(\d+) after=([\d.]+) msg=(.*)", out)
+        assert found, out
+        assert int(found.group(1)) == 2, out
+        assert float(found.group(2)) < 3.0, out          # well within the 3 s collective timeout
+        assert "rank 2 failed" in found.group(3), out
+        assert "AGAIN RankFailed" in out
+
+
+def test_hung_rank_times_out_naming_it(no_shm_leak):
+    procs = spawn_ranks(3, "faults.py", "hang", "1", env={"TINYDIST_COLLECTIVE_TIMEOUT": "2"})
+    start = time.monotonic()
+    try:
+        results = [finish([p], timeout=30)[0] for p in procs if p is not procs[1]]
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    assert time.monotonic() - start < 25
+    for rc, out in results:
+        assert rc == 0, out
+        found = re.search(r"TIMEOUT ranks=\[1\] after=([\d.]+) msg=(.*)", out)
+        assert found, out
+        assert 1.5 < float(found.group(1)) < 4.0, out
+        assert "no call from ranks [1]" in found.group(2)
+        assert "AGAIN CollectiveTimeout" in out
+
+
+def test_launcher_fails_fast_and_kills_the_rest(tmp_path):
+    start = time.monotonic()
+    result = launch(3, "launcher_fail.py", str(tmp_path), timeout=60)
+    elapsed = time.monotonic() - start
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert elapsed < 20, elapsed                     # not the 60 s the other ranks would sleep
+    assert "[rank 0] hello from 0 of 3" in result.stdout
+    assert "[rank 2] hello from 2 of 3" in result.stdout
+    assert "[rank 1] rank 1 fails" in result.stderr
+    assert "rank 1 exited with code 3" in result.stderr
+    for rank in range(3):
+        pid = int((tmp_path / f"pid{rank}").read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_launcher_success_and_no_shm_left():
+    before = shm_entries()
+    result = launch(2, "mismatch.py")
+    assert result.returncode == 0, result.stderr
+    assert shm_entries() - before == set()

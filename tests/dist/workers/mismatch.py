@@ -1,0 +1,25 @@
+"""Ranks that disagree: every rank must raise CollectiveMismatch, and the group must stay usable."""
+
+import numpy as np
+
+from tinydist import dist
+
+dist.init()
+r = dist.rank()
+cases = {
+    "shape": lambda: dist.all_reduce(np.ones(4 if r == 0 else 5)),
+    "dtype": lambda: dist.all_reduce(np.ones(4, np.float32 if r == 0 else np.int64)),
+    "op": lambda: dist.all_reduce(np.ones(4), op="sum" if r == 0 else "max"),
+    "coll": lambda: dist.all_reduce(np.ones(4)) if r == 0 else dist.broadcast(np.ones(4)),
+    "badop": lambda: dist.all_reduce(np.ones(4), op="avg" if r == 1 else "sum"),
+    "algorithm": lambda: dist.all_reduce(np.ones(4), algorithm="ring" if r == 0 else "naive"),
+    "gather": lambda: dist.all_gather(np.ones((2, 3 if r == 0 else 4))),
+}
+for name, fn in cases.items():
+    try:
+        fn()
+    except dist.CollectiveMismatch as exc:
+        print(f"MISMATCH {name}: {exc}", flush=True)
+    else:
+        print(f"NO ERROR {name}", flush=True)
+print("AFTER", dist.all_reduce(np.full(3, r + 1.0)).numpy().tolist(), flush=True)

@@ -1,0 +1,143 @@
+"""Process-group collectives: one process per rank, started by `tinydist launch` (or by hand).
+
+    import tinydist as td
+    td.dist.init()                                   # TINYDIST_RANK, TINYDIST_WORLD_SIZE, TINYDIST_COORDINATOR
+    y = td.dist.all_reduce(td.Tensor(x), op="sum")   # algorithm="auto" | "naive" | "ring" | "all2all"
+    td.dist.all_gather(t, axis=0); td.dist.reduce_scatter(t, op="sum", axis=0)
+    td.dist.broadcast(t, src=0); td.dist.barrier(); td.dist.destroy()
+
+Inputs are td.Tensors or numpy arrays; results are td.Tensors. The functions are a blocking facade
+over `ProcessGroup` (async, numpy in and out), which runs on an event loop in a background thread;
+async code can use `ProcessGroup.open(...)` directly. See docs/collectives.md.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import threading
+from typing import Any
+
+import numpy as np
+
+from tinydist.dist.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, RankFailed
+from tinydist.dist.group import ProcessGroup, choose_allreduce
+from tinydist.dist.rendezvous import parse_address
+
+__all__ = ["CollectiveError", "CollectiveMismatch", "CollectiveTimeout", "ProcessGroup", "RankFailed", "all_gather",
+           "all_reduce", "barrier", "broadcast", "choose_allreduce", "destroy", "get_group", "init", "is_initialized",
+           "rank", "reduce_scatter", "world_size"]
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {}
+
+
+def _env_int(name: str) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        raise RuntimeError(f"{name} is not set; start the script with `tinydist launch --nproc N script.py` "
+                           f"or pass rank/world_size to td.dist.init()")
+    return int(raw)
+
+
+def init(rank: int | None = None, world_size: int | None = None, coordinator: str | None = None,
+         timeout: float | None = None) -> None:
+    """Join the process group (blocks until every rank has joined or the timeout passes)."""
+    from anyio.from_thread import start_blocking_portal
+    with _lock:
+        if _state:
+            raise RuntimeError("td.dist.init() was already called; call td.dist.destroy() first")
+        rank = _env_int("TINYDIST_RANK") if rank is None else rank
+        world = _env_int("TINYDIST_WORLD_SIZE") if world_size is None else world_size
+        address = parse_address(coordinator or os.environ.get("TINYDIST_COORDINATOR", "127.0.0.1:29400"))
+        sock = None
+        fd = os.environ.get("TINYDIST_COORDINATOR_FD")
+        if rank == 0 and fd is not None and coordinator is None:
+            sock = socket.socket(fileno=int(fd))
+            os.environ.pop("TINYDIST_COORDINATOR_FD")       # children of this rank must not reuse it
+        portal_cm = start_blocking_portal("asyncio")
+        portal = portal_cm.__enter__()
+        try:
+            group_cm = portal.wrap_async_context_manager(ProcessGroup.open(rank, world, address, sock, timeout))
+            group = group_cm.__enter__()
+        except BaseException:
+            portal_cm.__exit__(None, None, None)
+            raise
+        _state.update(portal_cm=portal_cm, portal=portal, group_cm=group_cm, group=group)
+        atexit.register(destroy)
+
+
+def destroy() -> None:
+    """Leave the group: say BYE to every peer (bounded wait), release links and shared memory. Idempotent."""
+    with _lock:
+        if not _state:
+            return
+        state = dict(_state)
+        _state.clear()
+    try:
+        state["group_cm"].__exit__(None, None, None)
+    finally:
+        state["portal_cm"].__exit__(None, None, None)
+
+
+def is_initialized() -> bool:
+    return bool(_state)
+
+
+def get_group() -> ProcessGroup:
+    if not _state:
+        raise RuntimeError("td.dist.init() has not been called")
+    return _state["group"]
+
+
+def rank() -> int:
+    return get_group().rank
+
+
+def world_size() -> int:
+    return get_group().world
+
+
+def _array(t: Any) -> np.ndarray:
+    if isinstance(t, np.ndarray):
+        return t
+    from tinydist.tensor import Tensor
+    if isinstance(t, Tensor):
+        return t.numpy()
+    return np.asarray(t)
+
+
+def _call(fn: Any, *args: Any) -> Any:
+    get_group()
+    return _state["portal"].call(fn, *args)
+
+
+def _tensor(arr: np.ndarray) -> Any:
+    from tinydist.tensor import Tensor
+    return Tensor(arr)
+
+
+def all_reduce(t: Any, op: str = "sum", algorithm: str = "auto") -> Any:
+    """Reduce `t` over all ranks (op: sum, mean, prod, max, min); every rank gets the result."""
+    return _tensor(_call(get_group().all_reduce, _array(t), op, algorithm))
+
+
+def all_gather(t: Any, axis: int = 0) -> Any:
+    """Concatenate every rank's `t` along `axis` in rank order; pieces may differ in length along `axis`."""
+    return _tensor(_call(get_group().all_gather, _array(t), axis))
+
+
+def reduce_scatter(t: Any, op: str = "sum", axis: int = 0, algorithm: str = "auto") -> Any:
+    """Reduce `t` over all ranks and keep this rank's piece along `axis` (np.array_split's pieces)."""
+    return _tensor(_call(get_group().reduce_scatter, _array(t), op, axis, algorithm))
+
+
+def broadcast(t: Any, src: int = 0) -> Any:
+    """Every rank gets rank `src`'s tensor; other ranks may pass None (or a tensor of the same shape/dtype)."""
+    return _tensor(_call(get_group().broadcast, None if t is None else _array(t), src))
+
+
+def barrier() -> None:
+    """Return once every rank has called barrier()."""
+    _call(get_group().barrier)

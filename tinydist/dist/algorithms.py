@@ -1,0 +1,221 @@
+"""Collective algorithms over flat numpy arrays and point-to-point links, chunked and pipelined.
+
+Every algorithm cuts its data into chunks of at most `CHUNK_BYTES` (one shared-memory slot, so a
+chunk is reduced straight out of the peer's memory) and runs one sender and one receiver task per
+link, so chunk k+1 travels while chunk k is reduced. Both sides derive the same chunk plan from the
+same bounds, so no chunk carries a tag: each link is an ordered stream.
+
+- naive:    every rank sends all its data to every peer; each rank reduces in rank order 0..N-1, so
+            every rank gets bitwise the same result. (N-1)·n bytes out per rank, one step.
+- ring:     reduce-scatter then allgather around the ring, 2(N-1) steps of n/N bytes; the sender of
+            step s forwards chunk k as soon as the receiver has reduced chunk k of step s-1.
+- all2all:  rank i owns segment i: every rank sends segment j straight to rank j, which reduces
+            it, then sends its reduced segment straight to everyone; 2(N-1)·n/N bytes, two steps.
+            A reduced chunk goes out as soon as the last peer's contribution to it is in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import anyio
+import numpy as np
+
+from transports.base import Link
+from transports.shm import SLOT_BYTES
+
+CHUNK_BYTES = SLOT_BYTES
+
+Ufunc = Callable[..., np.ndarray]
+Bounds = list[tuple[int, int]]
+
+
+def split_bounds(n: int, parts: int) -> Bounds:
+    """`parts` contiguous ranges covering 0..n; the first n % parts are one longer (np.array_split)."""
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        stop = start + base + (1 if i < extra else 0)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
+def chunk_bounds(start: int, stop: int, chunk: int) -> Bounds:
+    return [(a, min(a + chunk, stop)) for a in range(start, stop, chunk)]
+
+
+def _view(view: memoryview, dtype: np.dtype, count: int) -> np.ndarray:
+    arr = np.frombuffer(view, dtype)
+    if arr.size != count:
+        raise RuntimeError(f"received {arr.size} elements where {count} were expected (ranks out of step)")
+    return arr
+
+
+class Progress:
+    """A counter one task advances and another awaits, without polling."""
+
+    def __init__(self) -> None:
+        self.value = 0
+        self._event = anyio.Event()
+
+    def advance(self) -> None:
+        self.value += 1
+        self._event.set()
+        self._event = anyio.Event()
+
+    async def reach(self, target: int) -> None:
+        while self.value < target:
+            await self._event.wait()
+
+
+def _chunk(itemsize: int) -> int:
+    return max(1, CHUNK_BYTES // max(1, itemsize))
+
+
+async def naive(links: dict[int, Link], rank: int, world: int, x: np.ndarray, ufunc: Ufunc) -> np.ndarray:
+    out = np.empty_like(x)
+    chunks = chunk_bounds(0, x.size, _chunk(x.itemsize))
+
+    async def sender(peer: int) -> None:
+        for a, b in chunks:
+            await links[peer].send(x[a:b])
+
+    async def reducer() -> None:
+        for a, b in chunks:
+            dst = out[a:b]
+            for j in range(world):
+                if j == rank:
+                    _combine(ufunc, dst, x[a:b], j == 0)
+                    continue
+                async with links[j].recv() as view:
+                    _combine(ufunc, dst, _view(view, x.dtype, b - a), j == 0)
+
+    async with anyio.create_task_group() as tg:
+        for peer in links:
+            tg.start_soon(sender, peer)
+        tg.start_soon(reducer)
+    return out
+
+
+def _combine(ufunc: Ufunc, dst: np.ndarray, src: np.ndarray, first: bool) -> None:
+    if first:
+        np.copyto(dst, src)
+    else:
+        ufunc(dst, src, out=dst)
+
+
+async def ring(links: dict[int, Link], rank: int, world: int, out: np.ndarray, bounds: Sequence[tuple[int, int]],
+               hold: int, reduce_steps: int, gather_steps: int, ufunc: Ufunc | None) -> None:
+    """In place on `out`: at step s send segment (hold-s) right, receive segment (hold-s-1) from the left,
+    reducing it for the first `reduce_steps` steps and copying it after that."""
+    right, left = links[(rank + 1) % world], links[(rank - 1) % world]
+    step = _chunk(out.itemsize)
+    chunks = [chunk_bounds(a, b, step) for a, b in bounds]
+    total = reduce_steps + gather_steps
+    # start[s] = how many chunks the receiver has finished before step s
+    start = [0]
+    for s in range(total):
+        start.append(start[-1] + len(chunks[(hold - s - 1) % world]))
+    progress = Progress()
+
+    async def sender() -> None:
+        for s in range(total):
+            for k, (a, b) in enumerate(chunks[(hold - s) % world]):
+                if s > 0:
+                    await progress.reach(start[s - 1] + k + 1)
+                await right.send(out[a:b])
+
+    async def receiver() -> None:
+        for s in range(total):
+            for a, b in chunks[(hold - s - 1) % world]:
+                async with left.recv() as view:
+                    src = _view(view, out.dtype, b - a)
+                    if s < reduce_steps:
+                        assert ufunc is not None
+                        ufunc(out[a:b], src, out=out[a:b])
+                    else:
+                        out[a:b] = src
+                progress.advance()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sender)
+        tg.start_soon(receiver)
+
+
+async def all2all(links: dict[int, Link], rank: int, world: int, x: np.ndarray, out: np.ndarray,
+                  bounds: Sequence[tuple[int, int]], ufunc: Ufunc, gather: bool = True) -> None:
+    """Reduce segment `rank` of every rank's `x` into `out` (peers send it straight here); with `gather`,
+    send the reduced segment straight to every peer and place theirs."""
+    step = _chunk(x.itemsize)
+    chunks = [chunk_bounds(a, b, step) for a, b in bounds]
+    mine = chunks[rank]
+    a0, b0 = bounds[rank]
+    out[a0:b0] = x[a0:b0]
+    counts = [0] * len(mine)
+    ready = [anyio.Event() for _ in mine]
+    if world == 1:
+        return
+
+    async def sender(peer: int) -> None:
+        link = links[peer]
+        for a, b in chunks[peer]:
+            await link.send(x[a:b])
+        if gather:
+            for k, (a, b) in enumerate(mine):
+                await ready[k].wait()
+                await link.send(out[a:b])
+
+    async def receiver(peer: int) -> None:
+        link = links[peer]
+        for k, (a, b) in enumerate(mine):
+            async with link.recv() as view:
+                ufunc(out[a:b], _view(view, x.dtype, b - a), out=out[a:b])
+            counts[k] += 1
+            if counts[k] == world - 1:
+                ready[k].set()
+        if gather:
+            for a, b in chunks[peer]:
+                async with link.recv() as view:
+                    out[a:b] = _view(view, x.dtype, b - a)
+
+    async with anyio.create_task_group() as tg:
+        for peer in links:
+            tg.start_soon(sender, peer)
+            tg.start_soon(receiver, peer)
+
+
+async def direct_gather(links: dict[int, Link], rank: int, out: np.ndarray, bounds: Sequence[tuple[int, int]]) -> None:
+    """Allgather in one step: send my piece (already in `out`) to every peer, place each peer's piece."""
+    step = _chunk(out.itemsize)
+    chunks = [chunk_bounds(a, b, step) for a, b in bounds]
+
+    async def sender(peer: int) -> None:
+        for a, b in chunks[rank]:
+            await links[peer].send(out[a:b])
+
+    async def receiver(peer: int) -> None:
+        for a, b in chunks[peer]:
+            async with links[peer].recv() as view:
+                out[a:b] = _view(view, out.dtype, b - a)
+
+    async with anyio.create_task_group() as tg:
+        for peer in links:
+            tg.start_soon(sender, peer)
+            tg.start_soon(receiver, peer)
+
+
+async def broadcast(links: dict[int, Link], rank: int, src: int, out: np.ndarray) -> None:
+    """The root sends its data to every peer directly; the others receive into `out`."""
+    chunks = chunk_bounds(0, out.size, _chunk(out.itemsize))
+    if rank == src:
+        async def sender(peer: int) -> None:
+            for a, b in chunks:
+                await links[peer].send(out[a:b])
+        async with anyio.create_task_group() as tg:
+            for peer in links:
+                tg.start_soon(sender, peer)
+        return
+    for a, b in chunks:
+        async with links[src].recv() as view:
+            out[a:b] = _view(view, out.dtype, b - a)
