@@ -1,0 +1,18 @@
+"""ONNX import: an ONNX graph mapped onto lazy `td.Tensor` ops (no second execution engine).
+
+    import tinydist.onnx
+    model = tinydist.onnx.load("model.onnx")        # `onnx` is an optional extra: pip install tinydist[onnx]
+    outputs = model({"input": array})              # dict name -> numpy array, in the graph's output order
+
+Initializers are uploaded once at load; `Constant`, `Shape` and everything computable from constants
+and static shapes is folded at load with numpy. Each remaining node becomes one pre-resolved closure
+over Tensor ops, so a call builds one lazy graph that `realize` fuses and schedules as a whole.
+Unsupported ops, dtypes and attribute values raise `UnsupportedModelError` at load. See docs/onnx.md.
+
+This package imports nothing from `onnx` until `load` is called.
+"""
+
+from tinydist.onnx.errors import UnsupportedModelError
+from tinydist.onnx.model import OnnxModel, load
+
+__all__ = ["OnnxModel", "UnsupportedModelError", "load"]

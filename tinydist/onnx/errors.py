@@ -1,0 +1,10 @@
+"""Errors of the ONNX importer."""
+
+from __future__ import annotations
+
+
+class UnsupportedModelError(ValueError):
+    """The model uses an op, dtype, opset or attribute value tinydist cannot run exactly.
+
+    Raised at load time (or, for inputs with symbolic dimensions, on the first call with new
+    shapes), never instead of a wrong answer. The message names the node, op type and opset."""

@@ -1,0 +1,430 @@
+"""Loading an ONNX model into a plan of closures over td.Tensor ops, and running it.
+
+Load: parse the protobuf (the only place `onnx` is imported), check every node's domain, op type
+and attributes, upload initializers, then *plan* for the inputs' static shapes: walk the nodes
+once over placeholder tensors (lazy constants: nothing is computed or allocated), folding every
+node whose inputs are constant (or depend only on shapes) into numpy values, and turning each
+remaining node into one closure `step(env)` over a flat list of value slots. Inputs with symbolic
+dimensions get a plan per distinct set of shapes, made on the first call that uses it.
+
+Call: validate the feed, upload it, run the closures (building one lazy graph), realize all
+outputs together (one schedule), read them back with one copy batch per device.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from tinydist import dtypes
+from tinydist.onnx.errors import UnsupportedModelError
+from tinydist.onnx.ops import FOLDS, OPS, SUPPORTED_NP
+from tinydist.realize import realize
+from tinydist.runtime.engine import get_engine
+from tinydist.tensor import Tensor
+
+MIN_OPSET, MAX_OPSET = 11, 21
+_REQUIRED = object()
+
+# ONNX TensorProto element types that tinydist tensors can hold.
+_ELEM_TO_NP = {1: np.float32, 6: np.int32, 7: np.int64, 9: np.bool_, 11: np.float64}
+_ELEM_NAMES = {0: "UNDEFINED", 1: "FLOAT", 2: "UINT8", 3: "INT8", 4: "UINT16", 5: "INT16", 6: "INT32", 7: "INT64",
+               8: "STRING", 9: "BOOL", 10: "FLOAT16", 11: "DOUBLE", 12: "UINT32", 13: "UINT64", 14: "COMPLEX64",
+               15: "COMPLEX128", 16: "BFLOAT16"}
+
+
+def np_dtype_of(ctx: Any, elem_type: int) -> np.dtype:
+    if elem_type not in _ELEM_TO_NP:
+        name = _ELEM_NAMES.get(elem_type, f"elem_type {elem_type}")
+        raise ctx.error(f"dtype {name} is not supported (float32, float64, int32, int64, bool)")
+    return np.dtype(_ELEM_TO_NP[elem_type])
+
+
+class NodeCtx:
+    """What a handler knows about its node: attributes, opset, output use, and a per-node cache."""
+
+    __slots__ = ("name", "op_type", "opset", "attrs", "n_outputs", "outputs_used", "_memo", "_device")
+
+    def __init__(self, name: str, op_type: str, opset: int, attrs: dict[str, Any], n_outputs: int,
+                 outputs_used: list[bool], device: str) -> None:
+        self.name, self.op_type, self.opset, self.attrs = name, op_type, opset, attrs
+        self.n_outputs, self.outputs_used, self._memo, self._device = n_outputs, outputs_used, {}, device
+
+    def error(self, message: str) -> UnsupportedModelError:
+        return UnsupportedModelError(f"node {self.name!r} ({self.op_type}, opset {self.opset}): {message}")
+
+    def has_attr(self, name: str) -> bool:
+        return name in self.attrs
+
+    def attr(self, name: str, default: Any = _REQUIRED) -> Any:
+        if name in self.attrs:
+            return self.attrs[name]
+        if default is _REQUIRED:
+            raise self.error(f"required attribute {name!r} is missing")
+        return default
+
+    def target_dtype(self, elem_type: int) -> dtypes.DType:
+        return dtypes.to_dtype(np_dtype_of(self, elem_type))
+
+    def lift(self, key: Any, array: np.ndarray) -> Tensor:
+        """`array` as a Tensor, uploaded once per node and key (a scalar becomes a fused constant)."""
+        found = self._memo.get(key)
+        if found is None:
+            found = self._memo[key] = lift(self, np.asarray(array), self._device)
+        return found
+
+
+def lift(ctx: Any, array: np.ndarray, device: str) -> Tensor:
+    if array.dtype not in SUPPORTED_NP:
+        raise ctx.error(f"constant of dtype {array.dtype} is not supported (float32, float64, int32, int64, bool)")
+    if array.size == 1:
+        return Tensor.full(array.shape, array.reshape(-1)[0].item(), dtypes.to_dtype(array.dtype), device)
+    return Tensor(np.ascontiguousarray(array), device).realize()
+
+
+class _GraphCtx:
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def error(self, message: str) -> UnsupportedModelError:
+        return UnsupportedModelError(f"{self.what}: {message}")
+
+
+class _Node:
+    __slots__ = ("spec", "ctx", "inputs", "outputs")
+
+    def __init__(self, spec: Any, ctx: NodeCtx, inputs: list[str], outputs: list[str]) -> None:
+        self.spec, self.ctx, self.inputs, self.outputs = spec, ctx, inputs, outputs
+
+
+class _Plan:
+    """Closures for one set of input shapes."""
+
+    __slots__ = ("steps", "n_slots", "input_slots", "outputs")
+
+    def __init__(self, steps: list[Callable[[list[Any]], None]], n_slots: int, input_slots: list[int],
+                 outputs: list[tuple[int, Any]]) -> None:
+        self.steps, self.n_slots, self.input_slots, self.outputs = steps, n_slots, input_slots, outputs
+
+
+def _make_step(fn: Callable[..., Any], ctx: NodeCtx, spec: list[tuple[int, Any]], out_slots: list[int],
+               multi: bool) -> Callable[[list[Any]], None]:
+    slots = tuple(s for s, _ in spec)
+    consts = tuple(v for _, v in spec)
+    if not multi:
+        out = out_slots[0]
+        if len(spec) == 1 and slots[0] >= 0:
+            a = slots[0]
+
+            def step1(env: list[Any]) -> None:
+                env[out] = fn(ctx, env[a])
+            return step1
+        if len(spec) == 2 and slots[0] >= 0 and slots[1] >= 0:
+            a, b = slots
+
+            def step2(env: list[Any]) -> None:
+                env[out] = fn(ctx, env[a], env[b])
+            return step2
+
+        def step(env: list[Any]) -> None:
+            env[out] = fn(ctx, *[env[s] if s >= 0 else c for s, c in zip(slots, consts)])
+        return step
+
+    def step_multi(env: list[Any]) -> None:
+        results = fn(ctx, *[env[s] if s >= 0 else c for s, c in zip(slots, consts)])
+        for slot, value in zip(out_slots, results):
+            if slot >= 0:
+                env[slot] = value
+    return step_multi
+
+
+class OnnxModel:
+    """A loaded model: `model(feed)` → dict of numpy outputs; `model.run_tensors(feed)` → Tensors."""
+
+    def __init__(self, proto: Any, device: str = "CPU") -> None:
+        from onnx import helper, numpy_helper  # the optional extra: imported only when a model is loaded
+
+        self.device = device
+        graph = proto.graph
+        opsets = {imp.domain or "ai.onnx": imp.version for imp in proto.opset_import}
+        self.opset = opsets.get("ai.onnx", opsets.get("", 0))
+        if not MIN_OPSET <= self.opset <= MAX_OPSET:
+            raise UnsupportedModelError(f"model opset {self.opset} is not supported (opsets {MIN_OPSET}–{MAX_OPSET})")
+        self.graph_name = graph.name
+        self._consts: dict[str, np.ndarray] = {}
+        for init in graph.initializer:
+            self._consts[init.name] = numpy_helper.to_array(init)
+        if len(graph.sparse_initializer):
+            raise UnsupportedModelError("sparse initializers are not supported")
+        self.inputs: list[tuple[str, tuple[int | None, ...], np.dtype]] = []
+        for vi in graph.input:
+            if vi.name in self._consts:
+                continue  # an initializer listed as an input: a constant with a default (not fed)
+            self.inputs.append((vi.name, *self._value_type(vi, "graph input")))
+        self.outputs: list[tuple[str, tuple[int | None, ...] | None, np.dtype | None]] = []
+        for vi in graph.output:
+            shape, dtype = self._value_type(vi, "graph output", required=False)
+            self.outputs.append((vi.name, shape, dtype))
+        self.input_names = [name for name, _, _ in self.inputs]
+        self.output_names = [name for name, _, _ in self.outputs]
+
+        used: set[str] = {name for name in self.output_names}
+        for node in graph.node:
+            used.update(i for i in node.input if i)
+        self._nodes: list[_Node] = []
+        for index, node in enumerate(graph.node):
+            name = node.name or f"{node.op_type}_{index}"
+            ctx_name = f"node {name!r} ({node.op_type}, opset {self.opset})"
+            domain = node.domain or "ai.onnx"
+            if domain != "ai.onnx":
+                raise UnsupportedModelError(f"{ctx_name}: domain {node.domain!r} is not supported (only the default ONNX domain)")
+            spec = OPS.get(node.op_type)
+            if spec is None:
+                raise UnsupportedModelError(f"{ctx_name}: op type {node.op_type!r} is not supported")
+            attrs: dict[str, Any] = {}
+            for attr in node.attribute:
+                if attr.name not in spec.attrs:
+                    raise UnsupportedModelError(f"{ctx_name}: attribute {attr.name!r} is not supported")
+                if attr.type in (attr.GRAPH, attr.GRAPHS, attr.SPARSE_TENSOR, attr.SPARSE_TENSORS, attr.TYPE_PROTO,
+                                 attr.TYPE_PROTOS) or attr.ref_attr_name:
+                    raise UnsupportedModelError(f"{ctx_name}: attribute {attr.name!r} of this kind is not supported")
+                value = helper.get_attribute_value(attr)
+                if isinstance(value, bytes):
+                    value = value.decode()
+                elif attr.type == attr.TENSOR:
+                    value = numpy_helper.to_array(value)
+                elif isinstance(value, list):
+                    value = [v.decode() if isinstance(v, bytes) else v for v in value]
+                attrs[attr.name] = value
+            inputs = list(node.input)
+            while inputs and not inputs[-1]:
+                inputs.pop()
+            if len(inputs) < spec.min_inputs:
+                raise UnsupportedModelError(f"{ctx_name}: needs at least {spec.min_inputs} inputs, has {len(inputs)}")
+            outputs = list(node.output)
+            ctx = NodeCtx(name, node.op_type, self.opset, attrs, len(outputs), [o in used for o in outputs], device)
+            self._nodes.append(_Node(spec, ctx, inputs, outputs))
+        self._plans: dict[tuple[tuple[int, ...], ...], _Plan] = {}
+        self._lifted: dict[str, Tensor] = {}
+        if all(None not in shape for _, shape, _ in self.inputs):
+            self._plan(tuple(tuple(shape) for _, shape, _ in self.inputs))  # type: ignore[arg-type]
+
+    @staticmethod
+    def _value_type(vi: Any, what: str, required: bool = True) -> tuple[Any, Any]:
+        ctx = _GraphCtx(f"{what} {vi.name!r}")
+        if not vi.type.HasField("tensor_type"):
+            if not required:
+                return None, None
+            raise ctx.error("only tensor values are supported")
+        tt = vi.type.tensor_type
+        dtype = np_dtype_of(ctx, tt.elem_type) if (required or tt.elem_type) else None
+        if not tt.HasField("shape"):
+            if required:
+                raise ctx.error("the rank must be known")
+            return None, dtype
+        dims = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in tt.shape.dim)
+        return dims, dtype
+
+    def __repr__(self) -> str:
+        ins = ", ".join(f"{n}: {d.name}{list(s)}" for n, s, d in self.inputs)
+        return f"<OnnxModel {self.graph_name!r} opset {self.opset} ({ins}) -> {self.output_names}>"
+
+    # ---- planning ----------------------------------------------------------------------------
+
+    def _lift_value(self, ctx: Any, name: str, array: np.ndarray) -> Tensor:
+        found = self._lifted.get(name)
+        if found is None:
+            found = self._lifted[name] = lift(ctx, array, self.device)
+        return found
+
+    def _plan(self, shapes: tuple[tuple[int, ...], ...]) -> _Plan:
+        plan = self._plans.get(shapes)
+        if plan is not None:
+            return plan
+        consts = dict(self._consts)
+        slot_of: dict[str, int] = {}
+        dry: list[Any] = []
+        for (name, _, dtype), shape in zip(self.inputs, shapes):
+            slot_of[name] = len(dry)
+            dry.append(Tensor.full(shape, 0, dtypes.to_dtype(dtype), self.device))
+        steps: list[Callable[[list[Any]], None]] = []
+        for node in self._nodes:
+            ctx, spec = node.ctx, node.spec
+            missing = [i for i in node.inputs if i and i not in consts and i not in slot_of]
+            if missing:
+                raise ctx.error(f"input {missing[0]!r} is not produced by any earlier node, initializer or graph input")
+            try:
+                if all(not i or i in consts for i in node.inputs):
+                    results = self._fold(node, consts)
+                    for out, value in zip(node.outputs, results):
+                        if out and value is not None:
+                            consts[out] = value
+                    continue
+                spec_args: list[tuple[int, Any]] = []
+                args = []
+                for pos, name in enumerate(node.inputs):
+                    if not name:
+                        spec_args.append((-1, None))
+                        args.append(None)
+                    elif name in slot_of:
+                        spec_args.append((slot_of[name], None))
+                        args.append(dry[slot_of[name]])
+                    else:
+                        value = consts[name] if pos in spec.params else self._lift_value(ctx, name, consts[name])
+                        spec_args.append((-1, value))
+                        args.append(value)
+                results = spec.fn(ctx, *args)
+            except UnsupportedModelError:
+                raise
+            except (ValueError, TypeError, IndexError, np.exceptions.AxisError) as e:
+                raise ctx.error(f"{type(e).__name__}: {e}") from e
+            multi = isinstance(results, tuple)
+            results = results if multi else (results,)
+            out_slots = []
+            for out, value in zip(node.outputs, results):
+                if isinstance(value, Tensor) and out:
+                    slot_of[out] = len(dry)
+                    out_slots.append(len(dry))
+                    dry.append(value)
+                else:
+                    out_slots.append(-1)
+                    if out and value is not None:
+                        consts[out] = value
+            if any(s >= 0 for s in out_slots):
+                steps.append(_make_step(spec.fn, ctx, spec_args, out_slots, multi))
+        outputs: list[tuple[int, Any]] = []
+        for name, shape, dtype in self.outputs:
+            gctx = _GraphCtx(f"graph output {name!r}")
+            if name in slot_of:
+                value = dry[slot_of[name]]
+                got_shape, got_dtype = value.shape, value.dtype.np
+                outputs.append((slot_of[name], None))
+            elif name in consts:
+                value = np.asarray(consts[name])
+                got_shape, got_dtype = value.shape, value.dtype
+                outputs.append((-1, value))
+            else:
+                raise gctx.error("is not produced by any node")
+            if dtype is not None and got_dtype != dtype:
+                raise gctx.error(f"computes dtype {got_dtype}, the graph declares {dtype}")
+            if shape is not None and (len(shape) != len(got_shape) or any(d is not None and d != g for d, g in zip(shape, got_shape))):
+                raise gctx.error(f"computes shape {got_shape}, the graph declares {shape}")
+        plan = _Plan(steps, len(dry), [slot_of[name] for name in self.input_names], outputs)
+        self._plans[shapes] = plan
+        return plan
+
+    def _fold(self, node: _Node, consts: dict[str, np.ndarray]) -> Sequence[Any]:
+        ctx, spec = node.ctx, node.spec
+        values = [consts[i] if i else None for i in node.inputs]
+        fold = FOLDS.get(ctx.op_type)
+        if fold is not None:
+            result = fold(ctx, *values)
+        else:
+            args = [v if (v is None or pos in spec.params) else lift(ctx, v, self.device) for pos, v in enumerate(values)]
+            result = spec.fn(ctx, *args)
+        results = result if isinstance(result, tuple) else (result,)
+        return [r.numpy() if isinstance(r, Tensor) else (np.asarray(r) if r is not None else None) for r in results]
+
+    # ---- running ----------------------------------------------------------------------------
+
+    def _check_feed(self, feed: Mapping[str, Any]) -> None:
+        if not isinstance(feed, Mapping):
+            raise TypeError(f"the feed must be a dict of input name -> array, got {type(feed).__name__}")
+        missing = [n for n in self.input_names if n not in feed]
+        extra = [n for n in feed if n not in self.input_names]
+        if missing or extra:
+            expected = ", ".join(f"{n}: {d.name}{list(s)}" for n, s, d in self.inputs)
+            parts = ([f"missing input(s) {missing}"] if missing else []) + ([f"unexpected input(s) {extra}"] if extra else [])
+            raise ValueError(f"{'; '.join(parts)}; the model expects {expected}")
+
+    def _check_value(self, name: str, shape: tuple[int, ...], dtype: np.dtype, got_shape: tuple[int, ...], got_dtype: Any) -> None:
+        if got_dtype != dtype:
+            raise ValueError(f"input {name!r}: expected dtype {dtype}, got {got_dtype}")
+        if len(got_shape) != len(shape) or any(d is not None and d != g for d, g in zip(shape, got_shape)):
+            want = "(" + ", ".join("?" if d is None else str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
+            raise ValueError(f"input {name!r}: expected shape {want}, got {tuple(got_shape)}")
+
+    def _run(self, tensors: list[Tensor]) -> list[Any]:
+        plan = self._plans.get(tuple(t.shape for t in tensors)) or self._plan(tuple(t.shape for t in tensors))
+        env: list[Any] = [None] * plan.n_slots
+        for slot, t in zip(plan.input_slots, tensors):
+            env[slot] = t
+        for step in plan.steps:
+            step(env)
+        return [env[slot] if slot >= 0 else const for slot, const in plan.outputs]
+
+    def run_tensors(self, feed: Mapping[str, Tensor]) -> list[Tensor]:
+        """The outputs as lazy Tensors (graph output order), built from input Tensors; nothing is realized."""
+        self._check_feed(feed)
+        tensors = []
+        for name, shape, dtype in self.inputs:
+            t = feed[name]
+            if not isinstance(t, Tensor):
+                raise TypeError(f"input {name!r}: run_tensors takes td.Tensor values, got {type(t).__name__}")
+            self._check_value(name, shape, dtype, t.shape, t.dtype.np)
+            tensors.append(t)
+        results = self._run(tensors)
+        return [r if isinstance(r, Tensor) else self._lift_value(_GraphCtx("output"), "\0out" + str(i), r)
+                for i, r in enumerate(results)]
+
+    def __call__(self, feed: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Run on numpy inputs; returns {output name: numpy array} in the graph's output order."""
+        self._check_feed(feed)
+        tensors = []
+        for name, shape, dtype in self.inputs:
+            array = feed[name]
+            if not isinstance(array, np.ndarray):
+                array = np.asarray(array)
+                if array.dtype != dtype and array.dtype.kind == dtype.kind:  # Python scalars / lists
+                    array = array.astype(dtype)
+            self._check_value(name, shape, dtype, array.shape, array.dtype)
+            tensors.append(Tensor(array, self.device))
+        results = self._run(tensors)
+        pending = [r.node for r in results if isinstance(r, Tensor)]
+        realize(pending)
+        out: dict[str, np.ndarray] = {}
+        engine = get_engine()
+        copies: dict[str, list[tuple[np.ndarray, Any]]] = {}
+        for name, r in zip(self.output_names, results):
+            if isinstance(r, Tensor):
+                array = np.empty(r.shape, r.dtype.np)
+                if array.size:
+                    copies.setdefault(r.device, []).append((array, r.node.buffer))
+                out[name] = array
+            else:
+                out[name] = np.array(r, copy=True)
+        completions = []
+        for device_name, items in copies.items():
+            device = engine.device(device_name)
+            with device.batch("copy") as batch:
+                for array, buffer in items:
+                    batch.read_to_host(array.reshape(-1).view(np.uint8), buffer)
+            completions.append(batch.completion)
+        for completion in completions:
+            completion.wait_blocking()
+        return out
+
+
+def load(model: Any, device: str = "CPU") -> OnnxModel:
+    """Load an ONNX model (a path, bytes, or an `onnx.ModelProto`) for inference on `device`.
+
+    Raises `UnsupportedModelError` (a ValueError) naming the node, op type and opset for anything
+    tinydist cannot run exactly; needs the optional `onnx` package (pip install 'tinydist[onnx]')."""
+    try:
+        import onnx
+        from onnx import helper, numpy_helper  # noqa: F401  (a bare namespace package named onnx is not enough)
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("tinydist.onnx needs the optional 'onnx' package: pip install 'tinydist[onnx]'") from e
+    if isinstance(model, (str, os.PathLike)):
+        proto = onnx.load(os.fspath(model))
+    elif isinstance(model, (bytes, bytearray)):
+        proto = onnx.load_from_string(bytes(model))
+    elif isinstance(model, onnx.ModelProto):
+        proto = model
+    else:
+        raise TypeError(f"load() takes a path, bytes or onnx.ModelProto, got {type(model).__name__}")
+    return OnnxModel(proto, device)
