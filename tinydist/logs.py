@@ -17,6 +17,17 @@ from tinydist.config import settings
 _configured: tuple[str, str] | None = None
 
 
+class _CurrentStderr:
+    """Writes to whatever `sys.stderr` is at the time of the write (it is replaced by test
+    runners, daemons and notebooks after loggers are configured)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure(log_format: str | None = None, level: str | None = None) -> None:
     """(Re)configure rendering; arguments default to TINYDIST_LOG_FORMAT / TINYDIST_LOG_LEVEL."""
     global _configured
@@ -35,7 +46,7 @@ def configure(log_format: str | None = None, level: str | None = None) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
         cache_logger_on_first_use=False,
     )
     _configured = (log_format, level)

@@ -1,0 +1,70 @@
+"""`tinydist node serve`: the node daemon that owns this machine's devices and serves them over
+mutually-authenticated gRPC (transports.pci_remote), plus the standard gRPC health service.
+
+It refuses to start without a CA, a server certificate and a policy; binds loopback unless told
+otherwise; refuses the wildcard address unless --allow-wildcard; and opens an insecure port (health
+checks only, loopback only) only with --insecure-loopback-only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+from tinydist.logs import get_logger
+from transports.pci_remote.audit import AuditLog
+from transports.pci_remote.service import Pki, RemoteServer, ServerConfig, check_bind
+
+
+
+def _log():  # not at import: configuring logs then would bind the importer's stderr
+    return get_logger(component="node")
+
+
+@dataclass
+class NodeOptions:
+    listen: str
+    pki: Path
+    policy: Path | None = None
+    devices: tuple[str, ...] = ("CPU:0",)
+    allow_wildcard: bool = False
+    insecure_loopback_only: bool = False
+    insecure_listen: str = "127.0.0.1:7071"
+    audit: str = "-"
+    lease_ttl_s: float = 30.0
+    max_message_bytes: int = 8 << 20
+
+
+def prepare(options: NodeOptions) -> tuple[ServerConfig, Pki, Path, str | None]:
+    """Check everything that must hold before a socket is opened; raises with the reason."""
+    check_bind(options.listen, options.allow_wildcard)
+    pki = Pki.load(options.pki)
+    policy = options.policy or (Path(options.pki) / "policy.toml")
+    if not Path(policy).is_file():
+        raise FileNotFoundError(f"no policy file {policy}; refusing to start (tinydist certs init writes a starter)")
+    insecure = None
+    if options.insecure_loopback_only:
+        insecure = check_bind(options.insecure_listen, False, loopback_only=True)
+    config = ServerConfig(listen=options.listen, devices=options.devices, allow_wildcard=options.allow_wildcard,
+                          lease_ttl_s=options.lease_ttl_s, max_message_bytes=options.max_message_bytes)
+    return config, pki, Path(policy), insecure
+
+
+async def serve(options: NodeOptions, ready: asyncio.Event | None = None) -> None:
+    config, pki, policy, insecure = prepare(options)
+    audit = AuditLog(options.audit)
+    server = await RemoteServer.start(config, pki, policy, audit, insecure_listen=insecure)
+    print(f"tinydist node serving {config.listen.rsplit(':', 1)[0]}:{server.port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        ready.set()
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+        audit.close()

@@ -1,0 +1,127 @@
+"""The node daemon's start-up refusals, the CLI, health checking, proto freshness, layering rules."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from nodes.daemon import NodeOptions, prepare
+from transports.pci_remote.service import check_bind
+
+ROOT = Path(__file__).resolve().parents[2]
+WILDCARD_V4 = ".".join(["0"] * 4)
+
+
+def test_refuses_to_start_without_pki_or_policy(tmp_path, lab) -> None:
+    with pytest.raises(FileNotFoundError, match="ca.pem, server.pem, server.key"):
+        prepare(NodeOptions(listen="127.0.0.1:0", pki=tmp_path))
+    with pytest.raises(FileNotFoundError, match="no policy file"):
+        prepare(NodeOptions(listen="127.0.0.1:0", pki=lab.root, policy=tmp_path / "missing.toml"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text('trust_domain = "tinydist.lab"\n')
+    from transports.pci_remote.policy import PolicyError, PolicyStore
+    with pytest.raises(PolicyError, match=r"\[methods\]"):
+        PolicyStore(bad)
+
+
+def test_wildcard_bind_is_refused_unless_explicit() -> None:
+    for listen in (f"{WILDCARD_V4}:7070", "[::]:7070"):
+        with pytest.raises(ValueError, match="wildcard"):
+            check_bind(listen, allow_wildcard=False)
+        assert check_bind(listen, allow_wildcard=True)
+    assert check_bind("127.0.0.1:0", False) == "127.0.0.1:0"
+    assert check_bind("[::1]:0", False) == "[::1]:0"
+    with pytest.raises(ValueError, match="IP address"):
+        check_bind("example.com:7070", False)
+    with pytest.raises(ValueError, match="loopback"):
+        check_bind("10.1.2.3:7071", False, loopback_only=True)
+    with pytest.raises(ValueError, match="wildcard"):
+        prepare(NodeOptions(listen=f"{WILDCARD_V4}:7070", pki=Path("/nonexistent")))
+
+
+def _cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tinydist.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_cli_certs_and_refusals(tmp_path) -> None:
+    d = tmp_path / "pki"
+    assert _cli("certs", "init", str(d)).returncode == 0
+    assert _cli("certs", "init", str(d)).returncode == 2  # will not clobber a CA
+    issued = _cli("certs", "issue", str(d), "--name", "alice", "--days", "2")
+    assert issued.returncode == 0 and "spiffe://tinydist.lab/user/alice" in issued.stdout
+    assert _cli("certs", "issue", str(d), "--name", "../evil").returncode == 2
+    assert oct((d / "ca.key").stat().st_mode & 0o777) == "0o600"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    refused = _cli("node", "serve", "--listen", "127.0.0.1:0", "--pki", str(empty))
+    assert refused.returncode == 2 and "refusing to start" in refused.stderr
+    wild = _cli("node", "serve", "--listen", f"{WILDCARD_V4}:0", "--pki", str(d))
+    assert wild.returncode == 2 and "wildcard" in wild.stderr
+    insecure = _cli("node", "serve", "--listen", "127.0.0.1:0", "--pki", str(d), "--insecure-loopback-only",
+                    "--insecure-listen", "192.0.2.1:0")
+    assert insecure.returncode == 2 and "loopback" in insecure.stderr
+
+
+def test_node_process_serves_health_over_mtls(lab, tmp_path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TINYDIST_")}
+    proc = subprocess.Popen([sys.executable, "-m", "tinydist.cli", "node", "serve", "--listen", "127.0.0.1:0", "--pki",
+                             str(lab.root), "--audit", str(tmp_path / "audit.jsonl")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    try:
+        line = proc.stdout.readline()
+        match = re.search(r"serving 127\.0\.0\.1:(\d+)", line)
+        assert match, (line, proc.stderr.read() if proc.poll() is not None else "")
+        creds = lab.creds["carol"]
+        with grpc.secure_channel(f"127.0.0.1:{match.group(1)}", creds.channel_credentials()) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="tinydist.v1.DeviceService"), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.communicate(timeout=15)
+        finally:
+            proc.kill()
+            proc.stdout.close()
+            proc.stderr.close()
+    assert proc.returncode == 0
+
+
+def test_generated_code_is_fresh(tmp_path) -> None:
+    subprocess.run([sys.executable, str(ROOT / "proto" / "generate.py"), "--out", str(tmp_path)], check=True,
+                   capture_output=True, timeout=60)
+    committed = ROOT / "transports" / "pci_remote" / "_generated"
+    names = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
+    assert names == sorted(p.name for p in committed.iterdir() if p.is_file() and p.suffix in (".py", ".pyi"))
+    for name in names:
+        assert (tmp_path / name).read_text() == (committed / name).read_text(), f"{name} is stale: run python proto/generate.py"
+
+
+def _sources() -> list[Path]:
+    files = [*ROOT.joinpath("nodes").rglob("*.py"), *ROOT.joinpath("transports", "pci_remote").rglob("*.py"),
+             ROOT / "tinydist" / "pki.py", ROOT / "tinydist" / "cli_remote.py", ROOT / "proto" / "generate.py"]
+    return [f for f in files if "_generated" not in f.parts]
+
+
+def test_no_wildcard_literal_and_no_assert_in_remote_code() -> None:
+    for path in _sources():
+        text = path.read_text()
+        assert WILDCARD_V4 not in text, path
+        tree = ast.parse(text)
+        asserts = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Assert)]
+        assert not asserts, f"{path}: assert at lines {asserts} (runtime checks must hold under python -O)"
+
+
+def test_runtime_never_imports_grpc() -> None:
+    code = "import sys, tinydist, tinydist.runtime; assert 'grpc' not in sys.modules, 'grpc imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
+    for path in ROOT.joinpath("tinydist", "runtime").rglob("*.py"):
+        assert "grpc" not in path.read_text(), path

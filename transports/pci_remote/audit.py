@@ -1,0 +1,63 @@
+"""The audit trail: one structured (structlog, JSON) record per decision and per side effect.
+
+Every RPC ends in exactly one `decision` record (identity, method, status, reason, peer
+fingerprint); every side effect (allocation, free, write, copy, launch, program load, token mint,
+reset, BAR write, lease release) adds one `effect` record. Payloads and tokens are never passed
+here: records carry sizes and opaque ids only (handles as an 8-hex-digit prefix of their sha256).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import threading
+from pathlib import Path
+from typing import IO, Any
+
+import structlog
+
+_FORBIDDEN = frozenset({"token", "data", "payload", "llvm_ir", "key"})
+
+
+def handle_tag(handle: bytes) -> str:
+    """A short non-reversible tag for a handle, so records can be correlated without leaking it."""
+    return hashlib.sha256(handle).hexdigest()[:8]
+
+
+class AuditLog:
+    def __init__(self, sink: str | Path | IO[str] | None = None) -> None:
+        self._lock = threading.Lock()
+        if sink is None or sink == "-":
+            self._file: IO[str] = sys.stderr
+            self._owned = False
+        elif isinstance(sink, (str, Path)):
+            self._file = open(sink, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - closed in close()
+            self._owned = True
+        else:
+            self._file = sink
+            self._owned = False
+        self._logger = structlog.wrap_logger(
+            structlog.PrintLogger(self._file),
+            processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso", utc=True),
+                        structlog.processors.JSONRenderer(sort_keys=True)],
+            wrapper_class=structlog.BoundLogger,
+        ).bind(audit="tinydist.remote")
+
+    def _emit(self, event: str, fields: dict[str, Any]) -> None:
+        leaked = _FORBIDDEN & fields.keys()
+        if leaked:  # a programming error; refuse loudly instead of writing a secret
+            raise ValueError(f"audit record may not carry {sorted(leaked)}")
+        with self._lock:
+            self._logger.info(event, **fields)
+
+    def decision(self, *, identity: str | None, method: str, status: str, reason: str,
+                 fingerprint: str | None = None, peer: str | None = None) -> None:
+        self._emit("decision", {"identity": identity, "method": method, "status": status, "reason": reason,
+                                "fingerprint": fingerprint, "peer": peer})
+
+    def effect(self, *, identity: str | None, method: str, action: str, **details: Any) -> None:
+        self._emit("effect", {"identity": identity, "method": method, "action": action, **details})
+
+    def close(self) -> None:
+        if self._owned:
+            self._file.close()

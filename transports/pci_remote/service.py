@@ -1,0 +1,841 @@
+"""The remote device service (grpc.aio): mutual TLS, roles, elevation tokens, handles, audit.
+
+Every call goes through one gate (`_admit`) before its handler runs:
+
+    TLS identity (single URI SAN, clientAuth, valid) → not revoked → enrolled → method listed in the
+    policy with a role the caller has → within its RPC rate → elevation token (admin methods)
+
+and ends in exactly one audit `decision` record. Memory is named by opaque random 128-bit handles
+owned by (identity, lease); offsets and lengths are checked as `offset <= size and length <= size -
+offset` in Python integers (no overflow) before anything reaches a device. The runtime runs the
+work: allocations, copies and kernels go through the same Device/Batch API local code uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import secrets
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from tinydist.errors import AllocationError, CompileError, DeviceFailed, TinydistError
+from tinydist.logs import get_logger
+from tinydist.runtime.buffer import Buffer
+from tinydist.runtime.device import Device
+from tinydist.runtime.program import Program
+from tinydist.runtime.registry import open_device
+from transports.pci_remote._generated import device_pb2 as pb
+from transports.pci_remote.audit import AuditLog, handle_tag
+from transports.pci_remote.identity import IdentityError, PeerCache, peer_from_auth_context
+from transports.pci_remote.pci_sim import SimulatedPciFunction
+from transports.pci_remote.policy import ELEVATED, RANK, Policy, PolicyStore
+from transports.pci_remote.verifier import ENGINE, RAW, VerificationError, verify
+
+SERVICE = "tinydist.v1.DeviceService"
+ELEVATION_METADATA = "tinydist-elevation"
+HANDLE_BYTES = 16
+Code = grpc.StatusCode
+
+
+def _log():  # not at import: configuring logs then would bind the importer's stderr
+    return get_logger(component="remote-server")
+
+
+class RpcError(Exception):
+    def __init__(self, code: grpc.StatusCode, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+@dataclass
+class ServerConfig:
+    listen: str = "127.0.0.1:7070"
+    devices: tuple[str, ...] = ("CPU:0",)
+    allow_wildcard: bool = False
+    max_message_bytes: int = 8 << 20
+    max_concurrent_streams: int = 64
+    max_connections: int = 64
+    max_concurrent_rpcs: int = 256
+    handshake_timeout_s: float = 5.0
+    keepalive_time_s: float = 60.0
+    keepalive_timeout_s: float = 20.0
+    min_ping_interval_s: float = 10.0
+    max_metadata_bytes: int = 16 << 10
+    lease_ttl_s: float = 30.0
+    reap_interval_s: float = 1.0
+    stream_chunk_bytes: int = 2 << 20
+    max_allocation_bytes: int = 1 << 34
+    op_timeout_s: float = 60.0
+
+
+@dataclass
+class Call:
+    identity: str
+    fingerprint: str
+    role: str
+    policy: Policy
+    method: str
+    deadline: float  # monotonic
+
+
+@dataclass(eq=False)
+class Lease:
+    id: bytes
+    identity: str
+    expires: float
+    handles: set[bytes] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class Allocation:
+    handle: bytes
+    identity: str
+    lease: Lease
+    device: Device
+    buffer: Buffer
+    nbytes: int
+    busy: int = 0
+    free_pending: bool = False
+
+
+def split_listen(listen: str) -> tuple[str, int]:
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"listen address {listen!r} must be HOST:PORT (e.g. 127.0.0.1:7070 or [::1]:7070)")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not 0 <= int(port) <= 65535:
+        raise ValueError(f"port {port} is out of range")
+    return host, int(port)
+
+
+def check_bind(listen: str, allow_wildcard: bool, loopback_only: bool = False) -> str:
+    """Refuse a wildcard bind unless explicitly allowed, and names that are not IP literals."""
+    host, port = split_listen(listen)
+    if host == "localhost":
+        host = "127.0.0.1"
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"listen host {host!r} must be an IP address (127.0.0.1, ::1, or an interface address)") from None
+    if address.is_unspecified and not allow_wildcard:
+        raise ValueError(f"refusing to bind the wildcard address {host}: every interface would be exposed; "
+                         "pass --allow-wildcard if that is really meant")
+    if loopback_only and not address.is_loopback:
+        raise ValueError(f"an insecure port may only listen on loopback (127.0.0.1 or ::1), not {host}")
+    return f"[{address}]:{port}" if address.version == 6 else f"{address}:{port}"
+
+
+def server_options(config: ServerConfig) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_concurrent_streams", config.max_concurrent_streams),
+        ("grpc.max_allowed_incoming_connections", config.max_connections),
+        ("grpc.server_handshake_timeout_ms", int(config.handshake_timeout_s * 1000)),
+        ("grpc.keepalive_time_ms", int(config.keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_s * 1000)),
+        ("grpc.keepalive_permit_without_calls", 0),
+        ("grpc.http2.min_ping_interval_without_data_ms", int(config.min_ping_interval_s * 1000)),
+        ("grpc.http2.max_ping_strikes", 2),
+        ("grpc.max_metadata_size", config.max_metadata_bytes),
+        ("grpc.absolute_max_metadata_size", config.max_metadata_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def _check_range(nbytes: int, offset: int, length: int) -> None:
+    if not (offset <= nbytes and length <= nbytes - offset):
+        raise RpcError(Code.OUT_OF_RANGE, f"range offset={offset} length={length} is outside the {nbytes}-byte buffer")
+
+
+class DeviceService:
+    """State and handlers; `handlers()` gives the gated gRPC handlers."""
+
+    def __init__(self, config: ServerConfig, policy: PolicyStore, audit: AuditLog, devices: dict[str, Device],
+                 pci: dict[str, SimulatedPciFunction] | None = None, compile_ir: Callable[[str], bytes] | None = None) -> None:
+        self.config = config
+        self.policy = policy
+        self.audit = audit
+        self.devices = devices
+        self.pci = pci if pci is not None else {}
+        self.handler_calls: Counter[str] = Counter()  # how often each handler body ran (tests prove refusals)
+        self.leases: dict[bytes, Lease] = {}
+        self.allocations: dict[bytes, Allocation] = {}
+        self.bytes_by_identity: Counter[str] = Counter()
+        self.handles_by_identity: Counter[str] = Counter()
+        self._buckets: dict[str, tuple[float, float]] = {}
+        self._tokens: dict[str, list[tuple[bytes, float]]] = {}
+        self._programs: dict[tuple[str, str], Program] = {}
+        self._visible: dict[str, set[tuple[str, str]]] = {}
+        self._peers = PeerCache()
+        self._compile_ir = compile_ir
+        self._compile_lock = asyncio.Lock()
+
+    # ---- the gate ------------------------------------------------------------------------------
+
+    def _admit(self, method: str, context: grpc.aio.ServicerContext) -> Call:
+        policy, denied = self.policy.current()
+        try:
+            peer = peer_from_auth_context(context.auth_context(), policy.trust_domain, self._peers)
+        except IdentityError as exc:
+            raise RpcError(Code.UNAUTHENTICATED, str(exc)) from None
+        call = Call(peer.identity, peer.fingerprint, "", policy, method, 0.0)
+        if peer.fingerprint in denied:
+            raise _Refused(call, Code.UNAUTHENTICATED, "certificate revoked")
+        role = policy.role_of(peer.identity)
+        if role is None:
+            raise _Refused(call, Code.PERMISSION_DENIED, "identity not enrolled")
+        call.role = role
+        need = policy.min_role(method)
+        if need is None:
+            raise _Refused(call, Code.PERMISSION_DENIED, "method not in policy (deny by default)")
+        if RANK[role] < RANK[need]:
+            raise _Refused(call, Code.PERMISSION_DENIED, f"role {role} below required {need}")
+        quota = policy.quota_of(peer.identity)
+        now = time.monotonic()
+        tokens, last = self._buckets.get(peer.identity, (quota.rpc_burst, now))
+        tokens = min(quota.rpc_burst, tokens + (now - last) * quota.rpc_per_second)
+        if tokens < 1.0:
+            self._buckets[peer.identity] = (tokens, now)
+            raise _Refused(call, Code.RESOURCE_EXHAUSTED, "rpc rate quota exceeded")
+        self._buckets[peer.identity] = (tokens - 1.0, now)
+        if method in ELEVATED:
+            self._check_token(call, context)
+        remaining = context.time_remaining()
+        budget = self.config.op_timeout_s if remaining is None else min(self.config.op_timeout_s, remaining)
+        call.deadline = now + max(budget, 0.0)
+        return call
+
+    def _check_token(self, call: Call, context: grpc.aio.ServicerContext) -> None:
+        presented = None
+        for key, value in context.invocation_metadata() or ():
+            if key == ELEVATION_METADATA:
+                presented = value.encode() if isinstance(value, str) else bytes(value)
+        if not presented:
+            raise _Refused(call, Code.PERMISSION_DENIED, "elevation token required")
+        now = time.monotonic()
+        matched_expired = False
+        for token, expires in self._tokens.get(call.fingerprint, ()):
+            if hmac.compare_digest(token, presented):
+                if expires > now:
+                    return
+                matched_expired = True
+        raise _Refused(call, Code.PERMISSION_DENIED,
+                       "elevation token expired" if matched_expired else "elevation token invalid for this certificate")
+
+    def _wrap_unary(self, method: str, impl: Callable[..., Any]) -> Callable[..., Any]:
+        async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            call, code, reason = None, Code.OK, "ok"
+            try:
+                call = self._admit(method, context)
+                self.handler_calls[method] += 1
+                return await impl(request, call)
+            except _Refused as exc:
+                call, code, reason = exc.call, exc.code, exc.reason
+            except RpcError as exc:
+                code, reason = exc.code, exc.reason
+            except asyncio.CancelledError:
+                code, reason = Code.CANCELLED, "cancelled by the client"
+                raise
+            except Exception as exc:  # noqa: BLE001 - classified below, never leaked
+                code, reason = _classify(exc)
+            finally:
+                self._decide(call, method, code, reason, context)
+            await context.abort(code, reason)
+        return handler
+
+    def _wrap_stream_out(self, method: str, impl: Callable[..., AsyncIterator[Any]]) -> Callable[..., Any]:
+        async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            call, code, reason = None, Code.OK, "ok"
+            try:
+                call = self._admit(method, context)
+                self.handler_calls[method] += 1
+                async for reply in impl(request, call):
+                    yield reply
+            except _Refused as exc:
+                call, code, reason = exc.call, exc.code, exc.reason
+            except RpcError as exc:
+                code, reason = exc.code, exc.reason
+            except (asyncio.CancelledError, GeneratorExit):
+                code, reason = Code.CANCELLED, "cancelled by the client"
+                raise
+            except Exception as exc:  # noqa: BLE001
+                code, reason = _classify(exc)
+            finally:
+                self._decide(call, method, code, reason, context)
+            if code is not Code.OK:
+                await context.abort(code, reason)
+        return handler
+
+    def _decide(self, call: Call | None, method: str, code: grpc.StatusCode, reason: str, context: Any) -> None:
+        self.audit.decision(identity=call.identity if call else None, method=method, status=code.name, reason=reason,
+                            fingerprint=call.fingerprint if call else None, peer=context.peer())
+
+    def handlers(self) -> grpc.GenericRpcHandler:
+        service = pb.DESCRIPTOR.services_by_name["DeviceService"]
+        table = {}
+        for m in service.methods:
+            req = getattr(pb, m.input_type.name)
+            rep = getattr(pb, m.output_type.name)
+            impl = getattr(self, f"rpc_{m.name}", None)
+            if impl is None:  # a method with no implementation is refused like one with no policy entry
+                impl = self._unimplemented
+            if m.server_streaming:
+                table[m.name] = grpc.unary_stream_rpc_method_handler(
+                    self._wrap_stream_out(m.name, impl), request_deserializer=req.FromString, response_serializer=rep.SerializeToString)
+            elif m.client_streaming:
+                table[m.name] = grpc.stream_unary_rpc_method_handler(
+                    self._wrap_unary(m.name, impl), request_deserializer=req.FromString, response_serializer=rep.SerializeToString)
+            else:
+                table[m.name] = grpc.unary_unary_rpc_method_handler(
+                    self._wrap_unary(m.name, impl), request_deserializer=req.FromString, response_serializer=rep.SerializeToString)
+        return grpc.method_handlers_generic_handler(SERVICE, table)
+
+    async def _unimplemented(self, request: Any, call: Call) -> Any:
+        raise RpcError(Code.UNIMPLEMENTED, "method not implemented")
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _effect(self, call: Call, action: str, **details: Any) -> None:
+        self.audit.effect(identity=call.identity, method=call.method, action=action, **details)
+
+    def _device(self, name: str) -> Device:
+        device = self.devices.get(name)
+        if device is None:
+            raise RpcError(Code.NOT_FOUND, "no such device")
+        return device
+
+    def _lease(self, call: Call, lease_id: bytes) -> Lease:
+        lease = self.leases.get(lease_id)
+        now = time.monotonic()
+        if lease is None or lease.identity != call.identity or lease.expires <= now:
+            raise RpcError(Code.NOT_FOUND, "no such lease")
+        lease.expires = now + self.config.lease_ttl_s
+        return lease
+
+    def _allocation(self, call: Call, lease: Lease, handle: bytes) -> Allocation:
+        alloc = self.allocations.get(handle)
+        if alloc is None or alloc.identity != call.identity or alloc.lease is not lease or alloc.free_pending:
+            raise RpcError(Code.NOT_FOUND, "no such handle")  # the same answer for foreign and missing
+        return alloc
+
+    async def _wait(self, call: Call, completion: Any) -> None:
+        remaining = call.deadline - time.monotonic()
+        if remaining <= 0:
+            raise RpcError(Code.DEADLINE_EXCEEDED, "deadline exceeded")
+        try:
+            await asyncio.wait_for(completion.wait(), remaining)
+        except (asyncio.TimeoutError, TimeoutError):
+            raise RpcError(Code.DEADLINE_EXCEEDED, "deadline exceeded before the device finished") from None
+
+    def _release(self, alloc: Allocation, call: Call | None, reason: str) -> None:
+        if alloc.busy:
+            alloc.free_pending = True  # released when the in-flight operation finishes
+            return
+        if self.allocations.pop(alloc.handle, None) is None:
+            return
+        alloc.lease.handles.discard(alloc.handle)
+        self.bytes_by_identity[alloc.identity] -= alloc.nbytes
+        self.handles_by_identity[alloc.identity] -= 1
+        alloc.buffer.free()
+        self.audit.effect(identity=alloc.identity, method=call.method if call else "-", action="free",
+                          handle=handle_tag(alloc.handle), nbytes=alloc.nbytes, reason=reason)
+
+    def _done(self, allocs: list[Allocation]) -> None:
+        for alloc in allocs:
+            alloc.busy -= 1
+            if alloc.busy == 0 and alloc.free_pending:
+                alloc.free_pending = False
+                self._release(alloc, None, "deferred")
+
+    def release_lease(self, lease: Lease, reason: str) -> int:
+        self.leases.pop(lease.id, None)
+        count = 0
+        for handle in list(lease.handles):
+            alloc = self.allocations.get(handle)
+            if alloc is not None:
+                self._release(alloc, None, reason)
+                count += 1
+        self.audit.effect(identity=lease.identity, method="-", action="lease_released", reason=reason, handles=count)
+        return count
+
+    def reap(self) -> int:
+        now = time.monotonic()
+        expired = [lease for lease in self.leases.values() if lease.expires <= now]
+        for lease in expired:
+            self.release_lease(lease, "lease expired")
+        return len(expired)
+
+    # ---- viewer ----------------------------------------------------------------------------------
+
+    async def rpc_Ping(self, request: pb.PingRequest, call: Call) -> pb.PingReply:
+        return pb.PingReply(payload=request.payload)
+
+    async def rpc_WhoAmI(self, request: Any, call: Call) -> pb.WhoAmIReply:
+        return pb.WhoAmIReply(identity=call.identity, role=call.role, fingerprint=call.fingerprint)
+
+    async def rpc_ListDevices(self, request: Any, call: Call) -> pb.ListDevicesReply:
+        return pb.ListDevicesReply(devices=[pb.DeviceInfo(name=n, detail=type(d).__name__) for n, d in self.devices.items()])
+
+    async def rpc_ListPciFunctions(self, request: Any, call: Call) -> pb.ListPciFunctionsReply:
+        return pb.ListPciFunctionsReply(functions=[
+            pb.PciFunctionInfo(address=a, vendor_id=f.vendor_id, device_id=f.device_id, bars=sorted(f.bars))
+            for a, f in self.pci.items()])
+
+    # ---- leases and memory -------------------------------------------------------------------
+
+    async def rpc_OpenLease(self, request: Any, call: Call) -> pb.LeaseReply:
+        quota = call.policy.quota_of(call.identity)
+        if sum(1 for lease in self.leases.values() if lease.identity == call.identity) >= quota.max_leases:
+            raise RpcError(Code.RESOURCE_EXHAUSTED, "lease quota exceeded")
+        lease = Lease(secrets.token_bytes(HANDLE_BYTES), call.identity, time.monotonic() + self.config.lease_ttl_s)
+        self.leases[lease.id] = lease
+        self._effect(call, "lease_opened")
+        return pb.LeaseReply(lease=lease.id, ttl_seconds=self.config.lease_ttl_s)
+
+    async def rpc_RenewLease(self, request: pb.RenewLeaseRequest, call: Call) -> pb.LeaseReply:
+        lease = self._lease(call, request.lease)
+        return pb.LeaseReply(lease=lease.id, ttl_seconds=self.config.lease_ttl_s)
+
+    async def rpc_CloseLease(self, request: pb.CloseLeaseRequest, call: Call) -> pb.CloseLeaseReply:
+        lease = self._lease(call, request.lease)
+        return pb.CloseLeaseReply(released=self.release_lease(lease, "lease closed"))
+
+    async def rpc_Allocate(self, request: pb.AllocateRequest, call: Call) -> pb.AllocateReply:
+        lease = self._lease(call, request.lease)
+        device = self._device(request.device)
+        nbytes = request.nbytes
+        if nbytes == 0:
+            raise RpcError(Code.INVALID_ARGUMENT, "allocation size must be positive")
+        quota = call.policy.quota_of(call.identity)
+        if nbytes > self.config.max_allocation_bytes or self.bytes_by_identity[call.identity] + nbytes > quota.max_bytes:
+            raise RpcError(Code.RESOURCE_EXHAUSTED, "allocation quota exceeded")
+        if self.handles_by_identity[call.identity] >= quota.max_handles:
+            raise RpcError(Code.RESOURCE_EXHAUSTED, "handle quota exceeded")
+        try:
+            buffer = device.allocator.alloc(nbytes)
+        except AllocationError:
+            raise RpcError(Code.RESOURCE_EXHAUSTED, "device out of memory") from None
+        try:
+            await self._wait(call, device.copyin(buffer, np.zeros(nbytes, np.uint8)))  # fresh memory reads as zeros
+        except BaseException:
+            buffer.free()
+            raise
+        handle = secrets.token_bytes(HANDLE_BYTES)
+        while handle in self.allocations:
+            handle = secrets.token_bytes(HANDLE_BYTES)
+        self.allocations[handle] = Allocation(handle, call.identity, lease, device, buffer, nbytes)
+        lease.handles.add(handle)
+        self.bytes_by_identity[call.identity] += nbytes
+        self.handles_by_identity[call.identity] += 1
+        self._effect(call, "alloc", handle=handle_tag(handle), nbytes=nbytes, device=request.device)
+        return pb.AllocateReply(handle=handle, nbytes=nbytes)
+
+    async def rpc_Free(self, request: pb.FreeRequest, call: Call) -> pb.FreeReply:
+        alloc = self._allocation(call, self._lease(call, request.lease), request.handle)
+        if alloc.busy:
+            raise RpcError(Code.FAILED_PRECONDITION, "buffer is in use by an in-flight operation")
+        self._release(alloc, call, "freed by owner")
+        return pb.FreeReply()
+
+    async def _write(self, call: Call, alloc: Allocation, offset: int, data: bytes) -> Any:
+        _check_range(alloc.nbytes, offset, len(data))
+        if not data:
+            return None
+        view = alloc.buffer.view(offset, len(data))
+        try:
+            return alloc.device.copyin(view, data)
+        finally:
+            view.release()
+
+    async def rpc_Write(self, request: pb.WriteRequest, call: Call) -> pb.WriteReply:
+        alloc = self._allocation(call, self._lease(call, request.lease), request.handle)
+        _check_range(alloc.nbytes, request.offset, len(request.data))
+        alloc.busy += 1
+        try:
+            completion = await self._write(call, alloc, request.offset, request.data)
+            if completion is not None:
+                await self._wait(call, completion)
+        finally:
+            self._done([alloc])
+        self._effect(call, "write", handle=handle_tag(alloc.handle), nbytes=len(request.data))
+        return pb.WriteReply(written=len(request.data))
+
+    async def rpc_WriteStream(self, requests: AsyncIterator[pb.WriteRequest], call: Call) -> pb.WriteReply:
+        alloc: Allocation | None = None
+        position = written = 0
+        last = None
+        try:
+            async for request in requests:
+                if alloc is None:
+                    alloc = self._allocation(call, self._lease(call, request.lease), request.handle)
+                    alloc.busy += 1
+                    position = request.offset
+                elif (request.handle and request.handle != alloc.handle) or request.offset:
+                    raise RpcError(Code.INVALID_ARGUMENT, "only the first message of a stream names handle and offset")
+                _check_range(alloc.nbytes, position, len(request.data))
+                completion = await self._write(call, alloc, position, request.data)
+                last = completion or last
+                position += len(request.data)
+                written += len(request.data)
+            if alloc is None:
+                raise RpcError(Code.INVALID_ARGUMENT, "empty stream")
+            if last is not None:
+                await self._wait(call, last)  # the copy queue is FIFO: the last write proves them all
+        finally:
+            if alloc is not None:
+                self._done([alloc])
+        self._effect(call, "write", handle=handle_tag(alloc.handle), nbytes=written)
+        return pb.WriteReply(written=written)
+
+    async def _read(self, call: Call, alloc: Allocation, offset: int, length: int) -> bytes:
+        if not length:
+            return b""
+        view = alloc.buffer.view(offset, length)
+        try:
+            host = np.empty(length, np.uint8)
+            with alloc.device.batch("copy") as batch:
+                batch.read_to_host(host, view)
+        finally:
+            view.release()
+        await self._wait(call, batch.completion)
+        return host.tobytes()
+
+    async def rpc_Read(self, request: pb.ReadRequest, call: Call) -> pb.ReadReply:
+        alloc = self._allocation(call, self._lease(call, request.lease), request.handle)
+        _check_range(alloc.nbytes, request.offset, request.length)
+        if request.length > self.config.max_message_bytes - 1024:
+            raise RpcError(Code.RESOURCE_EXHAUSTED, "read larger than the message limit; use ReadStream")
+        alloc.busy += 1
+        try:
+            data = await self._read(call, alloc, request.offset, request.length)
+        finally:
+            self._done([alloc])
+        return pb.ReadReply(data=data)
+
+    async def rpc_ReadStream(self, request: pb.ReadRequest, call: Call) -> AsyncIterator[pb.ReadReply]:
+        alloc = self._allocation(call, self._lease(call, request.lease), request.handle)
+        _check_range(alloc.nbytes, request.offset, request.length)
+        limit = self.config.max_message_bytes - 1024
+        chunk = min(request.chunk_bytes or self.config.stream_chunk_bytes, limit)
+        alloc.busy += 1
+        try:
+            position, end = request.offset, request.offset + request.length
+            pending = None
+            while position < end or pending is not None:
+                nxt = None
+                if position < end:  # read the next chunk while the previous one is being sent
+                    size = min(chunk, end - position)
+                    nxt = asyncio.ensure_future(self._read(call, alloc, position, size))
+                    position += size
+                if pending is not None:
+                    yield pb.ReadReply(data=await pending)
+                pending = nxt
+        finally:
+            if pending is not None and not pending.done():
+                pending.cancel()
+            self._done([alloc])
+
+    async def rpc_Copy(self, request: pb.CopyRequest, call: Call) -> pb.CopyReply:
+        lease = self._lease(call, request.lease)
+        dst = self._allocation(call, lease, request.dst)
+        src = self._allocation(call, lease, request.src)
+        _check_range(dst.nbytes, request.dst_offset, request.length)
+        _check_range(src.nbytes, request.src_offset, request.length)
+        if dst.device is not src.device:
+            raise RpcError(Code.INVALID_ARGUMENT, "source and destination are on different devices")
+        if not request.length:
+            return pb.CopyReply()
+        dst.busy += 1
+        src.busy += 1
+        try:
+            dview = dst.buffer.view(request.dst_offset, request.length)
+            sview = src.buffer.view(request.src_offset, request.length)
+            try:
+                with dst.device.batch("copy") as batch:
+                    batch.copy(dview, sview)
+            finally:
+                dview.release()
+                sview.release()
+            await self._wait(call, batch.completion)
+        finally:
+            self._done([dst, src])
+        self._effect(call, "copy", dst=handle_tag(dst.handle), src=handle_tag(src.handle), nbytes=request.length)
+        return pb.CopyReply()
+
+    # ---- programs --------------------------------------------------------------------------------
+
+    async def _load(self, request: pb.LoadProgramRequest, call: Call, kind: str) -> pb.LoadProgramReply:
+        device = self._device(request.device)
+        try:
+            verified = await asyncio.to_thread(verify, request.llvm_ir, request.entry, list(request.signature), kind)
+        except VerificationError as exc:
+            raise RpcError(Code.INVALID_ARGUMENT, f"program refused: {exc}") from None
+        key = (request.device, verified.program_id)
+        if key not in self._programs:
+            async with self._compile_lock:
+                if key not in self._programs:
+                    compile_ir = self._compile_ir or _default_compiler()
+                    try:
+                        code = await asyncio.to_thread(compile_ir, verified.ir_text)
+                        self._programs[key] = device.load_program(code, verified.symbol, verified.signature)
+                    except CompileError as exc:
+                        raise RpcError(Code.INVALID_ARGUMENT, f"program does not compile: {str(exc)[:300]}") from None
+        self._visible.setdefault(call.identity, set()).add(key)
+        self._effect(call, "program_loaded", program_id=verified.program_id, kind=kind, device=request.device)
+        return pb.LoadProgramReply(program_id=verified.program_id)
+
+    async def rpc_LoadProgram(self, request: pb.LoadProgramRequest, call: Call) -> pb.LoadProgramReply:
+        if request.kind != pb.PROGRAM_KIND_ENGINE_KERNEL:
+            raise RpcError(Code.INVALID_ARGUMENT, "LoadProgram takes engine kernels; raw programs go through LoadRawProgram")
+        return await self._load(request, call, ENGINE)
+
+    async def rpc_LoadRawProgram(self, request: pb.LoadProgramRequest, call: Call) -> pb.LoadProgramReply:
+        if request.kind not in (pb.PROGRAM_KIND_RAW_LLVM, pb.PROGRAM_KIND_ENGINE_KERNEL):
+            raise RpcError(Code.INVALID_ARGUMENT, "unknown program kind")
+        return await self._load(request, call, RAW)
+
+    async def rpc_Launch(self, request: pb.LaunchRequest, call: Call) -> pb.LaunchReply:
+        lease = self._lease(call, request.lease)
+        key = (request.device, request.program_id)
+        device = self._device(request.device)
+        program = self._programs.get(key)
+        if program is None or key not in self._visible.get(call.identity, ()):
+            raise RpcError(Code.NOT_FOUND, "no such program")
+        if len(request.args) != len(program.signature):
+            raise RpcError(Code.INVALID_ARGUMENT, f"program takes {len(program.signature)} arguments, got {len(request.args)}")
+        values: list[Any] = []
+        used: list[Allocation] = []
+        views: list[Buffer] = []
+        try:
+            for i, (arg, kind) in enumerate(zip(request.args, program.signature)):
+                which = arg.WhichOneof("value")
+                if kind in ("r", "w", "rw"):
+                    if which != "buffer":
+                        raise RpcError(Code.INVALID_ARGUMENT, f"argument {i} must be a buffer")
+                    alloc = self._allocation(call, lease, arg.buffer.handle)
+                    _check_range(alloc.nbytes, arg.buffer.offset, arg.buffer.length)
+                    if alloc.device is not device:
+                        raise RpcError(Code.INVALID_ARGUMENT, f"argument {i} lives on another device")
+                    if arg.buffer.length == 0:
+                        raise RpcError(Code.INVALID_ARGUMENT, f"argument {i} is an empty range")
+                    view = alloc.buffer.view(arg.buffer.offset, arg.buffer.length)
+                    views.append(view)
+                    values.append(view)
+                    if alloc not in used:
+                        used.append(alloc)
+                elif which != kind:
+                    raise RpcError(Code.INVALID_ARGUMENT, f"argument {i} must be {kind}")
+                else:
+                    values.append(getattr(arg, kind))
+            for alloc in used:
+                alloc.busy += 1
+            start = time.perf_counter()
+            try:
+                with device.batch() as batch:
+                    batch.launch(program, *values)
+                for view in views:
+                    view.release()
+                views = []
+                await self._wait(call, batch.completion)
+            finally:
+                self._done(used)
+        finally:
+            for view in views:
+                view.release()
+        seconds = time.perf_counter() - start
+        self._effect(call, "launch", program_id=request.program_id, buffers=[handle_tag(a.handle) for a in used])
+        return pb.LaunchReply(seconds=seconds)
+
+    # ---- admin -------------------------------------------------------------------------------------
+
+    async def rpc_MintElevationToken(self, request: Any, call: Call) -> pb.MintElevationTokenReply:
+        ttl = min(call.policy.token_ttl, 60.0)
+        now = time.monotonic()
+        token = secrets.token_urlsafe(32)
+        live = [(t, e) for t, e in self._tokens.get(call.fingerprint, []) if e > now][-7:]
+        live.append((token.encode(), now + ttl))
+        self._tokens[call.fingerprint] = live
+        self._effect(call, "elevation_token_minted", ttl_seconds=ttl)
+        return pb.MintElevationTokenReply(token=token, ttl_seconds=ttl)
+
+    def _function(self, address: str) -> SimulatedPciFunction:
+        function = self.pci.get(address)
+        if function is None:
+            raise RpcError(Code.NOT_FOUND, "no such PCI function")
+        return function
+
+    async def rpc_ResetDevice(self, request: pb.ResetDeviceRequest, call: Call) -> pb.ResetDeviceReply:
+        function = self._function(request.address)
+        resets = function.reset()
+        self._effect(call, "reset", address=request.address)
+        return pb.ResetDeviceReply(resets=resets)
+
+    async def rpc_PciConfigRead(self, request: pb.PciConfigReadRequest, call: Call) -> pb.PciConfigReadReply:
+        function = self._function(request.address)
+        try:
+            value = function.config_read(request.offset, request.size)
+        except KeyError:
+            raise RpcError(Code.PERMISSION_DENIED, "config register is not readable") from None
+        except IndexError:
+            raise RpcError(Code.OUT_OF_RANGE, "outside config space") from None
+        except ValueError as exc:
+            raise RpcError(Code.INVALID_ARGUMENT, str(exc)) from None
+        return pb.PciConfigReadReply(value=value)
+
+    def _bar(self, function: SimulatedPciFunction, op: Callable[[], Any]) -> Any:
+        try:
+            return op()
+        except IndexError:
+            raise RpcError(Code.OUT_OF_RANGE, "outside the BAR window") from None
+        except PermissionError:
+            raise RpcError(Code.PERMISSION_DENIED, "BAR window is read-only") from None
+        except LookupError:
+            raise RpcError(Code.NOT_FOUND, "no such BAR") from None
+
+    async def rpc_BarRead(self, request: pb.BarReadRequest, call: Call) -> pb.BarReadReply:
+        function = self._function(request.address)
+        if request.length > self.config.max_message_bytes - 1024:
+            raise RpcError(Code.OUT_OF_RANGE, "read larger than the message limit")
+        data = self._bar(function, lambda: function.bar_read(request.bar, request.offset, request.length))
+        return pb.BarReadReply(data=data)
+
+    async def rpc_BarWrite(self, request: pb.BarWriteRequest, call: Call) -> pb.BarWriteReply:
+        function = self._function(request.address)
+        self._bar(function, lambda: function.bar_write(request.bar, request.offset, request.data))
+        self._effect(call, "bar_write", address=request.address, bar=request.bar, nbytes=len(request.data))
+        return pb.BarWriteReply()
+
+
+class _Refused(RpcError):
+    """A refusal after the caller was identified (the audit record names them)."""
+
+    def __init__(self, call: Call, code: grpc.StatusCode, reason: str) -> None:
+        super().__init__(code, reason)
+        self.call = call
+
+
+def _classify(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, DeviceFailed):
+        return Code.UNAVAILABLE, "device failed"
+    if isinstance(exc, TinydistError):
+        return Code.FAILED_PRECONDITION, type(exc).__name__
+    _log().error("internal error in handler", error=f"{type(exc).__name__}: {exc}")
+    return Code.INTERNAL, "internal error"
+
+
+_compiler: Callable[[str], bytes] | None = None
+
+
+def _default_compiler() -> Callable[[str], bytes]:
+    global _compiler
+    if _compiler is None:
+        from tinydist.codegen.compile_cache import CompileCache
+        from tinydist.codegen.compiler import HostCompiler
+        _compiler = CompileCache(HostCompiler()).compile
+    return _compiler
+
+
+# ---- the server ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Pki:
+    ca: bytes
+    cert: bytes
+    key: bytes
+
+    @classmethod
+    def load(cls, directory: Path) -> Pki:
+        directory = Path(directory)
+        missing = [name for name in ("ca.pem", "server.pem", "server.key") if not (directory / name).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{directory} lacks {', '.join(missing)}; refusing to start without a CA and server "
+                                    f"certificate (create them with `tinydist certs init {directory}`)")
+        return cls((directory / "ca.pem").read_bytes(), (directory / "server.pem").read_bytes(),
+                   (directory / "server.key").read_bytes())
+
+
+class RemoteServer:
+    """A running node service. Use `await RemoteServer.start(...)`, then `await server.stop()`."""
+
+    def __init__(self) -> None:
+        self.server: grpc.aio.Server | None = None
+        self.service: DeviceService | None = None
+        self.port = 0
+        self.insecure_port: int | None = None
+        self.health: Any = None
+        self._reaper: asyncio.Task[None] | None = None
+        self._devices: list[Device] = []
+
+    @classmethod
+    async def start(cls, config: ServerConfig, pki: Pki, policy_path: Path, audit: AuditLog,
+                    insecure_listen: str | None = None, pci: dict[str, SimulatedPciFunction] | None = None) -> RemoteServer:
+        listen = check_bind(config.listen, config.allow_wildcard)
+        if insecure_listen is not None:
+            insecure_listen = check_bind(insecure_listen, False, loopback_only=True)
+        store = PolicyStore(policy_path)  # refuses a missing or invalid policy
+        self = cls()
+        devices: dict[str, Device] = {}
+        try:
+            for name in config.devices:
+                device = open_device(name)
+                await device.open()
+                self._devices.append(device)
+                devices[device.name] = device
+            if pci is None:
+                function = SimulatedPciFunction()
+                pci = {function.address: function}
+            self.service = DeviceService(config, store, audit, devices, pci)
+            self.server = grpc.aio.server(options=server_options(config), maximum_concurrent_rpcs=config.max_concurrent_rpcs)
+            self.server.add_generic_rpc_handlers((self.service.handlers(),))
+            self.health = health.aio.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+            credentials = grpc.ssl_server_credentials([(pki.key, pki.cert)], root_certificates=pki.ca, require_client_auth=True)
+            self.port = self.server.add_secure_port(listen, credentials)
+            if self.port == 0:
+                raise OSError(f"could not bind {listen}")
+            if insecure_listen is not None:
+                # Health checks only: the device service refuses calls without a TLS identity.
+                self.insecure_port = self.server.add_insecure_port(insecure_listen)
+            await self.server.start()
+            await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+            await self.health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+            self._reaper = asyncio.get_running_loop().create_task(self._reap_loop())
+        except BaseException:
+            await self.stop()
+            raise
+        _log().info("node serving", listen=listen, port=self.port, devices=list(devices))
+        return self
+
+    async def _reap_loop(self) -> None:
+        interval = min(self.service.config.reap_interval_s, self.service.config.lease_ttl_s / 4) if self.service else 1.0
+        while True:
+            await asyncio.sleep(interval)
+            if self.service is not None:
+                self.service.reap()
+
+    async def stop(self, grace: float = 1.0) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
+        if self.server is not None:
+            await self.server.stop(grace)
+            self.server = None
+        if self.service is not None:
+            for lease in list(self.service.leases.values()):
+                self.service.release_lease(lease, "server stopping")
+        for device in self._devices:
+            await device.aclose()
+        self._devices = []
