@@ -40,6 +40,7 @@ class KNode:
                 visit(src)
             seen[id(node)] = node
         visit(self)
+        del visit  # break the recursive closure's reference cycle
         return list(seen.values())
 
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 class Buffer:
-    __slots__ = ("device", "nbytes", "offset", "base", "accesses", "_address", "_finalizer",
+    __slots__ = ("device", "nbytes", "offset", "_parent", "accesses", "_address", "_finalizer",
                  "_freed", "_views", "_external", "__weakref__")
 
     def __init__(self, device: Device, nbytes: int, address: int, release: Callable[[], None],
@@ -32,7 +32,7 @@ class Buffer:
         self.device = device
         self.nbytes = nbytes
         self.offset = 0
-        self.base = self
+        self._parent: Buffer | None = None  # None for a base: `base` is then self (no reference cycle)
         self.accesses = AccessLog()
         self._address = address
         # The same path gives memory back on free() and when the buffer is garbage collected.
@@ -45,7 +45,7 @@ class Buffer:
     @classmethod
     def _view_of(cls, base: Buffer, offset: int, nbytes: int) -> Buffer:
         view = cls.__new__(cls)
-        view.device, view.nbytes, view.offset, view.base = base.device, nbytes, offset, base
+        view.device, view.nbytes, view.offset, view._parent = base.device, nbytes, offset, base
         view.accesses = base.accesses
         view._address, view._finalizer, view._external = base._address, None, base._external
         view._freed, view._views = False, weakref.WeakSet()
@@ -60,8 +60,12 @@ class Buffer:
         return f"Buffer({kind}device={self.device.name!r}, nbytes={self.nbytes}{state})"
 
     @property
+    def base(self) -> Buffer:
+        return self if self._parent is None else self._parent
+
+    @property
     def is_view(self) -> bool:
-        return self.base is not self
+        return self._parent is not None
 
     @property
     def freed(self) -> bool:

@@ -59,6 +59,7 @@ def _canonical_walk(targets: list[LazyNode]) -> tuple[Hashable, list[LazyNode]]:
         return index[key]
 
     roots = tuple(visit(t) for t in targets)
+    del visit  # a recursive closure is a reference cycle: break it, or the graph outlives this call
     return (tuple(parts), roots), inputs
 
 

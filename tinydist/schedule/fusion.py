@@ -141,6 +141,7 @@ class _Fuser:
             return load_of(n, ShapeTracker.contiguous(n.shape))  # matmul / copy / assign results
 
         root = build(node, True)
+        del build  # a recursive closure is a reference cycle: break it, or the graph outlives this call
         shape, axes = reduce_info[0] if reduce_info else (node.shape, ())
         inputs = tuple(sorted(slots, key=slots.__getitem__))
         aliased_slots = tuple(slots[b] for b in inputs if aliased is not None and self._memory_of(b) == self._memory_of(aliased))
