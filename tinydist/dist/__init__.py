@@ -26,7 +26,7 @@ from tinydist.dist.group import ProcessGroup, choose_allreduce
 from tinydist.dist.rendezvous import parse_address
 
 __all__ = ["CollectiveError", "CollectiveMismatch", "CollectiveTimeout", "ProcessGroup", "RankFailed", "all_gather",
-           "all_reduce", "barrier", "broadcast", "choose_allreduce", "destroy", "get_group", "init", "is_initialized",
+           "all_reduce", "barrier", "broadcast", "choose_allreduce", "destroy", "fail", "get_group", "init", "is_initialized",
            "rank", "reduce_scatter", "world_size"]
 
 _lock = threading.Lock()
@@ -48,6 +48,9 @@ def init(rank: int | None = None, world_size: int | None = None, coordinator: st
     with _lock:
         if _state:
             raise RuntimeError("td.dist.init() was already called; call td.dist.destroy() first")
+        if rank is None and "TINYDIST_RANK" not in os.environ:
+            from scheduler.environment import apply   # Slurm (srun) / Kubernetes → TINYDIST_* variables
+            apply()
         rank = _env_int("TINYDIST_RANK") if rank is None else rank
         world = _env_int("TINYDIST_WORLD_SIZE") if world_size is None else world_size
         address = parse_address(coordinator or os.environ.get("TINYDIST_COORDINATOR", "127.0.0.1:29400"))
@@ -79,6 +82,15 @@ def destroy() -> None:
         state["group_cm"].__exit__(None, None, None)
     finally:
         state["portal_cm"].__exit__(None, None, None)
+
+
+def fail(rank: int, reason: str) -> None:
+    """Mark `rank` failed from another thread (e.g. the cluster scheduler declared its node dead):
+    the collective in flight and every later one raise RankFailed. No-op when not initialized."""
+    with _lock:
+        state = dict(_state)
+    if state:
+        state["portal"].call(state["group"].fail, rank, reason)
 
 
 def is_initialized() -> bool:

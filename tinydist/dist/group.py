@@ -111,6 +111,11 @@ class ProcessGroup:
             for link in self.links.values():
                 tg.start_soon(lambda link=link: link.close(linger=2.0, abort_blame=blamed))
 
+    def fail(self, rank: int, reason: str) -> None:
+        """Declare `rank` failed from outside (the cluster scheduler saw its node die): same path as a
+        link that saw EOF, so the collective in flight and every later one raise RankFailed(rank)."""
+        self._on_link_failure(rank, reason, rank)
+
     def _on_link_failure(self, peer: int, reason: str, blamed: int) -> None:
         if self._failure is not None:
             return

@@ -1,0 +1,33 @@
+"""The cluster scheduler: membership, peer groups, placement, collective planning, failure handling.
+
+    tinydist scheduler serve --listen 127.0.0.1:29500 --pki ./lab        # the coordinator
+    job = scheduler.ClusterJob.start("127.0.0.1:29500", "node-0", ["CPU:0", "CPU:1"], world_size=2,
+                                     credentials=scheduler.Credentials.load())
+    outs = job.all_reduce([t0, t1]); print(job.plan(t0.nbytes).explain())
+
+See docs/cluster.md. Modules: topology (nodes, peer groups, α–β links), plan (hierarchical planner),
+membership (join/heartbeat/death, clock injected), coordinator (gRPC service), node (node agent),
+execute (real hierarchical allreduce), placement (cluster-wide sharding), checkpoint, environment
+(Slurm / Kubernetes variables), sim (simulated cluster).
+"""
+
+from scheduler.errors import ClusterError, CoordinatorLost, MembershipError, NodeFailed, PlanError
+
+__all__ = ["ClusterError", "ClusterJob", "CoordinatorLost", "Credentials", "MembershipError", "NodeAgent", "NodeFailed",
+           "PlanError", "Topology", "explain", "plan_allreduce"]
+
+
+def __getattr__(name: str):  # lazy: importing scheduler.environment must stay cheap (td.dist.init uses it)
+    if name == "ClusterJob":
+        from scheduler.execute import ClusterJob
+        return ClusterJob
+    if name in ("Credentials", "NodeAgent"):
+        from scheduler import node
+        return getattr(node, name)
+    if name in ("explain", "plan_allreduce"):
+        from scheduler import plan
+        return getattr(plan, name)
+    if name == "Topology":
+        from scheduler.topology import Topology
+        return Topology
+    raise AttributeError(f"module 'scheduler' has no attribute {name!r}")

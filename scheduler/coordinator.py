@@ -1,0 +1,296 @@
+"""The cluster coordinator: membership over authenticated gRPC (service tinydist.v1.Cluster).
+
+    tinydist scheduler serve --listen 127.0.0.1:29500 --pki ./lab      # mTLS (the remote agent's PKI)
+    tinydist scheduler serve --listen 127.0.0.1:0 --insecure-loopback-only   # local tests only
+
+Authentication: with --pki the server presents DIR/server.pem and requires a client certificate
+from DIR/ca.pem's CA (`tinydist certs issue DIR --name node-0`); the identity
+spiffe://<trust-domain>/user/<name> must name the node a Join/Heartbeat/Leave speaks for (a node
+cannot act for another). Status and WaitForMembers need any valid identity. Without --pki the
+server runs only with --insecure-loopback-only, binds only loopback and refuses non-loopback peers.
+
+A sweeper runs every heartbeat interval / 2 and declares dead every node silent for `miss_limit`
+intervals; heartbeat replies carry the dead list, so every survivor learns of a death within
+about (miss_limit + 1) intervals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import threading
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from scheduler._generated import cluster_pb2 as pb
+from scheduler._generated import cluster_pb2_grpc as pb_grpc
+from scheduler.errors import MembershipError
+from scheduler.membership import LinkRecord, MemberRecord, Membership
+from tinydist.logs import get_logger
+
+MAX_WAIT_S = 300.0
+
+
+def check_listen(listen: str, *, insecure: bool) -> tuple[str, str]:
+    """(host, port) after refusing wildcard binds and, for insecure mode, anything but loopback."""
+    host, sep, port = listen.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not port.isdigit():
+        raise ValueError(f"--listen must be host:port, got {listen!r}")
+    if host == "localhost":
+        host = "127.0.0.1"
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"listen host {host!r} must be an IP address (127.0.0.1, ::1 or an interface address)") from None
+    if address.is_unspecified:
+        raise ValueError(f"refusing to bind the wildcard address {host}: bind the interface the nodes reach")
+    if insecure and not address.is_loopback:
+        raise ValueError(f"an insecure coordinator may only listen on loopback, not {host}")
+    return (f"[{address}]" if address.version == 6 else str(address)), port
+
+
+def _peer_is_loopback(peer: str) -> bool:
+    # grpc peer strings: "ipv4:127.0.0.1:1234", "ipv6:[::1]:1234"
+    kind, _, rest = peer.partition(":")
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    try:
+        return kind in ("ipv4", "ipv6") and ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def member_message(record: MemberRecord, now: float) -> pb.Member:
+    info = record.info
+    node = pb.NodeInfo(node_id=record.node_id, host_key=record.host_key, address=info.get("address", ""),
+                       devices=[pb.NodeDevice(name=d, kind=d.split(":")[0].lower()) for d in record.devices],
+                       transports=list(record.transports), rank=record.rank, rendezvous=info.get("rendezvous", ""),
+                       pid=int(info.get("pid", 0)))
+    return pb.Member(node=node, state=record.state, last_seen_age_s=max(0.0, now - record.last_seen), reason=record.reason)
+
+
+def status_message(m: Membership) -> pb.ClusterStatus:
+    now = m.clock()
+    topo = m.topology()
+    groups = [pb.PeerGroup(group_id=g.group_id, kind=g.kind, nodes=[n.node_id for n in g.nodes], devices=g.devices)
+              for g in topo.groups()]
+    links = [pb.LinkReport(src=link.src, dst=link.dst, kind=link.kind, latency_s=link.latency_s,
+                           bandwidth_bps=link.bandwidth_bps) for link in m.links.values()]
+    return pb.ClusterStatus(epoch=m.epoch, members=[member_message(r, now) for r in m.ordered()], groups=groups, links=links,
+                            heartbeat_interval_s=m.heartbeat_interval, miss_limit=m.miss_limit)
+
+
+class ClusterService(pb_grpc.ClusterServicer):
+    def __init__(self, membership: Membership, trust_domain: str | None) -> None:
+        self.m = membership
+        self.trust_domain = trust_domain            # None: insecure loopback mode
+        self.changed = asyncio.Condition()
+        self.log = get_logger(component="scheduler")
+        if trust_domain is not None:
+            from transports.pci_remote.identity import PeerCache
+            self._cache = PeerCache()
+
+    async def _who(self, context: grpc.aio.ServicerContext) -> str | None:
+        """The caller's node name (mTLS), or None in insecure loopback mode. Aborts if not acceptable."""
+        if self.trust_domain is None:
+            if not _peer_is_loopback(context.peer()):
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, "insecure coordinator: loopback peers only")
+            return None
+        from transports.pci_remote.identity import IdentityError, peer_from_auth_context
+        try:
+            peer = peer_from_auth_context(context.auth_context(), self.trust_domain, self._cache)
+        except IdentityError as exc:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+        return peer.identity.rsplit("/", 1)[-1]
+
+    async def _check_node(self, context: grpc.aio.ServicerContext, node_id: str) -> None:
+        who = await self._who(context)
+        if who is not None and who != node_id:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"certificate names {who!r}; it may not speak for node {node_id!r}")
+
+    async def _notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
+        node = request.node
+        await self._check_node(context, node.node_id)
+        try:
+            record = self.m.join(node.node_id, node.host_key or node.node_id, [d.name for d in node.devices],
+                                 tuple(node.transports) or ("mem", "shm", "tcp"), node.rank, request.world_size,
+                                 {"address": node.address, "rendezvous": node.rendezvous, "pid": node.pid})
+        except MembershipError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        self.log.info("scheduler.join", node=node.node_id, rank=record.rank, devices=record.devices, epoch=self.m.epoch)
+        await self._notify()
+        return pb.JoinReply(rank=record.rank, epoch=record.incarnation, heartbeat_interval_s=self.m.heartbeat_interval,
+                            miss_limit=self.m.miss_limit)
+
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatReply:
+        await self._check_node(context, request.node_id)
+        links = [LinkRecord(x.src, x.dst, x.kind, x.latency_s, x.bandwidth_bps) for x in request.links
+                 if x.src == request.node_id]      # a node reports only its own links
+        try:
+            dead = self.m.heartbeat(request.node_id, request.epoch, links)
+        except MembershipError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        now = self.m.clock()
+        return pb.HeartbeatReply(epoch=self.m.epoch, dead=[member_message(r, now) for r in dead])
+
+    async def WaitForMembers(self, request: pb.WaitRequest, context: grpc.aio.ServicerContext) -> pb.ClusterStatus:
+        await self._who(context)
+        timeout = min(max(request.timeout_s, 0.0), MAX_WAIT_S)
+        world = request.world_size or self.m.world_size
+        if world <= 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "world_size is unknown: pass it or join with it")
+
+        async def ready() -> None:
+            async with self.changed:
+                await self.changed.wait_for(lambda: self.m.ready(world))
+
+        try:
+            await asyncio.wait_for(ready(), timeout)
+        except TimeoutError:
+            have = sorted(r.rank for r in self.m.members.values() if r.state == "alive")
+            missing = sorted(set(range(world)) - set(have))
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"ranks {missing} of {world} did not join within {timeout:g} s")
+        return status_message(self.m)
+
+    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.ClusterStatus:
+        await self._who(context)
+        return status_message(self.m)
+
+    async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveReply:
+        await self._check_node(context, request.node_id)
+        self.m.leave(request.node_id)
+        self.log.info("scheduler.leave", node=request.node_id, epoch=self.m.epoch)
+        await self._notify()
+        return pb.LeaveReply(epoch=self.m.epoch)
+
+
+class Coordinator:
+    """A running coordinator: `await Coordinator.start(...)`, `.port`, `await .stop()`."""
+
+    def __init__(self) -> None:
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+        self.host = ""
+        self.membership: Membership | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def start(cls, listen: str = "127.0.0.1:0", *, pki: Path | None = None, insecure_loopback_only: bool = False,
+                    heartbeat_interval: float = 1.0, miss_limit: int = 5) -> Coordinator:
+        if pki is None and not insecure_loopback_only:
+            raise ValueError("the coordinator needs --pki DIR (mutual TLS) or --insecure-loopback-only")
+        if heartbeat_interval <= 0 or miss_limit < 1:
+            raise ValueError("heartbeat interval must be > 0 and miss limit >= 1")
+        host, port = check_listen(listen, insecure=pki is None)
+        self = cls()
+        self.host = host.strip("[]")
+        self.membership = Membership(heartbeat_interval, miss_limit)
+        trust_domain = None
+        credentials = None
+        if pki is not None:
+            from tinydist.pki import trust_domain_of
+            from transports.pci_remote.service import Pki
+            keys = Pki.load(Path(pki))
+            trust_domain = trust_domain_of(Path(pki))
+            credentials = grpc.ssl_server_credentials([(keys.key, keys.cert)], root_certificates=keys.ca,
+                                                      require_client_auth=True)
+        service = ClusterService(self.membership, trust_domain)
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_ClusterServicer_to_server(service, self.server)
+        address = f"{host}:{port}"
+        self.port = (self.server.add_secure_port(address, credentials) if credentials is not None
+                     else self.server.add_insecure_port(address))
+        if self.port == 0:
+            raise OSError(f"could not bind {address}")
+        await self.server.start()
+
+        async def sweep() -> None:
+            log = get_logger(component="scheduler")
+            while True:
+                await asyncio.sleep(heartbeat_interval / 2)
+                for record in self.membership.sweep():     # type: ignore[union-attr]
+                    log.warning("scheduler.node_dead", node=record.node_id, rank=record.rank, reason=record.reason)
+                await service._notify()
+
+        self._sweeper = asyncio.get_running_loop().create_task(sweep())
+        return self
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    async def stop(self, grace: float = 0.5) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        if self.server is not None:
+            await self.server.stop(grace)
+
+
+class ThreadedCoordinator:
+    """A coordinator on its own event loop thread, e.g. inside a job's rank-0 process."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.coordinator: Coordinator | None = None
+        self._thread = threading.Thread(target=self._run, args=(kwargs,), name="tinydist-coordinator", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise TimeoutError("the coordinator did not start within 30 s")
+        if self._error is not None:
+            raise self._error
+
+    def _run(self, kwargs: dict[str, Any]) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self.coordinator = self._loop.run_until_complete(Coordinator.start(**kwargs))
+        except BaseException as exc:  # handed to the constructor
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        self._loop.run_forever()
+        self._loop.run_until_complete(self.coordinator.stop())
+        self._loop.close()
+
+    @property
+    def address(self) -> str:
+        return self.coordinator.address if self.coordinator else ""
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+
+
+async def serve(listen: str, pki: Path | None, insecure_loopback_only: bool, heartbeat_interval: float, miss_limit: int,
+                port_file: Path | None = None) -> None:
+    """`tinydist scheduler serve`: run until SIGINT/SIGTERM."""
+    import signal
+    coordinator = await Coordinator.start(listen, pki=pki, insecure_loopback_only=insecure_loopback_only,
+                                          heartbeat_interval=heartbeat_interval, miss_limit=miss_limit)
+    mode = "mTLS" if pki is not None else "INSECURE loopback-only"
+    print(f"tinydist scheduler serving {coordinator.address} ({mode}, heartbeat {heartbeat_interval:g} s, "
+          f"dead after {miss_limit} misses)", flush=True)
+    if port_file is not None:
+        port_file.write_text(coordinator.address)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await coordinator.stop()

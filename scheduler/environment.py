@@ -1,0 +1,130 @@
+"""Where am I in the job? The same answer from `tinydist launch`, Slurm (srun) and Kubernetes.
+
+td.dist.init() consults `apply()` when TINYDIST_RANK is not set, so one script runs unchanged:
+
+| source | rank | world size | tinydist.dist coordinator |
+|---|---|---|---|
+| tinydist launch / by hand | TINYDIST_RANK | TINYDIST_WORLD_SIZE | TINYDIST_COORDINATOR |
+| Slurm (srun) | SLURM_PROCID | SLURM_NTASKS (SLURM_NPROCS) | first host of SLURM_STEP_NODELIST (else SLURM_NODELIST) : TINYDIST_PORT |
+| Kubernetes Indexed Job | JOB_COMPLETION_INDEX | TINYDIST_WORLD_SIZE | TINYDIST_COORDINATOR, else <job>-0.<TINYDIST_K8S_SERVICE>:TINYDIST_PORT |
+| Kubernetes StatefulSet | ordinal suffix of HOSTNAME (`train-3`) | TINYDIST_WORLD_SIZE | as above, <statefulset>-0.<service> |
+
+TINYDIST_PORT defaults to 29400. Local rank: SLURM_LOCALID, else 0 (one pod per rank). The node id
+for the cluster scheduler: TINYDIST_NODE_ID, else the pod name, else `<SLURMD_NODENAME>-<localid>`,
+else `node-<rank>`. This module uses the standard library only (td.dist imports it lazily).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+
+DEFAULT_PORT = 29400
+
+
+@dataclass(frozen=True)
+class JobEnvironment:
+    source: str                 # "tinydist", "slurm", "kubernetes"
+    rank: int
+    world_size: int
+    local_rank: int
+    coordinator: str            # host:port of the tinydist.dist rendezvous (rank 0)
+    node_id: str
+    scheduler: str | None       # host:port of the cluster coordinator, if the job uses one
+
+    def variables(self) -> dict[str, str]:
+        return {"TINYDIST_RANK": str(self.rank), "TINYDIST_WORLD_SIZE": str(self.world_size),
+                "TINYDIST_LOCAL_RANK": str(self.local_rank), "TINYDIST_COORDINATOR": self.coordinator}
+
+
+def expand_nodelist(text: str) -> list[str]:
+    """Slurm's compressed host list: "node[01-03,07],gpu5,rack[1-2]-n[1-2]" → node01 node02 node03 node07 gpu5 ..."""
+    hosts: list[str] = []
+    for part in _split_top(text.strip()):
+        match = re.match(r"^([^\[]*)\[([^\]]+)\](.*)$", part)
+        if not match:
+            if part:
+                hosts.append(part)
+            continue
+        prefix, ranges, rest = match.groups()
+        for item in ranges.split(","):
+            lo, _, hi = item.partition("-")
+            if not lo.isdigit() or (hi and not hi.isdigit()):
+                raise ValueError(f"bad Slurm node list range {item!r} in {text!r}")
+            width = len(lo)
+            for n in range(int(lo), int(hi or lo) + 1):
+                hosts.extend(f"{prefix}{n:0{width}d}{tail}" for tail in (expand_nodelist(rest) if rest else [""]))
+    return hosts
+
+
+def _split_top(text: str) -> list[str]:
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
+
+
+def _int(env: MutableMapping[str, str], name: str) -> int:
+    raw = env.get(name, "")
+    if not raw.strip().isdigit():
+        raise ValueError(f"{name}={raw!r} is not a non-negative integer")
+    return int(raw)
+
+
+def detect(env: MutableMapping[str, str] | None = None) -> JobEnvironment | None:
+    """The job environment, or None outside any launcher. Raises ValueError on inconsistent variables."""
+    env = os.environ if env is None else env
+    port = int(env.get("TINYDIST_PORT", DEFAULT_PORT))
+    scheduler = env.get("TINYDIST_SCHEDULER") or None
+    if "TINYDIST_RANK" in env:
+        rank, world = _int(env, "TINYDIST_RANK"), _int(env, "TINYDIST_WORLD_SIZE")
+        return JobEnvironment("tinydist", rank, world, int(env.get("TINYDIST_LOCAL_RANK", 0)),
+                              env.get("TINYDIST_COORDINATOR", f"127.0.0.1:{port}"),
+                              env.get("TINYDIST_NODE_ID", f"node-{rank}"), scheduler)
+    if "SLURM_PROCID" in env:
+        rank = _int(env, "SLURM_PROCID")
+        world = _int(env, "SLURM_NTASKS" if "SLURM_NTASKS" in env else "SLURM_NPROCS")
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST") or env.get("SLURM_JOB_NODELIST")
+        if not nodelist:
+            raise ValueError("SLURM_PROCID is set but no SLURM_STEP_NODELIST / SLURM_NODELIST names the nodes")
+        first = expand_nodelist(nodelist)[0]
+        local = int(env.get("SLURM_LOCALID", 0))
+        node_id = env.get("TINYDIST_NODE_ID") or f"{env.get('SLURMD_NODENAME', 'slurm')}-{local}"
+        return JobEnvironment("slurm", rank, world, local, env.get("TINYDIST_COORDINATOR", f"{first}:{port}"),
+                              node_id, scheduler or f"{first}:{int(env.get('TINYDIST_SCHEDULER_PORT', 29500))}")
+    hostname = env.get("HOSTNAME", "")
+    ordinal = re.match(r"^(.*)-(\d+)$", hostname)
+    if "KUBERNETES_SERVICE_HOST" in env and ("JOB_COMPLETION_INDEX" in env or ordinal):
+        rank = _int(env, "JOB_COMPLETION_INDEX") if "JOB_COMPLETION_INDEX" in env else int(ordinal.group(2))  # type: ignore[union-attr]
+        if "TINYDIST_WORLD_SIZE" not in env:
+            raise ValueError("on Kubernetes set TINYDIST_WORLD_SIZE in the pod template (= completions / replicas)")
+        world = _int(env, "TINYDIST_WORLD_SIZE")
+        coordinator = env.get("TINYDIST_COORDINATOR")
+        if not coordinator:
+            service = env.get("TINYDIST_K8S_SERVICE")
+            if not service or not ordinal:
+                raise ValueError("on Kubernetes set TINYDIST_COORDINATOR, or TINYDIST_K8S_SERVICE (the headless "
+                                 "Service) with pods named <name>-<index>")
+            coordinator = f"{ordinal.group(1)}-0.{service}:{port}"
+        return JobEnvironment("kubernetes", rank, world, 0, coordinator, env.get("TINYDIST_NODE_ID") or hostname, scheduler)
+    return None
+
+
+def apply(env: MutableMapping[str, str] | None = None) -> JobEnvironment | None:
+    """Fill in TINYDIST_RANK / WORLD_SIZE / LOCAL_RANK / COORDINATOR from Slurm or Kubernetes (never
+    overriding what is already set). Returns what was detected."""
+    env = os.environ if env is None else env
+    found = detect(env)
+    if found is not None and found.world_size > 0 and not 0 <= found.rank < found.world_size:
+        raise ValueError(f"{found.source}: rank {found.rank} is outside 0..{found.world_size - 1}")
+    if found is not None:
+        for name, value in found.variables().items():
+            env.setdefault(name, value)
+    return found

@@ -1,0 +1,159 @@
+"""Run a planned hierarchical allreduce for real between node processes.
+
+    job = ClusterJob.start(coordinator, node_id, ["CPU:0", "CPU:1"], world_size=2)  # join, wait, td.dist.init
+    outs = job.all_reduce([t0, t1])          # one td.Tensor per local device in, one reduced per device out
+    print(job.plan(nbytes).explain())
+
+Stages (scheduler.plan): (1) inside the process, tinydist.multi.allreduce over its devices (the
+plan's in-group algorithm) and the first device's result is the process's contribution; (2) across
+processes, tinydist.dist.all_reduce with the plan's across-group algorithm; (3) the result is copied
+back to every local device. When several processes share a host (one peer group of several nodes),
+their shared-memory stage is folded into stage 2 (tinydist.dist links them over shared memory).
+
+Failures: a node that dies mid-collective makes every survivor raise `NodeFailed` naming the node:
+at once when its process dies (its sockets close), or within (miss_limit + 1) heartbeat intervals
+when it hangs (the coordinator declares it dead and the node agent fails the dist group). The dist
+collective timeout bounds everything else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from scheduler.errors import ClusterError, NodeFailed
+from scheduler.node import Credentials, NodeAgent
+from scheduler.plan import Plan, plan_allreduce
+from scheduler.topology import LinkModel, Topology
+from tinydist.logs import get_logger
+
+
+class ClusterJob:
+    def __init__(self, agent: NodeAgent) -> None:
+        self.agent = agent
+        self.log = get_logger(component="scheduler", node=agent.node_id)
+        self._topology: Topology | None = None
+        self._plans: dict[tuple[int, int, str], Plan] = {}
+
+    @classmethod
+    def start(cls, coordinator: str, node_id: str, devices: Sequence[str], *, world_size: int, rank: int = -1,
+              credentials: Credentials | None = None, host_key: str | None = None, wait_timeout: float = 60.0,
+              dist_timeout: float | None = None, probe: bool = True) -> ClusterJob:
+        agent = NodeAgent(coordinator, node_id, devices, rank=rank, world_size=world_size, host_key=host_key,
+                          credentials=credentials)
+        try:
+            agent.join()
+            agent.wait(world_size, wait_timeout)
+            agent.init_dist(dist_timeout)
+        except BaseException:
+            agent.close()
+            raise
+        job = cls(agent)
+        if probe:
+            job.measure_links()
+        return job
+
+    @property
+    def rank(self) -> int:
+        return self.agent.table[self.agent.node_id].node.rank
+
+    @property
+    def world_size(self) -> int:
+        return len(self.agent.table)
+
+    @property
+    def devices(self) -> list[str]:
+        return self.agent.devices
+
+    def node_ids(self) -> list[str]:
+        return [m.node.node_id for m in sorted(self.agent.table.values(), key=lambda m: m.node.rank)]
+
+    def measure_links(self) -> None:
+        """Measure every link (all ranks), report them to the coordinator, plan on the measurements."""
+        from scheduler.probe import measure_links
+        records = measure_links(self.node_ids())
+        self.agent.report_links([r for r in records if r.src == self.agent.node_id])
+        topo = self.topology()
+        for r in records:
+            topo.set_measured(r.src, r.dst, LinkModel(r.kind, r.latency_s, 1.0 / r.bandwidth_bps))
+        self._plans.clear()
+
+    def topology(self) -> Topology:
+        """The job's topology: the membership table from wait() (identical on every rank) plus measurements."""
+        if self._topology is None:
+            from scheduler.node import topology_from_status
+            st = self.agent.last_status
+            if st is None:
+                raise ClusterError("no membership table: the job has not waited for its members")
+            topo = topology_from_status(st)
+            job = set(self.agent.table)
+            topo = Topology([n for n in topo.nodes if n.node_id in job], epoch=topo.epoch)
+            topo.measured = {}                     # measurements come from measure_links (same on every rank)
+            self._topology = topo
+        return self._topology
+
+    def plan(self, nbytes: int, inter: str = "auto") -> Plan:
+        key = (int(nbytes), self.topology().epoch, inter)
+        if key not in self._plans:
+            self._plans[key] = plan_allreduce(self.topology(), int(nbytes), executable=True, inter=inter)
+        return self._plans[key]
+
+    def _raise_failure(self, exc: BaseException | None = None) -> None:
+        from tinydist.dist import RankFailed
+        failure = self.agent.failure
+        if isinstance(failure, NodeFailed):
+            raise NodeFailed(failure.node_id, failure.rank, str(failure)) from exc
+        if failure is not None:
+            raise failure from exc
+        if isinstance(exc, RankFailed):
+            node = self.agent.node_of_rank(exc.rank)
+            raise NodeFailed(node, exc.rank, f"node {node!r} (rank {exc.rank}) failed: {exc}") from exc
+
+    def all_reduce(self, tensors: Sequence[Any], op: str = "sum", inter: str = "auto") -> list[Any]:
+        """Hierarchical allreduce of one tensor per local device (same shape/dtype everywhere)."""
+        from tinydist import dist
+        from tinydist.dist import CollectiveError
+        from tinydist.multi import allreduce
+        from tinydist.tensor import Tensor
+        if len(tensors) != len(self.devices):
+            raise ValueError(f"all_reduce needs one tensor per local device ({self.devices}), got {len(tensors)}")
+        if op not in ("sum", "mean", "max", "min", "prod"):
+            raise ValueError(f"unknown op {op!r}")
+        self._raise_failure()
+        local = [t if isinstance(t, Tensor) else Tensor(np.asarray(t), device=d) for t, d in zip(tensors, self.devices)]
+        nbytes = int(np.prod(local[0].shape, dtype=np.int64)) * local[0].dtype.itemsize
+        plan = self.plan(nbytes, inter)
+        reduce_op = "sum" if op == "mean" else op
+        if len(local) > 1:
+            mine = allreduce(local, reduce_op, plan.intra_algorithm if plan.intra_algorithm in ("naive", "ring") else "auto")[0]
+        else:
+            mine = local[0]
+        contribution = mine.numpy()
+        if self.world_size > 1:
+            algorithm = plan.inter_algorithm if plan.inter_algorithm in ("naive", "ring", "all2all") else "auto"
+            try:
+                total = dist.all_reduce(contribution, reduce_op, algorithm=algorithm).numpy()
+            except CollectiveError as exc:
+                self._raise_failure(exc)
+                raise
+        else:
+            total = contribution
+        if op == "mean":
+            total = total / sum(len(n.devices) for n in self.topology().nodes)
+        return [Tensor(np.ascontiguousarray(total), device=d) for d in self.devices]
+
+    def close(self) -> None:
+        from tinydist import dist
+        try:
+            if dist.is_initialized():
+                dist.destroy()
+        finally:
+            self.agent.leave()
+
+    def __enter__(self) -> ClusterJob:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,126 @@
+"""Helpers for tests/cluster: a coordinator process and node processes on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB = Path(__file__).parent / "workers" / "job.py"
+
+
+def env(**extra: str) -> dict[str, str]:
+    out = dict(os.environ, PYTHONPATH=str(ROOT))
+    for name in ("TINYDIST_RANK", "TINYDIST_WORLD_SIZE", "TINYDIST_COORDINATOR", "TINYDIST_COORDINATOR_FD",
+                 "SLURM_PROCID", "KUBERNETES_SERVICE_HOST"):
+        out.pop(name, None)
+    out.update(extra)
+    return out
+
+
+class Coordinator:
+    def __init__(self, tmp: Path, *args: str, interval: float = 0.1, misses: int = 5) -> None:
+        port_file = tmp / f"coordinator-{time.monotonic_ns()}.addr"
+        self.log = tmp / "coordinator.log"
+        self._log_file = self.log.open("w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "tinydist.cli", "scheduler", "serve", "--listen", "127.0.0.1:0",
+                                      "--heartbeat-interval", str(interval), "--miss-limit", str(misses),
+                                      "--port-file", str(port_file), *args],
+                                     stdout=self._log_file, stderr=subprocess.STDOUT, env=env(), cwd=ROOT)
+        deadline = time.monotonic() + 20
+        while not port_file.exists() or not port_file.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"coordinator did not start: {self.log.read_text()}")
+            time.sleep(0.05)
+        self.address = port_file.read_text()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log_file.close()
+
+
+def start_nodes(address: str, world: int, *args: str, extra_env: dict[str, str] | None = None,
+                separate_hosts: bool = True, per_rank: dict[int, list[str]] | None = None) -> list[subprocess.Popen]:
+    procs = []
+    for rank in range(world):
+        more = (per_rank or {}).get(rank, [])
+        host = ["--host-key", f"host-{rank}"] if separate_hosts else []
+        procs.append(subprocess.Popen([sys.executable, str(JOB), "--coordinator", address, "--node-id", f"node-{rank}",
+                                       "--rank", str(rank), "--world", str(world), *host, *args, *more],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                                      env=env(TINYDIST_TRANSPORT="tcp" if separate_hosts else "auto",
+                                              TINYDIST_COLLECTIVE_TIMEOUT="30", **(extra_env or {}))))
+    return procs
+
+
+class Output:
+    """Collects a process's output lines on a thread, so waits never block on a pipe."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        import threading
+        self.proc = proc
+        self.lines: list[str] = []
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def wait_for(self, needle: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if needle in line:
+                    return line
+            if self.proc.poll() is not None and not self.thread.is_alive():
+                break
+            time.sleep(0.02)
+        raise AssertionError(f"no line with {needle!r} within {timeout} s; output:\n{self.text}")
+
+    def finish(self, timeout: float) -> int:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"process did not exit within {timeout} s; output:\n{self.text}") from None
+        self.thread.join(5)
+        self.proc.stdout.close()
+        return self.proc.returncode
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.thread.join(5)
+        self.proc.stdout.close()
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 60) -> list[tuple[int, str]]:
+    out = []
+    try:
+        for p in procs:
+            stdout, _ = p.communicate(timeout=timeout)
+            out.append((p.returncode, stdout))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
