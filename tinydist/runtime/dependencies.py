@@ -62,6 +62,13 @@ class AccessLog:
             kept.append(new)
             self._records = kept
 
+    def conflicts(self, start: int, end: int, write: bool) -> bool:
+        """Whether unfinished work conflicts with accessing bytes [start, end) now, from any thread
+        (a read conflicts with pending writes; a write with any pending access)."""
+        with self._lock:
+            return any((write or r.write) and r.start < end and start < r.end and r.timeline.value < r.value
+                       for r in self._records)
+
     def pending(self) -> dict[Timeline, int]:
         """The latest unfinished value per timeline that touches this base (any range, any mode)."""
         result: dict[Timeline, int] = {}
