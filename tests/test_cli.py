@@ -48,10 +48,10 @@ def test_demo_with_json_logs(capsys) -> None:
     assert cli.main(["--log-format", "json", "demo"]) == 0
     captured = capsys.readouterr()
     lines = captured.out.splitlines()
-    assert lines[0] == "tinydist demo: saxpy x8 on CPU:0 and CPU:1 concurrently — results equal numpy"
-    values = {key.strip(): float(value) for key, value in (line.rsplit(":", 1) for line in lines[1:])}
-    assert set(values) == {"compile_ms", "cache_hits", "CPU:0 ms", "CPU:1 ms", "overlap_ms"}
-    assert values["CPU:0 ms"] > 0 and values["CPU:1 ms"] > 0 and values["overlap_ms"] >= 0
+    assert lines[0].startswith("tinydist demo on CPU:0, CPU:1")
+    assert "equals numpy" in lines[1] and lines[1].lstrip().startswith("fused graph")
+    assert lines[2].lstrip().startswith("td.jit MLP") and "p50" in lines[2] and "p99" in lines[2]
+    assert lines[3].lstrip().startswith("sharded") and "equals numpy" in lines[3]
     for line in captured.err.splitlines():   # whatever was logged is JSON
         json.loads(line)
 

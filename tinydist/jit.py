@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from tinydist.codegen.compile_cache import CompileCache
 from tinydist.codegen.compiler import HostCompiler
 from tinydist.errors import TinydistError
@@ -54,6 +56,10 @@ class _ArgSpec:
     dtype: str = ""
     device: str = ""
     value: Any = None
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return np.dtype(self.dtype)
 
     def describe(self) -> str:
         if self.kind == "tensor":
@@ -137,18 +143,23 @@ class _Captured:
         """One native function calling every kernel in order, addresses bound."""
         device = self.device
         lines = []
+        launches = []  # (program, arguments) for devices that link launches themselves (CUDA)
         for call in self.schedule.linear:
             if isinstance(call, KernelCall):
                 program = programs.kernel(call.ast, device)
                 args = [self.buffers[call.out], *(self.buffers[i] for i in call.inputs)]
+                launches.append((program, [b.address for b in args]))
                 operands = [f"ptr inttoptr (i64 {b.address} to ptr)" for b in args]
             else:
                 assert isinstance(call, MatmulCall)
                 program = programs.matmul(call.dtype, device)
                 pointers = [self.buffers[n] for n in (call.out, call.a, call.b, call.workspace)]
                 scalars = (call.batch, call.m, call.n, call.k, call.a_batch_stride, call.b_batch_stride, call.m * call.n)
+                launches.append((program, [*(b.address for b in pointers), *scalars]))
                 operands = [f"ptr inttoptr (i64 {b.address} to ptr)" for b in pointers] + [f"i64 {v}" for v in scalars]
             lines.append(f"  call void inttoptr (i64 {program.address} to ptr)({', '.join(operands)})")
+        if hasattr(device, "link_launches"):  # kernels that are not host code: the device links them
+            return device.link_launches(launches)
         name = f"jit_entry_{next(_entry_ids)}_{id(self):x}"
         ir_text = f"define void @{name}() {{\nentry:\n" + "\n".join(lines) + "\n  ret void\n}\n"
         object_code = CompileCache(HostCompiler(opt_level=1), enabled=False).compile(ir_text)
@@ -172,6 +183,27 @@ class _Captured:
         outputs = [Tensor(buffer_node(buffer, dtype, shape, device.name))
                    for buffer, (shape, dtype) in zip(out_buffers, self.output_specs)]
         return self.rebuild(outputs), completion
+
+
+    def replay_host(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        """The frame-loop path on a host-memory device: copy the caller's arrays straight into
+        the JIT's input buffers, run the entry point, copy the outputs into new arrays — one
+        batch, run inline when the queue is idle, no Tensor objects made."""
+        copy = self.device.host_copy()
+        outputs = [np.empty(shape, dtype.np) for shape, dtype in self.output_specs]
+        batch = self.device.batch("compute")
+        for (position, address, nbytes), array in zip(self.arg_copies, arrays):
+            batch.command(copy, (address, array.__array_interface__["data"][0], nbytes))
+        for buffer, write in self.accesses:
+            batch.track(buffer, write)
+        batch.command(self.entry.cfunc, ())
+        for out, (address, nbytes) in zip(outputs, self.output_copies):
+            batch.command(copy, (out.__array_interface__["data"][0], address, nbytes))
+        batch.keep_alive(arrays, outputs)
+        completion = batch.submit(inline=True)
+        if not completion.done():  # the queue was busy: the batch was queued behind its work
+            completion.wait_blocking()
+        return outputs
 
 
 class TinyJit:
@@ -228,6 +260,19 @@ class TinyJit:
         result, completion = self._call(args, kwargs, inline=True)
         return result
 
+    def call_numpy(self, *arrays: Any) -> Any:
+        """numpy arrays in (positionally, in place of the function's Tensor arguments), numpy
+        arrays out: the lowest-overhead replay, for a frame loop. Captures like a normal call."""
+        captured = self.captured
+        if (captured is not None and captured.device.host_visible and len(arrays) == len(self.specs)
+                and all(spec.kind == "tensor" for spec in self.specs)):
+            checked = [_host_array(spec, array) for spec, array in zip(self.specs, arrays)]
+            self.calls += 1
+            return captured.rebuild(captured.replay_host(checked))
+        result = self(*(Tensor(a) if isinstance(a, np.ndarray) else a for a in arrays))
+        outputs, rebuild = _flatten(result)
+        return rebuild([t.numpy() for t in outputs])
+
     async def acall(self, *args: Any, **kwargs: Any) -> Any:
         """The same call for async code: replays without blocking the event loop and awaits it."""
         result, completion = self._call(args, kwargs, inline=False)
@@ -264,6 +309,14 @@ class TinyJit:
         for node, number in zip(side_effects, schedule.targets[len(nodes):]):
             node.buffer = self.captured.buffers[schedule.aliases.get(number, number)]
         return self.captured.replay(tensors, inline)
+
+
+def _host_array(spec: _ArgSpec, array: Any) -> np.ndarray:
+    if not isinstance(array, np.ndarray):
+        raise JitError(f"argument {spec.name!r}: call_numpy takes numpy arrays, got {type(array).__name__}")
+    if array.shape != spec.shape or array.dtype != spec.np_dtype:
+        raise JitError(f"argument {spec.name!r}: captured as {spec.describe()}, got ndarray {array.dtype.name}{list(array.shape)}")
+    return array if array.flags.c_contiguous else np.ascontiguousarray(array)
 
 
 def _same_value(a: Any, b: Any) -> bool:

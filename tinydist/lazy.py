@@ -88,6 +88,8 @@ class LazyNode:
         grad = False
         for src in srcs:
             src._add_reader(self)
+            grad = grad or src.requires_grad
+        self.requires_grad = grad and grad_mode.enabled and op is not Op.ASSIGN and dtype.is_float  # autograd hook
 
     def _add_reader(self, reader: LazyNode) -> None:
         readers = self._readers
@@ -98,8 +100,6 @@ class LazyNode:
         # whenever the list doubles, so it stays proportional to the readers still alive.
         if len(readers) >= 32 and len(readers) & (len(readers) - 1) == 0:
             readers[:] = [ref for ref in readers if ref() is not None]
-            grad = grad or src.requires_grad
-        self.requires_grad = grad and grad_mode.enabled and op is not Op.ASSIGN and dtype.is_float  # autograd hook
 
     def live_readers(self) -> Iterator[LazyNode]:
         """Unrealized nodes still alive that read this node."""

@@ -52,9 +52,12 @@ class Programs:
         program = self._programs.get(key)
         if program is None:
             with self._lock:
+                if hasattr(device, "load_kernel"):  # back ends with their own code generator (CUDA: PTX)
+                    program = device.load_kernel(ast)
+                    self._programs[key] = program
+                    return program
                 name, ir_text = lower(ast)
-                object_code = self._compile_cache().compile(ir_text)
-                program = device.load_program(object_code, name, ["w"] + ["r"] * len(ast.slot_dtypes))
+                program = device.load_ir(ir_text, name, ["w"] + ["r"] * len(ast.slot_dtypes), self._compile_cache().compile)
                 self._programs[key] = program
         return program
 
@@ -63,9 +66,12 @@ class Programs:
         program = self._programs.get(key)
         if program is None:
             with self._lock:
+                if hasattr(device, "load_matmul"):  # same arguments as the CPU matmul
+                    program = device.load_matmul(dtype.name)
+                    self._programs[key] = program
+                    return program
                 name = f"tinydist_matmul_{dtype.name}"
-                object_code = self._compile_cache().compile(matmul_ir(name, dtype.name))
-                program = device.load_program(object_code, name, MATMUL_SIGNATURE)
+                program = device.load_ir(matmul_ir(name, dtype.name), name, MATMUL_SIGNATURE, self._compile_cache().compile)
                 self._programs[key] = program
         return program
 
@@ -113,7 +119,8 @@ def realize(targets: Sequence[LazyNode]) -> list[Completion]:
             arena.free()
     for node, number in zip(pending, schedule.targets):
         node.buffer = buffers[schedule.aliases.get(number, number)]
-        node.srcs = ()  # the graph below is no longer needed: let it be collected
+        if not node.requires_grad or node.op in (Op.BUFFER, Op.ASSIGN):  # autograd hook: backward() walks srcs
+            node.srcs = ()  # the graph below is no longer needed: let it be collected
     return completions
 
 

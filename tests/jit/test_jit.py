@@ -138,3 +138,25 @@ def test_returning_an_input_unchanged_is_refused() -> None:
     identity(x)
     with pytest.raises(td.JitError, match="nothing to capture"):
         identity(x)
+
+
+def test_call_numpy_is_numpy_in_numpy_out_and_checks_the_signature() -> None:
+    w1, b1, w2, n1, n2 = _weights()
+
+    @td.jit
+    def mlp(x: td.Tensor) -> td.Tensor:
+        return ((x @ w1 + b1).relu() @ w2).softmax()
+
+    for i in range(5):  # the first calls capture through the normal path, later ones replay
+        x = rng.standard_normal((1, 64)).astype(np.float32)
+        out = mlp.call_numpy(x)
+        assert isinstance(out, np.ndarray) and out.dtype == np.float32
+        np.testing.assert_allclose(out, _reference_mlp(x, n1, n2), rtol=1e-4, atol=1e-6)
+    strided = np.asfortranarray(rng.standard_normal((1, 64)).astype(np.float32))
+    np.testing.assert_allclose(mlp.call_numpy(strided), _reference_mlp(strided, n1, n2), rtol=1e-4, atol=1e-6)
+    with pytest.raises(td.JitError, match=r"argument 'x': captured as Tensor float32\[1, 64\].*got ndarray float64\[1, 64\]"):
+        mlp.call_numpy(np.zeros((1, 64)))
+    with pytest.raises(td.JitError, match=r"got ndarray float32\[2, 64\]"):
+        mlp.call_numpy(np.zeros((2, 64), np.float32))
+    with pytest.raises(td.JitError, match="takes numpy arrays"):
+        mlp.call_numpy([0.0] * 64)

@@ -1,0 +1,158 @@
+"""Training throughput (samples/s): the digits MLP and a small CNN, batch 256.
+
+    .venv/bin/python bench/train.py [--seconds 3] [--json PATH]
+
+Per model: tinydist on 1 device, on 2 devices of one process (DistributedDataParallel), on 2
+processes (`tinydist launch --nproc 2`, each rank half the batch), and PyTorch CPU with
+torch.set_num_threads(1) as the comparison (skipped when torch is not installed). Each row is the
+median over repeats of timed windows after warm-up steps; a step is forward + backward + Adam.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+BATCH = 256
+
+
+def batches(model: str, count: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    g = np.random.default_rng(seed)
+    shape = (BATCH, 64) if model == "mlp" else (BATCH, 1, 8, 8)
+    return [(g.random(shape, dtype=np.float32), g.integers(0, 10, BATCH).astype(np.int64)) for _ in range(count)]
+
+
+def td_model(name: str):
+    import tinydist as td
+    td.manual_seed(0)
+    nn = td.nn
+    if name == "mlp":
+        return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+                         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 4 * 4, 10))
+
+
+def run_tinydist(name: str, devices: int, seconds: float, rank: int = 0, world: int = 1) -> list[float]:
+    import tinydist as td
+    model = td_model(name)
+    ddp = td.parallel.DistributedDataParallel(model, devices=devices if world == 1 else None)
+    opt = td.optim.Adam(ddp.parameters(), lr=1e-3)
+    data = batches(name, 8)
+    local = BATCH // world
+
+    def step(i: int) -> None:
+        x, y = data[i % len(data)]
+        x, y = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
+        loss = td.nn.functional.cross_entropy(ddp(td.Tensor(x)), td.Tensor(y))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    return _measure(step, seconds, td.synchronize)
+
+
+def run_torch(name: str, seconds: float) -> list[float]:
+    import torch
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    nn = torch.nn
+    if name == "mlp":
+        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    else:
+        model = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+                              nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 4 * 4, 10))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    data = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches(name, 8)]
+
+    def step(i: int) -> None:
+        x, y = data[i % len(data)]
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    return _measure(step, seconds, lambda: None)
+
+
+def _measure(step, seconds: float, sync) -> list[float]:
+    """samples/s of each of 5 windows of seconds/5, after warm-up (compiles, captures)."""
+    for i in range(5):
+        step(i)
+    sync()
+    rates, i = [], 0
+    for _ in range(5):
+        start, done = time.perf_counter(), 0
+        while time.perf_counter() - start < seconds / 5:
+            step(i)
+            i += 1
+            done += 1
+        sync()
+        rates.append(done * BATCH / (time.perf_counter() - start))
+    return rates
+
+
+def run_processes(name: str, seconds: float) -> list[float] | None:
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "tinydist.cli", "launch", "--nproc", "2", "--timeout", str(60 + 10 * seconds),
+           str(Path(__file__).resolve()), "--worker", name, "--seconds", str(seconds)]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root)
+    for line in proc.stdout.splitlines():
+        if "RATES" in line:
+            return [float(v) for v in line.split("RATES", 1)[1].split()]
+    print(f"2-process run failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}", file=sys.stderr)
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--worker", default=None)
+    parser.add_argument("--models", default="mlp,cnn")
+    parser.add_argument("--json", default=None)
+    args, _ = parser.parse_known_args()
+    if args.worker:  # one rank of the 2-process run
+        import tinydist as td
+        td.dist.init()
+        rates = run_tinydist(args.worker, 1, args.seconds, td.dist.rank(), td.dist.world_size())
+        if td.dist.rank() == 0:
+            print("RATES " + " ".join(f"{r:.1f}" for r in rates), flush=True)
+        td.dist.barrier()
+        return
+    results: list[dict[str, object]] = []
+    try:
+        import torch  # noqa: F401
+        have_torch = True
+    except ImportError:
+        have_torch = False
+    print(f"batch {BATCH}, Adam, median samples/s over 5 windows ({args.seconds:.0f} s per config); {os.cpu_count()} CPUs")
+    for name in args.models.split(","):
+        rows: dict[str, float] = {}
+        rows["tinydist 1 device"] = statistics.median(run_tinydist(name, 1, args.seconds))
+        rows["tinydist 2 devices"] = statistics.median(run_tinydist(name, 2, args.seconds))
+        rates = run_processes(name, args.seconds)
+        if rates:
+            rows["tinydist 2 processes"] = statistics.median(rates)
+        if have_torch:
+            rows["torch 1 thread"] = statistics.median(run_torch(name, args.seconds))
+        base = rows["tinydist 1 device"]
+        for label, rate in rows.items():
+            extra = f"  ({rate / base:.2f}x of 1 device)"
+            if have_torch and label != "torch 1 thread":
+                extra += f"  ({rate / rows['torch 1 thread']:.2f}x torch)"
+            print(f"{name:4s} {label:22s} {rate:10,.0f} samples/s{extra}")
+            results.append({"name": f"{name}/{label.replace(' ', '_')}", "value": rate, "unit": "samples/s"})
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
