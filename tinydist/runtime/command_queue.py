@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 Command = tuple[Callable[..., Any], tuple[Any, ...]]
 
-# Observability hooks (tinydist.trace, tinydist.metrics). TRACER is None unless tracing is on; the
+# Observability hooks (tinydist.observability, tinydist.metrics). TRACER is None unless tracing is on; the
 # worker reads it once per batch, so tracing off costs one global load per batch and nothing per
 # command. QUEUES lets the metrics collector read every live queue's counters at scrape time.
 TRACER: Any = None

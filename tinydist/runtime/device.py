@@ -13,10 +13,11 @@ failed device refuses new work with the error that failed it until it is closed.
 
 from __future__ import annotations
 
+import collections
 import enum
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -26,6 +27,7 @@ from tinydist.config import settings
 from tinydist.errors import ClosedResourceError, DeviceError, DeviceFailed, OutOfBounds
 from tinydist.logs import get_logger
 from tinydist.runtime.buffer import Buffer
+from tinydist.runtime import command_queue as _hooks
 from tinydist.runtime.command_queue import Command, CommandQueue
 from tinydist.runtime.dependencies import AccessLog
 from tinydist.runtime.timeline import Timeline
@@ -33,6 +35,10 @@ from tinydist.runtime.timeline import Timeline
 if TYPE_CHECKING:
     from tinydist.runtime.allocator import Allocator
     from tinydist.runtime.program import Program
+
+
+# (device name, error type name) -> how often a device failed that way (read by tinydist.metrics).
+FAILURES: collections.Counter[tuple[str, str]] = collections.Counter()
 
 
 class DeviceState(enum.Enum):
@@ -58,10 +64,16 @@ class Completion:
         return self.timeline.reached(self.value)
 
     async def wait(self, timeout: float | None = None) -> None:
+        tracer = _hooks.TRACER
+        if tracer is not None:  # tracing: a host sync event
+            return await tracer.host_wait(self.timeline, self.value, timeout)
         await self.timeline.wait(self.value, timeout)
 
     def wait_blocking(self, timeout: float | None = None) -> None:
         """Block this thread (never an event loop's) until done; same hang rule as `wait`."""
+        tracer = _hooks.TRACER
+        if tracer is not None:  # tracing: a host sync event
+            return tracer.host_wait_blocking(self.timeline, self.value, timeout)
         self.timeline.wait_blocking(self.value, timeout)
 
 
@@ -97,9 +109,28 @@ class Device(ABC):
     def load_program(self, object_code: bytes, entry: str, signature: Sequence[str]) -> Program:
         """Load compiled code; `signature` lists arg kinds: "r"/"w"/"rw" buffers, "i64"/"f64" scalars."""
 
+    def load_ir(self, ir_text: str, entry: str, signature: Sequence[str], compile: Callable[[str], bytes]) -> Program:
+        """Load a kernel given as LLVM IR. Local back ends compile it here with `compile` (the caller's
+        compile cache) and load the object code; a remote back end ships the IR to its node instead."""
+        return self.load_program(compile(ir_text), entry, signature)
+
+    @property
+    def host_visible(self) -> bool:
+        """Whether the device's memory is the host's (buffers can be read and written with memmove)."""
+        return False
+
     def host_copy(self) -> Any:
         """The callable that copies `nbytes` from a source address to a destination address."""
         raise DeviceError(f"{self.name} has no host-addressable copy; it needs a transfer engine")
+
+    def copy_command(self, direction: str, source: Device | None = None) -> Callable[[int, int, int], None]:
+        """The callable for a copy into (`"h2d"`, `"d2d"`) or out of (`"d2h"`) this device's memory,
+        `(dst, src, nbytes)`; `source` is the device a "d2d" copy reads. Default: `host_copy()`,
+        except that a host-memory device reading a device whose memory is not the host's uses
+        that device's "d2h" copy."""
+        if source is not None and source is not self and self.host_visible and not source.host_visible:
+            return source.copy_command("d2h")
+        return self.host_copy()
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -164,6 +195,7 @@ class Device(ABC):
         for q in self.queues.values():
             q.timeline.fail(first)
         if first is error:
+            FAILURES[(self.name, type(error).__name__)] += 1
             self.log.error("device failed", error=str(error))
         return first
 
@@ -221,7 +253,7 @@ class Batch:
     earlier work on other queues through its base's access log, before it joins the batch.
     """
 
-    __slots__ = ("device", "queue", "completion", "_commands", "_accesses", "_keepalive", "_waited", "_timeout")
+    __slots__ = ("device", "queue", "completion", "_commands", "_accesses", "_keepalive", "_waited", "_timeout", "_copied")
 
     def __init__(self, device: Device, queue: CommandQueue) -> None:
         self.device = device
@@ -233,6 +265,7 @@ class Batch:
         self._keepalive: list[Any] = []
         self._waited: dict[Timeline, int] = {}
         self._timeout = settings.TIMELINE_TIMEOUT
+        self._copied = 0  # bytes in this batch's copies, counted by the queue at submit
 
     def __enter__(self) -> Batch:
         return self
@@ -248,6 +281,10 @@ class Batch:
         """Order the batch after conflicting work on `buffer`, record the access, and return its
         address — for `command`s whose buffers are not passed as Buffer arguments."""
         return self._access(buffer, write)
+
+    def keep_alive(self, *objects: Any) -> None:
+        """Hold `objects` (host arrays a command reads or writes) until the batch completes."""
+        self._keepalive.extend(objects)
 
     def command(self, fn: Any, args: tuple[Any, ...]) -> None:
         """Append a raw command. The caller must `track` every buffer it touches that other
@@ -288,21 +325,24 @@ class Batch:
         if dst.nbytes != src.nbytes:
             raise OutOfBounds(f"copy size mismatch: {src!r} has {src.nbytes} bytes, {dst!r} has {dst.nbytes}")
         source = self._access(src, False)
-        self._commands.append((self.device.host_copy(), (self._access(dst, True), source, dst.nbytes)))
+        self._copied += dst.nbytes
+        self._commands.append((self.device.copy_command("d2d", src.device), (self._access(dst, True), source, dst.nbytes)))
 
     def write_from_host(self, dst: Buffer, data: Any) -> None:
         host = _host_view(data, writable=False)
         if host.nbytes != dst.nbytes:
             raise OutOfBounds(f"copyin size mismatch: host data has {host.nbytes} bytes, {dst!r} has {dst.nbytes}")
         self._keepalive.append(host)
-        self._commands.append((self.device.host_copy(), (self._access(dst, True), host.ctypes.data, dst.nbytes)))
+        self._copied += dst.nbytes
+        self._commands.append((self.device.copy_command("h2d"), (self._access(dst, True), host.ctypes.data, dst.nbytes)))
 
     def read_to_host(self, out: np.ndarray, src: Buffer) -> None:
         host = _host_view(out, writable=True)
         if host.nbytes != src.nbytes:
             raise OutOfBounds(f"copyout size mismatch: host array has {host.nbytes} bytes, {src!r} has {src.nbytes}")
         self._keepalive.append(host)
-        self._commands.append((self.device.host_copy(), (host.ctypes.data, self._access(src, False), src.nbytes)))
+        self._copied += src.nbytes
+        self._commands.append((self.device.copy_command("d2h"), (host.ctypes.data, self._access(src, False), src.nbytes)))
 
     def submit(self, inline: bool = False) -> Completion:
         """Hand the batch to its queue; `inline=True` runs it on this thread when the queue is idle
@@ -310,10 +350,11 @@ class Batch:
         if self.completion is not None:
             raise RuntimeError("this batch was already submitted; start a new one with device.batch()")
         self.device.check_usable()
-        value = self.queue.submit(self._commands, inline)
+        value = self.queue.submit(self._commands, inline, self._copied)
         timeline = self.queue.timeline
-        for (log, start, end), write in self._accesses.items():
-            log.record(start, end, write, timeline, value)
+        if not timeline.reached(value):  # work that already finished (inline) cannot race with anything
+            for (log, start, end), write in self._accesses.items():
+                log.record(start, end, write, timeline, value)
         if self._keepalive:
             keep = self._keepalive
             timeline.call_when_reached(value, keep.clear)

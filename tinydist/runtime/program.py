@@ -25,6 +25,13 @@ class Program:
     cfunc: Any  # a ctypes function: calling it releases the GIL for the kernel's duration
     address: int
 
+    def __post_init__(self) -> None:
+        # Name the native callable after its kernel, so a trace can label `(cfunc, args)` commands.
+        try:
+            self.cfunc.__name__ = self.name
+        except (AttributeError, TypeError):
+            pass
+
     @property
     def buffer_args(self) -> tuple[tuple[int, bool], ...]:
         """(argument index, writes?) for each buffer argument; cached, it is on the launch path."""

@@ -6,7 +6,7 @@ here and, for those that are not, why — a back end that exists is not a device
 
 from __future__ import annotations
 
-import ctypes.util
+import importlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +16,14 @@ from tinydist.errors import DeviceNotFound, DeviceUnavailable
 from tinydist.runtime.device import Device
 
 _NAME = re.compile(r"^([A-Za-z][A-Za-z0-9_]*)(?::(\d+))?$")
+_SCHEME_NAME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://([^/\s]+)/([^/\s]+)$")
+_SCHEMES: dict[str, str] = {}  # scheme -> "module:Class" of its Device subclass, imported on first use
+
+
+def register_scheme(scheme: str, target: str) -> None:
+    """Open `scheme://authority/KIND:N` names with the Device subclass at `target` ("module:Class"),
+    imported lazily (so the runtime never imports a transport): `Class(canonical_name)`."""
+    _SCHEMES[scheme.lower()] = target
 
 
 @dataclass(frozen=True)
@@ -29,6 +37,9 @@ def canonical_name(name: str) -> str:
     """"cpu" / "CPU" / "CPU:0" → "CPU:0"; anything malformed is a ValueError naming the format."""
     if not isinstance(name, str):
         raise TypeError(f"device name must be a string like 'CPU:1', got {type(name).__name__}")
+    scheme = _SCHEME_NAME.match(name.strip())
+    if scheme:  # "scheme://authority/KIND:N": the scheme's back end owns the authority part
+        return f"{scheme.group(1).lower()}://{scheme.group(2)}/{canonical_name(scheme.group(3))}"
     match = _NAME.match(name.strip())
     if not match:
         raise ValueError(f"malformed device name {name!r}; expected KIND or KIND:INDEX, e.g. 'CPU:1'")
@@ -41,15 +52,18 @@ def _discover_cpu() -> list[DeviceInfo]:
 
 
 def _discover_cuda() -> list[DeviceInfo]:
-    library = ctypes.util.find_library("cuda")
-    if library is None:
-        return [DeviceInfo("CUDA", False, "no CUDA driver library (libcuda.so) on this machine")]
-    return [DeviceInfo("CUDA", False, f"driver library {library} found, but tinydist's CUDA back end is not built yet")]
+    from tinydist.runtime.cuda.device import discover  # loads libcuda (once) only when asked
+    return [DeviceInfo(name, usable, detail) for name, usable, detail in discover()]
 
 
 def _open_cpu(name: str) -> Device:
     from tinydist.runtime.cpu.device import CPUDevice
     return CPUDevice(name)
+
+
+def _open_cuda(name: str) -> Device:
+    from tinydist.runtime.cuda.device import CUDADevice
+    return CUDADevice(name)
 
 
 @dataclass(frozen=True)
@@ -61,7 +75,7 @@ class Backend:
 
 BACKENDS: dict[str, Backend] = {
     "CPU": Backend("CPU", _discover_cpu, _open_cpu),
-    "CUDA": Backend("CUDA", _discover_cuda, None),
+    "CUDA": Backend("CUDA", _discover_cuda, _open_cuda),
 }
 
 
@@ -72,6 +86,13 @@ def discover() -> list[DeviceInfo]:
 def open_device(name: str) -> Device:
     """The device called `name`, not yet opened: use `async with open_device(name) as dev`."""
     canonical = canonical_name(name)
+    scheme = canonical.split("://", 1)[0] if "://" in canonical else None
+    if scheme is not None:
+        target = _SCHEMES.get(scheme)
+        if target is None:
+            raise DeviceNotFound(f"no device scheme {scheme!r} (from {name!r}); registered: {', '.join(sorted(_SCHEMES)) or 'none'}")
+        module, _, attr = target.partition(":")
+        return getattr(importlib.import_module(module), attr)(canonical)
     kind = canonical.split(":")[0]
     backend = BACKENDS.get(kind)
     usable = [info.name for info in discover() if info.usable]

@@ -42,5 +42,9 @@ class CPUDevice(Device):
         self.check_usable()
         return native_loader.load(object_code, entry, signature)
 
+    @property
+    def host_visible(self) -> bool:
+        return True
+
     def host_copy(self) -> object:
         return _memmove

@@ -1,0 +1,91 @@
+"""`tinydist profile`: trace a whole program, summarise it, draw it; merge per-rank traces.
+
+    tinydist profile script.py [args ...]                  # writes tinydist-trace.json, prints a summary
+    tinydist profile -o run.json --png run.png script.py   # also a Gantt chart (needs matplotlib)
+    tinydist profile -m package.module [args ...]          # a module, like python -m
+    tinydist profile --merge all.json run.rank0.json run.rank1.json
+    tinydist profile --from all.json --png all.png         # summarise / draw a saved trace
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from tinydist.observability import chrome, report, tracing
+
+    if args.merge:
+        if len(args.merge) < 2:
+            print("tinydist profile --merge OUT IN [IN ...]: give the output and at least one input", file=sys.stderr)
+            return 2
+        out, *inputs = args.merge
+        merged = chrome.merge_files(out, inputs)
+        data = chrome.load(merged)
+        print(f"merged {len(inputs)} trace(s) into {merged} ({len(data['traceEvents'])} events)")
+        _report(data, args)
+        return 0
+    if args.source is not None:
+        _report(chrome.load(args.source), args)
+        return 0
+    if args.script is None:
+        print("tinydist profile: give a script (or -m MODULE), --from TRACE or --merge OUT IN...", file=sys.stderr)
+        return 2
+
+    code: Any = 0
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    tracer = tracing.start()
+    try:
+        if args.module:
+            sys.argv = [args.script, *args.args]
+            runpy.run_module(args.script, run_name="__main__", alter_sys=True)
+        else:
+            script = os.path.abspath(args.script)
+            sys.argv = [script, *args.args]
+            sys.path.insert(0, os.path.dirname(script))
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+        tracing.stop(tracer, wait=True)
+        written = tracer.write(args.output)
+        dropped = f", {tracer.dropped} dropped (raise TINYDIST_TRACE_MAX_EVENTS)" if tracer.dropped else ""
+        print(f"\ntinydist profile: trace written to {written} ({tracer.events} events{dropped}); "
+              f"open it in https://ui.perfetto.dev or chrome://tracing", file=sys.stderr)
+    _report(json.loads(Path(written).read_text()), args)
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 1
+
+
+def _report(data: dict[str, Any], args: argparse.Namespace) -> None:
+    from tinydist.observability import report
+    if not args.no_summary:
+        print(report.format_summary(data, top=args.top))
+    if args.png is not None:
+        path = report.plot_gantt(data, args.png, title=args.title)
+        print(f"Gantt chart written to {path}", file=sys.stderr)
+
+
+def add_commands(subparsers: Any) -> None:
+    parser = subparsers.add_parser("profile", help="trace a program's device work; summary table, Gantt PNG, merge ranks",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-o", "--output", type=Path, default=Path("tinydist-trace.json"),
+                        help="trace file to write (default tinydist-trace.json; .rank{N} is added under tinydist launch)")
+    parser.add_argument("--png", type=Path, metavar="PNG", help="also draw the lanes as a Gantt chart (needs matplotlib)")
+    parser.add_argument("--title", help="title of the Gantt chart")
+    parser.add_argument("--no-summary", action="store_true", help="do not print the summary table")
+    parser.add_argument("--top", type=int, default=20, help="rows of the per-kernel table (default 20)")
+    parser.add_argument("-m", dest="module", action="store_true", help="SCRIPT is a module name, run like python -m")
+    parser.add_argument("--merge", nargs="+", metavar="FILE", help="OUT IN [IN ...]: merge per-rank traces onto one clock")
+    parser.add_argument("--from", dest="source", type=Path, metavar="TRACE", help="summarise (and --png) a saved trace")
+    parser.add_argument("script", nargs="?", help="the Python script (or module with -m) to run under tracing")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    parser.set_defaults(run=_profile)

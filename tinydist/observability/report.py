@@ -1,0 +1,199 @@
+"""Reading a trace without a browser: a summary table for the terminal and a Gantt chart (PNG).
+
+Both work from the Trace Event Format object (a fresh `Tracer.chrome()` or a loaded file), so
+`tinydist profile --png out.png --summary trace.json`-style use on saved files works the same.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+COLORS = {"kernel": "#1f77b4", "copy": "#ff7f0e", "wait": "#bdbdbd", "host sync": "#d62728", "host": "#9467bd",
+          "collective": "#2ca02c", "rpc": "#17becf", "span": "#8c564b"}
+
+
+def _names(trace: dict[str, Any]) -> tuple[dict[int, str], dict[tuple[int, int], str]]:
+    processes: dict[int, str] = {}
+    threads: dict[tuple[int, int], str] = {}
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            processes[e["pid"]] = e["args"]["name"]
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            threads[(e["pid"], e["tid"])] = e["args"]["name"]
+    return processes, threads
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for s, t in sorted(intervals):
+        if t <= end:
+            continue
+        total += t - max(s, end)
+        end = t
+    return total
+
+
+def summarize(trace: dict[str, Any]) -> dict[str, Any]:
+    """Per-name totals (kernels, copies, waits, host syncs, spans) and per-lane busy shares."""
+    processes, threads = _names(trace)
+    xs = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    if not xs:
+        return {"span_us": 0.0, "names": [], "lanes": []}
+    t0 = min(e["ts"] for e in xs)
+    t1 = max(e["ts"] + e["dur"] for e in xs)
+    span = max(t1 - t0, 1e-9)
+    by_name: dict[tuple[str, str], list[float]] = defaultdict(list)
+    busy: dict[tuple[int, int], list[tuple[float, float]]] = defaultdict(list)
+    for e in xs:
+        lane = (e["pid"], e.get("tid", 0))
+        if e.get("cat") == "batch":
+            busy[lane].append((e["ts"], e["ts"] + e["dur"]))
+            continue
+        by_name[(e.get("cat", ""), e["name"] if e.get("cat") not in ("wait", "host sync") else e.get("cat"))].append(e["dur"])
+        if e.get("cat") not in ("kernel", "copy", "wait", "host"):  # spans and host syncs have no batch
+            busy[lane].append((e["ts"], e["ts"] + e["dur"]))
+    work = sum(sum(d) for (cat, _), d in by_name.items() if cat in ("kernel", "copy")) or 1e-9
+    names = sorted(({"category": cat, "name": name, "count": len(d), "total_us": sum(d), "mean_us": sum(d) / len(d),
+                     "share": sum(d) / work if cat in ("kernel", "copy") else None}
+                    for (cat, name), d in by_name.items()), key=lambda r: -r["total_us"])
+    lanes = [{"process": processes.get(pid, str(pid)), "lane": threads.get((pid, tid), str(tid)),
+              "busy_us": _union(iv), "busy": _union(iv) / span, "events": len(iv)}
+             for (pid, tid), iv in sorted(busy.items())]
+    return {"span_us": span, "names": names, "lanes": lanes}
+
+
+def _fmt_us(us: float) -> str:
+    if us >= 1e6:
+        return f"{us / 1e6:.3g} s"
+    if us >= 1e3:
+        return f"{us / 1e3:.3g} ms"
+    return f"{us:.3g} us"
+
+
+def format_summary(trace: dict[str, Any], top: int = 20) -> str:
+    s = summarize(trace)
+    lines = [f"trace: {_fmt_us(s['span_us'])} from first to last event"]
+    if not s["names"]:
+        return lines[0] + " (no events)"
+    lines.append("")
+    width = min(max(len(r["name"]) for r in s["names"][:top]), 48)
+    lines.append(f"{'category':<10} {'name':<{width}} {'count':>7} {'total':>10} {'mean':>10} {'share':>6}")
+    for r in s["names"][:top]:
+        share = f"{r['share'] * 100:5.1f}%" if r["share"] is not None else "     -"
+        lines.append(f"{r['category']:<10} {r['name'][:width]:<{width}} {r['count']:>7} {_fmt_us(r['total_us']):>10} "
+                     f"{_fmt_us(r['mean_us']):>10} {share}")
+    if len(s["names"]) > top:
+        lines.append(f"... {len(s['names']) - top} more")
+    lines.append("(share: of all kernel + copy time)")
+    lines.append("")
+    pw = max(len(r["process"]) for r in s["lanes"])
+    lw = max(len(r["lane"]) for r in s["lanes"])
+    lines.append(f"{'process':<{pw}} {'lane':<{lw}} {'busy':>10} {'busy %':>7} {'events':>7}")
+    for r in s["lanes"]:
+        lines.append(f"{r['process']:<{pw}} {r['lane']:<{lw}} {_fmt_us(r['busy_us']):>10} {r['busy'] * 100:6.1f}% {r['events']:>7}")
+    return "\n".join(lines)
+
+
+def plot_gantt(trace: dict[str, Any], path: str | os.PathLike[str], title: str | None = None,
+               max_flows: int = 300) -> Path:
+    """Draw the lanes as a Gantt chart (commands coloured by category, batches as outlines, flow
+    arrows, a bytes-in-flight panel) with a legend and a time axis; needs matplotlib (`[plot]`)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise RuntimeError("drawing a PNG needs matplotlib: pip install 'tinydist[plot]'") from exc
+
+    processes, threads = _names(trace)
+    events = trace["traceEvents"]
+    xs = [e for e in events if e.get("ph") == "X"]
+    counters = [e for e in events if e.get("ph") == "C"]
+    if not xs:
+        raise ValueError("the trace has no complete events to draw")
+    t0 = min(e["ts"] for e in xs)
+    t1 = max(e["ts"] + e["dur"] for e in xs)
+    span_us = max(t1 - t0, 1e-3)
+    scale, unit = (1e3, "ms") if span_us >= 2e3 else (1.0, "µs")
+
+    lanes = sorted({(e["pid"], e.get("tid", 0)) for e in xs})
+    row = {lane: i for i, lane in enumerate(lanes)}
+    labels = [f"{processes.get(p, p)} / {threads.get((p, t), t)}" for p, t in lanes]
+
+    panels = 2 if counters else 1
+    fig_h = max(2.5, 0.55 * len(lanes) + 1.6) + (1.6 if counters else 0)
+    fig, axes = plt.subplots(panels, 1, figsize=(12, fig_h), sharex=True, squeeze=False,
+                             gridspec_kw={"height_ratios": [max(len(lanes), 2)] + ([1.6] if counters else [])})
+    ax = axes[0][0]
+    used: set[str] = set()
+    by_cat: dict[str, list[tuple[int, float, float]]] = defaultdict(list)
+    for e in xs:
+        y = row[(e["pid"], e.get("tid", 0))]
+        x, w = (e["ts"] - t0) / scale, e["dur"] / scale
+        cat = e.get("cat", "span")
+        if cat == "batch":
+            ax.add_patch(plt.Rectangle((x, y - 0.42), w, 0.84, fill=False, edgecolor="#555555", linewidth=0.6))
+            used.add("batch")
+            continue
+        by_cat[cat].append((y, x, w))
+    for cat, bars in by_cat.items():
+        color = COLORS.get(cat, COLORS["span"])
+        used.add(cat)
+        for y, x, w in bars:
+            ax.broken_barh([(x, max(w, span_us / scale / 2000))], (y - 0.32, 0.64), facecolors=color, edgecolor="none")
+    # kernel names on bars wide enough to hold them
+    min_w = span_us / scale / 14
+    for e in xs:
+        if e.get("cat") in ("kernel", "collective", "rpc", "span") and e["dur"] / scale >= min_w:
+            ax.text((e["ts"] - t0 + e["dur"] / 2) / scale, row[(e["pid"], e.get("tid", 0))], e["name"][:28],
+                    ha="center", va="center", fontsize=6.5, color="white", clip_on=True)
+    # flow arrows
+    starts = {e["id"]: e for e in events if e.get("ph") == "s"}
+    drawn = 0
+    for e in events:
+        if e.get("ph") == "f" and e["id"] in starts and drawn < max_flows:
+            s = starts[e["id"]]
+            if (s["pid"], s.get("tid")) in row and (e["pid"], e.get("tid")) in row:
+                ax.annotate("", xy=((e["ts"] - t0) / scale, row[(e["pid"], e.get("tid"))]),
+                            xytext=((s["ts"] - t0) / scale, row[(s["pid"], s.get("tid"))]),
+                            arrowprops={"arrowstyle": "->", "color": "#444444", "lw": 0.6, "alpha": 0.7})
+                drawn += 1
+                used.add("signal → wait")
+    ax.set_yticks(range(len(lanes)))
+    ax.set_yticklabels(labels, fontsize=8)
+    ax.set_ylim(len(lanes) - 0.5, -0.5)
+    ax.set_xlim(0, span_us / scale * 1.01)
+    ax.grid(axis="x", alpha=0.3)
+    handles = [Patch(facecolor=COLORS.get(c, COLORS["span"]), label=c) for c in COLORS if c in used]
+    if "batch" in used:
+        handles.append(Patch(facecolor="none", edgecolor="#555555", label="batch (one submission)"))
+    if "signal → wait" in used:
+        from matplotlib.lines import Line2D
+        handles.append(Line2D([0], [0], color="#444444", lw=0.8, marker=">", label="signal → wait it releases"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False)
+    ax.set_title(title or "tinydist trace", fontsize=11)
+    if counters:
+        cax = axes[1][0]
+        per_pid: dict[int, list[tuple[float, float]]] = defaultdict(list)
+        for c in counters:
+            per_pid[c["pid"]].append(((c["ts"] - t0) / scale, sum(c["args"].values())))
+        for pid, pts in sorted(per_pid.items()):
+            pts.sort()
+            xs_, ys_ = [0.0] + [p[0] for p in pts], [0.0] + [p[1] for p in pts]
+            cax.step(xs_, ys_, where="post", label=f"{processes.get(pid, pid)} bytes in flight", lw=1)
+        cax.set_ylabel("bytes", fontsize=8)
+        cax.legend(fontsize=7, loc="upper right")
+        cax.grid(alpha=0.3)
+        cax.set_xlabel(f"time since trace start ({unit})")
+    else:
+        ax.set_xlabel(f"time since trace start ({unit})")
+    fig.tight_layout()
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(target, dpi=130)
+    plt.close(fig)
+    return target
