@@ -97,9 +97,11 @@ class Result:
     repeats: int | None = None
     detail: str | None = None              # printed in the parentheses, after baseline and ratio
     extra: dict[str, Any] = field(default_factory=dict)  # JSON only
+    value_label: str | None = None         # printed before the value, e.g. "tinydist"
 
     def line(self) -> str:
-        text = f"{self.name}: {_fmt(self.value)} {self.unit}"
+        label = f"{self.value_label} " if self.value_label else ""
+        text = f"{self.name}: {label}{_fmt(self.value)} {self.unit}"
         details = []
         if self.baseline is not None:
             unit = self.baseline_unit or self.unit.split("/")[0].split(" ")[0]

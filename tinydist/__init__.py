@@ -1,16 +1,46 @@
-"""tinydist: an asyncio-native distributed tensor runtime with LLVM-generated native kernels."""
+"""tinydist: an asyncio-native distributed tensor runtime with LLVM-generated native kernels.
 
+The engine, in processing order: `Tensor` (lazy graph, autograd) → `schedule` (fusion, order,
+memory plan) → `codegen` (LLVM) → `runtime` (devices, queues, timelines). Subsystems that pull in
+heavier dependencies are imported on first use: `td.dist` (process collectives), `td.onnx`,
+`td.multi` (sharded tensors) — so `import tinydist` stays light and never loads gRPC.
+"""
+
+from importlib import import_module
+from typing import Any
+
+from tinydist import autograd, nn, optim, parallel
+from tinydist.autograd import enable_grad, no_grad
+from tinydist.dtypes import DType, bool_, float32, float64, int32, int64
 from tinydist.errors import (AllocationError, BufferInUse, ClosedResourceError, CompileError, DeviceError, DeviceFailed,
                              DeviceHang, DeviceNotFound, DeviceUnavailable, OutOfBounds, TinydistError, UseAfterFree)
-from tinydist.dtypes import DType, bool_, float32, float64, int32, int64
-from tinydist.runtime import Buffer, Device, discover, get_engine, open_device
-from tinydist.schedule import ScheduleCycleError
-from tinydist.tensor import Tensor, cat, manual_seed, stack, synchronize, where
 from tinydist.jit import JitError, TinyJit, jit
+from tinydist.observability import trace
+from tinydist.runtime import Buffer, Device, discover, get_engine, open_device
+from tinydist.runtime.registry import register_scheme
+from tinydist.schedule import ScheduleCycleError
+from tinydist.serialization import load, save
+from tinydist.tensor import Tensor, cat, manual_seed, stack, synchronize, where
+
+# remote://host:port/KIND:N devices; the module (and gRPC) is imported only when one is opened
+register_scheme("remote", "transports.pci_remote.device:RemoteDevice")
 
 __version__ = "0.1.0"
 
-__all__ = ["AllocationError", "Buffer", "DType", "JitError", "TinyJit", "jit", "ScheduleCycleError", "Tensor", "bool_", "cat", "float32", "float64",
-           "int32", "int64", "manual_seed", "stack", "synchronize", "where", "BufferInUse", "ClosedResourceError", "CompileError", "Device", "DeviceError",
-           "DeviceFailed", "DeviceHang", "DeviceNotFound", "DeviceUnavailable", "OutOfBounds", "TinydistError",
-           "UseAfterFree", "discover", "get_engine", "open_device"]
+_LAZY = {"dist": "tinydist.dist", "onnx": "tinydist.onnx", "multi": "tinydist.multi"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module = import_module(_LAZY[name])
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module 'tinydist' has no attribute {name!r}")
+
+
+__all__ = ["AllocationError", "Buffer", "BufferInUse", "ClosedResourceError", "CompileError", "DType", "Device",
+           "DeviceError", "DeviceFailed", "DeviceHang", "DeviceNotFound", "DeviceUnavailable", "JitError",
+           "OutOfBounds", "ScheduleCycleError", "Tensor", "TinyJit", "TinydistError", "UseAfterFree", "autograd",
+           "bool_", "cat", "discover", "dist", "enable_grad", "float32", "float64", "get_engine", "int32", "int64",
+           "jit", "load", "manual_seed", "multi", "nn", "no_grad", "onnx", "open_device", "optim", "parallel", "save",
+           "stack", "synchronize", "trace", "where"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib import import_module
 from collections.abc import Sequence
 
 from tinydist import logs
@@ -25,6 +26,11 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+# Modules contributing subcommands, each with `add_commands(subparsers)`.
+_COMMAND_MODULES = ("tinydist.cli_infer", "tinydist.cli_remote", "tinydist.cli_dist", "tinydist.cli_profile",
+                    "tinydist.cli_cluster")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tinydist", description="asyncio-native distributed tensor runtime")
     parser.add_argument("--log-format", choices=["console", "json"], help="log rendering (default: TINYDIST_LOG_FORMAT or console)")
@@ -32,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser("devices", help="list usable devices, and why others cannot open").set_defaults(run=_devices)
     commands.add_parser("demo", help="run the demo job on local CPU devices").set_defaults(run=_demo)
+    for module in _COMMAND_MODULES:  # each adds its own subcommands; imported only to build the parser
+        import_module(module).add_commands(commands)
     return parser
 
 

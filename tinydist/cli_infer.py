@@ -1,6 +1,6 @@
 """`tinydist infer MODEL.onnx --input NAME=FILE.npy [--bench N]`: run an ONNX model once (and time it).
 
-Registered in `tinydist.cli.build_parser` by `add_infer_command(commands)`. Needs the optional
+Registered in `tinydist.cli.build_parser` by `add_commands(commands)`. Needs the optional
 `onnx` extra (pip install 'tinydist[onnx]')."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _infer(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_infer_command(subparsers: Any) -> argparse.ArgumentParser:
+def add_commands(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("infer", help="run an ONNX model on .npy inputs (needs the onnx extra)")
     parser.add_argument("model", help="path of the .onnx file")
     parser.add_argument("--input", action="append", type=_parse_input, metavar="NAME=FILE.npy",

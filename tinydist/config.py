@@ -118,5 +118,19 @@ for _setting in (
             "Bytes one CPU device may hold allocated at once."),
     Setting("ALLOCATOR_CACHE", int, lambda: 1 << 30,
             "Bytes of freed device memory each allocator keeps for reuse (0 disables the cache)."),
+    Setting("COLLECTIVE_TIMEOUT", _positive_float, lambda: 60.0,
+            "Seconds one process-group collective (tinydist.dist) may take before every rank raises."),
+    Setting("ALLREDUCE", _choice("auto", "naive", "ring", "all2all"), lambda: "auto",
+            "Allreduce algorithm for tinydist.dist when a call says algorithm='auto'."),
+    Setting("TRANSPORT", _choice("auto", "shm", "tcp", "rdma"), lambda: "auto",
+            "Links between ranks: shared memory on one host and TCP otherwise (auto), or force one; "
+            "rdma uses BNXT RDMA where both ranks have a NIC (real or the softbnxt model) and TCP otherwise."),
+    Setting("TRACE", Path, lambda: None,
+            "Write a Chrome Trace Event Format file of all device work to this path at exit (.rank{N} is added in a multi-process job)."),
+    Setting("TRACE_MAX_EVENTS", _positive_int, lambda: 2_000_000,
+            "Most events one trace keeps in memory; later ones are dropped and counted."),
+    Setting("RDMA_NIC", _choice("auto", "hw", "soft", "off"), lambda: "auto",
+            "RDMA links (transports.rdma_bnxt): a real BNXT NIC if usable (auto, hw), the software NIC model (soft), "
+            "or none (off); a pair where either side has none falls back to TCP with a logged reason."),
 ):
     settings.declare(_setting)
