@@ -44,6 +44,8 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     m, k, n = x.shape[-2], x.shape[-1], y.shape[-1]
     if dtype.is_float and m * n * k:
         result = _native_matmul(x.cast(dtype), y.cast(dtype), batch, m, k, n)
+    elif dtype.is_bool:  # numpy: a logical or of ands
+        result = (x.unsqueeze(-1) & y.unsqueeze(-3)).any(axis=-2)
     else:
         result = (x.cast(dtype).unsqueeze(-1) * y.cast(dtype).unsqueeze(-3)).sum(axis=-2, dtype=dtype)
     if a.ndim == 1:

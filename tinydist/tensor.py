@@ -81,6 +81,7 @@ def _shape_arg(shape: Sequence[Any]) -> tuple[int, ...]:
 
 
 class Tensor:
+    __array_ufunc__ = None  # `ndarray + Tensor` defers to Tensor.__radd__ instead of making an object array
     __slots__ = ("node", "grad", "_grad_hooks", "__weakref__")  # grad, _grad_hooks: tinydist.autograd
 
     def __init__(self, data: Any, device: str | None = None, dtype: Any = None, requires_grad: bool = False) -> None:
@@ -98,7 +99,7 @@ class Tensor:
         if dtype is None and array.dtype == np.float16:
             raise TypeError("dtype float16 is not supported yet; cast with .astype(np.float32)")
         target = to_dtype(dtype if dtype is not None else array.dtype)
-        array = np.ascontiguousarray(array, dtype=target.np)
+        array = np.asarray(array, dtype=target.np, order="C")  # (ascontiguousarray would make 0-d arrays 1-d)
         self.node = _upload(array, target, device)
         if requires_grad:
             self.requires_grad_()
@@ -306,7 +307,9 @@ class Tensor:
         except ValueError:
             raise ValueError(f"operands could not be broadcast together with shapes {a.shape} {b.shape}") from None
         common = operand_dtype or _promote(a, b)
-        if common.is_bool:  # numpy: bool + bool is or, bool * bool is and
+        if common.is_bool:  # numpy: bool + bool is or, bool * bool is and, bool - bool is refused
+            if op is Op.SUB:
+                raise TypeError("boolean subtract (-) is not supported, as in numpy; use ^ (xor) or logical_not")
             op = {Op.ADD: Op.OR, Op.MUL: Op.AND}.get(op, op)
         a, b = a.cast(common)._broadcast_to(shape), b.cast(common)._broadcast_to(shape)
         return Tensor(elementwise(op, (a.node, b.node), out_dtype or common))
@@ -350,6 +353,9 @@ class Tensor:
     def __and__(self, other: Any) -> Tensor: return self._bitwise(other, Op.AND)
     def __or__(self, other: Any) -> Tensor: return self._bitwise(other, Op.OR)
     def __xor__(self, other: Any) -> Tensor: return self._bitwise(other, Op.XOR)
+    def __rand__(self, other: Any) -> Tensor: return self._bitwise(other, Op.AND)
+    def __ror__(self, other: Any) -> Tensor: return self._bitwise(other, Op.OR)
+    def __rxor__(self, other: Any) -> Tensor: return self._bitwise(other, Op.XOR)
     def __invert__(self) -> Tensor: return self.logical_not() if self.dtype.is_bool else self._bitwise(-1, Op.XOR)
     __hash__ = object.__hash__
 
@@ -494,7 +500,8 @@ class Tensor:
         return self.cast(dtypes.bool_).min(axis, keepdim)
 
     def _arg_reduce(self, op: str, axis: int | None, keepdim: bool) -> Tensor:
-        x = self if axis is not None else self.reshape(-1)
+        flat = axis is None
+        x = self.reshape(-1) if flat else self
         axis = _normalize_axis(axis if axis is not None else 0, x.ndim)
         if x.shape[axis] == 0:
             raise ValueError(f"attempt to get arg{op} of an empty sequence")
@@ -503,9 +510,9 @@ class Tensor:
         positions = Tensor.arange(x.shape[axis], dtype=dtypes.int64, device=self.device)
         positions = positions.reshape(tuple(-1 if i == axis else 1 for i in range(x.ndim)))
         first = hit.where(positions, x.shape[axis]).min(axis, keepdim=True)
-        if keepdim and self.ndim and axis is not None:
-            return first
-        return first.reshape(tuple(s for i, s in enumerate(x.shape) if i != axis)) if not keepdim else first
+        if keepdim:
+            return first.reshape((1,) * self.ndim) if flat else first
+        return first.reshape(tuple(s for i, s in enumerate(x.shape) if i != axis))
 
     def argmax(self, axis: int | None = None, keepdim: bool = False) -> Tensor:
         return self._arg_reduce("max", axis, keepdim)
@@ -682,7 +689,13 @@ def where(condition: Any, a: Any, b: Any) -> Tensor:
     anchor = next((t for t in (condition, a, b) if isinstance(t, Tensor)), None)
     if anchor is None:
         raise TypeError("where() needs at least one Tensor argument")
-    cond, x, y = (anchor._operand(v) for v in (condition, a, b))
+    # Python scalars are weak (NEP 50): they take the kind of the tensor branch they meet
+    branch_dtypes = [v.dtype for v in (a, b) if isinstance(v, Tensor)]
+    scalars = [v for v in (a, b) if isinstance(v, (bool, int, float))]
+    common = dtypes.result_type(*branch_dtypes, *scalars) if branch_dtypes else None
+    cond = anchor._operand(condition)
+    x, y = (Tensor.full((), v, common, anchor.device) if common is not None and isinstance(v, (bool, int, float))
+            else anchor._operand(v) for v in (a, b))
     devices = {cond.device, x.device, y.device}
     if len(devices) > 1:
         raise ValueError(f"where() operands are on different devices: {sorted(devices)}")
@@ -716,7 +729,11 @@ def cat(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
         pads = [(0, 0)] * first.ndim
         pads[axis] = (offset, total - offset - t.shape[axis])
         piece = t.cast(dtype).pad(pads)
-        result = piece if result is None else (result | piece if dtype.is_bool else result + piece)
+        if result is None:
+            result = piece
+        else:  # select, not add: -0.0 and NaN payloads come through unchanged
+            inside = Tensor.full(t.shape, True, dtypes.bool_, t.device).pad(pads)
+            result = inside.where(piece, result)
         offset += t.shape[axis]
     assert result is not None
     return result

@@ -459,12 +459,21 @@ def _cast(lw: _Lowerer, node: KNode, args: list[ir.Value]) -> ir.Value:
     return b.sext(x, to) if dst.itemsize > src.itemsize else b.trunc(x, to)
 
 
+def _safe_divisor(lw: _Lowerer, a: ir.Value, d: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """(divisor safe for sdiv/srem, is-zero) — x86 traps on a zero divisor and on MIN / -1."""
+    b = lw.b
+    width = a.type.element.width if isinstance(a.type, ir.VectorType) else a.type.width
+    zero = b.icmp_signed("==", d, splat(d.type, 0))
+    overflow = b.and_(b.icmp_signed("==", a, splat(a.type, -(1 << (width - 1)))), b.icmp_signed("==", d, splat(d.type, -1)))
+    # MIN // -1 wraps to MIN and MIN % -1 is 0 in numpy: dividing by 1 gives exactly that
+    return b.select(b.or_(zero, overflow), splat(d.type, 1), d), zero
+
+
 def _floordiv_int(lw: _Lowerer, a: ir.Value, d: ir.Value) -> ir.Value:
     b = lw.b
     zero, one = splat(a.type, 0), splat(a.type, 1)
-    bad = b.icmp_signed("==", d, zero)
-    safe_d = b.select(bad, one, d)
-    q = b.sdiv(a, safe_d)  # INT_MIN // -1 wraps as in numpy
+    safe_d, bad = _safe_divisor(lw, a, d)
+    q = b.sdiv(a, safe_d)
     r = b.srem(a, safe_d)
     adjust = b.and_(b.icmp_signed("!=", r, zero), b.icmp_signed("!=", b.icmp_signed("<", r, zero), b.icmp_signed("<", safe_d, zero)))
     q = b.select(adjust, b.sub(q, one), q)
@@ -473,9 +482,8 @@ def _floordiv_int(lw: _Lowerer, a: ir.Value, d: ir.Value) -> ir.Value:
 
 def _mod_int(lw: _Lowerer, a: ir.Value, d: ir.Value) -> ir.Value:
     b = lw.b
-    zero, one = splat(a.type, 0), splat(a.type, 1)
-    bad = b.icmp_signed("==", d, zero)
-    safe_d = b.select(bad, one, d)
+    zero = splat(a.type, 0)
+    safe_d, bad = _safe_divisor(lw, a, d)
     r = b.srem(a, safe_d)
     adjust = b.and_(b.icmp_signed("!=", r, zero), b.icmp_signed("!=", b.icmp_signed("<", r, zero), b.icmp_signed("<", safe_d, zero)))
     return b.select(bad, zero, b.select(adjust, b.add(r, safe_d), r))
@@ -491,16 +499,18 @@ def _mod_float(lw: _Lowerer, a: ir.Value, d: ir.Value) -> ir.Value:
 
 
 def _floordiv_float(lw: _Lowerer, a: ir.Value, d: ir.Value) -> ir.Value:
-    # numpy: (a - a % d) / d, rounded toward -inf; equal to floor(a / d) except in rounding corner cases
+    """numpy's npy_divmod: from fmod, corrected toward -inf, rounded; a / d when d is zero."""
     b = lw.b
-    mod = _mod_float(lw, a, d)
+    zero = splat(a.type, 0.0)
+    mod = b.frem(a, d)
     div = b.fdiv(b.fsub(a, mod), d)
+    adjust = b.and_(b.fcmp_ordered("!=", mod, zero), b.xor(b.fcmp_ordered("<", d, zero), b.fcmp_ordered("<", mod, zero)))
+    div = b.select(adjust, b.fsub(div, splat(a.type, 1.0)), div)
     rounded = lw.call("floor", a.type, div)
-    diff = b.fsub(div, rounded)
-    bump = b.fcmp_ordered(">", diff, splat(a.type, 0.5))
-    result = b.select(bump, b.fadd(rounded, splat(a.type, 1.0)), rounded)
-    is_zero_div = b.fcmp_ordered("==", d, splat(a.type, 0.0))
-    return b.select(is_zero_div, b.fdiv(a, d), result)
+    rounded = b.select(b.fcmp_ordered(">", b.fsub(div, rounded), splat(a.type, 0.5)), b.fadd(rounded, splat(a.type, 1.0)), rounded)
+    quotient = b.fdiv(a, d)
+    result = b.select(b.fcmp_unordered("!=", div, zero), rounded, lw.call("copysign", a.type, zero, quotient))
+    return b.select(b.fcmp_ordered("==", d, zero), quotient, result)
 
 
 def _cmp(pred: str) -> Callable[[_Lowerer, KNode, list[ir.Value]], ir.Value]:

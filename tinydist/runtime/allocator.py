@@ -16,10 +16,12 @@ prove that nothing is left behind.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import threading
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +49,10 @@ class Allocator(ABC):
         self.limit_bytes = limit_bytes
         self.cache_limit = cache_bytes
         self._lock = threading.Lock()
+        # Frees arrive from finalizers, which the garbage collector may run on a thread that is
+        # already inside this allocator holding the lock: they are queued (deque appends need no
+        # lock) and applied by whoever holds or next takes the lock — never waited for.
+        self._released: collections.deque[tuple[int, int]] = collections.deque()
         self._reserved = 0
         self._peak = 0
         self._ledger: dict[int, int] = {}  # address -> bytes mapped
@@ -132,7 +138,7 @@ class Allocator(ABC):
 
     def trim(self) -> int:
         """Give every cached block back; returns the bytes released."""
-        with self._lock:
+        with self._locked():
             blocks = [(address, nbytes) for nbytes, addresses in self._cache.items() for address in addresses]
             self._cache.clear()
             self._cached_bytes = 0
@@ -141,20 +147,20 @@ class Allocator(ABC):
         return sum(nbytes for _, nbytes in blocks)
 
     def statistics(self) -> AllocatorStatistics:
-        with self._lock:
+        with self._locked():
             return AllocatorStatistics(len(self._ledger), sum(self._ledger.values()), self._reserved, self._peak,
                                        self.limit_bytes, self._cached_bytes)
 
     def outstanding(self) -> dict[int, int]:
         """address -> bytes of everything mapped and not yet given back."""
-        with self._lock:
+        with self._locked():
             return dict(self._ledger)
 
     # ---- steps and their undos ---------------------------------------------------------------
 
     def _reserve(self, nbytes: int) -> None:
         faults.check("alloc.reserve")
-        with self._lock:
+        with self._locked():
             if self._reserved + nbytes > self.limit_bytes:
                 raise AllocationError(
                     f"{self.device.name}: out of memory allocating {nbytes} bytes: "
@@ -163,35 +169,62 @@ class Allocator(ABC):
             self._peak = max(self._peak, self._reserved)
 
     def _unreserve(self, nbytes: int) -> None:
-        with self._lock:
+        with self._locked():
             self._reserved -= nbytes
 
     def _register(self, address: int, nbytes: int) -> None:
-        with self._lock:
+        with self._locked():
             self._ledger[address] = nbytes
 
     def _unregister(self, address: int) -> None:
-        with self._lock:
+        with self._locked():
             del self._ledger[address]
 
     def _take_cached(self, nbytes: int) -> int | None:
-        with self._lock:
+        with self._locked():
             blocks = self._cache.get(nbytes)
             if not blocks:
                 return None
             self._cached_bytes -= nbytes
             return blocks.pop()
 
+    def _cache_block(self, address: int, nbytes: int) -> bool:
+        """Keep a freed block for reuse if the cache has room (lock held); False: unmap it."""
+        if self._cached_bytes + nbytes > self.cache_limit:
+            return False
+        self._cache.setdefault(nbytes, []).append(address)
+        self._cached_bytes += nbytes
+        return True
+
     def _put_cached(self, address: int, nbytes: int) -> None:
-        with self._lock:
-            keep = self._cached_bytes + nbytes <= self.cache_limit
-            if keep:
-                self._cache.setdefault(nbytes, []).append(address)
-                self._cached_bytes += nbytes
-        if not keep:
+        with self._locked():
+            kept = self._cache_block(address, nbytes)
+        if not kept:
             self._unmap(address, nbytes)
 
     def _free(self, address: int, nbytes: int) -> None:
-        self._unregister(address)
-        self._unreserve(nbytes)
-        self._put_cached(address, nbytes)
+        self._released.append((address, nbytes))
+        self._apply_releases()
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._lock:
+            yield
+        self._apply_releases()
+
+    def _apply_releases(self) -> None:
+        while self._released:
+            if not self._lock.acquire(blocking=False):
+                return  # the holder applies them when it lets go (it checks after releasing)
+            unmap = []
+            try:
+                while self._released:
+                    address, nbytes = self._released.popleft()
+                    del self._ledger[address]
+                    self._reserved -= nbytes
+                    if not self._cache_block(address, nbytes):
+                        unmap.append((address, nbytes))
+            finally:
+                self._lock.release()
+            for address, nbytes in unmap:
+                self._unmap(address, nbytes)

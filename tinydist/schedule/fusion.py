@@ -92,6 +92,13 @@ class _Fuser:
             return self.graph.number[id(node)]
         if node.numel == 0:  # nothing to compute: an empty buffer, no call
             return self._new_buffer(node, BufferSpec(0, node.dtype, node.shape, node.device))
+        base = node.srcs[0] if node.op is Op.VIEW else None
+        if base is not None and node.arg.contiguous_base and not base.realized and base.op is not Op.CONST:
+            # a reshape of contiguous memory (e.g. a reduce dropping its size-1 axes) is the same
+            # bytes: compute the base into one buffer and let both nodes name it, no copy kernel
+            number = self.materialize(base)
+            self.graph.number[id(node)] = number
+            return number
         if node.op is Op.MATMUL:
             return self._matmul(node)
         if node.op is Op.COPY:
@@ -118,7 +125,7 @@ class _Fuser:
             return K.load(slot(self.buffer_of(base)), tracker, base.dtype)
 
         def build(n: LazyNode, top: bool) -> KNode:
-            if n is not node and (n.realized or id(n) in self.graph.number or self._should_materialize(n)):
+            if n.realized or (n is not node and (id(n) in self.graph.number or self._should_materialize(n))):
                 return load_of(n, ShapeTracker.contiguous(n.shape))
             if n.op is Op.VIEW:
                 base = n.srcs[0]
@@ -182,7 +189,27 @@ class _Fuser:
         self.graph.overwrites[out] = old
         if value.numel:
             self._kernel(value, out=out, aliased=old)
+            call = self.graph.calls[-1]
+            if not _reads_aliased_in_place(call):
+                # the kernel would read elements it has already overwritten: compute the value
+                # into a buffer of its own, then copy it over the target
+                self.graph.calls.pop()
+                computed = self._kernel(value, out=None)
+                copy = KernelAST(value.shape, (), K.load(0, ShapeTracker.contiguous(value.shape), value.dtype), (value.dtype,), value.dtype)
+                self.graph.calls.append(KernelCall(copy, out, (computed,), node.device))
         return out
+
+
+def _reads_aliased_in_place(call: KernelCall) -> bool:
+    """Whether every read of the overwritten memory is of the very element being written (so an
+    in-place kernel never reads a value it already replaced)."""
+    ast = call.ast
+    identity = ShapeTracker.contiguous(ast.shape)
+    for node in ast.root.walk():
+        if node.op == "load" and node.arg[0] in ast.aliased_slots:
+            if ast.reduce_axes or node.arg[1] != identity:
+                return False
+    return True
 
 
 def fuse(targets: list[LazyNode], inputs: list[LazyNode]) -> FusedGraph:
