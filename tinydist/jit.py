@@ -316,7 +316,7 @@ def _host_array(spec: _ArgSpec, array: Any) -> np.ndarray:
         raise JitError(f"argument {spec.name!r}: call_numpy takes numpy arrays, got {type(array).__name__}")
     if array.shape != spec.shape or array.dtype != spec.np_dtype:
         raise JitError(f"argument {spec.name!r}: captured as {spec.describe()}, got ndarray {array.dtype.name}{list(array.shape)}")
-    return array if array.flags.c_contiguous else np.ascontiguousarray(array)
+    return array if array.flags.c_contiguous else np.asarray(array, order="C")
 
 
 def _same_value(a: Any, b: Any) -> bool:

@@ -104,7 +104,7 @@ class Optimizer:
             p = self.params[i]
             for name, value in saved.items():
                 array = value.numpy() if isinstance(value, Tensor) else np.asarray(value)
-                self.state[i][name] = Tensor(np.ascontiguousarray(array), device=p.device)
+                self.state[i][name] = Tensor(np.asarray(array, order="C"), device=p.device)
                 nodes.append(self.state[i][name].node)
         realize(nodes)
 

@@ -44,7 +44,7 @@ def _flatten(obj: Any, path: str, tensors: dict[str, np.ndarray]) -> Any:
         name = path or "tensor"
         while name in tensors:
             name += "_"
-        tensors[name] = np.ascontiguousarray(array)
+        tensors[name] = np.asarray(array, order="C")
         return {"tensor": name, "numpy": isinstance(obj, np.ndarray)}
     if isinstance(obj, dict):
         items = []

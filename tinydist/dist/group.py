@@ -195,7 +195,7 @@ class ProcessGroup:
     # ---- collectives (numpy in, numpy out) --------------------------------------------------
 
     async def all_reduce(self, x: np.ndarray, op: str = "sum", algorithm: str = "auto") -> np.ndarray:
-        x = np.ascontiguousarray(x)
+        x = np.asarray(x, order="C")
         error = _check_op(op) or _check_algorithm(algorithm)
         chosen, reason = algorithm, "requested"
         if not error and algorithm == "auto":
@@ -226,7 +226,7 @@ class ProcessGroup:
         return await self._collective(header, body)
 
     async def all_gather(self, x: np.ndarray, axis: int = 0) -> np.ndarray:
-        x = np.ascontiguousarray(x)
+        x = np.asarray(x, order="C")
         error = None
         if x.ndim == 0:
             error = "all_gather needs at least one dimension"
@@ -239,7 +239,7 @@ class ProcessGroup:
 
         async def body(headers: dict[int, dict[str, Any]]) -> np.ndarray:
             lengths = [headers[r]["length"] for r in range(self.world)]
-            moved = np.ascontiguousarray(np.moveaxis(x, ax, 0))
+            moved = np.asarray(np.moveaxis(x, ax, 0), order="C")
             row = math.prod(moved.shape[1:])
             out = np.empty((sum(lengths), *moved.shape[1:]), x.dtype)
             flat = out.reshape(-1)
@@ -259,7 +259,7 @@ class ProcessGroup:
         return await self._collective(header, body)
 
     async def reduce_scatter(self, x: np.ndarray, op: str = "sum", axis: int = 0, algorithm: str = "auto") -> np.ndarray:
-        x = np.ascontiguousarray(x)
+        x = np.asarray(x, order="C")
         error = _check_op(op) or _check_algorithm(algorithm)
         if x.ndim == 0:
             error = error or "reduce_scatter needs at least one dimension"
@@ -275,7 +275,7 @@ class ProcessGroup:
                   "algorithm": chosen, "error": error}
 
         async def body(_: dict[int, dict[str, Any]]) -> np.ndarray:
-            moved = np.ascontiguousarray(np.moveaxis(x, ax, 0))
+            moved = np.asarray(np.moveaxis(x, ax, 0), order="C")
             row = math.prod(moved.shape[1:])
             rows = algo.split_bounds(moved.shape[0], self.world)
             bounds = [(a * row, b * row) for a, b in rows]
@@ -301,7 +301,7 @@ class ProcessGroup:
         error = None if 0 <= src < self.world else f"src {src} is outside 0..{self.world - 1}"
         if x is None and self.rank == src:
             error = error or "the source rank must pass a tensor"
-        arr = None if x is None else np.ascontiguousarray(x)
+        arr = None if x is None else np.asarray(x, order="C")
         header = {"coll": "broadcast", "src": src, "error": error,
                   "dtype": None if arr is None else arr.dtype.str, "shape": None if arr is None else list(arr.shape)}
 
