@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/train.py [--seconds 3] [--json PATH]
 
-Per model: tinydist on 1 device, on 2 devices of one process (DistributedDataParallel), on 2
+Per model: tinydist on 1 device (eager, and with the whole step captured by td.jit), on 2 devices of one process (DistributedDataParallel), on 2
 processes (`tinydist launch --nproc 2`, each rank half the batch), and PyTorch CPU with
 torch.set_num_threads(1) as the comparison (skipped when torch is not installed). Each row is the
 median over repeats of timed windows after warm-up steps; a step is forward + backward + Adam.
@@ -55,6 +55,28 @@ def run_tinydist(name: str, devices: int, seconds: float, rank: int = 0, world: 
         opt.zero_grad()
         loss.backward()
         opt.step()
+
+    return _measure(step, seconds, td.synchronize)
+
+
+def run_tinydist_jit(name: str, seconds: float) -> list[float]:
+    """One device, the whole step (forward, backward, Adam) captured with td.jit and replayed."""
+    import tinydist as td
+    model = td_model(name)
+    opt = td.optim.Adam(model.parameters(), lr=1e-3)
+    data = [(x, y) for x, y in batches(name, 8)]
+
+    @td.jit
+    def train_step(x: td.Tensor, y: td.Tensor) -> td.Tensor:
+        loss = td.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+
+    def step(i: int) -> None:
+        x, y = data[i % len(data)]
+        train_step(td.Tensor(x), td.Tensor(y))
 
     return _measure(step, seconds, td.synchronize)
 
@@ -137,6 +159,7 @@ def main() -> None:
     for name in args.models.split(","):
         rows: dict[str, float] = {}
         rows["tinydist 1 device"] = statistics.median(run_tinydist(name, 1, args.seconds))
+        rows["tinydist 1 device, td.jit step"] = statistics.median(run_tinydist_jit(name, args.seconds))
         rows["tinydist 2 devices"] = statistics.median(run_tinydist(name, 2, args.seconds))
         rates = run_processes(name, args.seconds)
         if rates:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -12,9 +13,14 @@ def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from scheduler.coordinator import serve
+    from tinydist import metrics
     try:
-        asyncio.run(serve(args.listen, args.pki, args.insecure_loopback_only, args.heartbeat_interval, args.miss_limit,
-                          args.port_file))
+        with contextlib.ExitStack() as stack:
+            endpoint = metrics.serve_from_args(args)  # --metrics: Prometheus text on loopback
+            if endpoint is not None:
+                stack.callback(endpoint.close)
+            asyncio.run(serve(args.listen, args.pki, args.insecure_loopback_only, args.heartbeat_interval,
+                              args.miss_limit, args.port_file))
     except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"tinydist scheduler: {exc}")
         return 2
@@ -79,6 +85,8 @@ def add_commands(subparsers: Any) -> None:
     sched = subparsers.add_parser("scheduler", help="the cluster coordinator (membership, heartbeats, status)")
     sched_cmds = sched.add_subparsers(dest="scheduler_command", required=True, metavar="COMMAND")
     serve = sched_cmds.add_parser("serve", help="serve the tinydist.v1.Cluster gRPC service until SIGTERM")
+    from tinydist import metrics
+    metrics.add_metrics_argument(serve)
     serve.add_argument("--listen", default="127.0.0.1:29500", help="IP:port to bind (never the wildcard; port 0 picks one)")
     serve.add_argument("--pki", type=Path, help="certificate directory from `tinydist certs init` (mutual TLS)")
     serve.add_argument("--insecure-loopback-only", action="store_true", help="no TLS; loopback address and peers only (tests)")

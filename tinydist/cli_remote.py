@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 from pathlib import Path
+
+from tinydist import metrics
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -15,7 +18,11 @@ def _serve(args: argparse.Namespace) -> int:
                           allow_wildcard=args.allow_wildcard, insecure_loopback_only=args.insecure_loopback_only,
                           insecure_listen=args.insecure_listen, audit=args.audit, lease_ttl_s=args.lease_ttl)
     try:
-        asyncio.run(serve(options))
+        with contextlib.ExitStack() as stack:
+            endpoint = metrics.serve_from_args(args)  # --metrics: Prometheus text on loopback
+            if endpoint is not None:
+                stack.callback(endpoint.close)
+            asyncio.run(serve(options))
     except (FileNotFoundError, ValueError, OSError) as exc:
         print(f"tinydist node serve: {exc}", file=sys.stderr)
         return 2
@@ -50,6 +57,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     node_commands = node.add_subparsers(dest="node_command", required=True, metavar="ACTION")
     serve = node_commands.add_parser("serve", help="serve this machine's devices (mTLS, roles, audit)")
     serve.add_argument("--listen", default="127.0.0.1:7070", help="HOST:PORT (default 127.0.0.1:7070, loopback)")
+    metrics.add_metrics_argument(serve)
     serve.add_argument("--pki", required=True, help="directory with ca.pem, server.pem, server.key (tinydist certs init)")
     serve.add_argument("--policy", help="policy file (default PKI/policy.toml)")
     serve.add_argument("--devices", default="CPU:0", help="comma-separated local devices to export (default CPU:0)")

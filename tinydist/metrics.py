@@ -97,8 +97,13 @@ def time_rpc(method: str) -> Iterator[dict[str, str]]:
             state["status"] = type(exc).__name__
         raise
     finally:
-        RPC_SECONDS.labels(method).observe(time.perf_counter() - start)
-        RPCS.labels(method, state["status"]).inc()
+        record_rpc(method, state["status"], time.perf_counter() - start)
+
+
+def record_rpc(method: str, status: str, seconds: float) -> None:
+    """Count one handled RPC by final status and observe how long it took."""
+    RPC_SECONDS.labels(method).observe(seconds)
+    RPCS.labels(method, status).inc()
 
 
 def count_auth_denial(reason: str) -> None:

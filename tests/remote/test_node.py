@@ -6,6 +6,7 @@ import ast
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -125,3 +126,41 @@ def test_runtime_never_imports_grpc() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
     for path in ROOT.joinpath("tinydist", "runtime").rglob("*.py"):
         assert "grpc" not in path.read_text(), path
+
+
+def test_node_serves_prometheus_metrics_that_count_rpcs_and_denials(lab, tmp_path) -> None:
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from transports.pci_remote._generated import device_pb2 as pb
+
+    with socket.socket() as probe:  # a free loopback port for the metrics endpoint
+        probe.bind(("127.0.0.1", 0))
+        metrics_port = probe.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TINYDIST_")}
+    proc = subprocess.Popen([sys.executable, "-m", "tinydist.cli", "node", "serve", "--listen", "127.0.0.1:0", "--pki",
+                             str(lab.root), "--metrics", f"127.0.0.1:{metrics_port}", "--audit", str(tmp_path / "audit.jsonl")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    try:
+        match = re.search(r"serving 127\.0\.0\.1:(\d+)", proc.stdout.readline())
+        assert match, proc.stderr.read() if proc.poll() is not None else "no serving line"
+        with grpc.secure_channel(f"127.0.0.1:{match.group(1)}", lab.creds["mallory"].channel_credentials()) as channel:
+            ping = channel.unary_unary("/tinydist.v1.DeviceService/Ping", request_serializer=pb.PingRequest.SerializeToString,
+                                       response_deserializer=pb.PingReply.FromString)
+            with pytest.raises(grpc.RpcError) as refused:
+                ping(pb.PingRequest(), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        text = urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for family in text_string_to_metric_families(text) for s in family.samples}
+        assert samples[("tinydist_rpcs_total", (("method", "Ping"), ("status", "PERMISSION_DENIED")))] >= 1
+        assert sum(v for (name, _), v in samples.items() if name == "tinydist_auth_denials_total") >= 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.communicate(timeout=15)
+        finally:
+            proc.kill()
+            proc.stdout.close()
+            proc.stderr.close()

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from tinydist import metrics
 from tinydist.dist.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, RankFailed
 from tinydist.dist.group import ProcessGroup, choose_allreduce
 from tinydist.dist.rendezvous import parse_address
@@ -120,9 +121,10 @@ def _array(t: Any) -> np.ndarray:
     return np.asarray(t)
 
 
-def _call(fn: Any, *args: Any) -> Any:
+def _call(fn: Any, *args: Any, algorithm: str = "") -> Any:
     get_group()
-    return _state["portal"].call(fn, *args)
+    with metrics.time_collective(fn.__name__, algorithm):  # latency histogram / error counter
+        return _state["portal"].call(fn, *args)
 
 
 def _tensor(arr: np.ndarray) -> Any:
@@ -132,7 +134,7 @@ def _tensor(arr: np.ndarray) -> Any:
 
 def all_reduce(t: Any, op: str = "sum", algorithm: str = "auto") -> Any:
     """Reduce `t` over all ranks (op: sum, mean, prod, max, min); every rank gets the result."""
-    return _tensor(_call(get_group().all_reduce, _array(t), op, algorithm))
+    return _tensor(_call(get_group().all_reduce, _array(t), op, algorithm, algorithm=algorithm))
 
 
 def all_gather(t: Any, axis: int = 0) -> Any:
@@ -142,7 +144,7 @@ def all_gather(t: Any, axis: int = 0) -> Any:
 
 def reduce_scatter(t: Any, op: str = "sum", axis: int = 0, algorithm: str = "auto") -> Any:
     """Reduce `t` over all ranks and keep this rank's piece along `axis` (np.array_split's pieces)."""
-    return _tensor(_call(get_group().reduce_scatter, _array(t), op, axis, algorithm))
+    return _tensor(_call(get_group().reduce_scatter, _array(t), op, axis, algorithm, algorithm=algorithm))
 
 
 def broadcast(t: Any, src: int = 0) -> Any:

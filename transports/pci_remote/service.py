@@ -29,6 +29,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from tinydist import metrics
 from tinydist.errors import AllocationError, CompileError, DeviceFailed, TinydistError
 from tinydist.logs import get_logger
 from tinydist.runtime.buffer import Buffer
@@ -237,7 +238,7 @@ class DeviceService:
 
     def _wrap_unary(self, method: str, impl: Callable[..., Any]) -> Callable[..., Any]:
         async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            call, code, reason = None, Code.OK, "ok"
+            call, code, reason, started = None, Code.OK, "ok", time.perf_counter()
             try:
                 call = self._admit(method, context)
                 self.handler_calls[method] += 1
@@ -252,13 +253,13 @@ class DeviceService:
             except Exception as exc:  # noqa: BLE001 - classified below, never leaked
                 code, reason = _classify(exc)
             finally:
-                self._decide(call, method, code, reason, context)
+                self._decide(call, method, code, reason, context, started)
             await context.abort(code, reason)
         return handler
 
     def _wrap_stream_out(self, method: str, impl: Callable[..., AsyncIterator[Any]]) -> Callable[..., Any]:
         async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            call, code, reason = None, Code.OK, "ok"
+            call, code, reason, started = None, Code.OK, "ok", time.perf_counter()
             try:
                 call = self._admit(method, context)
                 self.handler_calls[method] += 1
@@ -274,14 +275,18 @@ class DeviceService:
             except Exception as exc:  # noqa: BLE001
                 code, reason = _classify(exc)
             finally:
-                self._decide(call, method, code, reason, context)
+                self._decide(call, method, code, reason, context, started)
             if code is not Code.OK:
                 await context.abort(code, reason)
         return handler
 
-    def _decide(self, call: Call | None, method: str, code: grpc.StatusCode, reason: str, context: Any) -> None:
+    def _decide(self, call: Call | None, method: str, code: grpc.StatusCode, reason: str, context: Any,
+                started: float) -> None:
         self.audit.decision(identity=call.identity if call else None, method=method, status=code.name, reason=reason,
                             fingerprint=call.fingerprint if call else None, peer=context.peer())
+        metrics.record_rpc(method, code.name, time.perf_counter() - started)
+        if code in (Code.UNAUTHENTICATED, Code.PERMISSION_DENIED):
+            metrics.count_auth_denial(reason)
 
     def handlers(self) -> grpc.GenericRpcHandler:
         service = pb.DESCRIPTOR.services_by_name["DeviceService"]
