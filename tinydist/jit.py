@@ -188,21 +188,31 @@ class _Captured:
     def replay_host(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
         """The frame-loop path on a host-memory device: copy the caller's arrays straight into
         the JIT's input buffers, run the entry point, copy the outputs into new arrays — one
-        batch, run inline when the queue is idle, no Tensor objects made."""
+        submission, run inline when the queue is idle, no Tensor objects made. The caller's
+        arrays stay referenced here until the work is done: this call waits for it."""
         copy = self.device.host_copy()
         outputs = [np.empty(shape, dtype.np) for shape, dtype in self.output_specs]
-        batch = self.device.batch("compute")
-        for (position, address, nbytes), array in zip(self.arg_copies, arrays):
-            batch.command(copy, (address, array.__array_interface__["data"][0], nbytes))
-        for buffer, write in self.accesses:
-            batch.track(buffer, write)
-        batch.command(self.entry.cfunc, ())
-        for out, (address, nbytes) in zip(outputs, self.output_copies):
-            batch.command(copy, (out.__array_interface__["data"][0], address, nbytes))
-        batch.keep_alive(arrays, outputs)
-        completion = batch.submit(inline=True)
-        if not completion.done():  # the queue was busy: the batch was queued behind its work
-            completion.wait_blocking()
+        commands = [(copy, (address, array.__array_interface__["data"][0], nbytes))
+                    for (_, address, nbytes), array in zip(self.arg_copies, arrays)]
+        commands.append((self.entry.cfunc, ()))
+        commands.extend((copy, (out.__array_interface__["data"][0], address, nbytes))
+                        for out, (address, nbytes) in zip(outputs, self.output_copies))
+        if any(buffer.accesses.conflicts(buffer.offset, buffer.offset + buffer.nbytes, write) for buffer, write in self.accesses):
+            batch = self.device.batch("compute")  # shared weights are busy elsewhere: order after that work
+            for buffer, write in self.accesses:
+                batch.track(buffer, write)
+            for fn, args in commands:
+                batch.command(fn, args)
+            completion = batch.submit(inline=True)
+            timeline, value = completion.timeline, completion.value
+        else:
+            queue = self.device.queues["compute"]
+            timeline, value = queue.timeline, queue.submit(commands, inline=True)
+            if not timeline.reached(value):  # queued behind busy work: let other queues order after it
+                for buffer, write in self.accesses:
+                    buffer.accesses.record(buffer.offset, buffer.offset + buffer.nbytes, write, timeline, value)
+        if not timeline.reached(value):
+            timeline.wait_blocking(value)
         return outputs
 
 

@@ -278,7 +278,7 @@ class _Lowerer:
             self.vector_loops(width, out_type)
         elif reduce_node is None:
             self.loops(outer, lambda idx: store(self.evaluate(self.ast.root, full_index(idx), {}), idx), "i")
-        elif self.reduce_axes[-1] < len(self.shape) - 1 and reduce_node.dtype is self.ast.out_dtype:
+        elif self.accumulate_rows(reduce_node):
             self.accumulate_in_output(reduce_node, outer, store, full_index, out_type)
         else:
             acc_type = llvm_type(reduce_node.dtype)
@@ -297,6 +297,23 @@ class _Lowerer:
         self.b.ret_void()
         return str(self.module)
 
+
+    def accumulate_rows(self, reduce_node: KNode) -> bool:
+        """Loop order for a reduce whose axes are not the innermost ones: accumulate into output
+        rows when some input walks the innermost kept axis contiguously, unless an input walks the
+        innermost reduced axis contiguously instead (then a per-element inner reduction reads it
+        in order, like a matrix-vector product over a transposed weight)."""
+        last = len(self.shape) - 1
+        if self.reduce_axes[-1] == last or reduce_node.dtype is not self.ast.out_dtype:
+            return False
+        reduce_inner = self.reduce_axes[-1]
+        along_kept = along_reduce = False
+        for node in reduce_node.srcs[0].walk():
+            if node.op == "load":
+                view = self.trackers[id(node)].views[-1]
+                along_kept |= view.strides[last] == 1 and view.shape[last] > 1
+                along_reduce |= view.strides[reduce_inner] == 1 and view.shape[reduce_inner] > 1
+        return along_kept or not along_reduce
 
     def accumulate_in_output(self, reduce_node: KNode, outer: list[int], store: Callable[..., None],
                              full_index: Callable[[dict[int, ir.Value]], list[ir.Value]], out_type: ir.Type) -> None:
