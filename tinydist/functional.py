@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from tinydist import dtypes
+from tinydist.codegen.matmul import DEFAULT_TILINGS
 from tinydist.lazy import LazyNode, Op
 from tinydist.tensor import Tensor, _normalize_axes
 
@@ -42,9 +43,10 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
         raise ValueError(f"matmul: batch dimensions of shapes {a.shape} and {b.shape} do not broadcast") from None
     dtype = dtypes.result_type(x.dtype, y.dtype)
     m, k, n = x.shape[-2], x.shape[-1], y.shape[-1]
-    # A single row is a matrix-vector product: the fused multiply-reduce below streams the matrix
-    # once, where the packed kernel would repack (and for a transposed weight, first copy) it.
-    if dtype.is_float and m * n * k and m * math.prod(batch) > 1:
+    # The packed kernel pays off for real matrices. A single row (a matrix-vector product) or
+    # fewer columns than its micro-tile is better served by the fused multiply-reduce below: it
+    # streams the operands once, vectorised along the columns, with no packing or edge tiles.
+    if dtype.is_float and m * n * k and m * math.prod(batch) > 1 and n >= DEFAULT_TILINGS[dtype.name].nr:
         result = _native_matmul(x.cast(dtype), y.cast(dtype), batch, m, k, n)
     elif dtype.is_bool:  # numpy: a logical or of ands
         result = (x.unsqueeze(-1) & y.unsqueeze(-3)).any(axis=-2)
@@ -114,7 +116,7 @@ def _check_nchw(x: Tensor, op: str) -> None:
 
 def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
            dilation: Any = 1, groups: int = 1) -> Tensor:
-    """2-D cross-correlation (as torch.nn.functional.conv2d), lowered to im2col + a batched matmul."""
+    """2-D cross-correlation (as torch.nn.functional.conv2d): im2col, then weights @ columns."""
     _check_nchw(x, "conv2d")
     if weight.ndim != 4:
         raise ValueError(f"conv2d weight must be (out_channels, in_channels/groups, KH, KW), got shape {weight.shape}")
@@ -130,11 +132,13 @@ def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 
     padded = x.cast(dtype).pad(((0, 0), (0, 0), (ph, ph), (pw, pw)))
     cols = _windows(padded, (kh, kw), stride2, dilation2)                       # N C OH OW KH KW
     _, _, oh, ow, _, _ = cols.shape
-    cols = cols.reshape(n, groups, cg, oh, ow, kh, kw).permute(1, 0, 3, 4, 2, 5, 6)  # G N OH OW Cg KH KW
-    cols = cols.reshape(groups, n * oh * ow, cg * kh * kw)
-    w = weight.cast(dtype).reshape(groups, oc // groups, cg * kh * kw).permute(0, 2, 1)  # G K OCg
-    out = cols.matmul(w)                                                        # G (N OH OW) OCg
-    out = out.reshape(groups, n, oh, ow, oc // groups).permute(1, 0, 4, 2, 3).reshape(n, oc, oh, ow)
+    # Weights on the left: (OC × C·KH·KW) @ (C·KH·KW × OH·OW) per image gives NCHW directly,
+    # with the many pixels as the wide dimension of the packed kernel, and no transpose after.
+    # materialized in this 7-D order (one affine view: no div/mod per element); the reshape after is free
+    cols = cols.reshape(n, groups, cg, oh, ow, kh, kw).permute(0, 1, 2, 5, 6, 3, 4).contiguous()  # N G Cg KH KW OH OW
+    cols = cols.reshape(n, groups, cg * kh * kw, oh * ow)
+    w = weight.cast(dtype).reshape(groups, oc // groups, cg * kh * kw)             # G OCg K
+    out = w.matmul(cols).reshape(n, oc, oh, ow)                                 # N G OCg (OH OW)
     if bias is not None:
         out = out + bias.cast(dtype).reshape(1, oc, 1, 1)
     return out

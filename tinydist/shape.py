@@ -156,6 +156,11 @@ class ShapeTracker:
         """True when indexing is the identity over the base's contiguous memory."""
         return len(self.views) == 1 and self.views[0].contiguous
 
+    def is_reshape_of(self, shape: Shape) -> bool:
+        """True when this tracker reads every element of contiguous memory of `shape`, in order:
+        the same bytes with another shape (so no copy is needed to make it contiguous)."""
+        return self.contiguous_base and self.numel == prod(shape)
+
     @property
     def numel(self) -> int:
         return prod(self.shape)

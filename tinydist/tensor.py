@@ -214,8 +214,10 @@ class Tensor:
 
     def contiguous(self) -> Tensor:
         node = self.node
-        if node.realized or (node.op not in (Op.VIEW,) and node.op is not Op.CONST):
+        if node.realized or (node.op is not Op.VIEW and node.op is not Op.CONST):
             return self
+        if node.op is Op.VIEW and node.arg.is_reshape_of(node.srcs[0].shape) and node.srcs[0].op is not Op.CONST:
+            return self  # a reshape of contiguous memory is already contiguous: the fuser shares the buffer
         return Tensor(LazyNode(Op.CONTIGUOUS, (node,), None, node.dtype, node.shape, node.device))
 
     def assign(self, value: Tensor | Scalar | np.ndarray) -> Tensor:

@@ -110,9 +110,10 @@ def matrix() -> dict[str, list[object]]:
     cases["full-reduce-large"] = kernels_of(big.max())
     for dt in (np.float32, np.float64):
         m = td.Tensor(np.ones((5, 7), dt))
-        n = td.Tensor(np.ones((7, 3), dt))
+        n = td.Tensor(np.ones((7, 40), dt))  # wider than the micro-tile: the packed matmul kernel
         cases[f"matmul-{np.dtype(dt).name}"] = kernels_of(m @ n)
         cases[f"matmul-batched-{np.dtype(dt).name}"] = kernels_of(td.Tensor(np.ones((2, 5, 7), dt)) @ n)
+        cases[f"matmul-narrow-{np.dtype(dt).name}"] = kernels_of(m @ td.Tensor(np.ones((7, 3), dt)))  # fused kernel
     return cases
 
 

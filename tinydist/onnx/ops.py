@@ -23,7 +23,7 @@ import numpy as np
 
 import tinydist as td
 from tinydist import dtypes
-from tinydist.functional import _windows
+from tinydist.functional import conv2d
 from tinydist.tensor import Tensor
 
 Value = Any  # np.ndarray | Tensor | None
@@ -296,26 +296,6 @@ def _to_2d(x: Tensor) -> Tensor:
     return x.reshape(x.shape[:2] + (1,) + x.shape[2:]) if x.ndim == 3 else x
 
 
-def _conv_core(x: Tensor, wmat: Tensor, groups: int, oc: int, cg: int, kernel: tuple[int, int],
-               strides: Sequence[int], dilations: Sequence[int]) -> Tensor:
-    """x padded (N, C, H, W); wmat (G, Cg*KH*KW, OC/G) → (N, OC, OH, OW)."""
-    n = x.shape[0]
-    kh, kw = kernel
-    cols = _windows(x, kernel, tuple(strides), tuple(dilations))  # N C OH OW KH KW
-    _, _, oh, ow, _, _ = cols.shape
-    cols = cols.reshape(n, groups, cg, oh, ow, kh, kw).permute(1, 0, 3, 4, 2, 5, 6).reshape(groups, n * oh * ow, cg * kh * kw)
-    out = cols.matmul(wmat)  # G (N OH OW) OCg
-    return out.reshape(groups, n, oh, ow, oc // groups).permute(1, 0, 4, 2, 3).reshape(n, oc, oh, ow)
-
-
-def _weight_matrix(ctx: Any, w: Value, groups: int, key: str = "W") -> Tensor:
-    oc, cg = w.shape[0], w.shape[1]
-    k = math.prod(w.shape[1:])
-    if isinstance(w, np.ndarray):
-        return ctx.lift(key, np.ascontiguousarray(w.reshape(groups, oc // groups, k).transpose(0, 2, 1)))
-    return w.reshape(groups, oc // groups, k).permute(0, 2, 1)
-
-
 def op_conv(ctx: Any, x: Tensor, w: Value, b: Value = None) -> Tensor:
     nd = x.ndim - 2
     if nd not in (1, 2):
@@ -335,7 +315,7 @@ def op_conv(ctx: Any, x: Tensor, w: Value, b: Value = None) -> Tensor:
         x, kernel, strides, dilations, pairs = _to_2d(x), [1] + kernel, [1] + strides, [1] + dilations, [(0, 0)] + pairs
         w = w.reshape(w.shape[:2] + (1,) + w.shape[2:])
     x = pad_or_crop(x, [(0, 0), (0, 0)] + pairs)
-    out = _conv_core(x, _weight_matrix(ctx, w, groups), groups, oc, cg, tuple(kernel), strides, dilations)
+    out = conv2d(x, as_tensor(ctx, w, "W"), None, tuple(strides), 0, tuple(dilations), groups)
     if b is not None:
         out = out + as_tensor(ctx, b, "bias").reshape(1, oc, 1, 1)
     return out.reshape(out.shape[:2] + out.shape[3:]) if nd == 1 else out
@@ -388,7 +368,7 @@ def op_conv_transpose(ctx: Any, x: Tensor, w: Value, b: Value = None) -> Tensor:
         x = x.reshape(n, c, h * sh, wd * sw).shrink(((0, n), (0, c), (0, (h - 1) * sh + 1), (0, (wd - 1) * sw + 1)))
     edge = [(d * (k - 1) - pb, d * (k - 1) - pe + op) for d, k, (pb, pe), op in zip(dilations, kernel, pairs, out_pad)]
     x = pad_or_crop(x, [(0, 0), (0, 0)] + edge)
-    out = _conv_core(x, _weight_matrix(ctx, wconv, groups), groups, oc, cin // groups, tuple(kernel), [1, 1], dilations)
+    out = conv2d(x, as_tensor(ctx, wconv, "W"), None, 1, 0, tuple(dilations), groups)
     if b is not None:
         out = out + as_tensor(ctx, b, "bias").reshape(1, oc, 1, 1)
     return out.reshape(out.shape[:2] + out.shape[3:]) if nd == 1 else out

@@ -93,10 +93,10 @@ class _Fuser:
         if node.numel == 0:  # nothing to compute: an empty buffer, no call
             return self._new_buffer(node, BufferSpec(0, node.dtype, node.shape, node.device))
         base = node.srcs[0] if node.op is Op.VIEW else None
-        if base is not None and node.arg.contiguous_base and not base.realized and base.op is not Op.CONST:
-            # a reshape of contiguous memory (e.g. a reduce dropping its size-1 axes) is the same
-            # bytes: compute the base into one buffer and let both nodes name it, no copy kernel
-            number = self.materialize(base)
+        if base is not None and node.arg.is_reshape_of(base.shape) and base.op is not Op.CONST:
+            # a reshape of contiguous memory (a reduce dropping its size-1 axes, a weight matrix
+            # viewed with a batch axis) is the same bytes: both nodes name one buffer, no copy
+            number = self.buffer_of(base)
             self.graph.number[id(node)] = number
             return number
         if node.op is Op.MATMUL:
