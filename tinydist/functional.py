@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 
 from tinydist import dtypes
-from tinydist.codegen.matmul import DEFAULT_TILINGS
 from tinydist.lazy import LazyNode, Op
 from tinydist.tensor import Tensor, _normalize_axes
 
@@ -43,10 +42,9 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
         raise ValueError(f"matmul: batch dimensions of shapes {a.shape} and {b.shape} do not broadcast") from None
     dtype = dtypes.result_type(x.dtype, y.dtype)
     m, k, n = x.shape[-2], x.shape[-1], y.shape[-1]
-    # The packed kernel pays off for real matrices. A single row (a matrix-vector product) or
-    # fewer columns than its micro-tile is better served by the fused multiply-reduce below: it
-    # streams the operands once, vectorised along the columns, with no packing or edge tiles.
-    if dtype.is_float and m * n * k and m * math.prod(batch) > 1 and n >= DEFAULT_TILINGS[dtype.name].nr:
+    # A single row is a matrix-vector product: the fused multiply-reduce below streams the matrix
+    # once, where the packed kernel would repack (and for a transposed weight, first copy) it.
+    if dtype.is_float and m * n * k and m * math.prod(batch) > 1:
         result = _native_matmul(x.cast(dtype), y.cast(dtype), batch, m, k, n)
     elif dtype.is_bool:  # numpy: a logical or of ands
         result = (x.unsqueeze(-1) & y.unsqueeze(-3)).any(axis=-2)
