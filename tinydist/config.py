@@ -123,8 +123,8 @@ for _setting in (
     Setting("ALLREDUCE", _choice("auto", "naive", "ring", "all2all"), lambda: "auto",
             "Allreduce algorithm for tinydist.dist when a call says algorithm='auto'."),
     Setting("TRANSPORT", _choice("auto", "shm", "tcp", "rdma"), lambda: "auto",
-            "Links between ranks: shared memory on one host and TCP otherwise (auto), or force one; "
-            "rdma uses BNXT RDMA where both ranks have a NIC (real or the softbnxt model) and TCP otherwise."),
+            "Links between ranks. auto: shared memory on one host; between hosts BNXT RDMA when both ranks "
+            "have a NIC, else TCP. shm / tcp / rdma force one (rdma falls back to TCP, with the reason logged)."),
     Setting("TRACE", Path, lambda: None,
             "Write a Chrome Trace Event Format file of all device work to this path at exit (.rank{N} is added in a multi-process job)."),
     Setting("TRACE_MAX_EVENTS", _positive_int, lambda: 2_000_000,

@@ -181,7 +181,9 @@ async def connect_mesh(rank: int, world: int, table: dict[str, Any], listener: s
                     raise ValueError(f"TINYDIST_TRANSPORT=shm, but rank {peer} is on another host")
                 if transport == "shm" or (transport == "auto" and same):
                     links[peer] = await ShmLink.handshake(socks[peer], rank, peer, job, on_failure=on_failure, timeout=timeout)
-                elif transport == "rdma":  # BNXT RDMA when both sides have a NIC (real or modelled), else TCP
+                elif transport in ("rdma", "auto"):
+                    # between hosts: BNXT RDMA when both sides have a NIC (real, or the softbnxt
+                    # model where TINYDIST_RDMA_NIC=soft), else TCP with the reason logged
                     from transports.rdma_bnxt.transport import open_link
                     links[peer] = await open_link(socks[peer], rank, peer, job, on_failure=on_failure, timeout=timeout)
                 else:

@@ -65,6 +65,8 @@ class AccessLog:
     def conflicts(self, start: int, end: int, write: bool) -> bool:
         """Whether unfinished work conflicts with accessing bytes [start, end) now, from any thread
         (a read conflicts with pending writes; a write with any pending access)."""
+        if not self._records:  # the common case, without the lock: nothing recorded, nothing to conflict
+            return False
         with self._lock:
             return any((write or r.write) and r.start < end and start < r.end and r.timeline.value < r.value
                        for r in self._records)
