@@ -165,9 +165,14 @@ class ShmLink(SocketLink):
                 slot = await self._take_slot()
                 self._check()
                 base = slot * self.slot_bytes
-                assert self.out_arr is not None
-                self.out_arr[base:base + len(piece)] = piece
+                self._mapped(self.out_arr)[base:base + len(piece)] = piece
                 await self._send_frame(SLOT, slot, None, len(piece))
+
+    def _mapped(self, segment: np.ndarray | None) -> np.ndarray:
+        """The mapped segment; after close() it is gone, and using the link is an error, not a crash."""
+        if segment is None:
+            raise TransportError(f"shared-memory link to rank {self.peer} is closed")
+        return segment
 
     async def _send_frame(self, kind: int, aux: int = 0, payload: memoryview | None = None, nbytes: int | None = None) -> None:
         if nbytes is None:
@@ -205,8 +210,7 @@ class ShmLink(SocketLink):
             if got + nbytes > len(buf):
                 raise TransportError(f"message overflows its announced {len(buf)} bytes")
             base = aux * self.slot_bytes
-            assert self.in_arr is not None
-            buf[got:got + nbytes] = self.in_arr[base:base + nbytes]
+            buf[got:got + nbytes] = self._mapped(self.in_arr)[base:base + nbytes]
             await self._send_frame(CREDIT, aux, None, 0)
             got += nbytes
             self.assembling = None if got == len(buf) else (buf, got)
@@ -222,8 +226,7 @@ class ShmLink(SocketLink):
             return
         slot, nbytes = item
         base = slot * self.slot_bytes
-        assert self.in_arr is not None
-        view = memoryview(self.in_arr[base:base + nbytes]).toreadonly()
+        view = memoryview(self._mapped(self.in_arr)[base:base + nbytes]).toreadonly()
         try:
             yield view
         finally:

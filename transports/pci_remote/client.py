@@ -22,7 +22,7 @@ from transports.pci_remote._generated import device_pb2_grpc as pb_grpc
 
 ENV_CERT, ENV_KEY, ENV_CA = "TINYDIST_CERT", "TINYDIST_KEY", "TINYDIST_CA"
 MAX_MESSAGE_BYTES = 8 << 20
-CHUNK_BYTES = 2 << 20
+CHUNK_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ class ServerConfig:
     max_metadata_bytes: int = 16 << 10
     lease_ttl_s: float = 30.0
     reap_interval_s: float = 1.0
-    stream_chunk_bytes: int = 2 << 20
+    stream_chunk_bytes: int = 4 << 20
     max_allocation_bytes: int = 1 << 34
     op_timeout_s: float = 60.0
 
