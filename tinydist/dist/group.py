@@ -37,14 +37,14 @@ OPS: dict[str, Callable[..., np.ndarray]] = {
     "sum": np.add, "mean": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
 ALGORITHMS = ("naive", "ring", "all2all")
 
-# auto-selection thresholds (bytes of the whole tensor); bench/collectives.py measured them.
+# auto-selection thresholds (bytes of the whole tensor); bench/allreduce.py measured them.
 SMALL_BYTES = 64 * 1024
 
 
 def choose_allreduce(world: int, nbytes: int, same_host: bool) -> tuple[str, str]:
     """The algorithm `auto` picks, and why. Deterministic in its inputs, so every rank agrees.
 
-    Measured (bench/collectives.py, docs/collectives.md): naive wins only for small messages (one
+    Measured (bench/allreduce.py, docs/collectives.md): naive wins only for small messages (one
     step instead of 2(N-1)); past that it moves (N-1)x the bytes and loses up to 3x.
     """
     if world <= 1:
