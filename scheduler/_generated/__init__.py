@@ -1,1 +1,1 @@
-"""Generated from proto/tinydist/v1/cluster.proto by scheduler/generate.py; do not edit."""
+"""Generated from proto/tinydist/v1/cluster.proto by proto/generate.py; do not edit."""

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_generated_code_is_fresh(tmp_path):
-    from scheduler.generate import DEFAULT_OUT, generate
-    for path in generate(tmp_path):
-        assert path.read_text() == (DEFAULT_OUT / path.name).read_text(), f"{path.name} is stale: run python -m scheduler.generate"
+    subprocess.run([sys.executable, str(ROOT / "proto" / "generate.py"), "--only", "cluster", "--out", str(tmp_path)],
+                   check=True, capture_output=True, timeout=60)
+    committed = ROOT / "scheduler" / "_generated"
+    names = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
+    assert names == sorted(p.name for p in committed.iterdir() if p.is_file() and p.suffix in (".py", ".pyi"))
+    for name in names:
+        assert (tmp_path / name).read_text() == (committed / name).read_text(), f"{name} is stale: run python proto/generate.py"
 
 
 def test_both_protos_load_in_one_process():

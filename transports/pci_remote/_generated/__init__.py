@@ -1,1 +1,1 @@
-"""Generated from proto/tinydist/v1/*.proto by proto/generate.py; do not edit."""
+"""Generated from proto/tinydist/v1/device.proto by proto/generate.py; do not edit."""
