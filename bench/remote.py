@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from tinydist import pki  # noqa: E402
 from transports.pci_remote._generated import device_pb2 as pb  # noqa: E402
 from transports.pci_remote.audit import AuditLog  # noqa: E402
-from transports.pci_remote.client import CHUNK_BYTES, ClientCredentials, channel_options, secure_channel  # noqa: E402
+from transports.pci_remote.client import CHUNK_BYTES, ClientCredentials, secure_channel  # noqa: E402
 from transports.pci_remote.device import RemoteDevice  # noqa: E402
 from transports.pci_remote.service import Pki, RemoteServer, ServerConfig, server_options  # noqa: E402
 

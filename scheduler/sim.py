@@ -169,8 +169,8 @@ def scaling_table(sizes: tuple[int, ...] = (8, 64, 256, 1024), devices_per_node:
 
 
 def format_table(rows: list[dict[str, float | int | str]], nbytes: int = 256 << 20) -> str:
-    head = (f"| nodes | devices | join all (ms) | heartbeat round (ms) | plan (ms) | plan | modelled hierarchical "
-            f"(ms) | modelled flat ring (ms) | hung node → all survivors raise (virtual s) | replan (ms) | after loss (ms) |")
+    head = ("| nodes | devices | join all (ms) | heartbeat round (ms) | plan (ms) | plan | modelled hierarchical "
+            "(ms) | modelled flat ring (ms) | hung node → all survivors raise (virtual s) | replan (ms) | after loss (ms) |")
     lines = [f"allreduce of {nbytes >> 20} MiB float32; wall times on this machine, modelled times from the α–β links",
              head, "|" + "---|" * 11]
     for r in rows:

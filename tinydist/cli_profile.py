@@ -19,7 +19,7 @@ from typing import Any
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from tinydist.observability import chrome, report, tracing
+    from tinydist.observability import chrome, tracing
 
     if args.merge:
         if len(args.merge) < 2:

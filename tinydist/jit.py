@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any

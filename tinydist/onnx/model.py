@@ -13,7 +13,6 @@ outputs together (one schedule), read them back with one copy batch per device.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any

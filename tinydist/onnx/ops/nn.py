@@ -1,0 +1,417 @@
+"""Matmul and Gemm, convolution and pooling, normalisation, softmax and Resize."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from tinydist import dtypes
+from tinydist.functional import conv2d
+from tinydist.onnx.ops._common import (
+    Value, as_tensor, gather_where, ints, lowest, norm_axes, norm_axis, pad_or_crop, require_float,
+    scalar_like, static,
+)
+from tinydist.tensor import Tensor
+
+
+# ---- matmul, gemm --------------------------------------------------------------------------------
+
+def op_matmul(ctx: Any, a: Tensor, b: Value) -> Tensor:
+    if isinstance(b, np.ndarray) and b.ndim == 2 and a.ndim >= 2 and a.dtype.is_float:
+        # a (…, M, K) @ constant (K, N): upload B as (1, K, N) so the kernel reads it in place
+        out_shape = a.shape[:-1] + (b.shape[1],)
+        b3 = ctx.lift("B3", np.ascontiguousarray(b.reshape((1,) + b.shape)))
+        return a.matmul(b3).reshape(out_shape)
+    return a.matmul(as_tensor(ctx, b, "B"))
+
+
+def op_gemm(ctx: Any, a: Tensor, b: Value, c: Value = None) -> Tensor:
+    alpha, beta = ctx.attr("alpha", 1.0), ctx.attr("beta", 1.0)
+    if a.ndim != 2:
+        raise ctx.error(f"A must be 2-D, got shape {a.shape}")
+    if ctx.attr("transA", 0):
+        a = a.permute(1, 0)
+    if isinstance(b, np.ndarray):
+        if b.ndim != 2:
+            raise ctx.error(f"B must be 2-D, got shape {b.shape}")
+        bm = b.T if ctx.attr("transB", 0) else b
+        y = a.matmul(ctx.lift("B3", np.ascontiguousarray(bm.reshape((1,) + bm.shape)))).reshape(a.shape[0], bm.shape[1])
+    else:
+        y = a.matmul(b.permute(1, 0) if ctx.attr("transB", 0) else b)
+    if alpha != 1.0:
+        y = y * scalar_like(y, alpha)
+    if c is not None and beta != 0.0:
+        if isinstance(c, np.ndarray):
+            ct = ctx.lift("C", (c * c.dtype.type(beta)).astype(c.dtype) if beta != 1.0 else c)
+        else:
+            ct = c * scalar_like(c, beta) if beta != 1.0 else c
+        y = y + ct
+    return y
+
+
+# ---- convolution and pooling ------------------------------------------------------------------
+
+def _spatial_args(ctx: Any, nd: int, in_sizes: Sequence[int], kernel: Sequence[int], default_dil: bool = True,
+                  ceil_mode: bool = False) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    strides = list(ctx.attr("strides", [1] * nd))
+    dilations = list(ctx.attr("dilations", [1] * nd))
+    if len(strides) != nd or len(dilations) != nd:
+        raise ctx.error(f"strides {strides} / dilations {dilations} do not match {nd} spatial axes")
+    auto_pad = ctx.attr("auto_pad", "NOTSET")
+    if auto_pad == "NOTSET":
+        pads = list(ctx.attr("pads", [0] * (2 * nd)))
+        if len(pads) != 2 * nd:
+            raise ctx.error(f"pads {pads} do not match {nd} spatial axes")
+        pairs = [(pads[i], pads[i + nd]) for i in range(nd)]
+    elif auto_pad == "VALID":
+        pairs = [(0, 0)] * nd
+    elif auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        pairs = []
+        for size, k, s, d in zip(in_sizes, kernel, strides, dilations):
+            out = -(-size // s)
+            total = max(0, (out - 1) * s + (k - 1) * d + 1 - size)
+            small = total // 2
+            pairs.append((small, total - small) if auto_pad == "SAME_UPPER" else (total - small, small))
+    else:
+        raise ctx.error(f"auto_pad={auto_pad!r} is not supported")
+    if any(p < 0 for pair in pairs for p in pair):
+        raise ctx.error(f"negative pads {pairs} are not supported")
+    return strides, dilations, pairs
+
+
+def _out_size(size: int, k: int, s: int, d: int, pad: tuple[int, int], ceil_mode: bool) -> int:
+    span = size + pad[0] + pad[1] - ((k - 1) * d + 1)
+    if not ceil_mode:
+        return span // s + 1
+    out = -(-span // s) + 1
+    if (out - 1) * s >= size + pad[0]:  # the last window must start inside the input or left padding
+        out -= 1
+    return out
+
+
+def _to_2d(x: Tensor) -> Tensor:
+    return x.reshape(x.shape[:2] + (1,) + x.shape[2:]) if x.ndim == 3 else x
+
+
+def op_conv(ctx: Any, x: Tensor, w: Value, b: Value = None) -> Tensor:
+    nd = x.ndim - 2
+    if nd not in (1, 2):
+        raise ctx.error(f"{nd}-D convolution is not supported (1-D and 2-D only)")
+    require_float(ctx, x)
+    if w.ndim != x.ndim:
+        raise ctx.error(f"weight shape {w.shape} does not match input rank {x.ndim}")
+    groups = ctx.attr("group", 1)
+    oc, cg = w.shape[0], w.shape[1]
+    kernel = list(w.shape[2:])
+    if list(ctx.attr("kernel_shape", kernel)) != kernel:
+        raise ctx.error(f"kernel_shape {ctx.attr('kernel_shape')} does not match weight shape {w.shape}")
+    if x.shape[1] != cg * groups or oc % groups:
+        raise ctx.error(f"input channels {x.shape[1]}, weight shape {w.shape} and group={groups} do not match")
+    strides, dilations, pairs = _spatial_args(ctx, nd, x.shape[2:], kernel)
+    if nd == 1:
+        x, kernel, strides, dilations, pairs = _to_2d(x), [1] + kernel, [1] + strides, [1] + dilations, [(0, 0)] + pairs
+        w = w.reshape(w.shape[:2] + (1,) + w.shape[2:])
+    x = pad_or_crop(x, [(0, 0), (0, 0)] + pairs)
+    out = conv2d(x, as_tensor(ctx, w, "W"), None, tuple(strides), 0, tuple(dilations), groups)
+    if b is not None:
+        out = out + as_tensor(ctx, b, "bias").reshape(1, oc, 1, 1)
+    return out.reshape(out.shape[:2] + out.shape[3:]) if nd == 1 else out
+
+
+def op_conv_transpose(ctx: Any, x: Tensor, w: Value, b: Value = None) -> Tensor:
+    nd = x.ndim - 2
+    if nd not in (1, 2):
+        raise ctx.error(f"{nd}-D ConvTranspose is not supported (1-D and 2-D only)")
+    require_float(ctx, x)
+    w = static(ctx, w, "W")  # flipping the kernel needs its values at load
+    groups = ctx.attr("group", 1)
+    cin, ocg = w.shape[0], w.shape[1]
+    oc = ocg * groups
+    kernel = list(w.shape[2:])
+    if x.shape[1] != cin or cin % groups:
+        raise ctx.error(f"input channels {x.shape[1]}, weight shape {w.shape} and group={groups} do not match")
+    strides = list(ctx.attr("strides", [1] * nd))
+    dilations = list(ctx.attr("dilations", [1] * nd))
+    out_pad = list(ctx.attr("output_padding", [0] * nd))
+    in_sizes = x.shape[2:]
+    auto_pad = ctx.attr("auto_pad", "NOTSET")
+    full = [(i - 1) * s + (k - 1) * d + 1 + op for i, s, k, d, op in zip(in_sizes, strides, kernel, dilations, out_pad)]
+    if ctx.has_attr("output_shape") or auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        if ctx.has_attr("output_shape"):
+            target = list(ctx.attr("output_shape"))[-nd:]
+        else:
+            target = [i * s for i, s in zip(in_sizes, strides)]
+        totals = [f - t for f, t in zip(full, target)]
+        if any(t < 0 for t in totals):
+            raise ctx.error(f"output_shape {target} is larger than the full output {full}")
+        upper = auto_pad == "SAME_UPPER"
+        pairs = [(t // 2, t - t // 2) if upper else (t - t // 2, t // 2) for t in totals]
+    elif auto_pad in ("NOTSET", "VALID"):
+        pads = list(ctx.attr("pads", [0] * (2 * nd))) if auto_pad == "NOTSET" else [0] * (2 * nd)
+        pairs = [(pads[i], pads[i + nd]) for i in range(nd)]
+    else:
+        raise ctx.error(f"auto_pad={auto_pad!r} is not supported")
+    # ConvTranspose = zero-stuffed input, padded by d(k-1) - pad, convolved with the flipped kernel
+    wflip = w[(slice(None), slice(None)) + (slice(None, None, -1),) * nd]
+    wconv = wflip.reshape((groups, cin // groups, ocg) + tuple(kernel)).swapaxes(1, 2).reshape((oc, cin // groups) + tuple(kernel))
+    if nd == 1:
+        x = _to_2d(x)
+        wconv = wconv.reshape(wconv.shape[:2] + (1,) + wconv.shape[2:])
+        kernel, strides, dilations, out_pad, pairs = [1] + kernel, [1] + strides, [1] + dilations, [0] + out_pad, [(0, 0)] + pairs
+    n, c, h, wd = x.shape
+    if strides != [1, 1]:
+        sh, sw = strides
+        x = x.reshape(n, c, h, 1, wd, 1).pad(((0, 0), (0, 0), (0, 0), (0, sh - 1), (0, 0), (0, sw - 1)))
+        x = x.reshape(n, c, h * sh, wd * sw).shrink(((0, n), (0, c), (0, (h - 1) * sh + 1), (0, (wd - 1) * sw + 1)))
+    edge = [(d * (k - 1) - pb, d * (k - 1) - pe + op) for d, k, (pb, pe), op in zip(dilations, kernel, pairs, out_pad)]
+    x = pad_or_crop(x, [(0, 0), (0, 0)] + edge)
+    out = conv2d(x, as_tensor(ctx, wconv, "W"), None, 1, 0, tuple(dilations), groups)
+    if b is not None:
+        out = out + as_tensor(ctx, b, "bias").reshape(1, oc, 1, 1)
+    return out.reshape(out.shape[:2] + out.shape[3:]) if nd == 1 else out
+
+
+def _pool_setup(ctx: Any, x: Tensor, dilation_ok: bool) -> tuple[Tensor, list[int], list[int], list[int], list[tuple[int, int]], list[int], int]:
+    nd = x.ndim - 2
+    if nd not in (1, 2):
+        raise ctx.error(f"{nd}-D pooling is not supported (1-D and 2-D only)")
+    kernel = list(ctx.attr("kernel_shape"))
+    if len(kernel) != nd:
+        raise ctx.error(f"kernel_shape {kernel} does not match {nd} spatial axes")
+    if not dilation_ok and ctx.has_attr("dilations"):
+        raise ctx.error("dilations are not supported for this op and opset")
+    strides, dilations, pairs = _spatial_args(ctx, nd, x.shape[2:], kernel)
+    ceil_mode = bool(ctx.attr("ceil_mode", 0))
+    outs = [_out_size(size, k, s, d, p, ceil_mode) for size, k, s, d, p in zip(x.shape[2:], kernel, strides, dilations, pairs)]
+    if any(o <= 0 for o in outs):
+        raise ctx.error(f"pooling window {kernel} does not fit input shape {x.shape}")
+    return x, kernel, strides, dilations, pairs, outs, nd
+
+
+def _pool_reduce(x: Tensor, kernel: list[int], strides: list[int], dilations: list[int], pairs: list[tuple[int, int]],
+                 outs: list[int], value: Any, op: str) -> Tensor:
+    """Reduce (max/sum) every window of x padded with `value` → (N, C, *outs).
+
+    The strided window view leaves out every size-1 axis: a view with a size-1 axis between two
+    others is mis-collapsed by codegen (see docs/onnx.md, core issues)."""
+    edge = [(pb, max((o - 1) * s + (k - 1) * d + 1 - size - pb, 0))
+            for size, k, s, d, (pb, _), o in zip(x.shape[2:], kernel, strides, dilations, pairs, outs)]
+    padded = pad_value(x, [(0, 0), (0, 0)] + edge, value)
+    dims = padded.shape
+    contiguous, acc = [], 1
+    for size in reversed(dims):
+        contiguous.append(acc)
+        acc *= size
+    contiguous.reverse()
+    n, c = dims[:2]
+    shape = [n, c] + list(outs) + list(kernel)
+    view_strides = contiguous[:2] + [st * s for st, s in zip(contiguous[2:], strides)] + \
+        [st * d for st, d in zip(contiguous[2:], dilations)]
+    keep = [i for i, size in enumerate(shape) if size != 1]
+    window = padded._as_strided(tuple(shape[i] for i in keep), tuple(view_strides[i] for i in keep))
+    axes = tuple(keep.index(i) for i in range(2 + len(outs), len(shape)) if i in keep)
+    if axes:
+        window = window.max(axes) if op == "max" else window.sum(axes)
+    return window.reshape(tuple([n, c] + list(outs)))
+
+
+def pad_value(x: Tensor, pairs: Sequence[tuple[int, int]], value: Any) -> Tensor:
+    """pad_or_crop with a fill value of x's own dtype (Tensor.pad(value=) promotes float32 to float64)."""
+    grow = [(max(b, 0), max(a, 0)) for b, a in pairs]
+    cropped = pad_or_crop(x, [(min(b, 0), min(a, 0)) for b, a in pairs])
+    if not any(b or a for b, a in grow):
+        return cropped
+    padded = cropped.pad(grow)
+    if value == 0:
+        return padded
+    inside = Tensor.full(cropped.shape, True, dtypes.bool_, x.device).pad(grow)
+    return inside.where(padded, Tensor.full((), value, x.dtype, x.device))
+
+
+def op_max_pool(ctx: Any, x: Tensor) -> Any:
+    if ctx.n_outputs > 1 and ctx.outputs_used[1]:
+        raise ctx.error("the Indices output is not supported")
+    if ctx.attr("storage_order", 0):
+        raise ctx.error("storage_order=1 is not supported")
+    x, kernel, strides, dilations, pairs, outs, nd = _pool_setup(ctx, x, True)
+    y = _pool_reduce(x, kernel, strides, dilations, pairs, outs, lowest(x.dtype), "max")
+    return (y, None) if ctx.n_outputs > 1 else y
+
+
+def op_average_pool(ctx: Any, x: Tensor) -> Tensor:
+    require_float(ctx, x)
+    x, kernel, strides, dilations, pairs, outs, nd = _pool_setup(ctx, x, ctx.opset >= 19)
+    include_pad = bool(ctx.attr("count_include_pad", 0))
+
+    def divisor() -> np.ndarray:
+        div = np.ones((), np.float64)
+        for size, k, s, d, (pb, pe), o in zip(x.shape[2:], kernel, strides, dilations, pairs, outs):
+            pos = (np.arange(o)[:, None] * s - pb) + np.arange(k)[None, :] * d
+            lo, hi = (-pb, size + pe) if include_pad else (0, size)
+            div = np.multiply.outer(div, ((pos >= lo) & (pos < hi)).sum(axis=1))
+        return div.astype(x.dtype.np)
+
+    total = _pool_reduce(x, kernel, strides, dilations, pairs, outs, 0, "sum")
+    return total / ctx.lift(("div", x.shape), divisor())
+
+
+def op_global_average_pool(ctx: Any, x: Tensor) -> Tensor:
+    require_float(ctx, x)
+    return x.mean(axis=tuple(range(2, x.ndim)), keepdim=True)
+
+
+def op_global_max_pool(ctx: Any, x: Tensor) -> Tensor:
+    return x.max(axis=tuple(range(2, x.ndim)), keepdim=True)
+
+
+# ---- normalisation --------------------------------------------------------------------------
+
+def op_batch_norm(ctx: Any, x: Tensor, scale: Value, bias: Value, mean: Value, var: Value) -> Tensor:
+    if ctx.attr("training_mode", 0):
+        raise ctx.error("training_mode=1 is not supported (inference only)")
+    if any(ctx.outputs_used[1:]):
+        raise ctx.error("the training outputs (running mean/var) are not supported")
+    require_float(ctx, x)
+    eps = ctx.attr("epsilon", 1e-5)
+    shape = (1, x.shape[1]) + (1,) * (x.ndim - 2)
+    if all(isinstance(v, np.ndarray) for v in (scale, bias, mean, var)):
+        a = (scale / np.sqrt(var + var.dtype.type(eps))).astype(x.dtype.np)
+        b = (bias - mean * a).astype(x.dtype.np)
+        return x * ctx.lift("a", a.reshape(shape)) + ctx.lift("b", b.reshape(shape))
+    s, bi, m, v = (as_tensor(ctx, t, k).reshape(shape) for t, k in ((scale, "s"), (bias, "bi"), (mean, "m"), (var, "v")))
+    return (x - m) / (v + eps).sqrt() * s + bi
+
+
+def op_layer_norm(ctx: Any, x: Tensor, scale: Tensor, bias: Tensor | None = None) -> Any:
+    require_float(ctx, x)
+    if ctx.attr("stash_type", 1) != 1:
+        raise ctx.error("stash_type other than 1 (float32) is not supported")
+    axis = norm_axis(ctx, ctx.attr("axis", -1), x.ndim)
+    eps = ctx.attr("epsilon", 1e-5)
+    axes = tuple(range(axis, x.ndim))
+    mean = x.mean(axes, keepdim=True)
+    centered = x - mean
+    inv = ((centered * centered).mean(axes, keepdim=True) + eps).sqrt().reciprocal()
+    y = centered * inv * scale
+    if bias is not None:
+        y = y + bias
+    if ctx.n_outputs == 1:
+        return y
+    return (y, mean, inv)[:ctx.n_outputs]
+
+
+def _softmax_like(ctx: Any, x: Tensor, log: bool) -> Tensor:
+    require_float(ctx, x)
+    if ctx.opset < 13:
+        axis = norm_axis(ctx, ctx.attr("axis", 1), x.ndim)
+        flat = x.reshape(math.prod(x.shape[:axis]), math.prod(x.shape[axis:]))
+        y = flat.log_softmax(1) if log else flat.softmax(1)
+        return y.reshape(x.shape)
+    axis = norm_axis(ctx, ctx.attr("axis", -1), x.ndim)
+    return x.log_softmax(axis) if log else x.softmax(axis)
+
+
+
+# ---- resize --------------------------------------------------------------------------------
+
+def _resize_coords(ctx: Any, mode: str, size: int, out: int, scale: float) -> np.ndarray:
+    i = np.arange(out, dtype=np.float64)
+    if mode == "half_pixel":
+        return (i + 0.5) / scale - 0.5
+    if mode == "pytorch_half_pixel":
+        return (i + 0.5) / scale - 0.5 if out > 1 else np.zeros(out)
+    if mode == "align_corners":
+        return i * (size - 1) / (out - 1) if out > 1 else np.zeros(out)
+    if mode == "asymmetric":
+        return i / scale
+    if mode == "half_pixel_symmetric":
+        adjustment = out / (scale * size)
+        center = size / 2
+        offset = center * (1 - adjustment)
+        return offset + (i + 0.5) / scale - 0.5
+    raise ctx.error(f"coordinate_transformation_mode={mode!r} is not supported")
+
+
+def _nearest(ctx: Any, rule: str, coords: np.ndarray, size: int) -> np.ndarray:
+    if rule == "round_prefer_floor":
+        idx = np.where(coords - np.floor(coords) == 0.5, np.floor(coords), np.round(coords))
+    elif rule == "round_prefer_ceil":
+        idx = np.where(coords - np.floor(coords) == 0.5, np.ceil(coords), np.round(coords))
+    elif rule == "floor":
+        idx = np.floor(coords)
+    elif rule == "ceil":
+        idx = np.ceil(coords)
+    else:
+        raise ctx.error(f"nearest_mode={rule!r} is not supported")
+    return np.clip(idx, 0, size - 1).astype(np.int64)
+
+
+def op_resize(ctx: Any, x: Tensor, roi: Value = None, scales: Value = None, sizes: Value = None) -> Tensor:
+    mode = ctx.attr("mode", "nearest")
+    if mode not in ("nearest", "linear"):
+        raise ctx.error(f"mode={mode!r} is not supported (nearest, linear)")
+    if ctx.attr("antialias", 0):
+        raise ctx.error("antialias=1 is not supported")
+    if ctx.attr("keep_aspect_ratio_policy", "stretch") != "stretch":
+        raise ctx.error(f"keep_aspect_ratio_policy={ctx.attr('keep_aspect_ratio_policy')!r} is not supported (stretch)")
+    ctm = ctx.attr("coordinate_transformation_mode", "half_pixel")
+    if ctm == "tf_crop_and_resize":
+        raise ctx.error("coordinate_transformation_mode='tf_crop_and_resize' is not supported")
+    if mode == "linear":
+        require_float(ctx, x)
+    axes = norm_axes(ctx, ctx.attr("axes", list(range(x.ndim))), x.ndim)
+    scale_v = static(ctx, scales, "scales").astype(np.float64).reshape(-1) if scales is not None else np.zeros(0)
+    size_v = ints(ctx, sizes, "sizes") if sizes is not None else []
+    if scale_v.size and size_v:
+        raise ctx.error("only one of scales and sizes may be given")
+    if scale_v.size:
+        if scale_v.size != len(axes) or (scale_v <= 0).any():
+            raise ctx.error(f"scales {scale_v.tolist()} do not match {len(axes)} axes")
+        scale_list = scale_v.astype(np.float32).astype(np.float64).tolist()
+        outs = [int(math.floor(x.shape[a] * s)) for a, s in zip(axes, scale_list)]
+    elif size_v:
+        if len(size_v) != len(axes):
+            raise ctx.error(f"sizes {size_v} do not match {len(axes)} axes")
+        outs = size_v
+        scale_list = [o / x.shape[a] for a, o in zip(axes, outs)]
+    else:
+        raise ctx.error("one of scales and sizes must be given")
+    rule = ctx.attr("nearest_mode", "round_prefer_floor")
+    for a, out, scale in zip(axes, outs, scale_list):
+        size = x.shape[a]
+        if out == size and scale == 1.0:
+            continue
+        coords = _resize_coords(ctx, ctm, size, out, scale)
+        if mode == "nearest":
+            idx = _nearest(ctx, rule, coords, size)
+            if out % size == 0 and np.array_equal(idx, np.arange(out) // (out // size)):
+                k = out // size  # plain repeat: an expand, no gather
+                shape = x.shape
+                x = x.reshape(shape[:a + 1] + (1,) + shape[a + 1:]).expand(shape[:a + 1] + (k,) + shape[a + 1:])
+                x = x.reshape(shape[:a] + (out,) + shape[a + 1:])
+            else:
+                mask = ctx.lift(("rmask", a), idx[:, None] == np.arange(size))
+                x = gather_where(x, mask, a, 1)
+        else:
+            c = np.clip(coords, 0, size - 1)
+            i0 = np.minimum(np.floor(c).astype(np.int64), size - 1)
+            i1 = np.minimum(i0 + 1, size - 1)
+            w1 = c - i0
+            w0 = 1 - w1
+            same = i0 == i1
+            w0, w1 = np.where(same, 0.5, w0), np.where(same, 0.5, w1)
+            matrix = np.zeros((out, size), np.float64)
+            np.add.at(matrix, (np.arange(out), i0), w0)
+            np.add.at(matrix, (np.arange(out), i1), w1)
+            m = ctx.lift(("rmat", a), np.ascontiguousarray(matrix.T.astype(x.dtype.np)).reshape(1, size, out))
+            order = [i for i in range(x.ndim) if i != a] + [a]
+            moved = x.permute(tuple(order))
+            y = moved.reshape(1, -1, size).matmul(m).reshape(moved.shape[:-1] + (out,))
+            back = [0] * x.ndim
+            for pos, src in enumerate(order):
+                back[src] = pos
+            x = y.permute(tuple(back))
+    return x
