@@ -409,12 +409,10 @@ def _contiguous(shape: list[int]) -> list[int]:
 
 
 def _entry_alloca(lowerer: _Lowerer, t: ir.Type) -> ir.Value:
-    saved = lowerer.b.block
-    with lowerer.b.goto_block(lowerer.entry):
+    """A stack slot in the entry block, where LLVM's mem2reg turns it into a register."""
+    with lowerer.b.goto_block(lowerer.entry):  # restores the builder's position on exit
         lowerer.b.position_at_start(lowerer.entry)
-        slot = lowerer.b.alloca(t)
-    lowerer.b.position_at_end(saved)
-    return slot
+        return lowerer.b.alloca(t)
 
 
 def constant(dtype: DType, value: Any, width: int | None = None) -> ir.Constant:

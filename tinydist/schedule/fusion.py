@@ -54,7 +54,8 @@ def _consumers(targets: list[LazyNode]) -> Counter[int]:
 
 
 def _inline_cost(node: LazyNode, limit: int) -> int:
-    """Ops an inlined copy of `node` would recompute (stops counting past `limit`)."""
+    """Ops an inlined copy of `node` would recompute; a transcendental, a reduce or anything that
+    is not elementwise counts as more than `limit` (always worth a buffer)."""
     if node.realized or node.op not in ELEMENTWISE:
         return 0 if node.realized or node.op in (Op.CONST, Op.VIEW) else limit + 1
     if node.op in TRANSCENDENTAL:
