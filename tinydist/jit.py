@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,7 @@ from tinydist.errors import TinydistError
 from tinydist.lazy import LazyNode, buffer_node
 from tinydist.realize import programs, realize
 from tinydist.runtime.buffer import Buffer
-from tinydist.runtime.device import Completion
+from tinydist.runtime.device import Completion, Device
 from tinydist.runtime.engine import get_engine
 from tinydist.runtime.program import Program
 from tinydist.schedule import Schedule, create_schedule
@@ -79,6 +80,30 @@ def _flatten(result: Any) -> tuple[list[Tensor], Callable[[list[Tensor]], Any]]:
     raise JitError(f"a jitted function must return a Tensor or a tuple/list/dict of Tensors, got {type(result).__name__}")
 
 
+class _Run:
+    """Consecutive calls of a captured graph on one device and queue, replayed as one batch."""
+
+    def __init__(self, device: Device, queue: str) -> None:
+        self.device, self.queue = device, queue
+        self.commands: list[tuple[Any, tuple[Any, ...]]] = []
+        self._touched: dict[int, tuple[Buffer, bool]] = {}
+
+    def add(self, fn: Any, writes: list[Buffer], reads: list[Buffer], scalars: tuple[Any, ...],
+            order: tuple[int, ...] | None = None) -> None:
+        """One command: `fn(*written addresses, *read addresses, *scalars)` (or in `order`)."""
+        for buffer, write in [(w, True) for w in writes] + [(r, False) for r in reads]:
+            seen = self._touched.get(id(buffer))
+            self._touched[id(buffer)] = (buffer, write or (seen is not None and seen[1]))
+        addresses = [b.address for b in (*writes, *reads)]
+        if order is not None:
+            addresses = [addresses[i] for i in order]
+        self.commands.append((fn, (*addresses, *scalars)))
+
+    @property
+    def accesses(self) -> list[tuple[Buffer, bool]]:
+        return list(self._touched.values())
+
+
 class _Captured:
     """One captured graph: buffers bound, kernels compiled, entry point linked."""
 
@@ -89,11 +114,11 @@ class _Captured:
         self.rebuild = rebuild
         self.output_specs = [(node.shape, node.dtype) for node in outputs]
         self.output_bytes = [node.nbytes for node in outputs]
-        devices = {node.device for node in outputs} | {call.device for call in schedule.linear}
-        if len(devices) != 1 or any(isinstance(c, CopyCall) for c in schedule.linear):
-            raise JitError(f"captured graphs must run on one device without copies; this one uses {sorted(devices)} "
-                           "(move inputs and weights to one device, or call the function without td.jit)")
-        self.device = engine.device(devices.pop())
+        self.output_devices = [node.device for node in outputs]
+        devices = set(self.output_devices) | {call.device for call in schedule.linear}
+        # One device without copies links into one entry point; anything else replays in runs.
+        single = len(devices) == 1 and not any(isinstance(c, CopyCall) for c in schedule.linear)
+        self.device: Device | None = engine.device(devices.pop()) if single else None
         self.buffers: list[Buffer | None] = [None] * len(schedule.specs)
         self.arg_slots: list[tuple[int, int]] = []      # (argument index, buffer number)
         for number, node in enumerate(inputs):
@@ -121,7 +146,8 @@ class _Captured:
         # inputs the function assigned to: their new value is copied back to the caller's tensor
         self.written_args = [(position, number) for position, number in self.arg_slots
                              if number in schedule.aliases.values()]
-        self.entry = self._link()
+        self.entry = self._link() if self.device is not None else None
+        self.runs = self._bind_runs() if self.device is None else []
         self.arg_copies = [(position, self.buffers[number].address, self.buffers[number].nbytes)
                            for position, number in self.arg_slots]
         self.output_copies = [(self.buffers[n].address, self.buffers[n].nbytes) for n in self.output_numbers]
@@ -137,6 +163,26 @@ class _Captured:
                 written = number in schedule.aliases.values()
                 shared[id(buffer)] = (buffer, written or shared.get(id(buffer), (buffer, False))[1])
         self.accesses = list(shared.values())
+
+    def _bind_runs(self) -> list[_Run]:
+        """The LINEAR as runs of calls on one device and queue, every argument bound once."""
+        engine = get_engine()
+        runs: list[_Run] = []
+        for call in self.schedule.linear:
+            device = engine.device(call.device)
+            if not runs or runs[-1].device is not device or runs[-1].queue != call.queue:
+                runs.append(_Run(device, call.queue))
+            run, b = runs[-1], self.buffers
+            if isinstance(call, KernelCall):
+                run.add(programs.kernel(call.ast, device).cfunc, [b[call.out]], [b[i] for i in call.inputs], ())
+            elif isinstance(call, MatmulCall):
+                scalars = (call.batch, call.m, call.n, call.k, call.a_batch_stride, call.b_batch_stride, call.m * call.n)
+                run.add(programs.matmul(call.dtype, device).cfunc, [b[call.out], b[call.workspace]],
+                        [b[call.a], b[call.b]], scalars, order=(0, 2, 3, 1))
+            else:
+                source = b[call.src]
+                run.add(device.copy_command("d2d", source.device), [b[call.out]], [source], (call.nbytes,))
+        return runs
 
     def _link(self) -> Program:
         """One native function calling every kernel in order, addresses bound."""
@@ -164,7 +210,9 @@ class _Captured:
         object_code = CompileCache(HostCompiler(opt_level=1), enabled=False).compile(ir_text)
         return device.load_program(object_code, name, [])
 
-    def replay(self, args: list[Tensor], inline: bool) -> tuple[Any, Completion]:
+    def replay(self, args: list[Tensor], inline: bool) -> tuple[Any, list[Completion]]:
+        if self.device is None:
+            return self._replay_runs(args)
         device = self.device
         out_buffers = [device.allocator.alloc(nbytes) for nbytes in self.output_bytes]
         batch = device.batch("compute")
@@ -181,7 +229,39 @@ class _Captured:
         completion = batch.submit(inline=inline)
         outputs = [Tensor(buffer_node(buffer, dtype, shape, device.name))
                    for buffer, (shape, dtype) in zip(out_buffers, self.output_specs)]
-        return self.rebuild(outputs), completion
+        return self.rebuild(outputs), [completion]
+
+    def _replay_runs(self, args: list[Tensor]) -> tuple[Any, list[Completion]]:
+        """Several devices (or copies): one batch per run; the runtime's access logs order the
+        runs across queues and devices exactly as they order a realize."""
+        engine = get_engine()
+        completions = []
+        for position, number in self.arg_slots:
+            target = self.buffers[number]
+            with target.device.batch("compute") as batch:
+                batch.copy(target, args[position].node.buffer)
+            completions.append(batch.completion)
+        for run in self.runs:
+            batch = run.device.batch(run.queue)
+            for buffer, write in run.accesses:
+                batch.track(buffer, write)
+            for fn, call_args in run.commands:
+                batch.command(fn, call_args)
+            completions.append(batch.submit())
+        outputs = []
+        for number, (shape, dtype), name in zip(self.output_numbers, self.output_specs, self.output_devices):
+            device = engine.device(name)
+            out = device.allocator.alloc(math.prod(shape) * dtype.itemsize)
+            with device.batch("compute") as batch:
+                batch.copy(out, self.buffers[number])
+            completions.append(batch.completion)
+            outputs.append(Tensor(buffer_node(out, dtype, shape, name)))
+        for position, number in self.written_args:
+            caller = args[position].node.buffer
+            with caller.device.batch("compute") as batch:
+                batch.copy(caller, self.buffers[number])
+            completions.append(batch.completion)
+        return self.rebuild(outputs), completions
 
 
     def replay_host(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
@@ -266,14 +346,15 @@ class TinyJit:
                                "Python values are baked into the captured graph — pass a Tensor to vary it, or make a new jit")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        result, completion = self._call(args, kwargs, inline=True)
+        result, _ = self._call(args, kwargs, inline=True)
         return result
 
     def call_numpy(self, *arrays: Any) -> Any:
         """numpy arrays in (positionally, in place of the function's Tensor arguments), numpy
         arrays out: the lowest-overhead replay, for a frame loop. Captures like a normal call."""
         captured = self.captured
-        if (captured is not None and captured.device.host_visible and len(arrays) == len(self.specs)
+        if (captured is not None and captured.device is not None and captured.device.host_visible
+                and len(arrays) == len(self.specs)
                 and all(spec.kind == "tensor" for spec in self.specs)):
             checked = [_host_array(spec, array) for spec, array in zip(self.specs, arrays)]
             self.calls += 1
@@ -284,12 +365,12 @@ class TinyJit:
 
     async def acall(self, *args: Any, **kwargs: Any) -> Any:
         """The same call for async code: replays without blocking the event loop and awaits it."""
-        result, completion = self._call(args, kwargs, inline=False)
-        if completion is not None:
+        result, completions = self._call(args, kwargs, inline=False)
+        for completion in completions:
             await completion.wait()
         return result
 
-    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any], inline: bool) -> tuple[Any, Completion | None]:
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any], inline: bool) -> tuple[Any, list[Completion]]:
         flat = self._bind(args, kwargs)
         tensors = [v for _, v in flat if isinstance(v, Tensor)]
         realize([t.node for t in tensors])
@@ -300,8 +381,7 @@ class TinyJit:
         if self.calls == 1:  # a normal run first: lazily built state (weights …) gets realized
             result = self.fn(*args, **kwargs)
             outputs, _ = _flatten(result)
-            completions = realize([t.node for t in outputs])
-            return result, completions[-1] if completions else None
+            return result, realize([t.node for t in outputs])
         self.specs = tuple(self._spec(name, value) for name, value in flat)
         with observe_assigns() as assigns:
             result = self.fn(*args, **kwargs)

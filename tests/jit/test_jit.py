@@ -160,3 +160,33 @@ def test_call_numpy_is_numpy_in_numpy_out_and_checks_the_signature() -> None:
         mlp.call_numpy(np.zeros((2, 64), np.float32))
     with pytest.raises(td.JitError, match="takes numpy arrays"):
         mlp.call_numpy([0.0] * 64)
+
+
+def test_graphs_over_several_devices_replay_in_runs() -> None:
+    import anyio
+
+    w = rng.standard_normal((6, 4)).astype(np.float32)
+    weight = td.Tensor(w, device="CPU:1")
+
+    @td.jit
+    def sharded(x: td.Tensor) -> td.Tensor:
+        halves = x.shard(["CPU:0", "CPU:1"], axis=0)                 # copies onto CPU:1
+        total = (halves.exp() * 0.5).sum(axis=0)                      # allreduce across the devices
+        return (total.to("CPU:1").reshape(1, 6) @ weight).to("CPU:0")  # and a matmul on CPU:1
+
+    def reference(x: np.ndarray) -> np.ndarray:
+        return ((np.exp(x) * 0.5).sum(0).reshape(1, 6) @ w)
+
+    for _ in range(5):
+        x = rng.standard_normal((9, 6)).astype(np.float32)
+        out = sharded(td.Tensor(x))
+        assert out.device == "CPU:0"
+        np.testing.assert_allclose(out.numpy(), reference(x), rtol=1e-4, atol=1e-5)
+    assert sharded.captured is not None and sharded.captured.entry is None and len(sharded.captured.runs) > 2
+    x = rng.standard_normal((9, 6)).astype(np.float32)
+    np.testing.assert_allclose(sharded.call_numpy(x), reference(x), rtol=1e-4, atol=1e-5)
+
+    async def main() -> np.ndarray:
+        return (await sharded.acall(td.Tensor(x))).numpy()
+
+    np.testing.assert_allclose(anyio.run(main), reference(x), rtol=1e-4, atol=1e-5)
