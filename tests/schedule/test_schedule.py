@@ -159,6 +159,9 @@ def test_sum_keepdim_then_scale_is_one_kernel():
     np.testing.assert_allclose(t.numpy(), A.sum(keepdims=True) * 2)
 
 
+@pytest.mark.xfail(strict=True, reason="BUG (fusion): a reduce with keepdim=False is a VIEW over the REDUCE, which "
+                                       "forces materialization: x.sum()*2 is 2 kernels and (x*2).sum() adds a pure "
+                                       "copy kernel")
 def test_sum_then_scale_is_one_kernel():
     a = td.Tensor(A)
     assert len(kernels(a.sum() * 2)) == 1
