@@ -56,13 +56,42 @@ def run_tinydist(name: str, devices: int, seconds: float, rank: int = 0, world: 
         loss.backward()
         opt.step()
 
+    if world > 1:  # ranks must run the same number of steps: their collectives pair up
+        return _measure_agreed(step, seconds, td.synchronize)
     return _measure(step, seconds, td.synchronize)
 
 
-def run_tinydist_jit(name: str, seconds: float) -> list[float]:
-    """One device, the whole step (forward, backward, Adam) captured with td.jit and replayed."""
+def _measure_agreed(step, seconds: float, sync) -> list[float]:
+    """Like _measure, for ranks of one job: rank 0 times the warm-up and every rank then runs the
+    same number of steps per window (a time budget per rank would leave one in a collective)."""
+    import numpy as np
+
+    import tinydist as td
+    start = time.perf_counter()
+    for i in range(5):
+        step(i)
+    sync()
+    per_step = (time.perf_counter() - start) / 5
+    agreed = td.dist.broadcast(np.array([max(1, int(seconds / 5 / per_step))], np.int64), src=0)
+    steps = int(agreed.numpy()[0])
+    rates, i = [], 5
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(steps):
+            step(i)
+            i += 1
+        sync()
+        rates.append(steps * BATCH / (time.perf_counter() - start))
+    return rates
+
+
+def run_tinydist_jit(name: str, seconds: float, devices: int = 1) -> list[float]:
+    """The whole step (forward, backward, Adam; with 2 devices the gradient allreduce too)
+    captured with td.jit and replayed."""
     import tinydist as td
     model = td_model(name)
+    if devices > 1:
+        model = td.parallel.DistributedDataParallel(model, devices=devices)
     opt = td.optim.Adam(model.parameters(), lr=1e-3)
     data = [(x, y) for x, y in batches(name, 8)]
 
@@ -161,6 +190,7 @@ def main() -> None:
         rows["tinydist 1 device"] = statistics.median(run_tinydist(name, 1, args.seconds))
         rows["tinydist 1 device, td.jit step"] = statistics.median(run_tinydist_jit(name, args.seconds))
         rows["tinydist 2 devices"] = statistics.median(run_tinydist(name, 2, args.seconds))
+        rows["tinydist 2 devices, td.jit step"] = statistics.median(run_tinydist_jit(name, args.seconds, devices=2))
         rates = run_processes(name, args.seconds)
         if rates:
             rows["tinydist 2 processes"] = statistics.median(rates)
