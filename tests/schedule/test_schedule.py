@@ -159,9 +159,6 @@ def test_sum_keepdim_then_scale_is_one_kernel():
     np.testing.assert_allclose(t.numpy(), A.sum(keepdims=True) * 2)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (fusion): a reduce with keepdim=False is a VIEW over the REDUCE, which "
-                                       "forces materialization: x.sum()*2 is 2 kernels and (x*2).sum() adds a pure "
-                                       "copy kernel")
 def test_sum_then_scale_is_one_kernel():
     a = td.Tensor(A)
     assert len(kernels(a.sum() * 2)) == 1
@@ -301,3 +298,12 @@ def test_memory_plan_reuses_memory_in_a_chain():
     plan = schedule.plan
     assert len(plan.offsets) >= 4
     assert plan.peak_bytes < sum((schedule.specs[n].nbytes + 255) // 256 * 256 for n in plan.offsets)
+
+
+def test_a_shared_reduce_behind_a_reshape_is_computed_once():
+    # the view has two consumers: inlining the reduce into both would compute it twice
+    a = td.Tensor(A)
+    total = a.sum(axis=1)
+    schedule, _ = create_schedule([(total * 2).node, (total + 1).node])
+    reduces = [c for c in schedule.linear if isinstance(c, KernelCall) and c.ast.reduce_axes]
+    assert len(reduces) == 1

@@ -116,6 +116,7 @@ class _Fuser:
         buffer number of the memory being overwritten, which the kernel may also read)."""
         slots: dict[int, int] = {}     # buffer number -> slot
         reduce_info: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # (input shape, axes)
+        reshaped: list[tuple[int, ...]] = []  # the reduce's own shape, when reached through a reshape
 
         def slot(number: int) -> int:
             return slots.setdefault(number, len(slots))
@@ -130,6 +131,15 @@ class _Fuser:
                 return load_of(n, ShapeTracker.contiguous(n.shape))
             if n.op is Op.VIEW:
                 base = n.srcs[0]
+                if (top and not reduce_info and base.op is Op.REDUCE and not base.realized
+                        and id(base) not in self.graph.number and not self._should_materialize(base)
+                        and self.consumers[id(n)] <= 1 and n.arg.is_reshape_of(base.shape)):
+                    # a reduce seen through a reshape (keepdim=False drops its size-1 axes): the same
+                    # bytes, so inline it; the loads above it are re-expressed in its shape below.
+                    # Only for a view with one consumer: views are never materialized for sharing,
+                    # so inlining a shared one would recompute the reduction in every consumer.
+                    reshaped.append(base.shape)
+                    return build(base, top)
                 if not (base.realized or base.op is Op.CONST):
                     self.materialize(base)
                 return load_of(base, n.arg)
@@ -150,6 +160,8 @@ class _Fuser:
 
         root = build(node, True)
         del build  # a recursive closure is a reference cycle: break it, or the graph outlives this call
+        if reshaped and reshaped[0] != node.shape:
+            root = _in_shape_above_reduce(root, reshaped[0])
         shape, axes = reduce_info[0] if reduce_info else (node.shape, ())
         inputs = tuple(sorted(slots, key=slots.__getitem__))
         aliased_slots = tuple(slots[b] for b in inputs if aliased is not None and self._memory_of(b) == self._memory_of(aliased))
@@ -199,6 +211,27 @@ class _Fuser:
                 copy = KernelAST(value.shape, (), K.load(0, ShapeTracker.contiguous(value.shape), value.dtype), (value.dtype,), value.dtype)
                 self.graph.calls.append(KernelCall(copy, out, (computed,), node.device))
         return out
+
+
+def _in_shape_above_reduce(root: KNode, shape: tuple[int, ...]) -> KNode:
+    """The expression with every load above its reduce reading in `shape` (the reduce's keep-dims
+    shape) instead of the reshaped one the graph used; same elements, same order."""
+    memo: dict[int, KNode] = {}
+
+    def lift(k: KNode) -> KNode:
+        if id(k) not in memo:
+            if k.op == "reduce" or (not k.srcs and k.op != "load"):
+                memo[id(k)] = k
+            elif k.op == "load":
+                slot, tracker = k.arg
+                memo[id(k)] = K.load(slot, tracker.reshape(shape), k.dtype)
+            else:
+                memo[id(k)] = KNode(k.op, tuple(lift(src) for src in k.srcs), k.arg, k.dtype)
+        return memo[id(k)]
+
+    result = lift(root)
+    del lift  # break the recursive closure's reference cycle
+    return result
 
 
 def _reads_aliased_in_place(call: KernelCall) -> bool:
