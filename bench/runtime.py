@@ -37,30 +37,8 @@ from _common import Report, atime_repeats, clock, median, time_repeats  # noqa: 
 from tinydist.codegen.compile_cache import CompileCache  # noqa: E402
 from tinydist.codegen.compiler import HostCompiler  # noqa: E402
 from tinydist.runtime.registry import open_device  # noqa: E402
+from tinydist.testing import SAXPY_SIGNATURE, saxpy_ir  # noqa: E402
 
-# A small kernel: y[i] = a * x[i] + y[i] over N floats (a few ns of native work).
-SAXPY_IR = """
-define void @NAME(ptr noalias %y, ptr noalias readonly %x, float %a, i64 %n) {
-entry:
-  %empty = icmp eq i64 %n, 0
-  br i1 %empty, label %exit, label %loop
-loop:
-  %i = phi i64 [0, %entry], [%next, %loop]
-  %px = getelementptr inbounds float, ptr %x, i64 %i
-  %py = getelementptr inbounds float, ptr %y, i64 %i
-  %vx = load float, ptr %px
-  %vy = load float, ptr %py
-  %ax = fmul contract float %a, %vx
-  %r = fadd contract float %ax, %vy
-  store float %r, ptr %py
-  %next = add nuw i64 %i, 1
-  %done = icmp eq i64 %next, %n
-  br i1 %done, label %exit, label %loop
-exit:
-  ret void
-}
-"""
-SAXPY_SIGNATURE = ["rw", "r", "f32", "i64"]
 SMALL_N = 64
 
 # Compute-bound: each element runs `iters` dependent FMAs x = x * (1 - 2^-11) + 2^-11 (fixed point
@@ -143,7 +121,7 @@ async def bare_round_trip_us(trips: int = 1000) -> float:
 async def bench_launch(report: Report, compiler: HostCompiler) -> None:
     cache = CompileCache(compiler, enabled=False)
     async with open_device("CPU:0") as dev:
-        kernel = dev.load_program(cache.compile(SAXPY_IR.replace("@NAME", "@bench_saxpy")), "bench_saxpy", SAXPY_SIGNATURE)
+        kernel = dev.load_program(cache.compile(saxpy_ir("bench_saxpy")), "bench_saxpy", SAXPY_SIGNATURE)
         x, y = dev.allocator.alloc(SMALL_N * 4), dev.allocator.alloc(SMALL_N * 4)
         dev.copyin(x, np.full(SMALL_N, 1e-3, np.float32))
         dev.copyin(y, np.zeros(SMALL_N, np.float32))
@@ -309,7 +287,7 @@ async def bench_compile_cache(report: Report, compiler: HostCompiler) -> None:
         with tempfile.TemporaryDirectory(prefix="tinydist-bench-cache-") as tmp:
             for r in range(CACHE_REPEATS + 1):
                 name_a, name_b = f"bench_cc_a_{tag}_{r}", f"bench_cc_b_{tag}_{r}"
-                ir_a, ir_b = SAXPY_IR.replace("@NAME", f"@{name_a}"), SAXPY_IR.replace("@NAME", f"@{name_b}")
+                ir_a, ir_b = saxpy_ir(name_a), saxpy_ir(name_b)
                 cache = CompileCache(compiler, Path(tmp), enabled=True)
                 _settle()
                 start = clock()

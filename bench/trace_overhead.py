@@ -34,28 +34,8 @@ from tinydist.observability import span, tracing  # noqa: E402
 from tinydist.runtime import command_queue  # noqa: E402
 from tinydist.runtime.command_queue import BatchTiming, CommandQueue  # noqa: E402
 from tinydist.runtime.engine import get_engine  # noqa: E402
+from tinydist.testing import SAXPY_SIGNATURE, saxpy_ir  # noqa: E402
 
-SAXPY_IR = """
-define void @bench_trace_saxpy(ptr noalias %y, ptr noalias readonly %x, float %a, i64 %n) {
-entry:
-  %empty = icmp eq i64 %n, 0
-  br i1 %empty, label %exit, label %loop
-loop:
-  %i = phi i64 [0, %entry], [%next, %loop]
-  %px = getelementptr inbounds float, ptr %x, i64 %i
-  %py = getelementptr inbounds float, ptr %y, i64 %i
-  %vx = load float, ptr %px
-  %vy = load float, ptr %py
-  %ax = fmul contract float %a, %vx
-  %r = fadd contract float %ax, %vy
-  store float %r, ptr %py
-  %next = add nuw i64 %i, 1
-  %done = icmp eq i64 %next, %n
-  br i1 %done, label %exit, label %loop
-exit:
-  ret void
-}
-"""
 KERNELS = 100
 BATCHES = 200      # per measurement
 ROUNDS = 31
@@ -140,7 +120,7 @@ def main() -> None:
     report = Report.from_argv("trace_overhead", description=__doc__)
     assert command_queue.TRACER is None, "unset TINYDIST_TRACE to measure"
     dev = get_engine().device("CPU:0")
-    program = dev.load_program(CompileCache(HostCompiler()).compile(SAXPY_IR), "bench_trace_saxpy", ["rw", "r", "f32", "i64"])
+    program = dev.load_program(CompileCache(HostCompiler()).compile(saxpy_ir("bench_trace_saxpy")), "bench_trace_saxpy", SAXPY_SIGNATURE)
     x, y = dev.allocator.alloc(4 * 64), dev.allocator.alloc(4 * 64)
     command = (program.cfunc, (y.address, x.address, 1.0, 64))
     queue = dev.queues["compute"]

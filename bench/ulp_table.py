@@ -19,13 +19,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from llvmlite import ir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tinydist.codegen import transcendental as T  # noqa: E402
 from tinydist.codegen.compiler import HostCompiler  # noqa: E402
 from tinydist.runtime.cpu.loader import native_loader  # noqa: E402
+from tinydist.testing import transcendental_ir  # noqa: E402
 
 _counter = itertools.count()
 _compiler = HostCompiler()
@@ -33,29 +33,9 @@ _compiler = HostCompiler()
 
 def compile_kernel(name: str, dtype: type) -> Callable[..., np.ndarray]:
     """A native kernel applying transcendental.<name> elementwise; returns f(*arrays) -> array."""
-    fty = ir.FloatType() if dtype == np.float32 else ir.DoubleType()
-    arity = 2 if name == "pow" else 1
-    module = ir.Module()
-    entry = f"td_{name}_{np.dtype(dtype).name}_{next(_counter)}_{id(module)}"
-    ptr, i64 = ir.PointerType(), ir.IntType(64)
-    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [ptr] * (1 + arity) + [i64]), entry)
-    out, *ins, n = fn.args
-    for a in (out, *ins):
-        a.add_attribute("noalias")
-    entry_bb, loop_bb, exit_bb = (fn.append_basic_block(s) for s in ("entry", "loop", "exit"))
-    b = ir.IRBuilder(entry_bb)
-    b.cbranch(b.icmp_signed(">", n, i64(0)), loop_bb, exit_bb)
-    b.position_at_end(loop_bb)
-    i = b.phi(i64)
-    i.add_incoming(i64(0), entry_bb)
-    args = [b.load(b.gep(p, [i], source_etype=fty), typ=fty) for p in ins]
-    b.store(getattr(T, name)(b, *args), b.gep(out, [i], source_etype=fty))
-    nxt = b.add(i, i64(1))
-    i.add_incoming(nxt, loop_bb)
-    b.cbranch(b.icmp_signed("<", nxt, n), loop_bb, exit_bb)
-    b.position_at_end(exit_bb)
-    b.ret_void()
-    program = native_loader.load(_compiler.compile(str(module)), entry, ["w"] + ["r"] * arity + ["i64"])
+    entry = f"td_{name}_{np.dtype(dtype).name}_{next(_counter)}"
+    text, arity = transcendental_ir(name, dtype, entry)
+    program = native_loader.load(_compiler.compile(text), entry, ["w"] + ["r"] * arity + ["i64"])
 
     def run(*arrays: np.ndarray) -> np.ndarray:
         arrays = [np.ascontiguousarray(a, dtype=dtype) for a in arrays]

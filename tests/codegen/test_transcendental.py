@@ -17,6 +17,7 @@ from llvmlite import ir
 from tinydist.codegen import transcendental as T
 from tinydist.codegen.compiler import HostCompiler
 from tinydist.runtime.cpu.loader import native_loader
+from tinydist.testing import transcendental_ir
 
 _counter = itertools.count()
 _compiler = HostCompiler()
@@ -32,29 +33,9 @@ DTYPES = [np.float32, np.float64]
 
 
 def kernel_ir(name: str, dtype: type) -> tuple[str, str, int]:
-    fty = ir.FloatType() if dtype == np.float32 else ir.DoubleType()
-    arity = 2 if name == "pow" else 1
-    module = ir.Module()
-    entry = f"test_{name}_{np.dtype(dtype).name}_{next(_counter)}_{id(module)}"
-    ptr, i64 = ir.PointerType(), ir.IntType(64)
-    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [ptr] * (1 + arity) + [i64]), entry)
-    out, *ins, n = fn.args
-    for a in (out, *ins):
-        a.add_attribute("noalias")
-    entry_bb, loop_bb, exit_bb = (fn.append_basic_block(s) for s in ("entry", "loop", "exit"))
-    b = ir.IRBuilder(entry_bb)
-    b.cbranch(b.icmp_signed(">", n, i64(0)), loop_bb, exit_bb)
-    b.position_at_end(loop_bb)
-    i = b.phi(i64)
-    i.add_incoming(i64(0), entry_bb)
-    args = [b.load(b.gep(p, [i], source_etype=fty), typ=fty) for p in ins]
-    b.store(getattr(T, name)(b, *args), b.gep(out, [i], source_etype=fty))
-    nxt = b.add(i, i64(1))
-    i.add_incoming(nxt, loop_bb)
-    b.cbranch(b.icmp_signed("<", nxt, n), loop_bb, exit_bb)
-    b.position_at_end(exit_bb)
-    b.ret_void()
-    return str(module), entry, arity
+    entry = f"test_{name}_{np.dtype(dtype).name}_{next(_counter)}"
+    text, arity = transcendental_ir(name, dtype, entry)
+    return text, entry, arity
 
 
 _kernels: dict[tuple[str, type], object] = {}

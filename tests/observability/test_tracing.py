@@ -25,27 +25,10 @@ from tinydist.observability.report import format_summary, summarize
 from tinydist.runtime import command_queue
 from tinydist.runtime.engine import get_engine
 from tinydist.runtime.registry import open_device
+from tinydist.testing import scale_ir
 
 # out[i] = a * in[i]  (float32)
-SCALE_IR = """
-define void @obs_scale_f32(ptr noalias %out, ptr noalias readonly %in, float %a, i64 %n) {
-entry:
-  %empty = icmp eq i64 %n, 0
-  br i1 %empty, label %exit, label %loop
-loop:
-  %i = phi i64 [0, %entry], [%next, %loop]
-  %pin = getelementptr inbounds float, ptr %in, i64 %i
-  %pout = getelementptr inbounds float, ptr %out, i64 %i
-  %v = load float, ptr %pin
-  %r = fmul float %a, %v
-  store float %r, ptr %pout
-  %next = add nuw i64 %i, 1
-  %done = icmp eq i64 %next, %n
-  br i1 %done, label %exit, label %loop
-exit:
-  ret void
-}
-"""
+SCALE_IR = scale_ir("obs_scale_f32")
 N = 1024
 
 

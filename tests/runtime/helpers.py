@@ -12,27 +12,10 @@ from typing import Any
 import anyio
 import pytest
 
+from tinydist.testing import scale_ir
 
 # out[i] = a * in[i]  (float32)
-SCALE_IR = """
-define void @rt_scale_f32(ptr noalias %out, ptr noalias readonly %in, float %a, i64 %n) {
-entry:
-  %empty = icmp eq i64 %n, 0
-  br i1 %empty, label %exit, label %loop
-loop:
-  %i = phi i64 [0, %entry], [%next, %loop]
-  %pin = getelementptr inbounds float, ptr %in, i64 %i
-  %pout = getelementptr inbounds float, ptr %out, i64 %i
-  %v = load float, ptr %pin
-  %r = fmul float %a, %v
-  store float %r, ptr %pout
-  %next = add nuw i64 %i, 1
-  %done = icmp eq i64 %next, %n
-  br i1 %done, label %exit, label %loop
-exit:
-  ret void
-}
-"""
+SCALE_IR = scale_ir("rt_scale_f32")
 
 # x[i] <- iterate `iters` times: x = x * 0.75 + 1.0  (float64, one dependent chain per element)
 SPIN_IR = """
