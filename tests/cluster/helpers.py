@@ -23,7 +23,10 @@ def env(**extra: str) -> dict[str, str]:
 
 
 class Coordinator:
-    def __init__(self, tmp: Path, *args: str, interval: float = 0.1, misses: int = 5) -> None:
+    # 10 misses of 0.1 s: short enough for fast failure tests, long enough that a node process
+    # starved of CPU on a loaded 2-core CI runner is not declared dead while it is alive
+    def __init__(self, tmp: Path, *args: str, interval: float = 0.1, misses: int = 10) -> None:
+        self.interval, self.misses = interval, misses
         port_file = tmp / f"coordinator-{time.monotonic_ns()}.addr"
         self.log = tmp / "coordinator.log"
         self._log_file = self.log.open("w")
@@ -38,6 +41,19 @@ class Coordinator:
                 raise RuntimeError(f"coordinator did not start: {self.log.read_text()}")
             time.sleep(0.05)
         self.address = port_file.read_text()
+
+    def wait_until_not_alive(self, node_ids: list[str], timeout: float = 10.0) -> None:
+        """Block until the coordinator no longer counts `node_ids` as alive (dead or left), so a
+        restarted job cannot be handed a table naming an old incarnation."""
+        from scheduler.node import status
+        deadline = time.monotonic() + timeout
+        while True:
+            alive = {m.node.node_id for m in status(self.address, None).members if m.state == "alive"}
+            if not alive & set(node_ids):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"coordinator still counts {sorted(alive & set(node_ids))} alive after {timeout} s")
+            time.sleep(self.interval)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
