@@ -121,6 +121,8 @@ class SocketLink(Link):
     @contextlib.asynccontextmanager
     async def recv(self) -> AsyncIterator[memoryview]:
         while True:
+            if not self.inbox.items and self.failure is None:
+                self._poll_inbox()
             if self.inbox.items:
                 item = self.inbox.items.popleft()
                 break
@@ -130,6 +132,9 @@ class SocketLink(Link):
             await self.inbox.wait()
         async with self._deliver(item) as view:
             yield view
+
+    def _poll_inbox(self) -> None:
+        """Fill the inbox from a source the reader thread does not watch; a socket link has none."""
 
     @contextlib.asynccontextmanager
     async def _deliver(self, item: Any) -> AsyncIterator[memoryview]:

@@ -34,7 +34,7 @@ import numpy as np
 
 from tinydist.config import settings
 from tinydist.logs import get_logger
-from transports.base import FailureCallback, Link, PeerFailed, TransportError, as_bytes
+from transports.base import FailureCallback, Link, TransportError, as_bytes
 from transports.rdma_bnxt.device import BnxtDevice, DriverConfig, Mr, Qp
 from transports.rdma_bnxt.errors import NicUnavailable, RdmaError
 from transports.rdma_bnxt.pci import SoftPciDevice, find_pci_nic
@@ -399,23 +399,11 @@ class RdmaLink(SocketLink):
                 qp.poll()
             self._post_notice(K_CREDIT, total=self.rx_tail)
 
-    @contextlib.asynccontextmanager
-    async def recv(self) -> AsyncIterator[memoryview]:
-        while True:
-            if not self.inbox.items and self.failure is None:
-                try:
-                    self._pump()
-                except RdmaError as exc:
-                    self._rdma_fail(exc)
-            if self.inbox.items:
-                item = self.inbox.items.popleft()
-                break
-            self._check()
-            if self.peer_closed or self.done.is_set():
-                raise PeerFailed(self.peer, "the peer closed the link")
-            await self.inbox.wait()
-        async with self._deliver(item) as view:
-            yield view
+    def _poll_inbox(self) -> None:
+        try:
+            self._pump()
+        except RdmaError as exc:
+            self._rdma_fail(exc)
 
     @contextlib.asynccontextmanager
     async def _deliver(self, item: Any) -> AsyncIterator[memoryview]:
