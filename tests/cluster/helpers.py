@@ -127,16 +127,3 @@ class Output:
     def text(self) -> str:
         return "".join(self.lines)
 
-
-def finish(procs: list[subprocess.Popen], timeout: float = 60) -> list[tuple[int, str]]:
-    out = []
-    try:
-        for p in procs:
-            stdout, _ = p.communicate(timeout=timeout)
-            out.append((p.returncode, stdout))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return out
