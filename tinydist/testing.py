@@ -63,6 +63,40 @@ exit:
 """
 
 
+def spin_ir(name: str) -> str:
+    """`void name(double* x, i64 n, i64 iters)`: x[i] <- x[i] * 0.75 + 1.0, `iters` times per element
+    (one dependent chain each, so the time scales with iters; the fixed point is 4.0)."""
+    return f"""
+define void @{name}(ptr noalias %x, i64 %n, i64 %iters) {{
+entry:
+  %empty = icmp eq i64 %n, 0
+  br i1 %empty, label %exit, label %outer
+outer:
+  %i = phi i64 [0, %entry], [%inext, %outer_end]
+  %p = getelementptr inbounds double, ptr %x, i64 %i
+  %x0 = load double, ptr %p
+  %noiter = icmp eq i64 %iters, 0
+  br i1 %noiter, label %outer_end, label %inner
+inner:
+  %k = phi i64 [0, %outer], [%knext, %inner]
+  %acc = phi double [%x0, %outer], [%acc2, %inner]
+  %m = fmul double %acc, 7.500000e-01
+  %acc2 = fadd double %m, 1.000000e+00
+  %knext = add nuw i64 %k, 1
+  %kdone = icmp eq i64 %knext, %iters
+  br i1 %kdone, label %outer_end, label %inner
+outer_end:
+  %res = phi double [%x0, %outer], [%acc2, %inner]
+  store double %res, ptr %p
+  %inext = add nuw i64 %i, 1
+  %idone = icmp eq i64 %inext, %n
+  br i1 %idone, label %exit, label %outer
+exit:
+  ret void
+}}
+"""
+
+
 def transcendental_ir(function: str, dtype: type, name: str) -> tuple[str, int]:
     """`void name(T* out, const T* in[, const T* in2], i64 n)` applying transcendental.<function>
     elementwise; returns (IR text, number of inputs)."""

@@ -9,6 +9,7 @@ import time
 import grpc
 import pytest
 
+from tinydist.testing import spin_ir
 from transports.pci_remote._generated import device_pb2 as pb
 from transports.pci_remote.client import channel_options
 
@@ -18,32 +19,7 @@ U64 = 2**64 - 1
 NF, OOR = grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE
 
 # Engine-kernel-shaped IR: x[i] <- x[i] iterated `iters` times (x*0.75+1), float64.
-SPIN_IR = """
-define void @spin(ptr noalias %x, i64 %n, i64 %iters) {
-entry:
-  br label %outer
-outer:
-  %i = phi i64 [0, %entry], [%inext, %outer_end]
-  %p = getelementptr inbounds double, ptr %x, i64 %i
-  %x0 = load double, ptr %p
-  br label %inner
-inner:
-  %k = phi i64 [0, %outer], [%knext, %inner]
-  %acc = phi double [%x0, %outer], [%acc2, %inner]
-  %m = fmul double %acc, 7.500000e-01
-  %acc2 = fadd double %m, 1.000000e+00
-  %knext = add nuw i64 %k, 1
-  %kdone = icmp uge i64 %knext, %iters
-  br i1 %kdone, label %outer_end, label %inner
-outer_end:
-  store double %acc2, ptr %p
-  %inext = add nuw i64 %i, 1
-  %idone = icmp uge i64 %inext, %n
-  br i1 %idone, label %exit, label %outer
-exit:
-  ret void
-}
-"""
+SPIN_IR = spin_ir("spin")
 
 
 def alloc(client, lease, nbytes=64):

@@ -12,41 +12,13 @@ from typing import Any
 import anyio
 import pytest
 
-from tinydist.testing import scale_ir
+from tinydist.testing import scale_ir, spin_ir
 
 # out[i] = a * in[i]  (float32)
 SCALE_IR = scale_ir("rt_scale_f32")
 
 # x[i] <- iterate `iters` times: x = x * 0.75 + 1.0  (float64, one dependent chain per element)
-SPIN_IR = """
-define void @rt_spin_f64(ptr noalias %x, i64 %n, i64 %iters) {
-entry:
-  %empty = icmp eq i64 %n, 0
-  br i1 %empty, label %exit, label %outer
-outer:
-  %i = phi i64 [0, %entry], [%inext, %outer_end]
-  %p = getelementptr inbounds double, ptr %x, i64 %i
-  %x0 = load double, ptr %p
-  %noiter = icmp eq i64 %iters, 0
-  br i1 %noiter, label %outer_end, label %inner
-inner:
-  %k = phi i64 [0, %outer], [%knext, %inner]
-  %acc = phi double [%x0, %outer], [%acc2, %inner]
-  %m = fmul double %acc, 7.500000e-01
-  %acc2 = fadd double %m, 1.000000e+00
-  %knext = add nuw i64 %k, 1
-  %kdone = icmp eq i64 %knext, %iters
-  br i1 %kdone, label %outer_end, label %inner
-outer_end:
-  %res = phi double [%x0, %outer], [%acc2, %inner]
-  store double %res, ptr %p
-  %inext = add nuw i64 %i, 1
-  %idone = icmp eq i64 %inext, %n
-  br i1 %idone, label %exit, label %outer
-exit:
-  ret void
-}
-"""
+SPIN_IR = spin_ir("rt_spin_f64")
 
 
 # The same chain on x[0], bracketed by two readings of CLOCK_MONOTONIC taken *inside* the native
