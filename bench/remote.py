@@ -32,7 +32,8 @@ from transports.pci_remote._generated import device_pb2 as pb  # noqa: E402
 from transports.pci_remote.audit import AuditLog  # noqa: E402
 from transports.pci_remote.client import CHUNK_BYTES, ClientCredentials, secure_channel  # noqa: E402
 from transports.pci_remote.device import RemoteDevice  # noqa: E402
-from transports.pci_remote.service import Pki, RemoteServer, ServerConfig, server_options  # noqa: E402
+from transports.pci_remote.server import Pki, RemoteServer, server_options  # noqa: E402
+from transports.pci_remote.service import ServerConfig  # noqa: E402
 
 
 def _identity(x: bytes) -> bytes:

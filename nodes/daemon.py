@@ -15,7 +15,8 @@ from pathlib import Path
 
 from tinydist.logs import get_logger
 from transports.pci_remote.audit import AuditLog
-from transports.pci_remote.service import Pki, RemoteServer, ServerConfig, check_bind
+from transports.pci_remote.server import Pki, RemoteServer, check_bind
+from transports.pci_remote.service import ServerConfig
 
 
 

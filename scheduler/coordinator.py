@@ -198,7 +198,7 @@ class Coordinator:
         credentials = None
         if pki is not None:
             from tinydist.pki import trust_domain_of
-            from transports.pci_remote.service import Pki
+            from transports.pci_remote.server import Pki
             keys = Pki.load(Path(pki))
             trust_domain = trust_domain_of(Path(pki))
             credentials = grpc.ssl_server_credentials([(keys.key, keys.cert)], root_certificates=keys.ca,

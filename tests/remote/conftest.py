@@ -22,7 +22,8 @@ from transports.pci_remote._generated import device_pb2 as pb
 from transports.pci_remote._generated import device_pb2_grpc as pb_grpc
 from transports.pci_remote.audit import AuditLog
 from transports.pci_remote.client import ClientCredentials, channel_options
-from transports.pci_remote.service import Pki, RemoteServer, ServerConfig
+from transports.pci_remote.server import Pki, RemoteServer
+from transports.pci_remote.service import ServerConfig
 
 TD = "tinydist.lab"
 ROLES = {"alice": "admin", "bob": "operator", "carol": "viewer", "dave": "operator"}

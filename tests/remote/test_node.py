@@ -16,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nodes.daemon import NodeOptions, prepare
-from transports.pci_remote.service import check_bind
+from transports.pci_remote.server import check_bind
 
 ROOT = Path(__file__).resolve().parents[2]
 WILDCARD_V4 = ".".join(["0"] * 4)

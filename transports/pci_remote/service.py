@@ -16,18 +16,15 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import hmac
-import ipaddress
 import secrets
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tinydist import metrics
 from tinydist.errors import AllocationError, CompileError, DeviceFailed, TinydistError
@@ -35,7 +32,6 @@ from tinydist.logs import get_logger
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.device import Device
 from tinydist.runtime.program import Program
-from tinydist.runtime.registry import open_device
 from transports.pci_remote._generated import device_pb2 as pb
 from transports.pci_remote.audit import AuditLog, handle_tag
 from transports.pci_remote.identity import IdentityError, PeerCache, peer_from_auth_context
@@ -109,51 +105,6 @@ class Allocation:
     nbytes: int
     busy: int = 0
     free_pending: bool = False
-
-
-def split_listen(listen: str) -> tuple[str, int]:
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise ValueError(f"listen address {listen!r} must be HOST:PORT (e.g. 127.0.0.1:7070 or [::1]:7070)")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not 0 <= int(port) <= 65535:
-        raise ValueError(f"port {port} is out of range")
-    return host, int(port)
-
-
-def check_bind(listen: str, allow_wildcard: bool, loopback_only: bool = False) -> str:
-    """Refuse a wildcard bind unless explicitly allowed, and names that are not IP literals."""
-    host, port = split_listen(listen)
-    if host == "localhost":
-        host = "127.0.0.1"
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        raise ValueError(f"listen host {host!r} must be an IP address (127.0.0.1, ::1, or an interface address)") from None
-    if address.is_unspecified and not allow_wildcard:
-        raise ValueError(f"refusing to bind the wildcard address {host}: every interface would be exposed; "
-                         "pass --allow-wildcard if that is really meant")
-    if loopback_only and not address.is_loopback:
-        raise ValueError(f"an insecure port may only listen on loopback (127.0.0.1 or ::1), not {host}")
-    return f"[{address}]:{port}" if address.version == 6 else f"{address}:{port}"
-
-
-def server_options(config: ServerConfig) -> list[tuple[str, Any]]:
-    return [
-        ("grpc.max_receive_message_length", config.max_message_bytes),
-        ("grpc.max_send_message_length", config.max_message_bytes),
-        ("grpc.max_concurrent_streams", config.max_concurrent_streams),
-        ("grpc.max_allowed_incoming_connections", config.max_connections),
-        ("grpc.server_handshake_timeout_ms", int(config.handshake_timeout_s * 1000)),
-        ("grpc.keepalive_time_ms", int(config.keepalive_time_s * 1000)),
-        ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_s * 1000)),
-        ("grpc.keepalive_permit_without_calls", 0),
-        ("grpc.http2.min_ping_interval_without_data_ms", int(config.min_ping_interval_s * 1000)),
-        ("grpc.http2.max_ping_strikes", 2),
-        ("grpc.max_metadata_size", config.max_metadata_bytes),
-        ("grpc.absolute_max_metadata_size", config.max_metadata_bytes),
-        ("grpc.so_reuseport", 0),
-    ]
 
 
 def _check_range(nbytes: int, offset: int, length: int) -> None:
@@ -759,100 +710,6 @@ def _default_compiler() -> Callable[[str], bytes]:
         from tinydist.codegen.compiler import HostCompiler
         _compiler = CompileCache(HostCompiler()).compile
     return _compiler
-
-
-# ---- the server ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Pki:
-    ca: bytes
-    cert: bytes
-    key: bytes
-
-    @classmethod
-    def load(cls, directory: Path) -> Pki:
-        directory = Path(directory)
-        missing = [name for name in ("ca.pem", "server.pem", "server.key") if not (directory / name).is_file()]
-        if missing:
-            raise FileNotFoundError(f"{directory} lacks {', '.join(missing)}; refusing to start without a CA and server "
-                                    f"certificate (create them with `tinydist certs init {directory}`)")
-        return cls((directory / "ca.pem").read_bytes(), (directory / "server.pem").read_bytes(),
-                   (directory / "server.key").read_bytes())
-
-
-class RemoteServer:
-    """A running node service. Use `await RemoteServer.start(...)`, then `await server.stop()`."""
-
-    def __init__(self) -> None:
-        self.server: grpc.aio.Server | None = None
-        self.service: DeviceService | None = None
-        self.port = 0
-        self.insecure_port: int | None = None
-        self.health: Any = None
-        self._reaper: asyncio.Task[None] | None = None
-        self._devices: list[Device] = []
-
-    @classmethod
-    async def start(cls, config: ServerConfig, pki: Pki, policy_path: Path, audit: AuditLog,
-                    insecure_listen: str | None = None, pci: dict[str, SimulatedPciFunction] | None = None) -> RemoteServer:
-        listen = check_bind(config.listen, config.allow_wildcard)
-        if insecure_listen is not None:
-            insecure_listen = check_bind(insecure_listen, False, loopback_only=True)
-        store = PolicyStore(policy_path)  # refuses a missing or invalid policy
-        self = cls()
-        devices: dict[str, Device] = {}
-        try:
-            for name in config.devices:
-                device = open_device(name)
-                await device.open()
-                self._devices.append(device)
-                devices[device.name] = device
-            if pci is None:
-                function = SimulatedPciFunction()
-                pci = {function.address: function}
-            self.service = DeviceService(config, store, audit, devices, pci)
-            self.server = grpc.aio.server(options=server_options(config), maximum_concurrent_rpcs=config.max_concurrent_rpcs)
-            self.server.add_generic_rpc_handlers((self.service.handlers(),))
-            self.health = health.aio.HealthServicer()
-            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-            credentials = grpc.ssl_server_credentials([(pki.key, pki.cert)], root_certificates=pki.ca, require_client_auth=True)
-            self.port = self.server.add_secure_port(listen, credentials)
-            if self.port == 0:
-                raise OSError(f"could not bind {listen}")
-            if insecure_listen is not None:
-                # Health checks only: the device service refuses calls without a TLS identity.
-                self.insecure_port = self.server.add_insecure_port(insecure_listen)
-            await self.server.start()
-            await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-            await self.health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
-            self._reaper = asyncio.get_running_loop().create_task(self._reap_loop())
-        except BaseException:
-            await self.stop()
-            raise
-        _log().info("node serving", listen=listen, port=self.port, devices=list(devices))
-        return self
-
-    async def _reap_loop(self) -> None:
-        interval = min(self.service.config.reap_interval_s, self.service.config.lease_ttl_s / 4) if self.service else 1.0
-        while True:
-            await asyncio.sleep(interval)
-            if self.service is not None:
-                self.service.reap()
-
-    async def stop(self, grace: float = 1.0) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
-            self._reaper = None
-        if self.server is not None:
-            await self.server.stop(grace)
-            self.server = None
-        if self.service is not None:
-            for lease in list(self.service.leases.values()):
-                self.service.release_lease(lease, "server stopping")
-        for device in self._devices:
-            await device.aclose()
-        self._devices = []
 
 
 def _direct(device: Device, view: Buffer, write: bool) -> bool:
