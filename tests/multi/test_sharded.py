@@ -8,7 +8,8 @@ import pytest
 import tinydist as td
 from tinydist.multi import ALGORITHMS, ShardError, allreduce
 from tinydist.schedule import create_schedule
-from tinydist.schedule.items import CopyCall
+from tinydist.schedule.items import CopyCall, KernelCall
+from tests.runtime.helpers import Gate
 
 DEVICES3 = ["CPU:0", "CPU:1", "CPU:2"]
 rng = np.random.default_rng(3)
@@ -47,16 +48,77 @@ def test_allreduce_with_more_devices_than_comfortable_chunks(algorithm: str) -> 
         np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-6)
 
 
-def test_ring_copies_only_between_ring_neighbours_in_reduce_scatter() -> None:
+@pytest.mark.parametrize("ndev", [2, 3, 4])
+@pytest.mark.parametrize("elements", [0, 1, 10007, (1 << 18) + 3])  # empty, one, prime, 1 MiB + odd
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_allreduce_equals_numpy_for_every_size(ndev: int, elements: int, algorithm: str) -> None:
+    devices = [f"CPU:{i}" for i in range(ndev)]
+    arrays = [rng.standard_normal(elements).astype(np.float32) for _ in devices]
+    for op in ("sum", "max", "min", "prod"):
+        parts = [td.Tensor(a, device=d) for a, d in zip(arrays, devices)]
+        expected = getattr(np, op)(np.stack(arrays), axis=0)
+        for out, device in zip(allreduce(parts, op, algorithm), devices):
+            assert out.device == device
+            np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_ring_reads_only_between_ring_neighbours_in_reduce_scatter() -> None:
     devices = ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
     parts = [td.Tensor(np.ones(64, np.float32), device=d) for d in devices]
     outs = allreduce(parts, "sum", "ring")
     schedule, inputs = create_schedule([o.node for o in outs])
-    copies = [c for c in schedule.linear if isinstance(c, CopyCall)]
-    # reduce-scatter (n-1 steps × n devices) + allgather (each device fetches n-1 chunks)
-    assert len(copies) == 2 * 4 * 3
+    # CPU devices of one process share memory: kernels read their peers' chunks, nothing is copied
+    assert not any(isinstance(c, CopyCall) for c in schedule.linear)
+    kernels = [c for c in schedule.linear if isinstance(c, KernelCall)]
+    gathers = [c for c in kernels if c.out in schedule.targets]
+    assert sorted(c.device for c in gathers) == devices
+    for call in gathers:  # allgather: every device assembles all n reduced chunks
+        assert {schedule.specs[i].device for i in call.inputs} == set(devices)
+    for call in kernels:
+        if call not in gathers:  # reduce-scatter: a device reads only itself and its ring predecessor
+            previous = devices[(devices.index(call.device) - 1) % 4]
+            assert {schedule.specs[i].device for i in call.inputs} <= {call.device, previous}
     for out in outs:
         np.testing.assert_array_equal(out.numpy(), np.full(64, 4, np.float32))
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_allreduce_reads_peers_after_their_writers_and_before_later_writes(algorithm: str) -> None:
+    """The allreduce's kernels read the other devices' buffers in place: they wait for the work
+    that produces them (RAW, across device queues), and a later overwrite of a source waits for
+    them (WAR): the result is the sum of the values as they were when it was built."""
+    devices = ["CPU:0", "CPU:1", "CPU:2"]
+    x = rng.standard_normal((3, 4099)).astype(np.float32)
+    m = td.Tensor(x).shard(devices, axis=0).realize()
+    td.synchronize()
+    engine = td.get_engine()
+    gates = [Gate() for _ in devices]
+    try:
+        for gate, device in zip(gates, devices):  # hold every device's compute queue
+            engine.device(device).queues["compute"].submit([gate.command])
+        doubled = (m * 2).realize()               # producers, queued behind the gates
+        total = doubled.sum(axis=0, algorithm=algorithm).realize()
+        for shard in m.shards:                    # overwrite the sources the doubling reads...
+            shard.assign(shard * 0 - 1).realize()
+        for shard in doubled.shards:              # ...and the partials the allreduce reads
+            shard.assign(shard * 0 + 100).realize()
+    finally:
+        for gate in gates:
+            gate.open()
+    for replica in total.shards:
+        np.testing.assert_allclose(replica.numpy(), (2 * x).sum(axis=0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(doubled.numpy(), np.full_like(x, 100))
+
+
+def test_copy_to_a_peer_as_a_result_is_a_real_copy() -> None:
+    source = td.Tensor(np.arange(10, dtype=np.float32), device="CPU:0").realize()
+    moved = source.to("CPU:1")
+    schedule, _ = create_schedule([moved.node])
+    assert [type(c) for c in schedule.linear] == [CopyCall]
+    moved.realize()
+    source.assign(source * 0).realize()  # the copy has its own memory: later writes do not reach it
+    np.testing.assert_array_equal(moved.numpy(), np.arange(10, dtype=np.float32))
+    np.testing.assert_array_equal(source.numpy(), np.zeros(10, np.float32))
 
 
 def test_elementwise_runs_per_shard_with_broadcast_operands() -> None:
@@ -79,13 +141,17 @@ def test_reduce_over_other_axes_keeps_the_sharding() -> None:
     np.testing.assert_allclose(mean.numpy(), x.mean(axis=1), rtol=1e-5, atol=1e-6)
 
 
-def test_gather_to_one_device_is_each_shard_copied_once() -> None:
+def test_gather_to_one_device_reads_each_shard_in_place() -> None:
     x = rng.standard_normal((8, 5)).astype(np.float32)
     m = td.Tensor(x).shard(DEVICES3, axis=1).realize()
     gathered = m.to("CPU:3")
     assert gathered.device == "CPU:3"
-    schedule, _ = create_schedule([gathered.node])
-    assert sum(isinstance(c, CopyCall) for c in schedule.linear) == 3
+    schedule, inputs = create_schedule([gathered.node])
+    # kernels on CPU:3 only, the one writing the result reading the three shards from their
+    # devices' memory: no copies
+    assert all(isinstance(c, KernelCall) and c.device == "CPU:3" for c in schedule.linear)
+    join = schedule.linear[-1]
+    assert sorted(schedule.specs[i].device for i in join.inputs if i < len(inputs)) == DEVICES3
     np.testing.assert_array_equal(gathered.numpy(), x)
 
 

@@ -187,6 +187,37 @@ async def test_write_after_read_across_queues_is_ordered(cpu: Device, kernels: K
 
 
 @pytest.mark.anyio
+async def test_peer_read_is_ordered_after_the_owners_write_and_before_its_next(
+        cpu: Device, cpu1: Device, kernels: Kernels, gate) -> None:
+    """A kernel on CPU:0 reads CPU:1's buffer in place (one host memory): it waits for CPU:1's
+    pending write (RAW), and CPU:1's next write waits for that read (WAR)."""
+    scale0 = cpu.load_program(kernels.scale, "rt_scale_f32", ["w", "r", "f32", "i64"])
+    scale1 = cpu1.load_program(kernels.scale, "rt_scale_f32", ["w", "r", "f32", "i64"])
+    n = 256
+    source, theirs, mine = cpu1.allocator.alloc(4 * n), cpu1.allocator.alloc(4 * n), cpu.allocator.alloc(4 * n)
+    data = np.arange(n, dtype=np.float32)
+    with anyio.fail_after(20):
+        await cpu1.copyin(source, data).wait(20)
+    stall1, stall0 = gate(), gate()
+    _stall(cpu1, "compute", stall1)
+    with cpu1.batch() as produce:                   # CPU:1 writes theirs = 2 * data (held up)
+        produce.launch(scale1, theirs, source, 2.0, n)
+    _stall(cpu, "compute", stall0)
+    with cpu.batch() as peer_read:                  # CPU:0 reads CPU:1's buffer directly
+        peer_read.launch(scale0, mine, theirs, 3.0, n)
+    assert _waits(peer_read) == [("CPU:1/compute", produce.completion.value)]
+    stall1.open()
+    with cpu1.batch() as overwrite:                 # CPU:1 overwrites theirs while CPU:0 still has to read it
+        overwrite.launch(scale1, theirs, source, -1.0, n)
+    assert _waits(overwrite) == [("CPU:0/compute", peer_read.completion.value)]
+    stall0.open()
+    with anyio.fail_after(20):
+        await overwrite.completion.wait(20)
+        got = (await cpu.copyout(mine, timeout=20)).view(np.float32)
+    np.testing.assert_array_equal(got, 6.0 * data)  # the produced value, not the later overwrite
+
+
+@pytest.mark.anyio
 async def test_read_after_read_across_queues_never_waits(cpu: Device, kernels: Kernels, gate) -> None:
     scale = cpu.load_program(kernels.scale, "rt_scale_f32", ["w", "r", "f32", "i64"])
     x, y = cpu.allocator.alloc(64), cpu.allocator.alloc(64)

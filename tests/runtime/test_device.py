@@ -155,9 +155,12 @@ async def test_unknown_queue_is_a_value_error(cpu) -> None:
         cpu.batch("dma")
 
 
-async def test_kernel_cannot_use_another_devices_buffer(cpu, cpu1, kernels) -> None:
+async def test_kernel_cannot_use_a_buffer_outside_its_peer_group(cpu, cpu1, kernels, monkeypatch) -> None:
     scale = cpu.load_program(kernels.scale, "rt_scale_f32", ["w", "r", "f32", "i64"])
     mine, theirs = cpu.allocator.alloc(64), cpu1.allocator.alloc(64)
+    assert cpu.reads_directly(cpu1) and cpu1.reads_directly(cpu)  # CPU devices of one process: one memory
+    monkeypatch.setattr(cpu1, "peer_group", None)  # as if CPU:1's memory were not the host's
+    assert not cpu.reads_directly(cpu1)
     batch = cpu.batch()
     with pytest.raises(DeviceError, match="copy it to CPU:0 first"):
         batch.launch(scale, mine, theirs, 1.0, 16)

@@ -184,7 +184,10 @@ class MultiTensor:
 
     def _reduce(self, op: str, axis: Any, keepdim: bool, algorithm: str) -> MultiTensor:
         axes = _normalize_axes(axis, self.ndim)
-        partial = [getattr(s, op)(axis=axes, keepdim=True) if axes else s for s in self.shards]
+        # Reducing a shard over an axis of size 1 (one row per device) is the identity: leave
+        # those axes out, so the allreduce reads the shard itself instead of a copy of it.
+        partial = [getattr(s, op)(axis=tuple(a for a in axes if s.shape[a] != 1), keepdim=True) if axes else s
+                   for s in self.shards]
         if self.axis is not None and self.axis in axes:
             result = MultiTensor(allreduce(partial, op, algorithm), None)
             new_axis = None

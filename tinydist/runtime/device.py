@@ -79,6 +79,9 @@ class Completion:
 
 class Device(ABC):
     queue_kinds: tuple[str, ...] = ("compute", "copy")
+    # Set by the registry from the back end: devices of one group take each other's buffers as
+    # kernel arguments (no copy); None reads only its own memory.
+    peer_group: str | None = None
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -113,6 +116,12 @@ class Device(ABC):
         """Load a kernel given as LLVM IR. Local back ends compile it here with `compile` (the caller's
         compile cache) and load the object code; a remote back end ships the IR to its node instead."""
         return self.load_program(compile(ir_text), entry, signature)
+
+    def reads_directly(self, other: Device) -> bool:
+        """Whether kernels on this device may take `other`'s buffers as arguments: the same peer
+        group. The access logs order such a kernel after `other`'s writers and before its later
+        writers (RAW, WAR) like any other cross-queue access."""
+        return other is self or (self.peer_group is not None and other.peer_group == self.peer_group)
 
     @property
     def host_visible(self) -> bool:
@@ -315,7 +324,7 @@ class Batch:
             arg = args[i]
             if not isinstance(arg, Buffer):
                 raise TypeError(f"{program.name} argument {i} must be a Buffer ({program.signature[i]}), got {type(arg).__name__}")
-            if arg.device is not self.device:
+            if arg.device is not self.device and not self.device.reads_directly(arg.device):
                 raise DeviceError(f"{program.name} on {self.device.name} cannot use {arg!r} implicitly; copy it to {self.device.name} first")
             values[i] = self._access(arg, write)
         self._commands.append((program.cfunc, tuple(values)))

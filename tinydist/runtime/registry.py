@@ -71,12 +71,25 @@ class Backend:
     kind: str
     discover: Callable[[], list[DeviceInfo]]
     make: Callable[[str], Device] | None
+    # Devices of one peer group are views of one memory: a kernel on one may read and write the
+    # others' buffers directly (CPU devices of this process all address the host's memory).
+    peer_group: str | None = None
 
 
 BACKENDS: dict[str, Backend] = {
-    "CPU": Backend("CPU", _discover_cpu, _open_cpu),
+    "CPU": Backend("CPU", _discover_cpu, _open_cpu, peer_group="host"),
     "CUDA": Backend("CUDA", _discover_cuda, _open_cuda),
 }
+
+
+def peer_group(name: str) -> str | None:
+    """The peer group of the device called `name` (see `Backend.peer_group`); None: it reads only
+    its own memory. Remote devices (`scheme://…` names) never share memory with this process."""
+    canonical = canonical_name(name)
+    if "://" in canonical:
+        return None
+    backend = BACKENDS.get(canonical.split(":")[0])
+    return backend.peer_group if backend is not None else None
 
 
 def discover() -> list[DeviceInfo]:
@@ -105,4 +118,6 @@ def open_device(name: str) -> Device:
         if reasons:
             raise DeviceUnavailable(f"{canonical} cannot open here ({reasons}); available devices: {', '.join(usable)}")
         raise DeviceNotFound(f"no device {canonical}; available devices: {', '.join(usable)}")
-    return backend.make(canonical)
+    device = backend.make(canonical)
+    device.peer_group = backend.peer_group
+    return device

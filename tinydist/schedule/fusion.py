@@ -8,6 +8,9 @@ Rules, in the order they are applied:
      the base of an expand/pad over computed values; a matmul, its operands, a copy and its
      source, a `contiguous`; and a node used more than once when recomputing it would cost more
      than storing it (it contains a transcendental, a reduce, or more than a few ops).
+     A copy between devices of one peer group (CPU devices of one process) is the exception:
+     not a call at all, its readers load the source straight from the peer's memory (the source
+     itself is still computed on its own device).
   3. Everything else — chains of elementwise ops, the reduce they feed, and elementwise ops
      applied to that reduce's result — is inlined into the kernel that computes the
      materialized node that uses it.
@@ -16,6 +19,7 @@ Rules, in the order they are applied:
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tinydist import dtypes
@@ -23,6 +27,7 @@ from tinydist.codegen import kernel as K
 from tinydist.codegen.kernel import KernelAST, KNode
 from tinydist.codegen.matmul import workspace_bytes
 from tinydist.lazy import ELEMENTWISE, TRANSCENDENTAL, LazyNode, Op
+from tinydist.runtime.registry import peer_group
 from tinydist.schedule.items import BufferSpec, Call, CopyCall, KernelCall, MatmulCall
 from tinydist.shape import ShapeTracker
 
@@ -140,11 +145,16 @@ class _Fuser:
                     # so inlining a shared one would recompute the reduction in every consumer.
                     reshaped.append(base.shape)
                     return build(base, top)
+                if (base.op is Op.COPY and not base.realized and id(base) not in self.graph.number
+                        and not self._should_materialize(base)):
+                    return self._peer_load(base, n.arg, load_of)  # e.g. a pad of a peer's chunk (cat)
                 if not (base.realized or base.op is Op.CONST):
                     self.materialize(base)
                 return load_of(base, n.arg)
             if n.op is Op.CONST:
                 return K.const(n.arg, n.dtype)
+            if n.op is Op.COPY and self._peer_copy(n):
+                return self._peer_load(n, ShapeTracker.contiguous(n.shape), load_of)
             if n.op is Op.CONTIGUOUS:
                 return build(n.srcs[0], top)
             if n.op is Op.REDUCE:
@@ -174,11 +184,38 @@ class _Fuser:
     def _should_materialize(self, node: LazyNode) -> bool:
         if id(node) in self.must_materialize:
             return True
+        if node.op is Op.COPY and self._peer_copy(node):
+            return False  # its readers load the source where it lives: no copy, no buffer
         if node.op in (Op.MATMUL, Op.COPY, Op.ASSIGN, Op.CONTIGUOUS):
             return True
         if self.consumers[id(node)] > 1 and node.op not in (Op.VIEW, Op.CONST):
             return node.op is Op.REDUCE or _inline_cost(node, CHEAP_RECOMPUTE_OPS) > CHEAP_RECOMPUTE_OPS
         return False
+
+    def _peer_copy(self, node: LazyNode) -> bool:
+        """Whether the COPY `node` is between devices of one peer group (one memory)."""
+        group = peer_group(node.device)
+        return group is not None and peer_group(node.srcs[0].device) == group
+
+    def _peer_load(self, copy: LazyNode, tracker: ShapeTracker,
+                   load_of: Callable[[LazyNode, ShapeTracker], KNode]) -> KNode:
+        """A load through `tracker` (over the peer copy's shape) of the copy's source, from its own
+        device's memory. The source is computed there (materialized on its device, never inlined
+        into the reader's kernel, so the work stays where the graph put it); a view of a buffer
+        (`.to()` wraps one in `contiguous`) is read in place, its tracker under `tracker`."""
+        src = copy.srcs[0]
+        if (src.op is Op.CONTIGUOUS and not src.realized and id(src) not in self.graph.number
+                and id(src) not in self.must_materialize and self.consumers[id(src)] <= 1
+                and src.srcs[0].op is Op.VIEW):
+            src = src.srcs[0]
+        if src.op is not Op.VIEW or src.realized:
+            return load_of(src, tracker)
+        base = src.srcs[0]
+        if not (base.realized or base.op is Op.CONST):
+            self.materialize(base)
+        # `tracker` indexes contiguous memory of the view's shape: stack it on the view's tracker
+        inner = src.arg
+        return load_of(base, inner.reshape(tracker.shape) if tracker.contiguous_base else ShapeTracker(inner.views + tracker.views))
 
     def _matmul(self, node: LazyNode) -> int:
         a_node, b_node = node.srcs
