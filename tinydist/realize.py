@@ -27,7 +27,7 @@ from tinydist.runtime.device import Batch, Completion, Device
 from tinydist.runtime.engine import get_engine
 from tinydist.runtime.program import Program
 from tinydist.schedule import Schedule, create_schedule
-from tinydist.schedule.items import CopyCall, KernelCall, MatmulCall
+from tinydist.schedule.items import CopyCall, GatherCall, KernelCall, MatmulCall
 
 log = get_logger(layer="realize")
 
@@ -173,6 +173,12 @@ def _submit(schedule: Schedule, buffers: list[Buffer | None]) -> list[Completion
                          call.a_batch_stride, call.b_batch_stride, call.m * call.n)
         elif isinstance(call, CopyCall):
             batch.copy(buffers[call.out], buffers[call.src])
+        elif isinstance(call, GatherCall):
+            out = buffers[call.out]
+            for src, offset in zip(call.srcs, call.offsets):
+                piece = out.view(offset, buffers[src].nbytes)
+                batch.copy(piece, buffers[src])
+                piece.release()  # the batch keeps the address and the access record, not the view
     if batch is not None and len(batch):
         completions.append(batch.submit())
     log.debug("realized", calls=len(schedule.linear), batches=len(completions))

@@ -8,7 +8,7 @@ import pytest
 import tinydist as td
 from tinydist.multi import ALGORITHMS, ShardError, allreduce
 from tinydist.schedule import create_schedule
-from tinydist.schedule.items import CopyCall, KernelCall
+from tinydist.schedule.items import CopyCall, GatherCall, KernelCall
 from tests.runtime.helpers import Gate
 
 DEVICES3 = ["CPU:0", "CPU:1", "CPU:2"]
@@ -69,13 +69,12 @@ def test_ring_reads_only_between_ring_neighbours_in_reduce_scatter() -> None:
     schedule, inputs = create_schedule([o.node for o in outs])
     # CPU devices of one process share memory: kernels read their peers' chunks, nothing is copied
     assert not any(isinstance(c, CopyCall) for c in schedule.linear)
-    kernels = [c for c in schedule.linear if isinstance(c, KernelCall)]
-    gathers = [c for c in kernels if c.out in schedule.targets]
+    gathers = [c for c in schedule.linear if isinstance(c, GatherCall)]
     assert sorted(c.device for c in gathers) == devices
-    for call in gathers:  # allgather: every device assembles all n reduced chunks
-        assert {schedule.specs[i].device for i in call.inputs} == set(devices)
-    for call in kernels:
-        if call not in gathers:  # reduce-scatter: a device reads only itself and its ring predecessor
+    for call in gathers:  # allgather: every device copies all n reduced chunks from where they are
+        assert {schedule.specs[i].device for i in call.srcs} == set(devices)
+    for call in schedule.linear:
+        if isinstance(call, KernelCall):  # reduce-scatter: a device reads only itself and its ring predecessor
             previous = devices[(devices.index(call.device) - 1) % 4]
             assert {schedule.specs[i].device for i in call.inputs} <= {call.device, previous}
     for out in outs:
@@ -139,6 +138,17 @@ def test_reduce_over_other_axes_keeps_the_sharding() -> None:
     np.testing.assert_allclose(out.numpy(), x.sum(axis=(0, 2)), rtol=1e-5, atol=1e-5)
     mean = m.mean(axis=1)
     np.testing.assert_allclose(mean.numpy(), x.mean(axis=1), rtol=1e-5, atol=1e-6)
+
+
+def test_gather_along_the_first_axis_copies_each_shard_into_place() -> None:
+    x = rng.standard_normal((8, 5)).astype(np.float32)
+    m = td.Tensor(x).shard(DEVICES3, axis=0).realize()
+    gathered = m.to("CPU:3")
+    schedule, inputs = create_schedule([gathered.node])
+    (gather,) = schedule.linear  # one call: each shard's bytes copied from its device's memory
+    assert isinstance(gather, GatherCall) and gather.device == "CPU:3"
+    assert [schedule.specs[i].device for i in gather.srcs] == DEVICES3
+    np.testing.assert_array_equal(gathered.numpy(), x)
 
 
 def test_gather_to_one_device_reads_each_shard_in_place() -> None:

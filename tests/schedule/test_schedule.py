@@ -10,7 +10,7 @@ import pytest
 import tinydist as td
 from tinydist.realize import realize
 from tinydist.schedule import create_schedule, schedule_cache
-from tinydist.schedule.items import CopyCall, KernelCall, MatmulCall
+from tinydist.schedule.items import CopyCall, GatherCall, KernelCall, MatmulCall
 from tinydist.schedule.memory import BLOCK
 
 A = np.arange(12, dtype=np.float32).reshape(3, 4)
@@ -189,6 +189,29 @@ def test_copy_is_a_copy_call():
     schedule, _ = create_schedule([t.node])
     assert any(isinstance(c, CopyCall) for c in schedule.linear)
     np.testing.assert_array_equal(t.numpy(), A * 2)
+
+
+def test_reading_a_peer_devices_value_is_no_copy():
+    """CPU devices of one process share memory: the kernel on CPU:1 loads CPU:0's result in
+    place; the doubling still runs on CPU:0, where the graph put it."""
+    t = (td.Tensor(A) * 2).to("CPU:1") + 1
+    schedule, _ = create_schedule([t.node])
+    assert [(type(c), c.device) for c in schedule.linear] == [(KernelCall, "CPU:0"), (KernelCall, "CPU:1")]
+    np.testing.assert_array_equal(t.numpy(), A * 2 + 1)
+
+
+def test_cat_of_buffers_along_the_first_axis_is_one_gather():
+    a, b = td.Tensor(A).realize(), td.Tensor(A[:1] + 5).realize()
+    joined = td.cat([a, (b * 2).to("CPU:1").to("CPU:0"), a], 0)
+    schedule, _ = create_schedule([joined.node])
+    assert isinstance(schedule.linear[-1], GatherCall) and len(schedule.linear[-1].srcs) == 3
+    np.testing.assert_array_equal(joined.numpy(), np.concatenate([A, (A[:1] + 5) * 2, A]))
+    flat = td.cat([a.reshape(-1), a.reshape(-1)]).reshape(2, *A.shape)  # the reshape is pushed into the pieces
+    assert [type(c) for c in create_schedule([flat.node])[0].linear] == [GatherCall]
+    np.testing.assert_array_equal(flat.numpy(), np.stack([A, A]))
+    beside = td.cat([a, a], 1)  # not contiguous ranges of the result: a kernel
+    assert not any(isinstance(c, GatherCall) for c in create_schedule([beside.node])[0].linear)
+    np.testing.assert_array_equal(beside.numpy(), np.concatenate([A, A], 1))
 
 
 def test_shared_expensive_subexpression_is_computed_once():

@@ -28,8 +28,8 @@ from tinydist.codegen.kernel import KernelAST, KNode
 from tinydist.codegen.matmul import workspace_bytes
 from tinydist.lazy import ELEMENTWISE, TRANSCENDENTAL, LazyNode, Op
 from tinydist.runtime.registry import peer_group
-from tinydist.schedule.items import BufferSpec, Call, CopyCall, KernelCall, MatmulCall
-from tinydist.shape import ShapeTracker
+from tinydist.schedule.items import BufferSpec, Call, CopyCall, GatherCall, KernelCall, MatmulCall
+from tinydist.shape import ShapeTracker, prod
 
 CHEAP_RECOMPUTE_OPS = 3
 
@@ -114,7 +114,25 @@ class _Fuser:
             return out
         if node.op is Op.ASSIGN:
             return self._assign(node)
+        pieces = _cat_pieces(node)
+        if pieces is not None:
+            return self._gather(node, pieces)
         return self._kernel(node, out=None)
+
+    def _gather(self, node: LazyNode, pieces: list[tuple[LazyNode, int]]) -> int:
+        """`node` (a `cat`) as its pieces' buffers copied into their ranges of its buffer."""
+        srcs, offsets = [], []
+        for piece, start in pieces:
+            if piece.numel == 0:
+                continue
+            if piece.op is Op.COPY and self._peer_copy(piece) and id(piece) not in self.graph.number \
+                    and not self._should_materialize(piece):
+                piece = piece.srcs[0]  # the gather's copy reads the peer's memory itself
+            srcs.append(self.buffer_of(piece))
+            offsets.append(start * node.dtype.itemsize)
+        out = self._new_buffer(node, BufferSpec(node.nbytes, node.dtype, node.shape, node.device, lane="copy"))
+        self.graph.calls.append(GatherCall(out, tuple(srcs), tuple(offsets), node.nbytes, node.device))
+        return out
 
     def _kernel(self, node: LazyNode, out: int | None, aliased: int | None = None) -> int:
         """A kernel computing `node` into a new buffer, or into `out` (an assign; `aliased` is the
@@ -248,6 +266,57 @@ class _Fuser:
                 copy = KernelAST(value.shape, (), K.load(0, ShapeTracker.contiguous(value.shape), value.dtype), (value.dtype,), value.dtype)
                 self.graph.calls.append(KernelCall(copy, out, (computed,), node.device))
         return out
+
+
+def _cat_pieces(node: LazyNode) -> list[tuple[LazyNode, int]] | None:
+    """`cat`'s graph — where(padded True, padded piece, rest), down to a first padded piece — as
+    (piece, first element in the result) in order, when every piece fills a contiguous range of
+    the result (it is padded along the first axis only) and the pieces tile the result; else None."""
+    if node.op is not Op.WHERE or node.realized:
+        return None
+    pieces: list[tuple[LazyNode, tuple[int, int]]] = []
+    rest = node
+    while rest.op is Op.WHERE and not rest.realized:
+        cond, piece, rest = rest.srcs
+        where = _padded_range(piece, node.shape)
+        flag = cond.srcs[0] if cond.op is Op.VIEW else cond
+        if (where is None or cond.op is not Op.VIEW or flag.op is not Op.CONST or flag.realized
+                or not flag.dtype.is_bool or flag.arg is not True or cond.arg.views[0].mask != piece.arg.views[0].mask
+                or cond.arg.views[1:] != piece.arg.views[1:]):
+            return None
+        pieces.append((piece.srcs[0], where))
+    where = _padded_range(rest, node.shape)
+    if where is None:
+        return None
+    pieces.append((rest.srcs[0], where))
+    pieces.sort(key=lambda p: p[1])
+    covered = 0
+    for _, (start, end) in pieces:
+        if start != covered:
+            return None
+        covered = end
+    return [(piece, start) for piece, (start, _) in pieces] if covered == prod(node.shape) else None
+
+
+def _padded_range(view: LazyNode, shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """The elements [start, end) of a result of `shape` that `view` fills with its base's
+    contiguous memory, in order, when it is the base padded along the first axis only (and then
+    perhaps reshaped to `shape`: reshapes are pushed down through the cat's elementwise ops);
+    else None."""
+    if view.op is not Op.VIEW or view.realized or view.dtype != view.srcs[0].dtype or view.srcs[0].op is Op.CONST:
+        return None
+    padded = view.arg.views[0]
+    if padded.mask is None or not padded.shape:
+        return None
+    lo, hi = padded.mask[0]
+    region = (hi - lo, *padded.shape[1:])
+    if prod(region) != view.srcs[0].numel:
+        return None
+    expected = ShapeTracker.contiguous(region).pad(((lo, padded.shape[0] - hi),) + ((0, 0),) * (len(region) - 1))
+    if view.arg != (expected if padded.shape == shape else expected.reshape(shape)):
+        return None
+    row = prod(padded.shape[1:])
+    return lo * row, hi * row
 
 
 def _in_shape_above_reduce(root: KNode, shape: tuple[int, ...]) -> KNode:

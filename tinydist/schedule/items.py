@@ -87,4 +87,28 @@ class CopyCall:
         return f"copy {self.nbytes} bytes -> {self.device}"
 
 
-Call = KernelCall | MatmulCall | CopyCall
+@dataclass(frozen=True)
+class GatherCall:
+    """Whole buffers copied into consecutive byte ranges of `out` (a `cat` of buffers): plain
+    memory copies, which stream at memory bandwidth where a kernel would test every piece's mask
+    at every element."""
+    out: int
+    srcs: tuple[int, ...]
+    offsets: tuple[int, ...]  # byte offset in `out` where each source's bytes go
+    nbytes: int
+    device: str  # the destination: the copies run on its copy queue
+    queue: str = "copy"
+
+    @property
+    def inputs(self) -> tuple[int, ...]:
+        return self.srcs
+
+    @property
+    def reads(self) -> tuple[int, ...]:
+        return self.srcs
+
+    def describe(self) -> str:
+        return f"gather {len(self.srcs)} buffers, {self.nbytes} bytes -> {self.device}"
+
+
+Call = KernelCall | MatmulCall | CopyCall | GatherCall
