@@ -15,8 +15,10 @@ from collections.abc import Sequence
 
 from tinydist.codegen.compile_cache import CompileCache
 from tinydist.codegen.compiler import HostCompiler
+from tinydist.codegen.copy import SIGNATURE as STREAM_COPY_SIGNATURE
+from tinydist.codegen.copy import stream_copy_ir
 from tinydist.codegen.kernel import KernelAST
-from tinydist.codegen.lowering import lower
+from tinydist.codegen.lowering import STREAMING_STORE_BYTES, lower
 from tinydist.codegen.matmul import SIGNATURE as MATMUL_SIGNATURE
 from tinydist.codegen.matmul import matmul_ir
 from tinydist.dtypes import DType
@@ -76,7 +78,29 @@ class Programs:
         return program
 
 
+    def stream_copy(self, device: Device) -> Program:
+        key = (("stream_copy",), device.name)
+        program = self._programs.get(key)
+        if program is None:
+            with self._lock:
+                name = "tinydist_stream_copy"
+                program = device.load_ir(stream_copy_ir(name), name, STREAM_COPY_SIGNATURE, self._compile_cache().compile)
+                self._programs[key] = program
+        return program
+
+
 programs = Programs()
+
+
+def _copy(batch: Batch, dst: Buffer, src: Buffer, total: int) -> None:
+    """`src` into `dst` on the batch's queue, as part of a call writing `total` bytes. When that
+    is bigger than the last-level cache, a copy in host memory from this device or a peer streams
+    (non-temporal stores: no read-for-ownership, no eviction); anything else is the device's own copy."""
+    device = batch.device
+    if total >= STREAMING_STORE_BYTES and device.host_visible and device.reads_directly(src.device):
+        batch.launch(programs.stream_copy(device), dst, src, dst.nbytes)
+    else:
+        batch.copy(dst, src)
 
 
 def _with_readers_of_overwritten(targets: list[LazyNode]) -> list[LazyNode]:
@@ -172,12 +196,12 @@ def _submit(schedule: Schedule, buffers: list[Buffer | None]) -> list[Completion
                          buffers[call.workspace], call.batch, call.m, call.n, call.k,
                          call.a_batch_stride, call.b_batch_stride, call.m * call.n)
         elif isinstance(call, CopyCall):
-            batch.copy(buffers[call.out], buffers[call.src])
+            _copy(batch, buffers[call.out], buffers[call.src], call.nbytes)
         elif isinstance(call, GatherCall):
             out = buffers[call.out]
             for src, offset in zip(call.srcs, call.offsets):
                 piece = out.view(offset, buffers[src].nbytes)
-                batch.copy(piece, buffers[src])
+                _copy(batch, piece, buffers[src], call.nbytes)
                 piece.release()  # the batch keeps the address and the access record, not the view
     if batch is not None and len(batch):
         completions.append(batch.submit())

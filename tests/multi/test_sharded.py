@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import tinydist as td
+from tinydist.codegen.lowering import STREAMING_STORE_BYTES
 from tinydist.multi import ALGORITHMS, ShardError, allreduce
 from tinydist.schedule import create_schedule
 from tinydist.schedule.items import CopyCall, GatherCall, KernelCall
@@ -149,6 +150,18 @@ def test_gather_along_the_first_axis_copies_each_shard_into_place() -> None:
     assert isinstance(gather, GatherCall) and gather.device == "CPU:3"
     assert [schedule.specs[i].device for i in gather.srcs] == DEVICES3
     np.testing.assert_array_equal(gathered.numpy(), x)
+
+
+def test_gather_bigger_than_the_cache_streams_each_shard_into_place() -> None:
+    rows = (STREAMING_STORE_BYTES // 4) // 3 + 7  # three odd-sized pieces at unaligned offsets
+    x = rng.standard_normal(3 * rows + 2).astype(np.float32)
+    m = td.Tensor(x).shard(DEVICES3, axis=0).realize()
+    gathered = m.to("CPU:3")
+    assert isinstance(create_schedule([gathered.node])[0].linear[0], GatherCall)
+    np.testing.assert_array_equal(gathered.numpy(), x)
+    moved = gathered.to("CPU:0")  # one copy bigger than the cache, between peers
+    assert isinstance(create_schedule([moved.node])[0].linear[0], CopyCall)
+    np.testing.assert_array_equal(moved.numpy(), x)
 
 
 def test_gather_to_one_device_reads_each_shard_in_place() -> None:
