@@ -1,16 +1,23 @@
 """Allreduce across devices of one process, built as graph: copies plus elementwise reductions.
 
 Each algorithm returns, for every device, a tensor on that device holding the reduction of all
-inputs. Because they are ordinary graph nodes (COPY onto the destination's copy queue, then a fused
-kernel on its compute queue), chunks of a ring overlap: while one chunk's copy runs on a device's
-copy queue, the previous chunk's addition runs on its compute queue.
+inputs. They are ordinary graph nodes: `t.to(device)` then a fused kernel. Between devices of one
+peer group (CPU devices of one process share the host's memory) the scheduler turns such a copy
+into a direct read: the kernel on the destination loads the source from its device's memory, so
+no bytes are copied, and the runtime's access logs order that read after its producer and before
+later writers on the other device's queues. Between other devices a copy is a copy, on the
+destination's copy queue, overlapping the previous chunk's addition on its compute queue.
 
-  naive    every device copies every other device's whole input and reduces: (n-1)·S per device
-  ring     reduce-scatter then allgather around a ring, in n chunks: 2·(n-1)/n·S per device
-  all2all  device i reduces chunk i from all devices, then everyone gathers the reduced chunks
+With S bytes per device and N devices, memory traffic (reads + writes, all devices) for peers:
 
-`choose` picks one from the device count and element count (rule in its docstring); the choice is
-logged and can be forced per call or with TINYDIST_ALLREDUCE.
+  naive    every device reduces all N inputs: N·(N+1)·S, in one kernel per device
+  ring     reduce-scatter then allgather around a ring, in N chunks: 2·(N-1) steps
+  all2all  device i reduces chunk i reading every device (reduce-scatter, (N+1)·S), then each
+           device gathers the N reduced chunks (allgather, copies: 2·N·S): (3·N+1)·S
+
+The floor is 2·N·S (read every input once, write every output once). `choose` picks one from the
+device count and element count (rule in its docstring); the choice is logged and can be forced
+per call or with TINYDIST_ALLREDUCE.
 """
 
 from __future__ import annotations
@@ -27,9 +34,9 @@ log = get_logger(layer="multi")
 
 ALGORITHMS = ("naive", "ring", "all2all")
 REDUCE_OPS = ("sum", "max", "min", "prod")
-# Below this many elements the chunk bookkeeping of a ring costs more than the bytes it saves.
-RING_MIN_ELEMENTS = 1 << 16
-MAX_NAIVE_DEVICES = 4
+# Below this many elements the extra graph of all2all (N chunks, N gathers: milliseconds of
+# Python at 4 devices) costs more than the traffic it saves (bench/multidevice.py).
+ALL2ALL_MIN_ELEMENTS = 1 << 21
 
 
 def _combine(op: str) -> Callable[[Tensor, Tensor], Tensor]:
@@ -38,16 +45,16 @@ def _combine(op: str) -> Callable[[Tensor, Tensor], Tensor]:
 
 
 def choose(devices: int, elements: int, requested: str = "auto") -> str:
-    """`requested` if explicit; else TINYDIST_ALLREDUCE if set to an algorithm; else naive up to
-    four devices or for small inputs (fewest steps: bench/multidevice.py measured naive fastest at
-    2 and 4 CPU devices for 1–64 MiB), ring beyond that (least traffic per device)."""
+    """`requested` if explicit; else TINYDIST_ALLREDUCE if set to an algorithm; else naive for two
+    devices (N·(N+1) = 6 < 3·N+1 = 7 bytes of traffic per input byte) or small inputs (one kernel
+    per device, the fewest calls), all2all beyond that (traffic linear in N, not quadratic)."""
     if requested == "auto":
         requested = settings.ALLREDUCE
     if requested != "auto":
         if requested not in ALGORITHMS:
             raise ValueError(f"unknown allreduce algorithm {requested!r}; choose one of {', '.join(ALGORITHMS)} or 'auto'")
         return requested
-    return "naive" if devices <= MAX_NAIVE_DEVICES or elements < RING_MIN_ELEMENTS else "ring"
+    return "naive" if devices <= 2 or elements < ALL2ALL_MIN_ELEMENTS else "all2all"
 
 
 def _chunks(n: int, parts: int) -> list[tuple[int, int]]:
