@@ -214,3 +214,16 @@ def test_shards_run_concurrently_on_their_devices() -> None:
     engine = td.get_engine()
     t0, t1 = (engine.device(d).queues["compute"].timings[-1] for d in ("CPU:0", "CPU:1"))
     assert t0.value and t1.value  # both devices ran a batch of this graph on their own workers
+
+
+def test_jit_replays_a_gather_that_reads_a_peer() -> None:
+    @td.jit
+    def join(a: td.Tensor, b: td.Tensor) -> td.Tensor:
+        return td.cat([a * 2, b.to("CPU:0") + 1], 0)
+
+    for k in range(4):  # capture, then replays over new inputs
+        a = td.Tensor(np.arange(6, dtype=np.float32).reshape(2, 3) + k)
+        b = td.Tensor(np.full((1, 3), k, np.float32), device="CPU:1")
+        np.testing.assert_array_equal(join(a, b).numpy(), np.concatenate([a.numpy() * 2, b.numpy() + 1]))
+    schedule, _ = create_schedule([td.cat([a * 2, b.to("CPU:0") + 1], 0).node])
+    assert isinstance(schedule.linear[-1], GatherCall)
