@@ -200,6 +200,16 @@ def test_reading_a_peer_devices_value_is_no_copy():
     np.testing.assert_array_equal(t.numpy(), A * 2 + 1)
 
 
+def test_views_of_a_peers_view_read_it_in_place():
+    b = td.Tensor(A).realize()
+    window = b[1:3, ::2].to("CPU:1")                         # a strided window of CPU:0's buffer
+    out = window.T * 10 + window.pad(((1, 0), (0, 0)))[1:].sum(0, keepdim=True).T
+    schedule, _ = create_schedule([out.node])
+    assert [(type(c), c.device) for c in schedule.linear] == [(KernelCall, "CPU:1")] * len(schedule.linear)
+    sub = A[1:3, ::2]
+    np.testing.assert_allclose(out.numpy(), sub.T * 10 + sub.sum(0, keepdims=True).T, rtol=1e-6)
+
+
 def test_cat_of_buffers_along_the_first_axis_is_one_gather():
     a, b = td.Tensor(A).realize(), td.Tensor(A[:1] + 5).realize()
     joined = td.cat([a, (b * 2).to("CPU:1").to("CPU:0"), a], 0)
