@@ -77,7 +77,6 @@ class Programs:
                 self._programs[key] = program
         return program
 
-
     def stream_copy(self, device: Device) -> Program:
         key = (("stream_copy",), device.name)
         program = self._programs.get(key)
