@@ -25,6 +25,7 @@ from tinydist.runtime.allocator import Allocator
 from tinydist.runtime.device import Device
 from tinydist.runtime.program import Program, check_signature
 from transports.pci_remote._generated import device_pb2 as pb
+from transports.pci_remote import wire
 from transports.pci_remote.client import CHUNK_BYTES, ClientCredentials, RemoteSession
 
 REMOTE_BASE = 1 << 60
@@ -94,11 +95,13 @@ class RemoteDevice(Device):
             raise DeviceError(f"{self.name} has no allocator")
         return self._allocator
 
-    def rpc(self, method: str, request: Any, metadata: Sequence[tuple[str, str]] | None = None) -> Any:
+    def rpc(self, method: str, request: Any, metadata: Sequence[tuple[str, str]] | None = None,
+            call: Callable[..., Any] | None = None) -> Any:
+        """`method` through the session's stub, or through `call` (a multicallable for it)."""
         if self.session is None:
             raise DeviceError(f"{self.name} is not connected")
         try:
-            return getattr(self.session.stub, method)(request, timeout=self.session.timeout, metadata=metadata)
+            return (call or getattr(self.session.stub, method))(request, timeout=self.session.timeout, metadata=metadata)
         except grpc.RpcError as exc:
             raise DeviceError(f"{self.name}: {method} failed: {exc.code().name}: {exc.details()}") from None
 
@@ -166,21 +169,22 @@ class RemoteDevice(Device):
             if nbytes <= CHUNK_BYTES:
                 self.rpc("Write", pb.WriteRequest(lease=lease, handle=d[0], offset=d[1], data=ctypes.string_at(src, nbytes)))
             else:
-                self.rpc("WriteStream", _chunks(lease, d[0], d[1], src, nbytes))
+                self.rpc("WriteStream", _chunks(lease, d[0], d[1], src, nbytes), call=session.write_stream)
         elif s is not None:
             if nbytes <= CHUNK_BYTES:
                 data = self.rpc("Read", pb.ReadRequest(lease=lease, handle=s[0], offset=s[1], length=nbytes)).data
                 _check_len(self.name, data, nbytes)
                 ctypes.memmove(dst, data, nbytes)
             else:
-                replies = self.rpc("ReadStream", pb.ReadRequest(lease=lease, handle=s[0], offset=s[1], length=nbytes, chunk_bytes=CHUNK_BYTES))
+                replies = self.rpc("ReadStream", pb.ReadRequest(lease=lease, handle=s[0], offset=s[1], length=nbytes, chunk_bytes=CHUNK_BYTES),
+                                   call=session.read_stream)
                 position = 0
                 try:
-                    for reply in replies:
-                        size = len(reply.data)
+                    for data in replies:
+                        size = len(data)
                         if position + size > nbytes:
                             raise DeviceError(f"{self.name}: the node sent more than the {nbytes} bytes asked for")
-                        ctypes.memmove(dst + position, reply.data, size)
+                        wire.memory(dst + position, size)[:] = data
                         position += size
                 except grpc.RpcError as exc:
                     raise DeviceError(f"{self.name}: ReadStream failed: {exc.code().name}: {exc.details()}") from None
@@ -195,16 +199,12 @@ def _check_len(name: str, data: bytes, nbytes: int) -> None:
         raise DeviceError(f"{name}: the node sent {len(data)} bytes, {nbytes} were asked for")
 
 
-def _chunks(lease: bytes, handle: bytes, offset: int, src: int, nbytes: int) -> Iterator[pb.WriteRequest]:
-    position = 0
-    while position < nbytes:
-        size = min(CHUNK_BYTES, nbytes - position)
-        data = ctypes.string_at(src + position, size)
-        if position == 0:
-            yield pb.WriteRequest(lease=lease, handle=handle, offset=offset, data=data)
-        else:
-            yield pb.WriteRequest(data=data)
-        position += size
+def _chunks(lease: bytes, handle: bytes, offset: int, src: int, nbytes: int) -> Iterator[bytes]:
+    """An encoded WriteStream: the first message names the destination, each later one holds only
+    data, encoded straight from the source memory."""
+    yield pb.WriteRequest(lease=lease, handle=handle, offset=offset).SerializeToString()
+    for position in range(0, nbytes, CHUNK_BYTES):
+        yield wire.encode_write_data(wire.memory(src + position, min(CHUNK_BYTES, nbytes - position)))
 
 
 class _Launcher:
