@@ -60,11 +60,14 @@ def test_encodings_are_protobuf_messages(nbytes: int) -> None:
     assert isinstance(wire.decode_write_request(wire.encode_write_data(data.tobytes())), wire.DataChunk)
 
 
-def test_memory_views_process_memory_without_copying() -> None:
+def test_memory_views_process_memory_and_copy_into_writes_it() -> None:
     buffer = np.zeros(16, np.uint8)
     view = wire.memory(buffer.ctypes.data + 4, 8)
     view[:] = bytes(range(8))
     assert buffer.tolist() == [0] * 4 + list(range(8)) + [0] * 4
+    wire.copy_into(buffer.ctypes.data, memoryview(b"xabc")[1:])
+    wire.copy_into(buffer.ctypes.data + 13, b"def")
+    assert bytes(buffer) == b"abc\x00" + bytes(range(8)) + b"\x00def"
 
 
 def test_only_bytes_field_refuses_multibyte_tags() -> None:

@@ -184,7 +184,7 @@ class RemoteDevice(Device):
                         size = len(data)
                         if position + size > nbytes:
                             raise DeviceError(f"{self.name}: the node sent more than the {nbytes} bytes asked for")
-                        wire.memory(dst + position, size)[:] = data
+                        wire.copy_into(dst + position, data)
                         position += size
                 except grpc.RpcError as exc:
                     raise DeviceError(f"{self.name}: ReadStream failed: {exc.code().name}: {exc.details()}") from None

@@ -415,7 +415,7 @@ class DeviceService:
         view = alloc.buffer.view(offset, len(data))
         try:
             if _direct(alloc.device, view, write=True):
-                wire.memory(view.address, len(data))[:] = data
+                wire.copy_into(view.address, data)
                 return None
             return alloc.device.copyin(view, data)
         finally:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import ctypes
 from typing import NamedTuple
 
+import numpy as np
+
 from transports.pci_remote._generated import device_pb2 as pb
 
 _LENGTH_DELIMITED = 2
@@ -21,6 +23,12 @@ _MAX_VARINT_BYTES = 10
 def memory(address: int, nbytes: int) -> memoryview:
     """A writable byte view of `nbytes` of process memory at `address` (no copy)."""
     return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
+def copy_into(address: int, data: bytes | memoryview) -> None:
+    """Copy `data` to process memory at `address` with the GIL released (a memoryview assignment
+    would hold it through the whole copy, stalling the other side of the stream)."""
+    ctypes.memmove(address, np.frombuffer(data, np.uint8).ctypes.data, len(data))
 
 
 def _varint(value: int) -> bytes:
