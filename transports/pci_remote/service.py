@@ -249,7 +249,7 @@ class DeviceService:
             if impl is None:  # a method with no implementation is refused like one with no policy entry
                 impl = self._unimplemented
             decode = _BULK_DECODERS.get(m.name, req.FromString)
-            encode = None if rep is pb.ReadReply else rep.SerializeToString  # read handlers return encoded replies
+            encode = None if m.name in _ENCODED_REPLIES else rep.SerializeToString
             if m.server_streaming:
                 table[m.name] = grpc.unary_stream_rpc_method_handler(
                     self._wrap_stream_out(m.name, impl), request_deserializer=decode, response_serializer=encode)
@@ -480,7 +480,7 @@ class DeviceService:
         await self._wait(call, batch.completion)
         return wire.encode_read_reply(memoryview(host))
 
-    async def rpc_Read(self, request: pb.ReadRequest, call: Call) -> pb.ReadReply:
+    async def rpc_Read(self, request: pb.ReadRequest, call: Call) -> bytes:
         alloc = self._allocation(call, self._lease(call, request.lease), request.handle)
         _check_range(alloc.nbytes, request.offset, request.length)
         if request.length > self.config.max_message_bytes - 1024:
@@ -714,7 +714,10 @@ def _default_compiler() -> Callable[[str], bytes]:
     return _compiler
 
 
+# Bulk data goes through wire.py: write-stream chunks decode to views of the received message, and
+# the read handlers return replies already encoded.
 _BULK_DECODERS: dict[str, Callable[[bytes], Any]] = {"WriteStream": wire.decode_write_request}
+_ENCODED_REPLIES = frozenset({"Read", "ReadStream"})
 
 
 def _direct(device: Device, view: Buffer, write: bool) -> bool:
