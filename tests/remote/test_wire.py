@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import pytest
 from google.protobuf.message import DecodeError
@@ -10,6 +13,7 @@ from hypothesis import strategies as st
 
 from transports.pci_remote import wire
 from transports.pci_remote._generated import device_pb2 as pb
+
 
 def varint(n: int) -> bytes:  # protobuf's own: a uint64 field's encoding after its one-byte tag
     return pb.ReadRequest(offset=n).SerializeToString()[1:] if n else b"\x00"
@@ -25,7 +29,7 @@ shaped = st.builds(lambda tag, length, payload, tail: bytes([tag]) + length + pa
 raw_bytes = st.one_of(exact, shaped, st.binary(max_size=64))
 
 
-def _decoded_or_error(decode, raw):  # noqa: ANN001, ANN202
+def _decoded_or_error(decode: Callable[[bytes], Any], raw: bytes) -> Any:
     try:
         return decode(raw)
     except DecodeError:
