@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 from transports.pci_remote import wire
 from transports.pci_remote._generated import device_pb2 as pb
+from transports.pci_remote.client import CHUNK_BYTES
+from transports.pci_remote.device import SourceChunks
 
 
 def varint(n: int) -> bytes:  # protobuf's own: a uint64 field's encoding after its one-byte tag
@@ -77,3 +79,18 @@ def test_memory_views_process_memory_and_copy_into_writes_it() -> None:
 def test_only_bytes_field_refuses_multibyte_tags() -> None:
     with pytest.raises(ValueError, match="field number 16"):
         wire.only_bytes_field(b"\x82\x01\x00", 16)
+
+
+def test_source_chunks_stream_host_memory_and_stop_reading_it_once_closed() -> None:
+    nbytes = 2 * CHUNK_BYTES + 5
+    source = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
+    header, *chunks = SourceChunks(b"L", b"H", 7, source.ctypes.data, nbytes)
+    assert pb.WriteRequest.FromString(header) == pb.WriteRequest(lease=b"L", handle=b"H", offset=7)
+    decoded = [wire.decode_write_request(c) for c in chunks]
+    assert all(isinstance(d, wire.DataChunk) for d in decoded)
+    assert [len(d.data) for d in decoded] == [CHUNK_BYTES, CHUNK_BYTES, 5]
+    assert b"".join(bytes(d.data) for d in decoded) == source.tobytes()
+    stream = SourceChunks(b"L", b"H", 0, source.ctypes.data, nbytes)
+    next(stream), next(stream)
+    stream.close()
+    assert list(stream) == []

@@ -169,7 +169,11 @@ class RemoteDevice(Device):
             if nbytes <= CHUNK_BYTES:
                 self.rpc("Write", pb.WriteRequest(lease=lease, handle=d[0], offset=d[1], data=ctypes.string_at(src, nbytes)))
             else:
-                self.rpc("WriteStream", _chunks(lease, d[0], d[1], src, nbytes), call=session.write_stream)
+                chunks = SourceChunks(lease, d[0], d[1], src, nbytes)
+                try:
+                    self.rpc("WriteStream", chunks, call=session.write_stream)
+                finally:
+                    chunks.close()
         elif s is not None:
             if nbytes <= CHUNK_BYTES:
                 data = self.rpc("Read", pb.ReadRequest(lease=lease, handle=s[0], offset=s[1], length=nbytes)).data
@@ -199,12 +203,39 @@ def _check_len(name: str, data: bytes, nbytes: int) -> None:
         raise DeviceError(f"{name}: the node sent {len(data)} bytes, {nbytes} were asked for")
 
 
-def _chunks(lease: bytes, handle: bytes, offset: int, src: int, nbytes: int) -> Iterator[bytes]:
-    """An encoded WriteStream: the first message names the destination, each later one holds only
-    data, encoded straight from the source memory."""
-    yield pb.WriteRequest(lease=lease, handle=handle, offset=offset).SerializeToString()
-    for position in range(0, nbytes, CHUNK_BYTES):
-        yield wire.encode_write_data(wire.memory(src + position, min(CHUNK_BYTES, nbytes - position)))
+class SourceChunks(Iterator[bytes]):
+    """An encoded WriteStream of `nbytes` at host address `src`: the first message names the
+    destination, each later one holds only data, encoded straight from the source memory.
+
+    gRPC pulls it on a thread of its own that can still be inside `next()` when the call has already
+    ended with an error; `close()` waits for that chunk and ends the stream, so nothing reads `src`
+    after the copy command returns and its caller may free the source."""
+
+    def __init__(self, lease: bytes, handle: bytes, offset: int, src: int, nbytes: int) -> None:
+        self._header: bytes | None = pb.WriteRequest(lease=lease, handle=handle, offset=offset).SerializeToString()
+        self._src = src
+        self._nbytes = nbytes
+        self._position = 0
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def __next__(self) -> bytes:
+        with self._lock:
+            if self._closed:
+                raise StopIteration
+            if self._header is not None:
+                header, self._header = self._header, None
+                return header
+            if self._position >= self._nbytes:
+                raise StopIteration
+            size = min(CHUNK_BYTES, self._nbytes - self._position)
+            chunk = wire.encode_write_data(wire.memory(self._src + self._position, size))
+            self._position += size
+            return chunk
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
 
 
 class _Launcher:
