@@ -28,7 +28,8 @@ def memory(address: int, nbytes: int) -> memoryview:
 def copy_into(address: int, data: bytes | memoryview) -> None:
     """Copy `data` to process memory at `address` with the GIL released (a memoryview assignment
     would hold it through the whole copy, stalling the other side of the stream)."""
-    ctypes.memmove(address, np.frombuffer(data, np.uint8).ctypes.data, len(data))
+    source = np.frombuffer(data, np.uint8)
+    ctypes.memmove(address, source.ctypes.data, source.nbytes)
 
 
 def _varint(value: int) -> bytes:
