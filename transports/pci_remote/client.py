@@ -74,9 +74,11 @@ class RemoteSession:
         self.timeout = timeout
         self.channel = secure_channel(target, credentials)
         self.stub = pb_grpc.DeviceServiceStub(self.channel)
-        # The bulk streams take and give wire-encoded chunks (see wire.py): one copy per chunk.
+        # Bulk data moves wire-encoded (see wire.py): one copy per message.
         self.write_stream = self.channel.stream_unary(f"/{_SERVICE}/WriteStream", request_serializer=None,
                                                       response_deserializer=pb.WriteReply.FromString)
+        self.read = self.channel.unary_unary(f"/{_SERVICE}/Read", request_serializer=pb.ReadRequest.SerializeToString,
+                                             response_deserializer=wire.decode_read_reply)
         self.read_stream = self.channel.unary_stream(f"/{_SERVICE}/ReadStream", request_serializer=pb.ReadRequest.SerializeToString,
                                                      response_deserializer=wire.decode_read_reply)
         self.lease = b""

@@ -176,9 +176,9 @@ class RemoteDevice(Device):
                     chunks.close()
         elif s is not None:
             if nbytes <= CHUNK_BYTES:
-                data = self.rpc("Read", pb.ReadRequest(lease=lease, handle=s[0], offset=s[1], length=nbytes)).data
+                data = self.rpc("Read", pb.ReadRequest(lease=lease, handle=s[0], offset=s[1], length=nbytes), call=session.read)
                 _check_len(self.name, data, nbytes)
-                ctypes.memmove(dst, data, nbytes)
+                wire.copy_into(dst, data)
             else:
                 replies = self.rpc("ReadStream", pb.ReadRequest(lease=lease, handle=s[0], offset=s[1], length=nbytes, chunk_bytes=CHUNK_BYTES),
                                    call=session.read_stream)
@@ -198,7 +198,7 @@ class RemoteDevice(Device):
             ctypes.memmove(dst, src, nbytes)
 
 
-def _check_len(name: str, data: bytes, nbytes: int) -> None:
+def _check_len(name: str, data: memoryview, nbytes: int) -> None:
     if len(data) != nbytes:
         raise DeviceError(f"{name}: the node sent {len(data)} bytes, {nbytes} were asked for")
 
