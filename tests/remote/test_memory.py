@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from tinydist.testing import spin_ir
+from transports.pci_remote import wire
 from transports.pci_remote._generated import device_pb2 as pb
 from transports.pci_remote.client import channel_options
 
@@ -100,6 +101,24 @@ def test_oversize_messages_are_refused(make_server, connect) -> None:
                                 [pb.WriteRequest(data=data[i:i + (1 << 19)]) for i in range(1 << 19, len(data), 1 << 19)])).written == len(data)
     got = b"".join(r.data for r in bob.ReadStream(pb.ReadRequest(lease=lease, handle=h, length=len(data))))
     assert got == data
+
+
+def test_data_only_chunks_are_checked_like_any_write(server, connect) -> None:
+    bob = connect(server, "bob")
+    lease = lease_of(bob)
+    h = alloc(bob, lease, 1000)
+    raw = bob.channel.stream_unary("/tinydist.v1.DeviceService/WriteStream", request_serializer=None,
+                                   response_deserializer=pb.WriteReply.FromString)
+    header = pb.WriteRequest(lease=lease, handle=h, offset=100).SerializeToString()
+    assert raw(iter([header, wire.encode_write_data(b"a" * 500), wire.encode_write_data(b"b" * 400)]), timeout=10).written == 900
+    got = bob.Read(pb.ReadRequest(lease=lease, handle=h, length=1000)).data
+    assert got == bytes(100) + b"a" * 500 + b"b" * 400
+    before = server.service.handler_calls["WriteStream"]
+    assert code_of(raw, iter([wire.encode_write_data(b"c" * 10)]), timeout=10) == NF  # names no lease or handle
+    assert code_of(raw, iter([header, wire.encode_write_data(b"c" * 901)]), timeout=10) == OOR
+    assert server.service.handler_calls["WriteStream"] == before + 2
+    assert [r["status"] for r in server.audit_records()[-2:]] == ["NOT_FOUND", "OUT_OF_RANGE"]
+    assert bob.Read(pb.ReadRequest(lease=lease, handle=h, length=1000)).data == got  # nothing written
 
 
 def test_quotas(make_server, lab, connect) -> None:

@@ -19,10 +19,12 @@ from tinydist.errors import DeviceUnavailable
 from tinydist.logs import get_logger
 from transports.pci_remote._generated import device_pb2 as pb
 from transports.pci_remote._generated import device_pb2_grpc as pb_grpc
+from transports.pci_remote import wire
 
 ENV_CERT, ENV_KEY, ENV_CA = "TINYDIST_CERT", "TINYDIST_KEY", "TINYDIST_CA"
 MAX_MESSAGE_BYTES = 8 << 20
 CHUNK_BYTES = 4 << 20
+_SERVICE = pb.DESCRIPTOR.services_by_name["DeviceService"].full_name
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,13 @@ class RemoteSession:
         self.timeout = timeout
         self.channel = secure_channel(target, credentials)
         self.stub = pb_grpc.DeviceServiceStub(self.channel)
+        # Bulk data moves wire-encoded (see wire.py): one copy per message.
+        self.write_stream = self.channel.stream_unary(f"/{_SERVICE}/WriteStream", request_serializer=None,
+                                                      response_deserializer=pb.WriteReply.FromString)
+        self.read = self.channel.unary_unary(f"/{_SERVICE}/Read", request_serializer=pb.ReadRequest.SerializeToString,
+                                             response_deserializer=wire.decode_read_reply)
+        self.read_stream = self.channel.unary_stream(f"/{_SERVICE}/ReadStream", request_serializer=pb.ReadRequest.SerializeToString,
+                                                     response_deserializer=wire.decode_read_reply)
         self.lease = b""
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None

@@ -25,6 +25,7 @@ from tinydist.runtime.allocator import Allocator
 from tinydist.runtime.device import Device
 from tinydist.runtime.program import Program, check_signature
 from transports.pci_remote._generated import device_pb2 as pb
+from transports.pci_remote import wire
 from transports.pci_remote.client import CHUNK_BYTES, ClientCredentials, RemoteSession
 
 REMOTE_BASE = 1 << 60
@@ -94,11 +95,13 @@ class RemoteDevice(Device):
             raise DeviceError(f"{self.name} has no allocator")
         return self._allocator
 
-    def rpc(self, method: str, request: Any, metadata: Sequence[tuple[str, str]] | None = None) -> Any:
+    def rpc(self, method: str, request: Any, metadata: Sequence[tuple[str, str]] | None = None,
+            call: Callable[..., Any] | None = None) -> Any:
+        """`method` through the session's stub, or through `call` (a multicallable for it)."""
         if self.session is None:
             raise DeviceError(f"{self.name} is not connected")
         try:
-            return getattr(self.session.stub, method)(request, timeout=self.session.timeout, metadata=metadata)
+            return (call or getattr(self.session.stub, method))(request, timeout=self.session.timeout, metadata=metadata)
         except grpc.RpcError as exc:
             raise DeviceError(f"{self.name}: {method} failed: {exc.code().name}: {exc.details()}") from None
 
@@ -166,21 +169,26 @@ class RemoteDevice(Device):
             if nbytes <= CHUNK_BYTES:
                 self.rpc("Write", pb.WriteRequest(lease=lease, handle=d[0], offset=d[1], data=ctypes.string_at(src, nbytes)))
             else:
-                self.rpc("WriteStream", _chunks(lease, d[0], d[1], src, nbytes))
+                chunks = SourceChunks(lease, d[0], d[1], src, nbytes)
+                try:
+                    self.rpc("WriteStream", chunks, call=session.write_stream)
+                finally:
+                    chunks.close()
         elif s is not None:
             if nbytes <= CHUNK_BYTES:
-                data = self.rpc("Read", pb.ReadRequest(lease=lease, handle=s[0], offset=s[1], length=nbytes)).data
+                data = self.rpc("Read", pb.ReadRequest(lease=lease, handle=s[0], offset=s[1], length=nbytes), call=session.read)
                 _check_len(self.name, data, nbytes)
-                ctypes.memmove(dst, data, nbytes)
+                wire.copy_into(dst, data)
             else:
-                replies = self.rpc("ReadStream", pb.ReadRequest(lease=lease, handle=s[0], offset=s[1], length=nbytes, chunk_bytes=CHUNK_BYTES))
+                replies = self.rpc("ReadStream", pb.ReadRequest(lease=lease, handle=s[0], offset=s[1], length=nbytes, chunk_bytes=CHUNK_BYTES),
+                                   call=session.read_stream)
                 position = 0
                 try:
-                    for reply in replies:
-                        size = len(reply.data)
+                    for data in replies:
+                        size = len(data)
                         if position + size > nbytes:
                             raise DeviceError(f"{self.name}: the node sent more than the {nbytes} bytes asked for")
-                        ctypes.memmove(dst + position, reply.data, size)
+                        wire.copy_into(dst + position, data)
                         position += size
                 except grpc.RpcError as exc:
                     raise DeviceError(f"{self.name}: ReadStream failed: {exc.code().name}: {exc.details()}") from None
@@ -190,21 +198,44 @@ class RemoteDevice(Device):
             ctypes.memmove(dst, src, nbytes)
 
 
-def _check_len(name: str, data: bytes, nbytes: int) -> None:
+def _check_len(name: str, data: memoryview, nbytes: int) -> None:
     if len(data) != nbytes:
         raise DeviceError(f"{name}: the node sent {len(data)} bytes, {nbytes} were asked for")
 
 
-def _chunks(lease: bytes, handle: bytes, offset: int, src: int, nbytes: int) -> Iterator[pb.WriteRequest]:
-    position = 0
-    while position < nbytes:
-        size = min(CHUNK_BYTES, nbytes - position)
-        data = ctypes.string_at(src + position, size)
-        if position == 0:
-            yield pb.WriteRequest(lease=lease, handle=handle, offset=offset, data=data)
-        else:
-            yield pb.WriteRequest(data=data)
-        position += size
+class SourceChunks(Iterator[bytes]):
+    """An encoded WriteStream of `nbytes` at host address `src`: the first message names the
+    destination, each later one holds only data, encoded straight from the source memory.
+
+    gRPC pulls it on a thread of its own that can still be inside `next()` when the call has already
+    ended with an error; `close()` waits for that chunk and ends the stream, so nothing reads `src`
+    after the copy command returns and its caller may free the source."""
+
+    def __init__(self, lease: bytes, handle: bytes, offset: int, src: int, nbytes: int) -> None:
+        self._header: bytes | None = pb.WriteRequest(lease=lease, handle=handle, offset=offset).SerializeToString()
+        self._src = src
+        self._nbytes = nbytes
+        self._position = 0
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def __next__(self) -> bytes:
+        with self._lock:
+            if self._closed:
+                raise StopIteration
+            if self._header is not None:
+                header, self._header = self._header, None
+                return header
+            if self._position >= self._nbytes:
+                raise StopIteration
+            size = min(CHUNK_BYTES, self._nbytes - self._position)
+            chunk = wire.encode_write_data(wire.memory(self._src + self._position, size))
+            self._position += size
+            return chunk
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
 
 
 class _Launcher:

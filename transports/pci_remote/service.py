@@ -14,7 +14,6 @@ work: allocations, copies and kernels go through the same Device/Batch API local
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import hmac
 import secrets
 import time
@@ -33,6 +32,7 @@ from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.device import Device
 from tinydist.runtime.program import Program
 from transports.pci_remote._generated import device_pb2 as pb
+from transports.pci_remote import wire
 from transports.pci_remote.audit import AuditLog, handle_tag
 from transports.pci_remote.identity import IdentityError, PeerCache, peer_from_auth_context
 from transports.pci_remote.pci_sim import SimulatedPciFunction
@@ -248,15 +248,17 @@ class DeviceService:
             impl = getattr(self, f"rpc_{m.name}", None)
             if impl is None:  # a method with no implementation is refused like one with no policy entry
                 impl = self._unimplemented
+            decode = _BULK_DECODERS.get(m.name, req.FromString)
+            encode = None if m.name in _ENCODED_REPLIES else rep.SerializeToString
             if m.server_streaming:
                 table[m.name] = grpc.unary_stream_rpc_method_handler(
-                    self._wrap_stream_out(m.name, impl), request_deserializer=req.FromString, response_serializer=rep.SerializeToString)
+                    self._wrap_stream_out(m.name, impl), request_deserializer=decode, response_serializer=encode)
             elif m.client_streaming:
                 table[m.name] = grpc.stream_unary_rpc_method_handler(
-                    self._wrap_unary(m.name, impl), request_deserializer=req.FromString, response_serializer=rep.SerializeToString)
+                    self._wrap_unary(m.name, impl), request_deserializer=decode, response_serializer=encode)
             else:
                 table[m.name] = grpc.unary_unary_rpc_method_handler(
-                    self._wrap_unary(m.name, impl), request_deserializer=req.FromString, response_serializer=rep.SerializeToString)
+                    self._wrap_unary(m.name, impl), request_deserializer=decode, response_serializer=encode)
         return grpc.method_handlers_generic_handler(SERVICE, table)
 
     async def _unimplemented(self, request: Any, call: Call) -> Any:
@@ -406,14 +408,14 @@ class DeviceService:
         self._release(alloc, call, "freed by owner")
         return pb.FreeReply()
 
-    async def _write(self, call: Call, alloc: Allocation, offset: int, data: bytes) -> Any:
+    async def _write(self, call: Call, alloc: Allocation, offset: int, data: bytes | memoryview) -> Any:
         _check_range(alloc.nbytes, offset, len(data))
         if not data:
             return None
         view = alloc.buffer.view(offset, len(data))
         try:
             if _direct(alloc.device, view, write=True):
-                ctypes.memmove(view.address, data, len(data))
+                wire.copy_into(view.address, data)
                 return None
             return alloc.device.copyin(view, data)
         finally:
@@ -432,7 +434,7 @@ class DeviceService:
         self._effect(call, "write", handle=handle_tag(alloc.handle), nbytes=len(request.data))
         return pb.WriteReply(written=len(request.data))
 
-    async def rpc_WriteStream(self, requests: AsyncIterator[pb.WriteRequest], call: Call) -> pb.WriteReply:
+    async def rpc_WriteStream(self, requests: AsyncIterator[pb.WriteRequest | wire.DataChunk], call: Call) -> pb.WriteReply:
         alloc: Allocation | None = None
         position = written = 0
         last = None
@@ -460,12 +462,13 @@ class DeviceService:
         return pb.WriteReply(written=written)
 
     async def _read(self, call: Call, alloc: Allocation, offset: int, length: int) -> bytes:
+        """An encoded ReadReply holding the range."""
         if not length:
-            return b""
+            return wire.encode_read_reply(b"")
         view = alloc.buffer.view(offset, length)
         if _direct(alloc.device, view, write=False):
             try:
-                return ctypes.string_at(view.address, length)  # one copy, straight into the message
+                return wire.encode_read_reply(wire.memory(view.address, length))  # one copy, straight into the message
             finally:
                 view.release()
         try:
@@ -475,21 +478,20 @@ class DeviceService:
         finally:
             view.release()
         await self._wait(call, batch.completion)
-        return host.tobytes()
+        return wire.encode_read_reply(memoryview(host))
 
-    async def rpc_Read(self, request: pb.ReadRequest, call: Call) -> pb.ReadReply:
+    async def rpc_Read(self, request: pb.ReadRequest, call: Call) -> bytes:
         alloc = self._allocation(call, self._lease(call, request.lease), request.handle)
         _check_range(alloc.nbytes, request.offset, request.length)
         if request.length > self.config.max_message_bytes - 1024:
             raise RpcError(Code.RESOURCE_EXHAUSTED, "read larger than the message limit; use ReadStream")
         alloc.busy += 1
         try:
-            data = await self._read(call, alloc, request.offset, request.length)
+            return await self._read(call, alloc, request.offset, request.length)
         finally:
             self._done([alloc])
-        return pb.ReadReply(data=data)
 
-    async def rpc_ReadStream(self, request: pb.ReadRequest, call: Call) -> AsyncIterator[pb.ReadReply]:
+    async def rpc_ReadStream(self, request: pb.ReadRequest, call: Call) -> AsyncIterator[bytes]:
         alloc = self._allocation(call, self._lease(call, request.lease), request.handle)
         _check_range(alloc.nbytes, request.offset, request.length)
         limit = self.config.max_message_bytes - 1024
@@ -505,7 +507,7 @@ class DeviceService:
                     nxt = asyncio.ensure_future(self._read(call, alloc, position, size))
                     position += size
                 if pending is not None:
-                    yield pb.ReadReply(data=await pending)
+                    yield await pending
                 pending = nxt
         finally:
             if pending is not None and not pending.done():
@@ -710,6 +712,12 @@ def _default_compiler() -> Callable[[str], bytes]:
         from tinydist.codegen.compiler import HostCompiler
         _compiler = CompileCache(HostCompiler()).compile
     return _compiler
+
+
+# Bulk data goes through wire.py: write-stream chunks decode to views of the received message, and
+# the read handlers return replies already encoded.
+_BULK_DECODERS: dict[str, Callable[[bytes], Any]] = {"WriteStream": wire.decode_write_request}
+_ENCODED_REPLIES = frozenset({"Read", "ReadStream"})
 
 
 def _direct(device: Device, view: Buffer, write: bool) -> bool:
