@@ -51,23 +51,25 @@ OPS: dict[str, Callable[..., np.ndarray]] = {
 ALGORITHMS = ("naive", "ring", "all2all")
 
 # auto-selection thresholds (bytes of the whole tensor); bench/allreduce.py measured them.
-SMALL_BYTES = 64 * 1024
+SMALL_BYTES = 64 * 1024          # over the network: one naive step of small messages beats 2(N-1) steps
+SMALL_SHARED_BYTES = 1 << 20     # on shared memory a naive step stays cheaper than a second step up to here
 
 
 def choose_allreduce(world: int, nbytes: int, same_host: bool) -> tuple[str, str]:
     """The algorithm `auto` picks, and why. Deterministic in its inputs, so every rank agrees.
 
     Measured (bench/allreduce.py, docs/collectives.md): naive wins only for small messages (one
-    step instead of two, or 2(N-1) over links); past that every rank reduces all N inputs instead of 1/N.
+    step instead of two on shared memory, or 2(N-1) over the network); past that every rank
+    reduces all N inputs instead of 1/N of them (at 4-8 MiB: 1.7-2.2x slower on shared memory).
     """
     if world <= 1:
         return "naive", "one rank"
+    if same_host:
+        if nbytes <= SMALL_SHARED_BYTES:
+            return "naive", f"{nbytes} B <= {SMALL_SHARED_BYTES} B on shared memory: one step, each rank reads every input"
+        return "all2all", "shared memory: each rank reduces 1/N of the data straight from the peers' memory, two steps"
     if nbytes <= SMALL_BYTES:
         return "naive", f"{nbytes} B <= {SMALL_BYTES} B: one step of small messages beats 2(N-1) steps"
-    if same_host:
-        return "all2all", "shared memory: each rank reduces 1/N of the data straight from the peers' memory, two steps"
-    if world == 2:
-        return "ring", "2 ranks: ring halves what each rank moves and reduces, pipelined"
     return "ring", "network: bandwidth-optimal 2(N-1)/N of the bytes, one neighbour per step"
 
 
