@@ -19,6 +19,7 @@ A rank never copies in the part it reduces itself: it reads that from its own in
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,10 +47,14 @@ class Session:
             self.grp.write_header(self.parity, self.header)
         return self.parity
 
-    def sync(self) -> dict[int, dict[str, Any]]:
-        """Post this step and wait for every peer's; the first time, agree on the headers (or raise)."""
+    def sync(self, meanwhile: Callable[[], None] | None = None) -> dict[int, dict[str, Any]]:
+        """Post this step, run `meanwhile` (work that needs no peer), wait for every peer's step; the
+        first time, agree on the headers (or raise)."""
         grp = self.grp
-        grp.wait(grp.post(), self.deadline, self.check)
+        step = grp.post()
+        if meanwhile is not None:
+            meanwhile()
+        grp.wait(step, self.deadline, self.check)
         if self.headers is None:
             blobs = {r: self.header if r == grp.rank else grp.read_header(r, self.parity) for r in range(grp.world)}
             self.headers = self.verdict(blobs)
@@ -83,17 +88,29 @@ def allreduce_naive(s: Session, x: np.ndarray, ufunc: Ufunc) -> np.ndarray:
 
 def allreduce_all2all(s: Session, x: np.ndarray, ufunc: Ufunc) -> np.ndarray:
     grp, out = s.grp, np.empty_like(x)
-    for a, b in _rounds(x.size, s.elements(x.dtype)):
+    rounds = _rounds(x.size, s.elements(x.dtype))
+    filled: list[tuple[int, list[tuple[int, int]], np.ndarray]] = []
+
+    def fill(a: int, b: int) -> None:
+        """Begin a round and copy in all of its chunk but my part (which I read from `x` when reducing)."""
         p = s.round()
         parts = split_bounds(b - a, grp.world)
         m0, m1 = parts[grp.rank]
         mine = grp.region(grp.rank, p, x.dtype, b - a)
         mine[:m0] = x[a:a + m0]
         mine[m1:] = x[a + m1:b]
-        s.sync()
+        filled.append((p, parts, mine))
+
+    fill(*rounds[0])
+    for k, (a, b) in enumerate(rounds):
+        p, parts, mine = filled[k]
+        s.sync()            # every input of round k is in, and every peer has copied out round k-1
+        m0, m1 = parts[grp.rank]
         peers = [grp.region(r, p, x.dtype, b - a)[m0:m1] for r in grp.peers]
         _reduce_into(ufunc, mine[m0:m1], [x[a + m0:a + m1], *peers])
-        s.sync()
+        # while the peers finish their parts, fill round k+1: its slot is round k-1's, which every
+        # peer finished reading before it began round k
+        s.sync(functools.partial(fill, *rounds[k + 1]) if k + 1 < len(rounds) else None)
         for r, (c0, c1) in enumerate(parts):
             out[a + c0:a + c1] = grp.region(r, p, x.dtype, b - a)[c0:c1]
     return out
