@@ -155,11 +155,11 @@ class ShmGroup:
         self._futex(self._words[self.rank], _FUTEX_WAKE, 0x7FFFFFFF, None)
         return self.step
 
-    def wait(self, step: int, deadline: float, check: Callable[[], None], ranks: Sequence[int] | None = None) -> None:
+    def wait(self, step: int, deadline: float, check: Callable[[int], None], ranks: Sequence[int] | None = None) -> None:
         """Return once every rank in `ranks` (default: all peers) completed `step`.
 
-        `check()` runs between sleeps and raises when the caller's group has failed; past
-        `deadline` (time.monotonic) this raises WaitTimeout naming the ranks still behind.
+        `check(peer)` runs between sleeps on `peer` and raises when the group has failed or that
+        peer has left; past `deadline` (time.monotonic) this raises WaitTimeout naming the ranks behind.
         """
         steps = self.steps
         if steps is None:
@@ -178,7 +178,7 @@ class ShmGroup:
                 seen = int(steps[peer])
                 if seen >= step:
                     break
-                check()
+                check(peer)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     behind = [r for r in (self.peers if ranks is None else ranks) if steps[r] < step]

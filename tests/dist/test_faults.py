@@ -11,9 +11,10 @@ import pytest
 from .helpers import finish, launch, shm_entries, spawn_ranks
 
 
-def _survivors_name(results: list[tuple[int, str]], victim: int, within: float) -> None:
-    """The victim died by SIGKILL; every other rank raised RankFailed naming it within `within` s, and again later."""
-    assert results[victim][0] == -9, results[victim]
+def _survivors_name(results: list[tuple[int, str]], victim: int, within: float, victim_rc: int = -9) -> None:
+    """The victim exited with `victim_rc` (-9: SIGKILL); every other rank raised RankFailed naming it
+    within `within` s, and again on its next call."""
+    assert results[victim][0] == victim_rc, results[victim]
     for rank, (rc, out) in enumerate(results):
         if rank == victim:
             continue
@@ -38,6 +39,14 @@ def test_sigkill_mid_collective_on_the_group_segment(no_shm_leak):
     procs = spawn_ranks(4, "faults.py", "kill", "1", "all2all,naive",
                         env={"TINYDIST_COLLECTIVE_TIMEOUT": "20", "TINYDIST_SHM_SLOT_BYTES": "65536"})
     _survivors_name(finish(procs, timeout=60), victim=1, within=5.0)     # far below the 20 s timeout
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_rank_leaving_mid_job_is_a_failure_not_a_timeout(transport, no_shm_leak):
+    """A rank that calls destroy() while the others still run collectives said BYE: nobody will post
+    its steps, so waiting for it must end in RankFailed at once, not after the 20 s timeout."""
+    procs = spawn_ranks(3, "faults.py", "leave", "1", env={"TINYDIST_COLLECTIVE_TIMEOUT": "20", "TINYDIST_TRANSPORT": transport})
+    _survivors_name(finish(procs, timeout=60), victim=1, within=5.0, victim_rc=0)
 
 
 def test_hung_rank_times_out_naming_it(no_shm_leak):

@@ -191,7 +191,7 @@ class ProcessGroup:
             deadline = time.monotonic() + settings.COLLECTIVE_TIMEOUT
             blob = json.dumps(header).encode()
             session = shm.Session(self.shm, blob, functools.partial(self._agree, name, header, blob), deadline,
-                                  functools.partial(self._check_failure, name))
+                                  functools.partial(self._check_waiting, name))
             try:
                 if call.segment is not None:
                     return call.segment(session)
@@ -221,6 +221,14 @@ class ProcessGroup:
         if self._failure is not None:
             raise RankFailed(self._failure.rank if isinstance(self._failure, RankFailed) else -1,
                              f"{name}: {self._failure}") from None
+
+    def _check_waiting(self, name: str, peer: int) -> None:
+        """Between sleeps on `peer`'s step: the group failed, or `peer` left (its BYE came) and never will post it."""
+        self._check_failure(name)
+        if self.links[peer].peer_closed:
+            self._failure = RankFailed(peer, f"rank {peer} failed: it left the group (td.dist.destroy) while "
+                                             f"{name} still waited for it")
+            self._check_failure(name)
 
     async def _collective(self, call: _Call) -> Any:
         async with self._lock:

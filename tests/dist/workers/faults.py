@@ -1,6 +1,6 @@
 """A rank dies (SIGKILL) or hangs in the middle of a loop of collectives; the others must raise, naming it.
 
-    faults.py kill|hang VICTIM [ALGORITHM,ALGORITHM...]
+    faults.py kill|leave|hang VICTIM [ALGORITHM,ALGORITHM...]
 """
 
 import os
@@ -22,6 +22,9 @@ dist.barrier()
 if r == victim:
     if mode == "kill":
         threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    elif mode == "leave":                   # a clean exit from the group while the others go on
+        dist.destroy()
+        sys.exit(0)
     else:
         time.sleep(30)                      # "hang": never joins the next collective
 start = time.monotonic()
