@@ -124,10 +124,11 @@ class ProcessGroup:
                 group.same_host = len(hosts) == 1 and transport != "tcp"
                 for link in group.links.values():
                     tg.start_soon(link.serve)
-                if group.same_host and transport in ("auto", "shm") and ShmGroup.supported():
-                    group.shm = await open_group(rank, world, table["job"], group.links, settings.SHM_SLOT_BYTES, timeout)
-            group.log.debug("dist.init", links={p: link.kind for p, link in group.links.items()})
             try:
+                if world > 1 and group.same_host and transport in ("auto", "shm") and ShmGroup.supported():
+                    group.shm = await open_group(rank, world, table["job"], group.links, settings.SHM_SLOT_BYTES, timeout)
+                group.log.debug("dist.init", links={p: link.kind for p, link in group.links.items()},
+                                segment=group.shm is not None)
                 yield group
             finally:
                 with anyio.CancelScope(shield=True):
