@@ -69,6 +69,9 @@ class WaitTimeout(TransportError):
         super().__init__(f"ranks {ranks} did not reach step {step}")
 
 
+_FAILED = "failed: "   # rank 0's message instead of a segment name when it could not create one
+
+
 def segment_name(job: str) -> str:
     return f"/{PREFIX}{job}-group-{secrets.token_hex(4)}"
 
@@ -100,8 +103,14 @@ class ShmGroup:
     @classmethod
     def create(cls, job: str, rank: int, world: int, slot_bytes: int = SLOT_BYTES) -> tuple[ShmGroup, str]:
         """Create and map a fresh segment; the caller unlinks `name` once every peer has attached."""
-        name = segment_name(job)
-        return cls(_create(name, cls.size(world, slot_bytes)), rank, world, slot_bytes), name
+        name, size = segment_name(job), cls.size(world, slot_bytes)
+        try:
+            mapping = _create(name, size, reserve=True)
+        except OSError as exc:
+            raise TransportError(f"cannot reserve {size} bytes of shared memory for the group segment of {world} ranks "
+                                 f"({exc.strerror or exc}): enlarge /dev/shm (docker --shm-size), lower "
+                                 f"TINYDIST_SHM_SLOT_BYTES ({slot_bytes} now), or set TINYDIST_TRANSPORT=tcp") from None
+        return cls(mapping, rank, world, slot_bytes), name
 
     @classmethod
     def attach(cls, name: str, rank: int, world: int, slot_bytes: int = SLOT_BYTES) -> ShmGroup:
@@ -212,7 +221,13 @@ async def open_group(rank: int, world: int, job: str, links: dict[int, Link], sl
     answers `mapped` (or why not); rank 0 then unlinks the name. Every rank calls this, links served."""
     with anyio.fail_after(timeout):
         if rank == 0:
-            grp, name = ShmGroup.create(job, rank, world, slot_bytes)
+            try:
+                grp, name = ShmGroup.create(job, rank, world, slot_bytes)
+            except TransportError as exc:
+                for link in links.values():      # every rank fails with the same reason, not a lost peer
+                    with contextlib.suppress(TransportError):
+                        await link.send(f"{_FAILED}{exc}".encode())
+                raise
             try:
                 for link in links.values():
                     await link.send(name.encode())
@@ -229,6 +244,8 @@ async def open_group(rank: int, world: int, job: str, links: dict[int, Link], sl
             return grp
         async with links[0].recv() as view:
             name = bytes(view).decode(errors="replace")
+        if name.startswith(_FAILED):
+            raise TransportError(f"rank 0 could not create the group segment: {name[len(_FAILED):]}")
         try:
             grp = ShmGroup.attach(name, rank, world, slot_bytes)
         except (OSError, TransportError) as exc:

@@ -88,3 +88,13 @@ def test_launcher_success_and_no_shm_left():
     result = launch(2, "mismatch.py")
     assert result.returncode == 0, result.stderr
     assert shm_entries() - before == set()
+
+
+def test_shared_memory_too_small_is_a_clear_error_on_every_rank(no_shm_leak):
+    """A group segment /dev/shm cannot hold fails at init with the reason and the fixes, on every rank
+    (rank 0 reserves the pages up front rather than dying of SIGBUS later)."""
+    procs = spawn_ranks(2, "init_only.py", env={"TINYDIST_SHM_SLOT_BYTES": str(1 << 44), "TINYDIST_COLLECTIVE_TIMEOUT": "20"})
+    for rc, out in finish(procs, timeout=60):
+        assert rc == 3, out
+        assert "INIT FAILED TransportError" in out, out
+        assert "cannot reserve" in out and "TINYDIST_SHM_SLOT_BYTES" in out, out

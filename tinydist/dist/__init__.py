@@ -66,11 +66,18 @@ def init(rank: int | None = None, world_size: int | None = None, coordinator: st
         try:
             group_cm = portal.wrap_async_context_manager(ProcessGroup.open(rank, world, address, sock, timeout))
             group = group_cm.__enter__()
-        except BaseException:
+        except BaseException as exc:
             portal_cm.__exit__(None, None, None)
-            raise
+            raise _sole_cause(exc) from None
         _state.update(portal_cm=portal_cm, portal=portal, group_cm=group_cm, group=group)
         atexit.register(destroy)
+
+
+def _sole_cause(exc: BaseException) -> BaseException:
+    """The one error inside (nested) task-group wrappers, so init failures read as themselves."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
 
 
 def destroy() -> None:
