@@ -89,7 +89,7 @@ class ShmGroup:
         # peers' step words, read in the wait loop; a strided view: one element per control page
         self.steps: np.ndarray | None = np.ndarray((world,), np.uint64, buffer=mapping, offset=0, strides=(CONTROL_BYTES,))
         self.peers = [r for r in range(world) if r != rank]
-        self.spin = SPIN_SECONDS if world <= (os.cpu_count() or 1) else 0.0
+        self.spin = SPIN_SECONDS if world <= len(os.sched_getaffinity(0)) else 0.0   # CPUs this process may use
         self.step = int(self.steps[rank])
         self.rounds = 0           # rounds begun; every rank begins the same rounds, so parities agree
 
