@@ -15,8 +15,9 @@ use alternate slots, so a rank may fill round k+1's slot while a slow peer still
 Signalling: a rank fills its data (and header), then stores its new `step`, then FUTEX_WAKEs the
 word. x86-64 keeps stores in program order (glibc's non-temporal memcpy ends with an sfence), so a
 peer that sees the new step sees the data; `ShmGroup.supported()` is False elsewhere and the group
-then uses its links. A waiter spins up to `SPIN_SECONDS` (only when ranks do not outnumber CPUs:
-spinning on an oversubscribed CPU starves the very peer it waits for), then sleeps in FUTEX_WAIT
+then uses its links. A waiter spins up to `SPIN_SECONDS` (only when neither the ranks nor the
+runnable threads outnumber the CPUs: spinning on an oversubscribed CPU holds the very CPU its queued
+peer could run on), then sleeps in FUTEX_WAIT
 in short slices, between which it checks the caller's failure test and deadline, so every wait is
 bounded and notices a dead peer (the group's links see its EOF and call `wake_all`).
 
@@ -89,7 +90,9 @@ class ShmGroup:
         # peers' step words, read in the wait loop; a strided view: one element per control page
         self.steps: np.ndarray | None = np.ndarray((world,), np.uint64, buffer=mapping, offset=0, strides=(CONTROL_BYTES,))
         self.peers = [r for r in range(world) if r != rank]
-        self.spin = SPIN_SECONDS if world <= len(os.sched_getaffinity(0)) else 0.0   # CPUs this process may use
+        self.cpus = len(os.sched_getaffinity(0))           # CPUs this process may use
+        self.spin = SPIN_SECONDS if world <= self.cpus else 0.0
+        self._loadavg = os.open("/proc/loadavg", os.O_RDONLY) if os.path.exists("/proc/loadavg") else -1
         self.step = int(self.steps[rank])
         self.rounds = 0           # rounds begun; every rank begins the same rounds, so parities agree
 
@@ -178,9 +181,10 @@ class ShmGroup:
         for peer in self.peers if ranks is None else ranks:
             if steps[peer] >= step:
                 continue
-            spin_until = time.perf_counter() + self.spin
-            while steps[peer] < step and time.perf_counter() < spin_until:
-                pass
+            if self.spin and not self._crowded():
+                spin_until = time.perf_counter() + self.spin
+                while steps[peer] < step and time.perf_counter() < spin_until:
+                    pass
             while True:
                 seen = int(steps[peer])
                 if seen >= step:
@@ -191,6 +195,17 @@ class ShmGroup:
                     behind = [r for r in (self.peers if ranks is None else ranks) if steps[r] < step]
                     raise WaitTimeout(behind, step)
                 self._futex(self._words[peer], _FUTEX_WAIT, seen & 0xFFFFFFFF, min(left, SLEEP_SLICE))
+
+    def _crowded(self) -> bool:
+        """More runnable threads than CPUs right now (the 4th field of /proc/loadavg: running/total)?
+        Then a peer may be queued for a CPU, and spinning would hold one it could run on: sleep instead."""
+        if self._loadavg < 0:
+            return False
+        try:
+            running = int(os.pread(self._loadavg, 128, 0).split()[3].split(b"/")[0])
+        except (OSError, ValueError, IndexError):
+            return False
+        return running > self.cpus
 
     def wake_all(self) -> None:
         """Wake every waiter on every rank's word (another thread saw the group fail). Safe from any thread."""
@@ -212,6 +227,9 @@ class ShmGroup:
         self.raw = self.steps = None
         with contextlib.suppress(BufferError):
             self.map.close()
+        if self._loadavg >= 0:
+            os.close(self._loadavg)
+            self._loadavg = -1
 
 
 async def open_group(rank: int, world: int, job: str, links: dict[int, Link], slot_bytes: int, timeout: float) -> ShmGroup:
