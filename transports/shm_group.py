@@ -47,9 +47,10 @@ CONTROL_BYTES = 16384
 HEADER_OFFSET = 64
 HEADER_BYTES = (CONTROL_BYTES - HEADER_OFFSET) // 2
 SLOT_BYTES = 4 << 20
-# busy-wait this long before sleeping in the kernel. Measured (2 ranks, 4 KiB..1 MiB, loaded 2-vCPU
-# VM): a peer on the other core usually answers within it, while a futex sleep costs ~0.2 ms to wake
-# from. sched_yield in between was worse: it hands the CPU to unrelated processes for a time slice.
+# busy-wait this long before sleeping in the kernel, when no thread is queued for a CPU (`_crowded`).
+# Measured (2 ranks, 4 KiB..1 MiB, 2-vCPU VM): a peer on the other core usually answers within it,
+# while a futex sleep costs ~0.15-0.2 ms to wake from. sched_yield in between was worse: it hands
+# the CPU to unrelated processes for a time slice.
 SPIN_SECONDS = 1e-3
 SLEEP_SLICE = 0.05        # the longest futex sleep between failure/deadline checks
 
