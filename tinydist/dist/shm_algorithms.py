@@ -14,7 +14,8 @@ next round's first step). The first step of a collective's first round also publ
 - allgather:           copy my piece in; copy every piece out. One step.
 - broadcast:           the root copies in; the others copy out. One step.
 
-A rank never copies in the part it reduces itself: it reads that from its own input.
+In all2all and reduce-scatter a rank does not copy in the part it reduces itself: it reads that from
+its own input (naive copies everything: every peer reads all of it).
 """
 
 from __future__ import annotations
