@@ -52,15 +52,18 @@ def worker_tinydist(sizes: list[int], out: str) -> None:
     from tinydist import dist
     dist.init()
     group, portal = dist.get_group(), dist._state["portal"]
+    if dist.rank() == 0:
+        print(f"tinydist from {Path(dist.__file__).parent}; group segment: {group.shm is not None}", flush=True)
     results = {}
     for nbytes in sizes:
         x = np.ones(nbytes // 4, np.float32)
         for algorithm in ALGORITHMS:
             times = []
             for i in range(repeats_for(nbytes) + 1):
-                portal.call(group.barrier)
+                group.blocking("barrier", run_async=portal.call)
                 start = time.perf_counter()
-                y = portal.call(group.all_reduce, x, "sum", algorithm)
+                # the group's blocking API, numpy in and out: td.dist.all_reduce adds only the td.Tensor wrapping
+                y = group.blocking("all_reduce", x, "sum", algorithm, run_async=portal.call)
                 if i:
                     times.append(time.perf_counter() - start)
             assert y[0] == dist.world_size()
@@ -101,11 +104,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_job(world: int, args: list[str], env: dict[str, str], timeout: float) -> None:
+def run_job(world: int, args: list[str], env: dict[str, str], timeout: float) -> str:
+    """Run one `tinydist launch` job; returns its standard output."""
     cmd = [sys.executable, "-m", "tinydist.cli", "launch", "--nproc", str(world), __file__, *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark job failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return proc.stdout
 
 
 def main() -> None:
@@ -138,7 +143,8 @@ def main() -> None:
     tmp = Path(os.environ.get("TMPDIR", "/tmp"))
     for world in [int(w) for w in args.worlds.split(",")]:
         ours_file, gloo_file = tmp / f"td-bench-{os.getpid()}-{world}.json", tmp / f"gloo-bench-{os.getpid()}-{world}.json"
-        run_job(world, ["--worker", "tinydist", "--sizes", args.sizes, "--out", str(ours_file)], env, 900)
+        stdout = run_job(world, ["--worker", "tinydist", "--sizes", args.sizes, "--out", str(ours_file)], env, 900)
+        report.note(f"{world} ranks: " + next((line for line in stdout.splitlines() if "tinydist from" in line), "?"))
         ours = json.loads(ours_file.read_text())
         gloo = None
         if has_torch:

@@ -70,7 +70,7 @@ def measure_links(node_ids: list[str], reps: int = 20) -> list[LinkRecord]:
     from tinydist import dist
     group = dist.get_group()
     dist.barrier()
-    mine = dist._call(_measure, group, reps) if group.world > 1 else {}
+    mine = dist.run_on_loop(_measure, group, reps) if group.world > 1 else {}
     src = np.empty(LARGE // 8)
     dst = np.empty_like(src)
     copies = []

@@ -122,6 +122,9 @@ for _setting in (
             "Seconds one process-group collective (tinydist.dist) may take before every rank raises."),
     Setting("ALLREDUCE", _choice("auto", "naive", "ring", "all2all"), lambda: "auto",
             "Allreduce algorithm for tinydist.dist when a call says algorithm='auto'."),
+    Setting("SHM_SLOT_BYTES", _positive_int, lambda: 4 << 20,
+            "Bytes each rank moves per round through the group's shared-memory segment (tinydist.dist on one host); "
+            "larger messages take several rounds. Every rank of a job must use the same value."),
     Setting("TRANSPORT", _choice("auto", "shm", "tcp", "rdma"), lambda: "auto",
             "Links between ranks. auto: shared memory on one host; between hosts BNXT RDMA when both ranks "
             "have a NIC, else TCP. shm / tcp / rdma force one (rdma falls back to TCP, with the reason logged)."),

@@ -53,10 +53,15 @@ def _unlink(name: str) -> None:
         _posixshmem.shm_unlink(name)
 
 
-def _create(name: str, size: int) -> mmap.mmap:
+def _create(name: str, size: int, reserve: bool = False) -> mmap.mmap:
+    """Create and map `name`. With `reserve`, allocate every page now: a /dev/shm too small for it is
+    an OSError here (ENOSPC) instead of a SIGBUS at the first touch of a page past its limit."""
     fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        os.ftruncate(fd, size)
+        if reserve:
+            os.posix_fallocate(fd, 0, size)
+        else:
+            os.ftruncate(fd, size)
         return mmap.mmap(fd, size)
     except BaseException:
         _unlink(name)

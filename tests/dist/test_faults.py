@@ -11,20 +11,42 @@ import pytest
 from .helpers import finish, launch, shm_entries, spawn_ranks
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_sigkill_mid_collective_survivors_name_the_dead_rank(transport, no_shm_leak):
-    procs = spawn_ranks(4, "faults.py", "kill", "2", env={"TINYDIST_COLLECTIVE_TIMEOUT": "3", "TINYDIST_TRANSPORT": transport})
-    results = finish(procs, timeout=60)
-    assert results[2][0] == -9, results[2]
-    for rank in (0, 1, 3):
-        rc, out = results[rank]
+def _survivors_name(results: list[tuple[int, str]], victim: int, within: float, victim_rc: int = -9) -> None:
+    """The victim exited with `victim_rc` (-9: SIGKILL); every other rank raised RankFailed naming it
+    within `within` s, and again on its next call."""
+    assert results[victim][0] == victim_rc, results[victim]
+    for rank, (rc, out) in enumerate(results):
+        if rank == victim:
+            continue
         assert rc == 0, out
         found = re.search(r"RANKFAILED rank=(\d+) after=([\d.]+) msg=(.*)", out)
         assert found, out
-        assert int(found.group(1)) == 2, out
-        assert float(found.group(2)) < 3.0, out          # well within the 3 s collective timeout
-        assert "rank 2 failed" in found.group(3), out
+        assert int(found.group(1)) == victim, out
+        assert float(found.group(2)) < within, out
+        assert f"rank {victim} failed" in found.group(3), out
         assert "AGAIN RankFailed" in out
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_sigkill_mid_collective_survivors_name_the_dead_rank(transport, no_shm_leak):
+    procs = spawn_ranks(4, "faults.py", "kill", "2", env={"TINYDIST_COLLECTIVE_TIMEOUT": "3", "TINYDIST_TRANSPORT": transport})
+    _survivors_name(finish(procs, timeout=60), victim=2, within=3.0)     # well within the 3 s collective timeout
+
+
+def test_sigkill_mid_collective_on_the_group_segment(no_shm_leak):
+    """Small slots make each call many rounds, so the victim dies between two steps of one collective;
+    survivors asleep on its step must be woken by the link's EOF, not wait for the timeout."""
+    procs = spawn_ranks(4, "faults.py", "kill", "1", "all2all,naive",
+                        env={"TINYDIST_COLLECTIVE_TIMEOUT": "20", "TINYDIST_SHM_SLOT_BYTES": "65536"})
+    _survivors_name(finish(procs, timeout=60), victim=1, within=5.0)     # far below the 20 s timeout
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_rank_leaving_mid_job_is_a_failure_not_a_timeout(transport, no_shm_leak):
+    """A rank that calls destroy() while the others still run collectives said BYE: nobody will post
+    its steps, so waiting for it must end in RankFailed at once, not after the 20 s timeout."""
+    procs = spawn_ranks(3, "faults.py", "leave", "1", env={"TINYDIST_COLLECTIVE_TIMEOUT": "20", "TINYDIST_TRANSPORT": transport})
+    _survivors_name(finish(procs, timeout=60), victim=1, within=5.0, victim_rc=0)
 
 
 def test_hung_rank_times_out_naming_it(no_shm_leak):
@@ -66,3 +88,13 @@ def test_launcher_success_and_no_shm_left():
     result = launch(2, "mismatch.py")
     assert result.returncode == 0, result.stderr
     assert shm_entries() - before == set()
+
+
+def test_shared_memory_too_small_is_a_clear_error_on_every_rank(no_shm_leak):
+    """A group segment /dev/shm cannot hold fails at init with the reason and the fixes, on every rank
+    (rank 0 reserves the pages up front rather than dying of SIGBUS later)."""
+    procs = spawn_ranks(2, "init_only.py", env={"TINYDIST_SHM_SLOT_BYTES": str(1 << 44), "TINYDIST_COLLECTIVE_TIMEOUT": "20"})
+    for rc, out in finish(procs, timeout=60):
+        assert rc == 3, out
+        assert "INIT FAILED TransportError" in out, out
+        assert "cannot reserve" in out and "TINYDIST_SHM_SLOT_BYTES" in out, out

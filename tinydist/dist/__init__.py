@@ -7,8 +7,9 @@
     td.dist.broadcast(t, src=0); td.dist.barrier(); td.dist.destroy()
 
 Inputs are td.Tensors or numpy arrays; results are td.Tensors. The functions are a blocking facade
-over `ProcessGroup` (async, numpy in and out), which runs on an event loop in a background thread;
-async code can use `ProcessGroup.open(...)` directly. See docs/collectives.md.
+over `ProcessGroup` (numpy in and out), whose links run on an event loop in a background thread;
+ranks on one host run the collective itself on the calling thread, over shared memory. Async code
+can use `ProcessGroup.open(...)` directly. See docs/collectives.md.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from tinydist.dist.rendezvous import parse_address
 
 __all__ = ["CollectiveError", "CollectiveMismatch", "CollectiveTimeout", "ProcessGroup", "RankFailed", "all_gather",
            "all_reduce", "barrier", "broadcast", "choose_allreduce", "destroy", "fail", "get_group", "init", "is_initialized",
-           "rank", "reduce_scatter", "world_size"]
+           "rank", "reduce_scatter", "run_on_loop", "world_size"]
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
@@ -65,11 +66,18 @@ def init(rank: int | None = None, world_size: int | None = None, coordinator: st
         try:
             group_cm = portal.wrap_async_context_manager(ProcessGroup.open(rank, world, address, sock, timeout))
             group = group_cm.__enter__()
-        except BaseException:
+        except BaseException as exc:
             portal_cm.__exit__(None, None, None)
-            raise
+            raise _sole_cause(exc) from None
         _state.update(portal_cm=portal_cm, portal=portal, group_cm=group_cm, group=group)
         atexit.register(destroy)
+
+
+def _sole_cause(exc: BaseException) -> BaseException:
+    """The one error inside (nested) task-group wrappers, so init failures read as themselves."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
 
 
 def destroy() -> None:
@@ -121,10 +129,17 @@ def _array(t: Any) -> np.ndarray:
     return np.asarray(t)
 
 
-def _call(fn: Any, *args: Any, algorithm: str = "") -> Any:
+def run_on_loop(fn: Any, *args: Any) -> Any:
+    """Run the coroutine function `fn(*args)` on the group's event loop (where the links are served) and
+    return its result; for code that uses the links directly, such as scheduler.probe's ping-pong."""
     get_group()
-    with metrics.time_collective(fn.__name__, algorithm):  # latency histogram / error counter
-        return _state["portal"].call(fn, *args)
+    return _state["portal"].call(fn, *args)
+
+
+def _call(collective: str, *args: Any, algorithm: str = "") -> Any:
+    group = get_group()
+    with metrics.time_collective(collective, algorithm):  # latency histogram / error counter
+        return group.blocking(collective, *args, run_async=_state["portal"].call)
 
 
 def _tensor(arr: np.ndarray) -> Any:
@@ -134,24 +149,24 @@ def _tensor(arr: np.ndarray) -> Any:
 
 def all_reduce(t: Any, op: str = "sum", algorithm: str = "auto") -> Any:
     """Reduce `t` over all ranks (op: sum, mean, prod, max, min); every rank gets the result."""
-    return _tensor(_call(get_group().all_reduce, _array(t), op, algorithm, algorithm=algorithm))
+    return _tensor(_call("all_reduce", _array(t), op, algorithm, algorithm=algorithm))
 
 
 def all_gather(t: Any, axis: int = 0) -> Any:
     """Concatenate every rank's `t` along `axis` in rank order; pieces may differ in length along `axis`."""
-    return _tensor(_call(get_group().all_gather, _array(t), axis))
+    return _tensor(_call("all_gather", _array(t), axis))
 
 
 def reduce_scatter(t: Any, op: str = "sum", axis: int = 0, algorithm: str = "auto") -> Any:
     """Reduce `t` over all ranks and keep this rank's piece along `axis` (np.array_split's pieces)."""
-    return _tensor(_call(get_group().reduce_scatter, _array(t), op, axis, algorithm, algorithm=algorithm))
+    return _tensor(_call("reduce_scatter", _array(t), op, axis, algorithm, algorithm=algorithm))
 
 
 def broadcast(t: Any, src: int = 0) -> Any:
     """Every rank gets rank `src`'s tensor; other ranks may pass None (or a tensor of the same shape/dtype)."""
-    return _tensor(_call(get_group().broadcast, None if t is None else _array(t), src))
+    return _tensor(_call("broadcast", None if t is None else _array(t), src))
 
 
 def barrier() -> None:
     """Return once every rank has called barrier()."""
-    _call(get_group().barrier)
+    _call("barrier")

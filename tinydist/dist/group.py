@@ -1,10 +1,17 @@
-"""`ProcessGroup`: the async core of tinydist.dist. One per process; collectives run one at a time.
+"""`ProcessGroup`: the core of tinydist.dist. One per process; collectives run one at a time.
 
-Every collective starts with a header exchange: each rank sends every peer a small JSON header
-(sequence number, collective, op, dtype, shape, axis, root, resolved algorithm, local argument
-errors) and reads theirs. All ranks therefore see the same headers and reach the same verdict: if
-they disagree, every rank raises the same `CollectiveMismatch` before any data moves (and the group
-stays usable). The exchange doubles as the barrier, and tells allgather each rank's piece length.
+Every collective starts with a header exchange: each rank publishes a small JSON header (sequence
+number, collective, op, dtype, shape, axis, root, resolved algorithm, local argument errors) and
+reads everyone's. All ranks therefore see the same headers and reach the same verdict: if they
+disagree, every rank raises the same `CollectiveMismatch` before any result is computed (and the
+group stays usable). The exchange doubles as the barrier, and tells allgather each rank's piece length.
+
+Two ways to run a collective:
+- ranks on one host (shared-memory links, x86-64 Linux) also map one group segment
+  (`transports.shm_group`): the header sits in shared memory next to the data, and the collective
+  runs on the caller's thread (`blocking`), reading peers' regions directly
+  (`tinydist.dist.shm_algorithms`). An explicit `ring` still moves its data over the links.
+- otherwise headers and data go as link messages, on the event loop (`_collective`).
 
 Failures: a link that sees EOF/reset without a BYE (or an ABORT naming a rank) calls back here; the
 group records `RankFailed(rank)`, cancels the collective in flight, and tells the other peers with
@@ -15,10 +22,14 @@ naming the ranks it still waited for. After either, the group refuses further co
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import socket
+import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
@@ -26,10 +37,12 @@ import numpy as np
 
 from tinydist.config import settings
 from tinydist.dist import algorithms as algo
+from tinydist.dist import shm_algorithms as shm
 from tinydist.dist.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, RankFailed
 from tinydist.dist.rendezvous import connect_mesh, register, serve_coordinator
 from tinydist.logs import get_logger
 from transports.base import Link, PeerFailed
+from transports.shm_group import ShmGroup, WaitTimeout, open_group
 
 T = TypeVar("T")
 
@@ -38,24 +51,35 @@ OPS: dict[str, Callable[..., np.ndarray]] = {
 ALGORITHMS = ("naive", "ring", "all2all")
 
 # auto-selection thresholds (bytes of the whole tensor); bench/allreduce.py measured them.
-SMALL_BYTES = 64 * 1024
+SMALL_BYTES = 64 * 1024          # over the network: one naive step of small messages beats 2(N-1) steps
+SMALL_SHARED_BYTES = 1 << 20     # on shared memory a naive step stays cheaper than a second step up to here
 
 
 def choose_allreduce(world: int, nbytes: int, same_host: bool) -> tuple[str, str]:
     """The algorithm `auto` picks, and why. Deterministic in its inputs, so every rank agrees.
 
     Measured (bench/allreduce.py, docs/collectives.md): naive wins only for small messages (one
-    step instead of 2(N-1)); past that it moves (N-1)x the bytes and loses up to 3x.
+    step instead of two on shared memory, or 2(N-1) over the network); past that every rank
+    reduces all N inputs instead of 1/N of them (at 4-8 MiB: 1.7-2.2x slower on shared memory).
     """
     if world <= 1:
         return "naive", "one rank"
+    if same_host:
+        if nbytes <= SMALL_SHARED_BYTES:
+            return "naive", f"{nbytes} B <= {SMALL_SHARED_BYTES} B on shared memory: one step, each rank reads every input"
+        return "all2all", "shared memory: each rank reduces 1/N of the data straight from the peers' memory, two steps"
     if nbytes <= SMALL_BYTES:
         return "naive", f"{nbytes} B <= {SMALL_BYTES} B: one step of small messages beats 2(N-1) steps"
-    if world == 2:
-        return "ring", "2 ranks: ring halves what each rank moves and reduces, pipelined"
-    if same_host:
-        return "all2all", "shared memory: 2(N-1)/N of the bytes in two steps, each chunk reduced once"
     return "ring", "network: bandwidth-optimal 2(N-1)/N of the bytes, one neighbour per step"
+
+
+@dataclass
+class _Call:
+    """One collective as prepared on this rank: its header and how to run it once headers agree."""
+
+    header: dict[str, Any]
+    links: Callable[[dict[int, dict[str, Any]]], Awaitable[Any]]   # the body over links, given every header
+    segment: Callable[[shm.Session], Any] | None = None              # the whole collective on the group segment
 
 
 class ProcessGroup:
@@ -66,7 +90,9 @@ class ProcessGroup:
         self.links: dict[int, Link] = {}
         self.same_host = True
         self.log = get_logger(rank=rank, world=world)
-        self._lock = anyio.Lock()
+        self._lock = anyio.Lock()                 # collectives over links, on the event loop
+        self._thread_lock = threading.Lock()      # collectives on the segment, on the callers' threads
+        self.shm: ShmGroup | None = None
         self._seq = 0
         self._failure: CollectiveError | None = None
         self._scope: anyio.CancelScope | None = None
@@ -98,8 +124,11 @@ class ProcessGroup:
                 group.same_host = len(hosts) == 1 and transport != "tcp"
                 for link in group.links.values():
                     tg.start_soon(link.serve)
-            group.log.debug("dist.init", links={p: link.kind for p, link in group.links.items()})
             try:
+                if world > 1 and group.same_host and transport in ("auto", "shm") and ShmGroup.supported():
+                    group.shm = await open_group(rank, world, table["job"], group.links, settings.SHM_SLOT_BYTES, timeout)
+                group.log.debug("dist.init", links={p: link.kind for p, link in group.links.items()},
+                                segment=group.shm is not None)
                 yield group
             finally:
                 with anyio.CancelScope(shield=True):
@@ -110,6 +139,8 @@ class ProcessGroup:
         async with anyio.create_task_group() as tg:
             for link in self.links.values():
                 tg.start_soon(lambda link=link: link.close(linger=2.0, abort_blame=blamed))
+        if self.shm is not None:
+            self.shm.close()
 
     def fail(self, rank: int, reason: str) -> None:
         """Declare `rank` failed from outside (the cluster scheduler saw its node die): same path as a
@@ -123,6 +154,8 @@ class ProcessGroup:
         self.log.warning("dist.rank_failed", failed_rank=blamed, noticed_via=peer, reason=reason)
         if self._scope is not None:
             self._scope.cancel()
+        if self.shm is not None:
+            self.shm.wake_all()          # a caller's thread asleep on a peer's step rechecks now
         if self._tg is not None:
             for p, link in self.links.items():
                 if p not in (peer, blamed):
@@ -130,47 +163,120 @@ class ProcessGroup:
 
     # ---- the collective driver --------------------------------------------------------------
 
-    async def _collective(self, header: dict[str, Any], body: Callable[[dict[int, dict[str, Any]]], Awaitable[T]]) -> T:
+    def _begin(self, call: _Call) -> tuple[dict[str, Any], str]:
+        """Refuse after a failure; number the call. Every rank numbers its calls alike."""
+        if self._failure is not None:
+            raise self._failure
+        self._seq += 1
+        return {"seq": self._seq, **call.header}, f"{call.header['coll']} (call #{self._seq})"
+
+    async def _run(self, call: _Call) -> Any:
+        if self.shm is None:
+            return await self._collective(call)
+        return await anyio.to_thread.run_sync(self._on_segment, call, anyio.from_thread.run)
+
+    def blocking(self, collective: str, *args: Any, run_async: Callable[..., Any]) -> Any:
+        """Run `collective` (all_reduce, all_gather, reduce_scatter, broadcast, barrier) from a thread
+        that is not the group's event loop; `run_async(fn, *args)` runs a coroutine function there
+        (a blocking portal's `call`). On the group segment the collective runs on this thread."""
+        call = getattr(self, f"_{collective}")(*args)
+        if self.shm is None:
+            return run_async(self._collective, call)
+        return self._on_segment(call, run_async)
+
+    def _on_segment(self, call: _Call, run_async: Callable[..., Any]) -> Any:
+        with self._thread_lock:
+            header, name = self._begin(call)
+            if self.shm is None:
+                raise CollectiveError(f"{name}: the group's shared memory is closed (td.dist.destroy() was called)")
+            deadline = time.monotonic() + settings.COLLECTIVE_TIMEOUT
+            blob = json.dumps(header).encode()
+            session = shm.Session(self.shm, blob, functools.partial(self._agree, name, header, blob), deadline,
+                                  functools.partial(self._check_waiting, name))
+            try:
+                if call.segment is not None:
+                    return call.segment(session)
+                session.round()
+                headers = session.sync()
+            except WaitTimeout as exc:
+                raise self._timed_out(name, exc.ranks, session.headers is None) from None
+            except CollectiveError:
+                raise
+            except BaseException as exc:
+                # this rank stopped part way through its steps: the peers' step counts no longer match ours
+                if self._failure is None:
+                    self._failure = CollectiveError(f"{name} broke off on rank {self.rank} ({type(exc).__name__}: {exc}); "
+                                                    f"the ranks are out of step, so the group takes no more collectives")
+                raise
+            return run_async(self._guarded, name, lambda: call.links(headers), list, deadline - time.monotonic())
+
+    def _agree(self, name: str, header: dict[str, Any], blob: bytes, blobs: dict[int, bytes]) -> dict[int, dict[str, Any]]:
+        """Every rank's header from the segment, checked by `_verdict` (identical blobs need no parsing)."""
+        if header.get("error") is None and all(b == blob for b in blobs.values()):
+            return dict.fromkeys(blobs, header)
+        headers = {r: json.loads(b) for r, b in blobs.items()}
+        _verdict(name, headers)
+        return headers
+
+    def _check_failure(self, name: str) -> None:
+        if self._failure is not None:
+            raise RankFailed(self._failure.rank if isinstance(self._failure, RankFailed) else -1,
+                             f"{name}: {self._failure}") from None
+
+    def _check_waiting(self, name: str, peer: int) -> None:
+        """Between sleeps on `peer`'s step: the group failed, or `peer` left (its BYE came) and never will post it."""
+        self._check_failure(name)
+        if self.links[peer].peer_closed:
+            self._failure = RankFailed(peer, f"rank {peer} failed: it left the group (td.dist.destroy) while "
+                                             f"{name} still waited for it")
+            self._check_failure(name)
+
+    async def _collective(self, call: _Call) -> Any:
         async with self._lock:
-            if self._failure is not None:
-                raise self._failure
-            self._seq += 1
-            header = {"seq": self._seq, **header}
-            name = f"{header['coll']} (call #{self._seq})"
+            header, name = self._begin(call)
             if self.world == 1:
                 _verdict(name, {0: header})
-                return await body({0: header})
-            timeout = settings.COLLECTIVE_TIMEOUT
+                return await call.links({0: header})
             headers: dict[int, dict[str, Any]] = {self.rank: header}
-            result: Any = None
-            try:
-                with anyio.CancelScope() as scope:
-                    self._scope = scope
-                    with anyio.move_on_after(timeout) as deadline:
-                        try:
-                            await self._exchange(header, headers)
-                            _verdict(name, headers)
-                            result = await body(headers)
-                            return result
-                        except (PeerFailed, ExceptionGroup) as exc:
-                            peer = _peer_failure(exc)
-                            if peer is None:
-                                raise
-                            if self._failure is None:
-                                self._failure = RankFailed(peer.blamed, f"rank {peer.blamed} failed: {peer.reason}")
-            finally:
-                self._scope = None
-            if self._failure is not None:
-                raise RankFailed(self._failure.rank if isinstance(self._failure, RankFailed) else -1,
-                                 f"{name}: {self._failure}") from None
-            if deadline.cancelled_caught:
-                missing = sorted(set(range(self.world)) - set(headers))
-                waiting = missing or sorted(self.links)
-                what = f"no call from ranks {missing}" if missing else f"data from ranks {waiting} did not arrive"
-                self._failure = CollectiveTimeout(waiting, f"{name} timed out after {timeout:g} s on rank {self.rank}: "
-                                                           f"{what} (TINYDIST_COLLECTIVE_TIMEOUT)")
-                raise self._failure
-            raise CollectiveError(f"{name} was cancelled")  # pragma: no cover
+
+            async def run() -> Any:
+                await self._exchange(header, headers)
+                _verdict(name, headers)
+                return await call.links(headers)
+
+            return await self._guarded(name, run, lambda: sorted(set(range(self.world)) - set(headers)),
+                                       settings.COLLECTIVE_TIMEOUT)
+
+    async def _guarded(self, name: str, body: Callable[[], Awaitable[T]], missing: Callable[[], list[int]], timeout: float) -> T:
+        """Run `body` within `timeout`; a peer's failure or the deadline becomes RankFailed / CollectiveTimeout."""
+        result: Any = None
+        try:
+            with anyio.CancelScope() as scope:
+                self._scope = scope
+                with anyio.move_on_after(timeout) as deadline:
+                    try:
+                        result = await body()
+                        return result
+                    except (PeerFailed, ExceptionGroup) as exc:
+                        peer = _peer_failure(exc)
+                        if peer is None:
+                            raise
+                        if self._failure is None:
+                            self._failure = RankFailed(peer.blamed, f"rank {peer.blamed} failed: {peer.reason}")
+        finally:
+            self._scope = None
+        self._check_failure(name)
+        if deadline.cancelled_caught:
+            absent = missing()
+            raise self._timed_out(name, absent or sorted(self.links), bool(absent))
+        raise CollectiveError(f"{name} was cancelled")  # pragma: no cover
+
+    def _timed_out(self, name: str, ranks: list[int], no_call: bool) -> CollectiveTimeout:
+        """Record (the group is unusable after it) and return the timeout naming the ranks waited for."""
+        what = f"no call from ranks {ranks}" if no_call else f"data from ranks {ranks} did not arrive"
+        self._failure = CollectiveTimeout(ranks, f"{name} timed out after {settings.COLLECTIVE_TIMEOUT:g} s on rank "
+                                                 f"{self.rank}: {what} (TINYDIST_COLLECTIVE_TIMEOUT)")
+        return self._failure
 
     async def _exchange(self, header: dict[str, Any], into: dict[int, dict[str, Any]]) -> None:
         blob = json.dumps(header).encode()
@@ -193,8 +299,24 @@ class ProcessGroup:
             self.log.debug("dist.algorithm", collective=coll, algorithm=algorithm, reason=reason, **fields)
 
     # ---- collectives (numpy in, numpy out) --------------------------------------------------
+    # Each `_name` prepares a `_Call`; `name` runs it from async code, `blocking("name", ...)` from a thread.
 
     async def all_reduce(self, x: np.ndarray, op: str = "sum", algorithm: str = "auto") -> np.ndarray:
+        return await self._run(self._all_reduce(x, op, algorithm))
+
+    async def all_gather(self, x: np.ndarray, axis: int = 0) -> np.ndarray:
+        return await self._run(self._all_gather(x, axis))
+
+    async def reduce_scatter(self, x: np.ndarray, op: str = "sum", axis: int = 0, algorithm: str = "auto") -> np.ndarray:
+        return await self._run(self._reduce_scatter(x, op, axis, algorithm))
+
+    async def broadcast(self, x: np.ndarray | None, src: int = 0) -> np.ndarray:
+        return await self._run(self._broadcast(x, src))
+
+    async def barrier(self) -> None:
+        await self._run(self._barrier())
+
+    def _all_reduce(self, x: np.ndarray, op: str, algorithm: str) -> _Call:
         x = np.asarray(x, order="C")
         error = _check_op(op) or _check_algorithm(algorithm)
         chosen, reason = algorithm, "requested"
@@ -204,8 +326,10 @@ class ProcessGroup:
             else:
                 chosen, reason = choose_allreduce(self.world, x.nbytes, self.same_host)
         header = {"coll": "all_reduce", "op": op, "dtype": x.dtype.str, "shape": list(x.shape), "algorithm": chosen, "error": error}
+        on_segment = self.shm is not None and not error and chosen != "ring"
         if not error:
-            self._log_choice("all_reduce", chosen, reason, nbytes=x.nbytes, link="shm" if self.same_host else "tcp")
+            self._log_choice("all_reduce", chosen, reason, nbytes=x.nbytes,
+                             link="shm segment" if on_segment else "shm" if self.same_host else "tcp")
 
         async def body(_: dict[int, dict[str, Any]]) -> np.ndarray:
             flat = x.reshape(-1)
@@ -223,9 +347,13 @@ class ProcessGroup:
                 await algo.all2all(self.links, self.rank, self.world, flat, out, algo.split_bounds(flat.size, self.world), ufunc)
             return _finish(out, op, self.world).reshape(x.shape)
 
-        return await self._collective(header, body)
+        def segment(session: shm.Session) -> np.ndarray:
+            run = shm.allreduce_naive if chosen == "naive" else shm.allreduce_all2all
+            return _finish(run(session, x.reshape(-1), OPS[op]), op, self.world).reshape(x.shape)
 
-    async def all_gather(self, x: np.ndarray, axis: int = 0) -> np.ndarray:
+        return _Call(header, body, segment if on_segment else None)
+
+    def _all_gather(self, x: np.ndarray, axis: int) -> _Call:
         x = np.asarray(x, order="C")
         error = None
         if x.ndim == 0:
@@ -237,16 +365,19 @@ class ProcessGroup:
         header = {"coll": "all_gather", "dtype": x.dtype.str, "axis": ax, "ndim": x.ndim, "shape_except_axis": other,
                   "length": x.shape[ax] if x.ndim else 0, "error": error}
 
+        def moved() -> tuple[np.ndarray, int]:
+            rows = np.asarray(np.moveaxis(x, ax, 0), order="C")
+            return rows, math.prod(rows.shape[1:])
+
         async def body(headers: dict[int, dict[str, Any]]) -> np.ndarray:
             lengths = [headers[r]["length"] for r in range(self.world)]
-            moved = np.asarray(np.moveaxis(x, ax, 0), order="C")
-            row = math.prod(moved.shape[1:])
-            out = np.empty((sum(lengths), *moved.shape[1:]), x.dtype)
+            rows, row = moved()
+            out = np.empty((sum(lengths), *rows.shape[1:]), x.dtype)
             flat = out.reshape(-1)
             starts = np.cumsum([0, *lengths])
             bounds = [(int(starts[i]) * row, int(starts[i + 1]) * row) for i in range(self.world)]
             a, b = bounds[self.rank]
-            flat[a:b] = moved.reshape(-1)
+            flat[a:b] = rows.reshape(-1)
             if self.world > 1:
                 if self.same_host or self.world == 2:
                     self._log_choice("all_gather", "direct", "one step: each piece goes straight to every rank")
@@ -256,9 +387,15 @@ class ProcessGroup:
                     await algo.ring(self.links, self.rank, self.world, flat, bounds, self.rank, 0, self.world - 1, None)
             return np.moveaxis(out, 0, ax)
 
-        return await self._collective(header, body)
+        def segment(session: shm.Session) -> np.ndarray:
+            self._log_choice("all_gather", "direct", "shared memory: every rank copies each piece from its owner's region")
+            rows, row = moved()
+            flat, headers = shm.all_gather(session, rows.reshape(-1), lambda hs: [hs[r]["length"] * row for r in range(self.world)])
+            return np.moveaxis(flat.reshape((sum(headers[r]["length"] for r in range(self.world)), *rows.shape[1:])), 0, ax)
 
-    async def reduce_scatter(self, x: np.ndarray, op: str = "sum", axis: int = 0, algorithm: str = "auto") -> np.ndarray:
+        return _Call(header, body, segment if self.shm is not None and not error else None)
+
+    def _reduce_scatter(self, x: np.ndarray, op: str, axis: int, algorithm: str) -> _Call:
         x = np.asarray(x, order="C")
         error = _check_op(op) or _check_algorithm(algorithm)
         if x.ndim == 0:
@@ -274,12 +411,19 @@ class ProcessGroup:
         header = {"coll": "reduce_scatter", "op": op, "dtype": x.dtype.str, "shape": list(x.shape), "axis": ax,
                   "algorithm": chosen, "error": error}
 
+        def layout() -> tuple[np.ndarray, list[tuple[int, int]], list[tuple[int, int]]]:
+            rows = np.asarray(np.moveaxis(x, ax, 0), order="C")
+            row = math.prod(rows.shape[1:])
+            parts = algo.split_bounds(rows.shape[0], self.world)
+            return rows, parts, [(a * row, b * row) for a, b in parts]
+
+        def finish(rows: np.ndarray, parts: list[tuple[int, int]], piece: np.ndarray) -> np.ndarray:
+            shape = (parts[self.rank][1] - parts[self.rank][0], *rows.shape[1:])
+            return np.moveaxis(_finish(piece, op, self.world).reshape(shape), 0, ax)
+
         async def body(_: dict[int, dict[str, Any]]) -> np.ndarray:
-            moved = np.asarray(np.moveaxis(x, ax, 0), order="C")
-            row = math.prod(moved.shape[1:])
-            rows = algo.split_bounds(moved.shape[0], self.world)
-            bounds = [(a * row, b * row) for a, b in rows]
-            flat = moved.reshape(-1)
+            rows, parts, bounds = layout()
+            flat = rows.reshape(-1)
             ufunc = OPS[op]
             a, b = bounds[self.rank]
             if self.world == 1:
@@ -292,12 +436,15 @@ class ProcessGroup:
                 out = np.empty_like(flat)
                 await algo.all2all(self.links, self.rank, self.world, flat, out, bounds, ufunc, gather=False)
                 piece = out[a:b]
-            shape = (rows[self.rank][1] - rows[self.rank][0], *moved.shape[1:])
-            return np.moveaxis(_finish(piece, op, self.world).reshape(shape), 0, ax)
+            return finish(rows, parts, piece)
 
-        return await self._collective(header, body)
+        def segment(session: shm.Session) -> np.ndarray:
+            rows, parts, bounds = layout()
+            return finish(rows, parts, shm.reduce_scatter(session, rows.reshape(-1), bounds, OPS[op]))
 
-    async def broadcast(self, x: np.ndarray | None, src: int = 0) -> np.ndarray:
+        return _Call(header, body, segment if self.shm is not None and not error and chosen != "ring" else None)
+
+    def _broadcast(self, x: np.ndarray | None, src: int) -> _Call:
         error = None if 0 <= src < self.world else f"src {src} is outside 0..{self.world - 1}"
         if x is None and self.rank == src:
             error = error or "the source rank must pass a tensor"
@@ -305,19 +452,24 @@ class ProcessGroup:
         header = {"coll": "broadcast", "src": src, "error": error,
                   "dtype": None if arr is None else arr.dtype.str, "shape": None if arr is None else list(arr.shape)}
 
+        def root(headers: dict[int, dict[str, Any]]) -> tuple[tuple[int, ...], np.dtype]:
+            return tuple(headers[src]["shape"]), np.dtype(headers[src]["dtype"])
+
         async def body(headers: dict[int, dict[str, Any]]) -> np.ndarray:
-            root = headers[src]
-            out = arr.copy() if self.rank == src else np.empty(root["shape"], np.dtype(root["dtype"]))
+            out = arr.copy() if self.rank == src else np.empty(*root(headers))
             if self.world > 1:
                 await algo.broadcast(self.links, self.rank, src, out.reshape(-1))
             return out
 
-        return await self._collective(header, body)
+        def segment(session: shm.Session) -> np.ndarray:
+            return shm.broadcast(session, src, arr if self.rank == src else None, root)
 
-    async def barrier(self) -> None:
+        return _Call(header, body, segment if self.shm is not None and not error else None)
+
+    def _barrier(self) -> _Call:
         async def body(_: dict[int, dict[str, Any]]) -> None:
             return None
-        await self._collective({"coll": "barrier"}, body)
+        return _Call({"coll": "barrier"}, body, shm.barrier if self.shm is not None else None)
 
 
 # ---- helpers ----------------------------------------------------------------------------------

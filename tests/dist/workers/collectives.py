@@ -34,7 +34,7 @@ def main() -> None:
     dist.init()
     r, n = dist.rank(), dist.world_size()
     count, case = 0, 0
-    sizes = [1, 7, 1001, (3, 5)]
+    sizes = [0, 1, 7, 1001, (3, 5)]
     for dtype in (np.float32, np.float64, np.int64):
         for op, ref in OPS.items():
             for algorithm in ("naive", "ring", "all2all", "auto"):

@@ -14,6 +14,8 @@ cases = {
     "badop": lambda: dist.all_reduce(np.ones(4), op="avg" if r == 1 else "sum"),
     "algorithm": lambda: dist.all_reduce(np.ones(4), algorithm="ring" if r == 0 else "naive"),
     "gather": lambda: dist.all_gather(np.ones((2, 3 if r == 0 else 4))),
+    # one round against many (with small TINYDIST_SHM_SLOT_BYTES): the ranks must still agree to fail
+    "rounds": lambda: dist.all_reduce(np.ones(4 if r == 0 else 50_000)),
 }
 for name, fn in cases.items():
     try:

@@ -1,0 +1,190 @@
+"""Collectives over a `transports.shm_group.ShmGroup`: ranks read each other's regions directly.
+
+A collective is a sequence of rounds; a round moves at most one slot (`slot_bytes`) per rank and
+is one or two steps, each a post-and-wait on every peer (no data frames, no acknowledgements: the
+next round uses the other slot, and every peer has finished reading it once it has reached the
+next round's first step). The first step of a collective's first round also publishes its header
+(`Session.sync` checks every rank's, so a mismatch is raised by every rank before data is used).
+
+- allreduce, naive:    copy in; every rank reduces the whole chunk from every region in rank order
+                       0..N-1 (bitwise the same result everywhere). One step per round.
+- allreduce, all2all:  copy in; rank i reduces part i of the chunk from every region into its own
+                       region, then every rank copies every part out. Two steps per round.
+- reduce-scatter:      copy in; rank i reduces part i straight into its result. One step.
+- allgather:           copy my piece in; copy every piece out. One step.
+- broadcast:           the root copies in; the others copy out. One step.
+
+In all2all and reduce-scatter a rank does not copy in the part it reduces itself: it reads that from
+its own input (naive copies everything: every peer reads all of it).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from tinydist.dist.algorithms import Ufunc, split_bounds
+from transports.shm_group import ShmGroup
+
+Verdict = Callable[[dict[int, bytes]], dict[int, dict[str, Any]]]
+
+
+class Session:
+    """One collective's rounds on the group segment, under one deadline."""
+
+    def __init__(self, grp: ShmGroup, header: bytes, verdict: Verdict, deadline: float, check: Callable[[int], None]) -> None:
+        self.grp, self.header, self.verdict = grp, header, verdict
+        self.deadline, self.check = deadline, check
+        self.headers: dict[int, dict[str, Any]] | None = None   # every rank's header, once agreed
+        self.parity = 0
+
+    def round(self) -> int:
+        """Begin the next round; its slots have this parity. The collective's first round carries the header."""
+        self.parity = self.grp.next_round()
+        if self.headers is None:
+            self.grp.write_header(self.parity, self.header)
+        return self.parity
+
+    def sync(self, meanwhile: Callable[[], None] | None = None) -> dict[int, dict[str, Any]]:
+        """Post this step, run `meanwhile` (work that needs no peer), wait for every peer's step; the
+        first time, agree on the headers (or raise)."""
+        grp = self.grp
+        step = grp.post()
+        if meanwhile is not None:
+            meanwhile()
+        grp.wait(step, self.deadline, self.check)
+        if self.headers is None:
+            blobs = {r: self.header if r == grp.rank else grp.read_header(r, self.parity) for r in range(grp.world)}
+            self.headers = self.verdict(blobs)
+        return self.headers
+
+    def elements(self, dtype: np.dtype) -> int:
+        """How many elements of `dtype` one round moves per rank."""
+        return max(1, self.grp.slot_bytes // dtype.itemsize)
+
+
+def _rounds(n: int, per_round: int) -> list[tuple[int, int]]:
+    """Element ranges of the rounds; an empty message still takes one (empty) round, the collective's barrier."""
+    return [(a, min(a + per_round, n)) for a in range(0, n, per_round)] or [(0, 0)]
+
+
+def _reduce_into(ufunc: Ufunc, dst: np.ndarray, sources: Sequence[np.ndarray]) -> None:
+    ufunc(sources[0], sources[1], out=dst)
+    for src in sources[2:]:
+        ufunc(dst, src, out=dst)
+
+
+def allreduce_naive(s: Session, x: np.ndarray, ufunc: Ufunc) -> np.ndarray:
+    grp, out = s.grp, np.empty_like(x)
+    for a, b in _rounds(x.size, s.elements(x.dtype)):
+        p = s.round()
+        grp.region(grp.rank, p, x.dtype, b - a)[:] = x[a:b]
+        s.sync()
+        _reduce_into(ufunc, out[a:b], [grp.region(r, p, x.dtype, b - a) for r in range(grp.world)])
+    return out
+
+
+def allreduce_all2all(s: Session, x: np.ndarray, ufunc: Ufunc) -> np.ndarray:
+    grp, out = s.grp, np.empty_like(x)
+    rounds = _rounds(x.size, s.elements(x.dtype))
+    filled: list[tuple[int, list[tuple[int, int]], np.ndarray]] = []
+
+    def fill(a: int, b: int) -> None:
+        """Begin a round and copy in all of its chunk but my part (which I read from `x` when reducing)."""
+        p = s.round()
+        parts = split_bounds(b - a, grp.world)
+        m0, m1 = parts[grp.rank]
+        mine = grp.region(grp.rank, p, x.dtype, b - a)
+        mine[:m0] = x[a:a + m0]
+        mine[m1:] = x[a + m1:b]
+        filled.append((p, parts, mine))
+
+    fill(*rounds[0])
+    for k, (a, b) in enumerate(rounds):
+        p, parts, mine = filled[k]
+        s.sync()            # every input of round k is in, and every peer has copied out round k-1
+        m0, m1 = parts[grp.rank]
+        peers = [grp.region(r, p, x.dtype, b - a)[m0:m1] for r in grp.peers]
+        _reduce_into(ufunc, mine[m0:m1], [x[a + m0:a + m1], *peers])
+        # while the peers finish their parts, fill round k+1: its slot is round k-1's, which every
+        # peer finished reading before it began round k
+        s.sync(functools.partial(fill, *rounds[k + 1]) if k + 1 < len(rounds) else None)
+        for r, (c0, c1) in enumerate(parts):
+            out[a + c0:a + c1] = grp.region(r, p, x.dtype, b - a)[c0:c1]
+    return out
+
+
+def reduce_scatter(s: Session, x: np.ndarray, bounds: Sequence[tuple[int, int]], ufunc: Ufunc) -> np.ndarray:
+    """This rank's range `bounds[rank]` of the reduction of every rank's flat `x`."""
+    grp = s.grp
+    lo, hi = bounds[grp.rank]
+    piece = np.empty(hi - lo, x.dtype)
+    for a, b in _rounds(x.size, s.elements(x.dtype)):
+        p = s.round()
+        m0, m1 = min(max(lo, a), b) - a, min(max(hi, a), b) - a     # my range within this round
+        mine = grp.region(grp.rank, p, x.dtype, b - a)
+        mine[:m0] = x[a:a + m0]
+        mine[m1:] = x[a + m1:b]
+        s.sync()
+        if m1 > m0:
+            peers = [grp.region(r, p, x.dtype, b - a)[m0:m1] for r in grp.peers]
+            _reduce_into(ufunc, piece[a + m0 - lo:a + m1 - lo], [x[a + m0:a + m1], *peers])
+    return piece
+
+
+def all_gather(s: Session, piece: np.ndarray, lengths: Callable[[dict[int, dict[str, Any]]], list[int]]
+               ) -> tuple[np.ndarray, dict[int, dict[str, Any]]]:
+    """Every rank's flat `piece`, concatenated in rank order, and the agreed headers. `lengths` reads the
+    pieces' lengths from the headers: the number of rounds is known only once every header is in."""
+    grp = s.grp
+    per_round = s.elements(piece.dtype)
+    out: np.ndarray | None = None
+    headers: dict[int, dict[str, Any]] = {}
+    sizes: list[int] = []
+    starts: list[int] = []
+    a = 0
+    while out is None or a < max(sizes):
+        p = s.round()
+        grp.region(grp.rank, p, piece.dtype, max(0, min(piece.size, a + per_round) - a))[:] = piece[a:a + per_round]
+        headers = s.sync()
+        if out is None:
+            sizes = lengths(headers)
+            starts = [sum(sizes[:r]) for r in range(grp.world)]
+            out = np.empty(sum(sizes), piece.dtype)
+        for r in range(grp.world):
+            n = max(0, min(sizes[r], a + per_round) - a)
+            out[starts[r] + a:starts[r] + a + n] = piece[a:a + n] if r == grp.rank else grp.region(r, p, piece.dtype, n)
+        a += per_round
+    return out, headers
+
+
+def broadcast(s: Session, src: int, data: np.ndarray | None, shape: Callable[[dict[int, dict[str, Any]]], tuple[tuple[int, ...], np.dtype]]) -> np.ndarray:
+    """Rank `src`'s `data` on every rank; `shape` reads the root's shape and dtype from the agreed headers."""
+    grp = s.grp
+    out: np.ndarray | None = None
+    a, n = 0, 0
+    while out is None or a < n:
+        p = s.round()
+        if grp.rank == src and data is not None:    # a root without data has an error in its header
+            flat = data.reshape(-1)
+            part = flat[a:a + s.elements(flat.dtype)]
+            grp.region(grp.rank, p, flat.dtype, part.size)[:] = part
+        headers = s.sync()
+        if out is None:
+            dims, dtype = shape(headers)
+            out = data.copy() if grp.rank == src and data is not None else np.empty(dims, dtype)
+            n = out.size
+        flat_out = out.reshape(-1)
+        m = max(0, min(n, a + s.elements(out.dtype)) - a)
+        if grp.rank != src:
+            flat_out[a:a + m] = grp.region(src, p, out.dtype, m)
+        a += s.elements(out.dtype)
+    return out
+
+
+def barrier(s: Session) -> None:
+    s.round()
+    s.sync()
