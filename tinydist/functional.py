@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from tinydist import dtypes
+from tinydist.autograd import custom_gradient, no_grad
 from tinydist.lazy import LazyNode, Op
 from tinydist.tensor import Tensor, _normalize_axes
 
@@ -101,10 +102,18 @@ def _windows(x: Tensor, kernel: tuple[int, int], stride: tuple[int, int], dilati
     """(N, C, H, W) → (N, C, OH, OW, KH, KW) strided view of every window (x must be padded already)."""
     n, c, h, w = x.shape
     (kh, kw), (sh, sw), (dh, dw) = kernel, stride, dilation
-    oh, ow = (h - dh * (kh - 1) - 1) // sh + 1, (w - dw * (kw - 1) - 1) // sw + 1
-    if oh <= 0 or ow <= 0:
-        raise ValueError(f"window {kernel} (dilation {dilation}) does not fit the padded input of shape {x.shape}")
+    oh, ow = _windows_out(x.shape, kernel, stride, dilation)
     return x._as_strided((n, c, oh, ow, kh, kw), (c * h * w, h * w, sh * w, sw, dh * w, dw))
+
+
+def _windows_out(shape: tuple[int, ...], kernel: tuple[int, int], stride: tuple[int, int],
+                 dilation: tuple[int, int]) -> tuple[int, int]:
+    """How many windows fit along H and W of a padded (N, C, H, W) input."""
+    (kh, kw), (sh, sw), (dh, dw) = kernel, stride, dilation
+    oh, ow = (shape[2] - dh * (kh - 1) - 1) // sh + 1, (shape[3] - dw * (kw - 1) - 1) // sw + 1
+    if oh <= 0 or ow <= 0:
+        raise ValueError(f"window {kernel} (dilation {dilation}) does not fit the padded input of shape {shape}")
+    return oh, ow
 
 
 def _check_nchw(x: Tensor, op: str) -> None:
@@ -112,9 +121,51 @@ def _check_nchw(x: Tensor, op: str) -> None:
         raise ValueError(f"{op} expects an (N, C, H, W) input, got shape {x.shape}")
 
 
+def _im2col(x: Tensor, kernel: tuple[int, int], stride: tuple[int, int], dilation: tuple[int, int],
+            groups: int) -> Tensor:
+    """(N, C, H, W) padded input → (G, Cg·KH·KW, N·OH·OW) columns, one per output pixel.
+
+    The batch sits inside the columns, so a convolution is one wide matmul per group and its
+    weight gradient reads these same columns (columns @ output-gradient rows) without a transpose.
+    Materialized in this 7-D order (one affine view: no div/mod per element); the reshapes are free."""
+    n, c, _, _ = x.shape
+    cols = _windows(x, kernel, stride, dilation)                                  # N C OH OW KH KW
+    _, _, oh, ow, kh, kw = cols.shape
+    cg = c // groups
+    cols = cols.reshape(n, groups, cg, oh, ow, kh, kw).permute(1, 2, 5, 6, 0, 3, 4).contiguous()  # G Cg KH KW N OH OW
+    return cols.reshape(groups, cg * kh * kw, n * oh * ow)
+
+
+def _col2im(cols: Tensor, shape: tuple[int, int, int, int], out_hw: tuple[int, int], kernel: tuple[int, int],
+            stride: tuple[int, int], dilation: tuple[int, int]) -> Tensor:
+    """The adjoint of _im2col: (G, Cg·KH·KW, N·OH·OW) columns summed back into the (N, C, H, W)
+    padded input they were read from. One shifted term per kernel tap, each a single strided
+    view of the columns (stride 1), so the sum is one kernel gathering KH·KW values per pixel."""
+    n, c, h, w = shape
+    (oh, ow), (kh, kw), (sh, sw), (dh, dw) = out_hw, kernel, stride, dilation
+    cols = cols.reshape(c, kh, kw, n, oh, ow)
+    total: Tensor | None = None
+    for i in range(kh):
+        for j in range(kw):
+            part = cols.shrink(((0, c), (i, i + 1), (j, j + 1), (0, n), (0, oh), (0, ow))).reshape(c, n, oh, ow)
+            part = part.permute(1, 0, 2, 3)                                       # N C OH OW
+            if sh > 1 or sw > 1:  # spread the taps a stride apart
+                part = part.reshape(n, c, oh, 1, ow, 1).pad(((0, 0), (0, 0), (0, 0), (0, sh - 1), (0, 0), (0, sw - 1)))
+                part = part.reshape(n, c, oh * sh, ow * sw).shrink(((0, n), (0, c), (0, (oh - 1) * sh + 1), (0, (ow - 1) * sw + 1)))
+            top, left = i * dh, j * dw
+            part = part.pad(((0, 0), (0, 0), (top, h - top - part.shape[2]), (left, w - left - part.shape[3])))
+            total = part if total is None else total + part
+    assert total is not None
+    return total
+
+
 def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
            dilation: Any = 1, groups: int = 1) -> Tensor:
-    """2-D cross-correlation (as torch.nn.functional.conv2d): im2col, then weights @ columns."""
+    """2-D cross-correlation (as torch.nn.functional.conv2d): im2col, then weights @ columns.
+
+    Its gradient is its own rule (autograd.custom_gradient), all matmuls on the packed kernel:
+    weight gradient = columns @ output-gradientᵀ, input gradient = col2im(weightsᵀ @ output-gradient).
+    The generic rule would scatter through the overlapping window view term by term."""
     _check_nchw(x, "conv2d")
     if weight.ndim != 4:
         raise ValueError(f"conv2d weight must be (out_channels, in_channels/groups, KH, KW), got shape {weight.shape}")
@@ -127,19 +178,34 @@ def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 
         raise ValueError(f"conv2d bias must have shape ({oc},), got {bias.shape}")
     (ph, pw), stride2, dilation2 = _pair(padding, "padding"), _pair(stride, "stride"), _pair(dilation, "dilation")
     dtype = dtypes.float_result(dtypes.result_type(x.dtype, weight.dtype))
-    padded = x.cast(dtype).pad(((0, 0), (0, 0), (ph, ph), (pw, pw)))
-    cols = _windows(padded, (kh, kw), stride2, dilation2)                       # N C OH OW KH KW
-    _, _, oh, ow, _, _ = cols.shape
-    # Weights on the left: (OC × C·KH·KW) @ (C·KH·KW × OH·OW) per image gives NCHW directly,
-    # with the many pixels as the wide dimension of the packed kernel, and no transpose after.
-    # materialized in this 7-D order (one affine view: no div/mod per element); the reshape after is free
-    cols = cols.reshape(n, groups, cg, oh, ow, kh, kw).permute(0, 1, 2, 5, 6, 3, 4).contiguous()  # N G Cg KH KW OH OW
-    cols = cols.reshape(n, groups, cg * kh * kw, oh * ow)
-    w = weight.cast(dtype).reshape(groups, oc // groups, cg * kh * kw)             # G OCg K
-    out = w.matmul(cols).reshape(n, oc, oh, ow)                                 # N G OCg (OH OW)
-    if bias is not None:
-        out = out + bias.cast(dtype).reshape(1, oc, 1, 1)
-    return out
+    xs, ws = x.cast(dtype), weight.cast(dtype)
+    bs = bias.cast(dtype) if bias is not None else None
+    ocg, k = oc // groups, cg * kh * kw
+    with no_grad():
+        padded = xs.pad(((0, 0), (0, 0), (ph, ph), (pw, pw)))
+        cols = _im2col(padded, (kh, kw), stride2, dilation2, groups)             # G K (N OH OW)
+        oh, ow = _windows_out(padded.shape, (kh, kw), stride2, dilation2)
+        out = ws.reshape(groups, ocg, k).matmul(cols)                            # G OCg (N OH OW)
+        out = out.reshape(oc, n, oh, ow).permute(1, 0, 2, 3)
+        if bs is not None:
+            out = out + bs.reshape(1, oc, 1, 1)
+
+    def rule(g: Tensor, w: Tensor, columns: Tensor) -> list[Tensor | None]:
+        # the output gradient once, in the columns' pixel order: G OCg (N OH OW)
+        gt = g.reshape(n, oc, oh * ow).permute(1, 0, 2)._buffered().reshape(groups, ocg, n * oh * ow)
+        dx = dw = db = None
+        if xs.requires_grad:
+            dcols = w.reshape(groups, ocg, k).permute(0, 2, 1).matmul(gt)        # G K (N OH OW)
+            dx = _col2im(dcols, padded.shape, (oh, ow), (kh, kw), stride2, dilation2)
+            dx = dx.shrink(((0, n), (0, c), (ph, ph + x.shape[2]), (pw, pw + x.shape[3])))
+        if ws.requires_grad:
+            dw = columns.matmul(gt.permute(0, 2, 1)).permute(0, 2, 1).reshape(oc, cg, kh, kw)
+        if bs is not None and bs.requires_grad:
+            db = gt.sum(axis=2).reshape(oc)
+        return [dx, dw, db] if bs is not None else [dx, dw]
+
+    inputs = [xs, ws] if bs is None else [xs, ws, bs]
+    return custom_gradient(out, inputs, [ws, cols], rule)
 
 
 def _pool_args(kernel_size: Any, stride: Any, padding: Any, dilation: Any = 1) -> tuple[tuple[int, int], ...]:
