@@ -191,8 +191,9 @@ def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 
             out = out + bs.reshape(1, oc, 1, 1)
 
     def rule(g: Tensor, w: Tensor, columns: Tensor) -> list[Tensor | None]:
-        # the output gradient once, in the columns' pixel order: G OCg (N OH OW)
-        gt = g.reshape(n, oc, oh * ow).permute(1, 0, 2)._buffered().reshape(groups, ocg, n * oh * ow)
+        # the output gradient once, in the columns' pixel order: G OCg (N OH OW); permuted in 4-D
+        # so every load of the graph computing it stays one strided view
+        gt = g.permute(1, 0, 2, 3)._buffered().reshape(groups, ocg, n * oh * ow)
         dx = dw = db = None
         if xs.requires_grad:
             dcols = w.reshape(groups, ocg, k).permute(0, 2, 1).matmul(gt)        # G K (N OH OW)
@@ -219,8 +220,31 @@ def max_pool2d(x: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0
     if ph > kernel[0] // 2 or pw > kernel[1] // 2:
         raise ValueError(f"max_pool2d: padding {padding} must be at most half the kernel size {kernel}")
     low = float("-inf") if x.dtype.is_float else -(1 << (x.dtype.itemsize * 8 - 1))
-    padded = x.pad(((0, 0), (0, 0), (ph, ph), (pw, pw)), value=low)
-    return _windows(padded, kernel, stride2, dilation2).max(axis=(4, 5))
+    if stride2 != kernel or (ph, pw) != (0, 0) or dilation2 != (1, 1) or not x.requires_grad:
+        padded = x.pad(((0, 0), (0, 0), (ph, ph), (pw, pw)), value=low)
+        return _windows(padded, kernel, stride2, dilation2).max(axis=(4, 5))
+    with no_grad():
+        out = _windows(x, kernel, stride2, dilation2).max(axis=(4, 5))
+    return custom_gradient(out, [x], [x, out], lambda g, xv, outv: [_tiled_max_grad(g, xv, outv, kernel)])
+
+
+def _tiled_max_grad(g: Tensor, x: Tensor, out: Tensor, kernel: tuple[int, int]) -> Tensor:
+    """Max-pool gradient for windows that tile the input (stride = kernel, no padding): each
+    window's gradient goes to its maxima, split evenly between ties (as the generic reduce rule).
+    Computed in the (N, C, OH, KH, OW, KW) order, which is the input's own memory order, so every
+    load is one strided view; the generic rule goes through the window view's adjoint."""
+    n, c, h, w = x.shape
+    (kh, kw), (oh, ow) = kernel, out.shape[2:]
+    tiles = x.shrink(((0, n), (0, c), (0, oh * kh), (0, ow * kw))).reshape(n, c, oh, kh, ow, kw)
+    top = out.reshape(n, c, oh, 1, ow, 1)
+    count: Tensor | None = None
+    for i in range(kh):
+        for j in range(kw):
+            tap = tiles.shrink(((0, n), (0, c), (0, oh), (i, i + 1), (0, ow), (j, j + 1))) == top
+            count = tap.cast(g.dtype) if count is None else count + tap.cast(g.dtype)
+    share = g.reshape(n, c, oh, 1, ow, 1) / count
+    grad = (tiles == top).where(share, 0)._buffered().reshape(n, c, oh * kh, ow * kw)
+    return grad.pad(((0, 0), (0, 0), (0, h - oh * kh), (0, w - ow * kw)))
 
 
 def avg_pool2d(x: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0) -> Tensor:

@@ -122,6 +122,11 @@ def test_pooling() -> None:
     x = np.arange(2 * 2 * 6 * 6, dtype=np.float64).reshape(2, 2, 6, 6)   # distinct values: no max ties
     gradcheck(lambda x: x.max_pool2d(2), rng.permutation(x.reshape(-1)).reshape(x.shape) * 0.1)
     gradcheck(lambda x: x.max_pool2d(3, stride=2, padding=1), r(1, 2, 5, 5))
+    gradcheck(lambda x: x.max_pool2d((2, 3)), r(2, 2, 5, 7))       # tiles, with rows and columns left over
+    ties = np.array([[1.0, 1.0, 0.5, 2.0], [0.0, 1.0, 2.0, -1.0]]).reshape(1, 1, 2, 4)
+    w = td.Tensor(ties, requires_grad=True)
+    (w.max_pool2d(2) * td.Tensor(np.array([3.0, 4.0]).reshape(1, 1, 1, 2))).sum().backward()
+    np.testing.assert_allclose(w.grad.numpy().reshape(2, 4), [[1, 1, 0, 2], [0, 1, 2, 0]])  # ties split evenly
     gradcheck(lambda x: x.avg_pool2d(3, stride=1, padding=1), r(1, 2, 4, 4))
 
 
