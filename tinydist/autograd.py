@@ -374,11 +374,22 @@ def _matmul_rule(node: LazyNode, g: Tensor) -> list[tuple[LazyNode, Tensor | Non
             ga = g.permute(1, 0, 2).reshape(m, count * n).matmul(b.permute(0, 2, 1).reshape(count * n, k)).reshape(1, m, k)
     if b_node.requires_grad:
         if b_node.shape[0] == count:
-            gb = a.permute(0, 2, 1).matmul(g) if a_node.shape[0] == count else \
+            gb = _transposed_matmul(a, g) if a_node.shape[0] == count else \
                 a.reshape(m, k).T.matmul(g.permute(1, 0, 2).reshape(m, count * n)).reshape(k, count, n).permute(1, 0, 2)
         else:  # one right matrix shared by the batch: rows of all batches stack
-            gb = a.reshape(count * m, k).T.matmul(g.reshape(count * m, n)).reshape(1, k, n)
+            gb = _transposed_matmul(a.reshape(count * m, k), g.reshape(count * m, n)).reshape(1, k, n)
     return [(a_node, ga), (b_node, gb)]
+
+
+def _transposed_matmul(x: Tensor, y: Tensor) -> Tensor:
+    """xᵀ @ y over the last two axes. The packed kernel reads row-major operands, so one side is
+    copied transposed: x, or else y and the (small) result as (yᵀ @ x)ᵀ — whichever moves fewer
+    elements (a linear layer's weight gradient: the 10-column output gradient, not the activations)."""
+    rows, p, q = x.shape[-2], x.shape[-1], y.shape[-1]
+
+    def t(z: Tensor) -> Tensor:
+        return z.permute(*range(z.ndim - 2), z.ndim - 1, z.ndim - 2)
+    return t(t(y).matmul(x)) if rows * q + p * q < rows * p else t(x).matmul(y)
 
 
 # ---- the adjoint of a view (movement ops) -------------------------------------------------------
