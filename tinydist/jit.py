@@ -168,10 +168,18 @@ class _Captured:
         """The LINEAR as runs of calls on one device and queue, every argument bound once."""
         engine = get_engine()
         runs: list[_Run] = []
+        # a run ends after a call whose output another device or queue reads: a run's completion is
+        # the only signal other queues wait for, so the reader starts then, not at the end of a longer run
+        read_on: dict[int, set[tuple[str, str]]] = {}
+        for call in self.schedule.linear:
+            for number in call.reads:
+                read_on.setdefault(number, set()).add((call.device, call.queue))
+        ends_run = False
         for call in self.schedule.linear:
             device = engine.device(call.device)
-            if not runs or runs[-1].device is not device or runs[-1].queue != call.queue:
+            if ends_run or not runs or runs[-1].device is not device or runs[-1].queue != call.queue:
                 runs.append(_Run(device, call.queue))
+            ends_run = bool(read_on.get(call.out, set()) - {(call.device, call.queue)})
             run, b = runs[-1], self.buffers
             if isinstance(call, KernelCall):
                 run.add(programs.kernel(call.ast, device).cfunc, [b[call.out]], [b[i] for i in call.inputs], ())
