@@ -231,8 +231,9 @@ def max_pool2d(x: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0
 def _tiled_max_grad(g: Tensor, x: Tensor, out: Tensor, kernel: tuple[int, int]) -> Tensor:
     """Max-pool gradient for windows that tile the input (stride = kernel, no padding): each
     window's gradient goes to its maxima, split evenly between ties (as the generic reduce rule).
-    Computed in the (N, C, OH, KH, OW, KW) order, which is the input's own memory order, so every
-    load is one strided view; the generic rule goes through the window view's adjoint."""
+    Built in the (N, C, OH, KH, OW, KW) order, the input's own memory order (a free reshape), and
+    left unbuffered: the next gradient kernel (an activation's) computes it inline. The generic
+    rule goes through the window view's adjoint instead."""
     n, c, h, w = x.shape
     (kh, kw), (oh, ow) = kernel, out.shape[2:]
     tiles = x.shrink(((0, n), (0, c), (0, oh * kh), (0, ow * kw))).reshape(n, c, oh, kh, ow, kw)
@@ -243,7 +244,7 @@ def _tiled_max_grad(g: Tensor, x: Tensor, out: Tensor, kernel: tuple[int, int]) 
             tap = tiles.shrink(((0, n), (0, c), (0, oh), (i, i + 1), (0, ow), (j, j + 1))) == top
             count = tap.cast(g.dtype) if count is None else count + tap.cast(g.dtype)
     share = g.reshape(n, c, oh, 1, ow, 1) / count
-    grad = (tiles == top).where(share, 0)._buffered().reshape(n, c, oh * kh, ow * kw)
+    grad = (tiles == top).where(share, 0).reshape(n, c, oh * kh, ow * kw)
     return grad.pad(((0, 0), (0, 0), (0, h - oh * kh), (0, w - ow * kw)))
 
 
