@@ -26,6 +26,8 @@ def _pair(value: Any, name: str) -> tuple[int, int]:
 
 # ---- matmul -----------------------------------------------------------------------------------
 
+FEW_OUTPUTS, LONG_REDUCTION = 256, 1024   # below / above these, dot products beat packing operands
+
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     """numpy.matmul semantics: 1-D operands are promoted and the added axis removed; batch axes broadcast."""
     if a.ndim == 0 or b.ndim == 0:
@@ -44,8 +46,10 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     dtype = dtypes.result_type(x.dtype, y.dtype)
     m, k, n = x.shape[-2], x.shape[-1], y.shape[-1]
     # A single row is a matrix-vector product: the fused multiply-reduce below streams the matrix
-    # once, where the packed kernel would repack (and for a transposed weight, first copy) it.
-    if dtype.is_float and m * n * k and m * math.prod(batch) > 1:
+    # once, where the packed kernel would repack (and for a transposed weight, first copy) it. So
+    # do a few outputs of a long reduction (a small layer's weight gradient): as dot products.
+    few_long = m * n * math.prod(batch) <= FEW_OUTPUTS and k >= LONG_REDUCTION
+    if dtype.is_float and m * n * k and m * math.prod(batch) > 1 and not few_long:
         result = _native_matmul(x.cast(dtype), y.cast(dtype), batch, m, k, n)
     elif dtype.is_bool:  # numpy: a logical or of ands
         result = (x.unsqueeze(-1) & y.unsqueeze(-3)).any(axis=-2)
