@@ -228,8 +228,17 @@ def max_pool2d(x: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0
         padded = x.pad(((0, 0), (0, 0), (ph, ph), (pw, pw)), value=low)
         return _windows(padded, kernel, stride2, dilation2).max(axis=(4, 5))
     with no_grad():
-        out = _windows(x, kernel, stride2, dilation2).max(axis=(4, 5))
+        out = _tiles(x, kernel).max(axis=(3, 5))
     return custom_gradient(out, [x], [x, out], lambda g, xv, outv: [_tiled_max_grad(g, xv, outv, kernel)])
+
+
+def _tiles(x: Tensor, kernel: tuple[int, int]) -> Tensor:
+    """(N, C, H, W) → (N, C, OH, KH, OW, KW): the windows that tile the input (rows and columns
+    left over dropped), as a reshape — which, unlike the strided window view, is pushed through
+    elementwise producers (an activation is computed inline, not stored first)."""
+    n, c, h, w = x.shape
+    (kh, kw), (oh, ow) = kernel, (h // kernel[0], w // kernel[1])
+    return x.shrink(((0, n), (0, c), (0, oh * kh), (0, ow * kw))).reshape(n, c, oh, kh, ow, kw)
 
 
 def _tiled_max_grad(g: Tensor, x: Tensor, out: Tensor, kernel: tuple[int, int]) -> Tensor:
@@ -240,7 +249,7 @@ def _tiled_max_grad(g: Tensor, x: Tensor, out: Tensor, kernel: tuple[int, int]) 
     rule goes through the window view's adjoint instead."""
     n, c, h, w = x.shape
     (kh, kw), (oh, ow) = kernel, out.shape[2:]
-    tiles = x.shrink(((0, n), (0, c), (0, oh * kh), (0, ow * kw))).reshape(n, c, oh, kh, ow, kw)
+    tiles = _tiles(x, kernel)
     top = out.reshape(n, c, oh, 1, ow, 1)
     count: Tensor | None = None
     for i in range(kh):
