@@ -103,6 +103,10 @@ class _Run:
     def accesses(self) -> list[tuple[Buffer, bool]]:
         return list(self._touched.values())
 
+    def keep(self, tracked: Callable[[Buffer, bool], bool]) -> None:
+        """Track only the accesses `tracked(buffer, write)` accepts."""
+        self._touched = {key: (buffer, write) for key, (buffer, write) in self._touched.items() if tracked(buffer, write)}
+
 
 class _Captured:
     """One captured graph: buffers bound, kernels compiled, entry point linked."""
@@ -190,7 +194,30 @@ class _Captured:
             else:
                 source = b[call.src]
                 run.add(device.copy_command("d2d", source.device), [b[call.out]], [source], (call.nbytes,))
+        self._track_only_shared(runs)
         return runs
+
+    def _track_only_shared(self, runs: list[_Run]) -> None:
+        """Keep in each run's tracked accesses only those the runtime's access logs must order:
+        memory another queue of this capture also touches (in a conflicting way), and buffers the
+        caller sees (arguments, weights, outputs). The rest are ordered by their own queue's FIFO,
+        across replays too — and each tracked access costs a scan of its base's pending records
+        at every replay, on the thread that feeds the devices."""
+        seen = {id(self.buffers[n]) for n in (*range(self.schedule.n_inputs), *self.output_numbers)
+                if self.buffers[n] is not None}
+        spans: dict[int, list[tuple[int, int, bool, tuple[str, str]]]] = {}
+        for run in runs:
+            for buffer, write in run.accesses:
+                start = buffer.offset
+                spans.setdefault(id(buffer.base), []).append((start, start + buffer.nbytes, write, (run.device.name, run.queue)))
+
+        def crossed(buffer: Buffer, write: bool, stream: tuple[str, str]) -> bool:
+            start, end = buffer.offset, buffer.offset + buffer.nbytes
+            return any(other != stream and (write or w) and s < end and start < e
+                       for s, e, w, other in spans[id(buffer.base)])
+        for run in runs:
+            stream = (run.device.name, run.queue)
+            run.keep(lambda buffer, write: id(buffer) in seen or crossed(buffer, write, stream))
 
     def _link(self) -> Program:
         """One native function calling every kernel in order, addresses bound."""
