@@ -22,7 +22,7 @@ import functools
 import inspect
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +38,7 @@ from tinydist.runtime.device import Completion, Device
 from tinydist.runtime.engine import get_engine
 from tinydist.runtime.program import Program
 from tinydist.schedule import Schedule, create_schedule
-from tinydist.schedule.items import CopyCall, KernelCall, MatmulCall
+from tinydist.schedule.items import Call, CopyCall, KernelCall, MatmulCall
 from tinydist.tensor import Tensor, observe_assigns
 
 _entry_ids = itertools.count()
@@ -85,6 +85,7 @@ class _Run:
 
     def __init__(self, device: Device, queue: str) -> None:
         self.device, self.queue = device, queue
+        self.calls: list[Call] = []
         self.commands: list[tuple[Any, tuple[Any, ...]]] = []
         self._touched: dict[int, tuple[Buffer, bool]] = {}
 
@@ -150,7 +151,7 @@ class _Captured:
         # inputs the function assigned to: their new value is copied back to the caller's tensor
         self.written_args = [(position, number) for position, number in self.arg_slots
                              if number in schedule.aliases.values()]
-        self.entry = self._link() if self.device is not None else None
+        self.entry = self._link(self.device, self.schedule.linear) if self.device is not None else None
         self.runs = self._bind_runs() if self.device is None else []
         self.arg_copies = [(position, self.buffers[number].address, self.buffers[number].nbytes)
                            for position, number in self.arg_slots]
@@ -185,6 +186,7 @@ class _Captured:
                 runs.append(_Run(device, call.queue))
             ends_run = bool(read_on.get(call.out, set()) - {(call.device, call.queue)})
             run, b = runs[-1], self.buffers
+            run.calls.append(call)
             if isinstance(call, KernelCall):
                 run.add(programs.kernel(call.ast, device).cfunc, [b[call.out]], [b[i] for i in call.inputs], ())
             elif isinstance(call, MatmulCall):
@@ -195,6 +197,11 @@ class _Captured:
                 source = b[call.src]
                 run.add(device.copy_command("d2d", source.device), [b[call.out]], [source], (call.nbytes,))
         self._track_only_shared(runs)
+        for run in runs:
+            # a run of kernels is linked into one native call: the queue's worker takes the GIL
+            # once per run instead of after every kernel (another thread feeding the devices holds it)
+            if len(run.calls) > 1 and not any(isinstance(call, CopyCall) for call in run.calls):
+                run.commands = [(self._link(run.device, run.calls).cfunc, ())]
         return runs
 
     def _track_only_shared(self, runs: list[_Run]) -> None:
@@ -219,12 +226,11 @@ class _Captured:
             stream = (run.device.name, run.queue)
             run.keep(lambda buffer, write: id(buffer) in seen or crossed(buffer, write, stream))
 
-    def _link(self) -> Program:
-        """One native function calling every kernel in order, addresses bound."""
-        device = self.device
+    def _link(self, device: Device, calls: Sequence[Call]) -> Program:
+        """One native function calling every kernel of `calls` in order, addresses bound."""
         lines = []
         launches = []  # (program, arguments) for devices that link launches themselves (CUDA)
-        for call in self.schedule.linear:
+        for call in calls:
             if isinstance(call, KernelCall):
                 program = programs.kernel(call.ast, device)
                 args = [self.buffers[call.out], *(self.buffers[i] for i in call.inputs)]
