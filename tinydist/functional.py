@@ -223,13 +223,13 @@ def max_pool2d(x: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0
     kernel, stride2, (ph, pw), dilation2 = _pool_args(kernel_size, stride, padding, dilation)
     if ph > kernel[0] // 2 or pw > kernel[1] // 2:
         raise ValueError(f"max_pool2d: padding {padding} must be at most half the kernel size {kernel}")
+    if stride2 == kernel and (ph, pw) == (0, 0) and dilation2 == (1, 1):
+        with no_grad():
+            out = _tiles(x, kernel).max(axis=(3, 5))
+        return custom_gradient(out, [x], [x, out], lambda g, xv, outv: [_tiled_max_grad(g, xv, outv, kernel)])
     low = float("-inf") if x.dtype.is_float else -(1 << (x.dtype.itemsize * 8 - 1))
-    if stride2 != kernel or (ph, pw) != (0, 0) or dilation2 != (1, 1) or not x.requires_grad:
-        padded = x.pad(((0, 0), (0, 0), (ph, ph), (pw, pw)), value=low)
-        return _windows(padded, kernel, stride2, dilation2).max(axis=(4, 5))
-    with no_grad():
-        out = _tiles(x, kernel).max(axis=(3, 5))
-    return custom_gradient(out, [x], [x, out], lambda g, xv, outv: [_tiled_max_grad(g, xv, outv, kernel)])
+    padded = x.pad(((0, 0), (0, 0), (ph, ph), (pw, pw)), value=low)
+    return _windows(padded, kernel, stride2, dilation2).max(axis=(4, 5))
 
 
 def _tiles(x: Tensor, kernel: tuple[int, int]) -> Tensor:
