@@ -19,6 +19,10 @@ computed until something realizes them (an optimizer's `step()` does, together w
 After a backward (unless `retain_graph=True`) the graph's interior nodes stop requiring grad:
 they drop their sources once computed and a second backward through them raises.
 
+Compound ops whose generic gradient graph would be slow (convolution: the adjoint of its window
+view is a scatter of overlapping windows) give their own rule with `custom_gradient`: the
+forward is built under no_grad, and backward treats the result as one node with the rule's inputs.
+
 Hooks: `register_grad_hook(tensor, fn)` calls `fn(tensor)` once the tensor's `.grad` is final in
 a backward (leaves become final in reverse topological order: the last layer's parameters
 first); `queue_callback(fn)` during a backward runs `fn()` when the backward ends. Data-parallel
@@ -40,7 +44,7 @@ from tinydist.lazy import ELEMENTWISE, LazyNode, Op, grad_mode
 from tinydist.shape import ShapeTracker, View, prod
 from tinydist.tensor import Tensor
 
-__all__ = ["backward", "enable_grad", "is_grad_enabled", "no_grad", "queue_callback", "register_grad_hook",
+__all__ = ["backward", "custom_gradient", "enable_grad", "is_grad_enabled", "no_grad", "queue_callback", "register_grad_hook",
            "set_requires_grad", "detach"]
 
 # leaf node -> its Tensor (weakly: a parameter that is dropped stops being a leaf)
@@ -52,6 +56,10 @@ pending_updates: list[LazyNode] = []
 _callbacks: list[list[Callable[[], None]]] = []
 _freed: weakref.WeakSet[LazyNode] = weakref.WeakSet()   # roots whose graph a backward freed
 _saved: list[dict[int, LazyNode]] = []
+# custom-gradient node -> (the inputs its rule differentiates, forward values the rule reads, the rule)
+GradientRule = Callable[..., "list[Tensor | None]"]
+_custom: weakref.WeakKeyDictionary[LazyNode, tuple[tuple[LazyNode, ...], tuple[LazyNode, ...], GradientRule]] = \
+    weakref.WeakKeyDictionary()
 
 
 class no_grad(contextlib.ContextDecorator):
@@ -115,7 +123,7 @@ def detach(tensor: Tensor) -> Tensor:
     if not node.requires_grad:
         return Tensor(node)
     with no_grad():
-        return Tensor(LazyNode(Op.CONTIGUOUS, (node,), None, node.dtype, node.shape, node.device))
+        return tensor._buffered()
 
 
 def register_grad_hook(tensor: Tensor, fn: Callable[[Tensor], None]) -> Callable[[], None]:
@@ -124,6 +132,29 @@ def register_grad_hook(tensor: Tensor, fn: Callable[[Tensor], None]) -> Callable
         tensor._grad_hooks = []
     tensor._grad_hooks.append(fn)
     return lambda: tensor._grad_hooks.remove(fn) if tensor._grad_hooks and fn in tensor._grad_hooks else None
+
+
+def custom_gradient(value: Tensor, inputs: list[Tensor], saved: list[Tensor], rule: GradientRule) -> Tensor:
+    """`value`, computed under no_grad from `inputs`, as one node whose gradient `rule` gives:
+    `rule(g, *saved)` returns one gradient (or None) per input, from the output gradient `g` and
+    the forward tensors `saved` it reads. Without gradients to track, `value` itself."""
+    node = value.node
+    if not grad_mode.enabled or not any(t.requires_grad for t in inputs):
+        return value
+    if node.requires_grad:
+        raise ValueError("custom_gradient: build the forward under no_grad() (it is differentiated by the rule)")
+    # a structural node, not an elementwise one: views are pushed through elementwise nodes, which
+    # would bypass the rule; the scheduler computes a contiguous node in place of its source
+    wrapped = value._buffered()
+    wrapped.node.requires_grad = True
+    _custom[wrapped.node] = (tuple(t.node for t in inputs), tuple(t.node for t in saved), rule)
+    return wrapped
+
+
+def _sources(node: LazyNode) -> tuple[LazyNode, ...]:
+    """What backward walks from `node`: its rule's inputs for a custom-gradient node, else its sources."""
+    custom = _custom.get(node)
+    return custom[0] if custom is not None else node.srcs
 
 
 def queue_callback(fn: Callable[[], None]) -> None:
@@ -158,7 +189,7 @@ def _topo(root: LazyNode) -> list[LazyNode]:
         if not node.srcs and node.op not in (Op.BUFFER, Op.CONST):
             raise RuntimeError("backward through a graph that was already freed: a backward() frees the graph it "
                                "walked; call backward() once per forward or pass retain_graph=True")
-        for src in node.srcs:
+        for src in _sources(node):
             if src.requires_grad and id(src) not in visited:
                 stack.append((src, False))
     return order
@@ -217,6 +248,7 @@ def backward(tensor: Tensor, gradient: Tensor | None = None, retain_graph: bool 
         for node in order:
             if node not in _leaves:
                 node.requires_grad = False
+                _custom.pop(node, None)
                 if node.realized:
                     node.srcs = ()
 
@@ -237,6 +269,10 @@ LN2 = math.log(2.0)
 
 def _rule(node: LazyNode, g: Tensor) -> list[tuple[LazyNode, Tensor | None]]:
     op, srcs = node.op, node.srcs
+    custom = _custom.get(node)
+    if custom is not None:
+        inputs, saved, rule = custom
+        return list(zip(inputs, rule(g, *(_t(n) for n in saved))))
     if op in ELEMENTWISE:
         return _elementwise_rule(node, g)
     if op is Op.REDUCE:
@@ -338,11 +374,22 @@ def _matmul_rule(node: LazyNode, g: Tensor) -> list[tuple[LazyNode, Tensor | Non
             ga = g.permute(1, 0, 2).reshape(m, count * n).matmul(b.permute(0, 2, 1).reshape(count * n, k)).reshape(1, m, k)
     if b_node.requires_grad:
         if b_node.shape[0] == count:
-            gb = a.permute(0, 2, 1).matmul(g) if a_node.shape[0] == count else \
+            gb = _transposed_matmul(a, g) if a_node.shape[0] == count else \
                 a.reshape(m, k).T.matmul(g.permute(1, 0, 2).reshape(m, count * n)).reshape(k, count, n).permute(1, 0, 2)
         else:  # one right matrix shared by the batch: rows of all batches stack
-            gb = a.reshape(count * m, k).T.matmul(g.reshape(count * m, n)).reshape(1, k, n)
+            gb = _transposed_matmul(a.reshape(count * m, k), g.reshape(count * m, n)).reshape(1, k, n)
     return [(a_node, ga), (b_node, gb)]
+
+
+def _transposed_matmul(x: Tensor, y: Tensor) -> Tensor:
+    """xᵀ @ y over the last two axes. The packed kernel reads row-major operands, so one side is
+    copied transposed: x, or else y and the (small) result as (yᵀ @ x)ᵀ — whichever moves fewer
+    elements (a linear layer's weight gradient: the 10-column output gradient, not the activations)."""
+    rows, p, q = x.shape[-2], x.shape[-1], y.shape[-1]
+
+    def t(z: Tensor) -> Tensor:
+        return z.permute(*range(z.ndim - 2), z.ndim - 1, z.ndim - 2)
+    return t(t(y).matmul(x)) if rows * q + p * q < rows * p else t(x).matmul(y)
 
 
 # ---- the adjoint of a view (movement ops) -------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from tinydist import dtypes
+from tinydist.autograd import custom_gradient, no_grad
 from tinydist.lazy import LazyNode, Op
 from tinydist.tensor import Tensor, _normalize_axes
 
@@ -24,6 +25,8 @@ def _pair(value: Any, name: str) -> tuple[int, int]:
 
 
 # ---- matmul -----------------------------------------------------------------------------------
+
+FEW_OUTPUTS, LONG_REDUCTION = 256, 1024   # below / above these, dot products beat packing operands
 
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     """numpy.matmul semantics: 1-D operands are promoted and the added axis removed; batch axes broadcast."""
@@ -43,8 +46,10 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     dtype = dtypes.result_type(x.dtype, y.dtype)
     m, k, n = x.shape[-2], x.shape[-1], y.shape[-1]
     # A single row is a matrix-vector product: the fused multiply-reduce below streams the matrix
-    # once, where the packed kernel would repack (and for a transposed weight, first copy) it.
-    if dtype.is_float and m * n * k and m * math.prod(batch) > 1:
+    # once, where the packed kernel would repack (and for a transposed weight, first copy) it. So
+    # do a few outputs of a long reduction (a small layer's weight gradient): as dot products.
+    few_long = m * n * math.prod(batch) <= FEW_OUTPUTS and k >= LONG_REDUCTION
+    if dtype.is_float and m * n * k and m * math.prod(batch) > 1 and not few_long:
         result = _native_matmul(x.cast(dtype), y.cast(dtype), batch, m, k, n)
     elif dtype.is_bool:  # numpy: a logical or of ands
         result = (x.unsqueeze(-1) & y.unsqueeze(-3)).any(axis=-2)
@@ -101,10 +106,18 @@ def _windows(x: Tensor, kernel: tuple[int, int], stride: tuple[int, int], dilati
     """(N, C, H, W) → (N, C, OH, OW, KH, KW) strided view of every window (x must be padded already)."""
     n, c, h, w = x.shape
     (kh, kw), (sh, sw), (dh, dw) = kernel, stride, dilation
-    oh, ow = (h - dh * (kh - 1) - 1) // sh + 1, (w - dw * (kw - 1) - 1) // sw + 1
-    if oh <= 0 or ow <= 0:
-        raise ValueError(f"window {kernel} (dilation {dilation}) does not fit the padded input of shape {x.shape}")
+    oh, ow = _windows_out(x.shape, kernel, stride, dilation)
     return x._as_strided((n, c, oh, ow, kh, kw), (c * h * w, h * w, sh * w, sw, dh * w, dw))
+
+
+def _windows_out(shape: tuple[int, ...], kernel: tuple[int, int], stride: tuple[int, int],
+                 dilation: tuple[int, int]) -> tuple[int, int]:
+    """How many windows fit along H and W of a padded (N, C, H, W) input."""
+    (kh, kw), (sh, sw), (dh, dw) = kernel, stride, dilation
+    oh, ow = (shape[2] - dh * (kh - 1) - 1) // sh + 1, (shape[3] - dw * (kw - 1) - 1) // sw + 1
+    if oh <= 0 or ow <= 0:
+        raise ValueError(f"window {kernel} (dilation {dilation}) does not fit the padded input of shape {shape}")
+    return oh, ow
 
 
 def _check_nchw(x: Tensor, op: str) -> None:
@@ -112,9 +125,51 @@ def _check_nchw(x: Tensor, op: str) -> None:
         raise ValueError(f"{op} expects an (N, C, H, W) input, got shape {x.shape}")
 
 
+def _im2col(x: Tensor, kernel: tuple[int, int], stride: tuple[int, int], dilation: tuple[int, int],
+            groups: int) -> Tensor:
+    """(N, C, H, W) padded input → (G, Cg·KH·KW, N·OH·OW) columns, one per output pixel.
+
+    The batch sits inside the columns, so a convolution is one wide matmul per group and its
+    weight gradient reads these same columns (columns @ output-gradient rows) without a transpose.
+    Materialized in this 7-D order (one affine view: no div/mod per element); the reshapes are free."""
+    n, c, _, _ = x.shape
+    cols = _windows(x, kernel, stride, dilation)                                  # N C OH OW KH KW
+    _, _, oh, ow, kh, kw = cols.shape
+    cg = c // groups
+    cols = cols.reshape(n, groups, cg, oh, ow, kh, kw).permute(1, 2, 5, 6, 0, 3, 4).contiguous()  # G Cg KH KW N OH OW
+    return cols.reshape(groups, cg * kh * kw, n * oh * ow)
+
+
+def _col2im(cols: Tensor, shape: tuple[int, int, int, int], out_hw: tuple[int, int], kernel: tuple[int, int],
+            stride: tuple[int, int], dilation: tuple[int, int]) -> Tensor:
+    """The adjoint of _im2col: (G, Cg·KH·KW, N·OH·OW) columns summed back into the (N, C, H, W)
+    padded input they were read from. One shifted term per kernel tap, each a single strided
+    view of the columns (stride 1), so the sum is one kernel gathering KH·KW values per pixel."""
+    n, c, h, w = shape
+    (oh, ow), (kh, kw), (sh, sw), (dh, dw) = out_hw, kernel, stride, dilation
+    cols = cols.reshape(c, kh, kw, n, oh, ow)
+    total: Tensor | None = None
+    for i in range(kh):
+        for j in range(kw):
+            part = cols.shrink(((0, c), (i, i + 1), (j, j + 1), (0, n), (0, oh), (0, ow))).reshape(c, n, oh, ow)
+            part = part.permute(1, 0, 2, 3)                                       # N C OH OW
+            if sh > 1 or sw > 1:  # spread the taps a stride apart
+                part = part.reshape(n, c, oh, 1, ow, 1).pad(((0, 0), (0, 0), (0, 0), (0, sh - 1), (0, 0), (0, sw - 1)))
+                part = part.reshape(n, c, oh * sh, ow * sw).shrink(((0, n), (0, c), (0, (oh - 1) * sh + 1), (0, (ow - 1) * sw + 1)))
+            top, left = i * dh, j * dw
+            part = part.pad(((0, 0), (0, 0), (top, h - top - part.shape[2]), (left, w - left - part.shape[3])))
+            total = part if total is None else total + part
+    assert total is not None
+    return total
+
+
 def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
            dilation: Any = 1, groups: int = 1) -> Tensor:
-    """2-D cross-correlation (as torch.nn.functional.conv2d): im2col, then weights @ columns."""
+    """2-D cross-correlation (as torch.nn.functional.conv2d): im2col, then weights @ columns.
+
+    Its gradient is its own rule (autograd.custom_gradient), all matmuls on the packed kernel:
+    weight gradient = columns @ output-gradientᵀ, input gradient = col2im(weightsᵀ @ output-gradient).
+    The generic rule would scatter through the overlapping window view term by term."""
     _check_nchw(x, "conv2d")
     if weight.ndim != 4:
         raise ValueError(f"conv2d weight must be (out_channels, in_channels/groups, KH, KW), got shape {weight.shape}")
@@ -127,19 +182,35 @@ def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 
         raise ValueError(f"conv2d bias must have shape ({oc},), got {bias.shape}")
     (ph, pw), stride2, dilation2 = _pair(padding, "padding"), _pair(stride, "stride"), _pair(dilation, "dilation")
     dtype = dtypes.float_result(dtypes.result_type(x.dtype, weight.dtype))
-    padded = x.cast(dtype).pad(((0, 0), (0, 0), (ph, ph), (pw, pw)))
-    cols = _windows(padded, (kh, kw), stride2, dilation2)                       # N C OH OW KH KW
-    _, _, oh, ow, _, _ = cols.shape
-    # Weights on the left: (OC × C·KH·KW) @ (C·KH·KW × OH·OW) per image gives NCHW directly,
-    # with the many pixels as the wide dimension of the packed kernel, and no transpose after.
-    # materialized in this 7-D order (one affine view: no div/mod per element); the reshape after is free
-    cols = cols.reshape(n, groups, cg, oh, ow, kh, kw).permute(0, 1, 2, 5, 6, 3, 4).contiguous()  # N G Cg KH KW OH OW
-    cols = cols.reshape(n, groups, cg * kh * kw, oh * ow)
-    w = weight.cast(dtype).reshape(groups, oc // groups, cg * kh * kw)             # G OCg K
-    out = w.matmul(cols).reshape(n, oc, oh, ow)                                 # N G OCg (OH OW)
-    if bias is not None:
-        out = out + bias.cast(dtype).reshape(1, oc, 1, 1)
-    return out
+    xs, ws = x.cast(dtype), weight.cast(dtype)
+    bs = bias.cast(dtype) if bias is not None else None
+    ocg, k = oc // groups, cg * kh * kw
+    with no_grad():
+        padded = xs.pad(((0, 0), (0, 0), (ph, ph), (pw, pw)))
+        cols = _im2col(padded, (kh, kw), stride2, dilation2, groups)             # G K (N OH OW)
+        oh, ow = _windows_out(padded.shape, (kh, kw), stride2, dilation2)
+        out = ws.reshape(groups, ocg, k).matmul(cols)                            # G OCg (N OH OW)
+        out = out.reshape(oc, n, oh, ow).permute(1, 0, 2, 3)
+        if bs is not None:
+            out = out + bs.reshape(1, oc, 1, 1)
+
+    def rule(g: Tensor, w: Tensor, columns: Tensor) -> list[Tensor | None]:
+        # the output gradient once, in the columns' pixel order: G OCg (N OH OW); permuted in 4-D
+        # so every load of the graph computing it stays one strided view
+        gt = g.permute(1, 0, 2, 3)._buffered().reshape(groups, ocg, n * oh * ow)
+        dx = dw = db = None
+        if xs.requires_grad:
+            dcols = w.reshape(groups, ocg, k).permute(0, 2, 1).matmul(gt)        # G K (N OH OW)
+            dx = _col2im(dcols, padded.shape, (oh, ow), (kh, kw), stride2, dilation2)
+            dx = dx.shrink(((0, n), (0, c), (ph, ph + x.shape[2]), (pw, pw + x.shape[3])))
+        if ws.requires_grad:
+            dw = columns.matmul(gt.permute(0, 2, 1)).permute(0, 2, 1).reshape(oc, cg, kh, kw)
+        if bs is not None and bs.requires_grad:
+            db = gt.sum(axis=2).reshape(oc)
+        return [dx, dw, db] if bs is not None else [dx, dw]
+
+    inputs = [xs, ws] if bs is None else [xs, ws, bs]
+    return custom_gradient(out, inputs, [ws, cols], rule)
 
 
 def _pool_args(kernel_size: Any, stride: Any, padding: Any, dilation: Any = 1) -> tuple[tuple[int, int], ...]:
@@ -152,9 +223,42 @@ def max_pool2d(x: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0
     kernel, stride2, (ph, pw), dilation2 = _pool_args(kernel_size, stride, padding, dilation)
     if ph > kernel[0] // 2 or pw > kernel[1] // 2:
         raise ValueError(f"max_pool2d: padding {padding} must be at most half the kernel size {kernel}")
+    if stride2 == kernel and (ph, pw) == (0, 0) and dilation2 == (1, 1):
+        with no_grad():
+            out = _tiles(x, kernel).max(axis=(3, 5))
+        return custom_gradient(out, [x], [x, out], lambda g, xv, outv: [_tiled_max_grad(g, xv, outv, kernel)])
     low = float("-inf") if x.dtype.is_float else -(1 << (x.dtype.itemsize * 8 - 1))
     padded = x.pad(((0, 0), (0, 0), (ph, ph), (pw, pw)), value=low)
     return _windows(padded, kernel, stride2, dilation2).max(axis=(4, 5))
+
+
+def _tiles(x: Tensor, kernel: tuple[int, int]) -> Tensor:
+    """(N, C, H, W) → (N, C, OH, KH, OW, KW): the windows that tile the input (rows and columns
+    left over dropped), as a reshape — which, unlike the strided window view, is pushed through
+    elementwise producers (an activation is computed inline, not stored first)."""
+    n, c, h, w = x.shape
+    (kh, kw), (oh, ow) = kernel, (h // kernel[0], w // kernel[1])
+    return x.shrink(((0, n), (0, c), (0, oh * kh), (0, ow * kw))).reshape(n, c, oh, kh, ow, kw)
+
+
+def _tiled_max_grad(g: Tensor, x: Tensor, out: Tensor, kernel: tuple[int, int]) -> Tensor:
+    """Max-pool gradient for windows that tile the input (stride = kernel, no padding): each
+    window's gradient goes to its maxima, split evenly between ties (as the generic reduce rule).
+    Built in the (N, C, OH, KH, OW, KW) order, the input's own memory order (a free reshape), and
+    left unbuffered: the next gradient kernel (an activation's) computes it inline. The generic
+    rule goes through the window view's adjoint instead."""
+    n, c, h, w = x.shape
+    (kh, kw), (oh, ow) = kernel, out.shape[2:]
+    tiles = _tiles(x, kernel)
+    top = out.reshape(n, c, oh, 1, ow, 1)
+    count: Tensor | None = None
+    for i in range(kh):
+        for j in range(kw):
+            tap = tiles.shrink(((0, n), (0, c), (0, oh), (i, i + 1), (0, ow), (j, j + 1))) == top
+            count = tap.cast(g.dtype) if count is None else count + tap.cast(g.dtype)
+    share = g.reshape(n, c, oh, 1, ow, 1) / count
+    grad = (tiles == top).where(share, 0).reshape(n, c, oh * kh, ow * kw)
+    return grad.pad(((0, 0), (0, 0), (0, h - oh * kh), (0, w - ow * kw)))
 
 
 def avg_pool2d(x: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0) -> Tensor:

@@ -22,7 +22,7 @@ import functools
 import inspect
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +38,7 @@ from tinydist.runtime.device import Completion, Device
 from tinydist.runtime.engine import get_engine
 from tinydist.runtime.program import Program
 from tinydist.schedule import Schedule, create_schedule
-from tinydist.schedule.items import CopyCall, GatherCall, KernelCall, MatmulCall
+from tinydist.schedule.items import Call, CopyCall, GatherCall, KernelCall, MatmulCall
 from tinydist.tensor import Tensor, observe_assigns
 
 _entry_ids = itertools.count()
@@ -85,6 +85,7 @@ class _Run:
 
     def __init__(self, device: Device, queue: str) -> None:
         self.device, self.queue = device, queue
+        self.calls: list[Call] = []
         self.commands: list[tuple[Any, tuple[Any, ...]]] = []
         self._touched: dict[int, tuple[Buffer, bool]] = {}
 
@@ -102,6 +103,10 @@ class _Run:
     @property
     def accesses(self) -> list[tuple[Buffer, bool]]:
         return list(self._touched.values())
+
+    def keep(self, tracked: Callable[[Buffer, bool], bool]) -> None:
+        """Track only the accesses `tracked(buffer, write)` accepts."""
+        self._touched = {key: (buffer, write) for key, (buffer, write) in self._touched.items() if tracked(buffer, write)}
 
 
 class _Captured:
@@ -146,7 +151,7 @@ class _Captured:
         # inputs the function assigned to: their new value is copied back to the caller's tensor
         self.written_args = [(position, number) for position, number in self.arg_slots
                              if number in schedule.aliases.values()]
-        self.entry = self._link() if self.device is not None else None
+        self.entry = self._link(self.device, self.schedule.linear) if self.device is not None else None
         self.runs = self._bind_runs() if self.device is None else []
         self.arg_copies = [(position, self.buffers[number].address, self.buffers[number].nbytes)
                            for position, number in self.arg_slots]
@@ -168,11 +173,20 @@ class _Captured:
         """The LINEAR as runs of calls on one device and queue, every argument bound once."""
         engine = get_engine()
         runs: list[_Run] = []
+        # a run ends after a call whose output another device or queue reads: a run's completion is
+        # the only signal other queues wait for, so the reader starts then, not at the end of a longer run
+        read_on: dict[int, set[tuple[str, str]]] = {}
+        for call in self.schedule.linear:
+            for number in call.reads:
+                read_on.setdefault(number, set()).add((call.device, call.queue))
+        ends_run = False
         for call in self.schedule.linear:
             device = engine.device(call.device)
-            if not runs or runs[-1].device is not device or runs[-1].queue != call.queue:
+            if ends_run or not runs or runs[-1].device is not device or runs[-1].queue != call.queue:
                 runs.append(_Run(device, call.queue))
+            ends_run = bool(read_on.get(call.out, set()) - {(call.device, call.queue)})
             run, b = runs[-1], self.buffers
+            run.calls.append(call)
             if isinstance(call, KernelCall):
                 run.add(programs.kernel(call.ast, device).cfunc, [b[call.out]], [b[i] for i in call.inputs], ())
             elif isinstance(call, MatmulCall):
@@ -187,14 +201,41 @@ class _Captured:
             else:
                 source = b[call.src]
                 run.add(device.copy_command("d2d", source.device), [b[call.out]], [source], (call.nbytes,))
+        self._track_only_shared(runs)
+        for run in runs:
+            # a run of kernels is linked into one native call: the queue's worker takes the GIL
+            # once per run instead of after every kernel (another thread feeding the devices holds it)
+            if len(run.calls) > 1 and not any(isinstance(call, (CopyCall, GatherCall)) for call in run.calls):
+                run.commands = [(self._link(run.device, run.calls).cfunc, ())]
         return runs
 
-    def _link(self) -> Program:
-        """One native function calling every kernel in order, addresses bound."""
-        device = self.device
+    def _track_only_shared(self, runs: list[_Run]) -> None:
+        """Keep in each run's tracked accesses only those the runtime's access logs must order:
+        memory another queue of this capture also touches (in a conflicting way), and buffers the
+        caller sees (arguments, weights, outputs). The rest are ordered by their own queue's FIFO,
+        across replays too — and each tracked access costs a scan of its base's pending records
+        at every replay, on the thread that feeds the devices."""
+        seen = {id(self.buffers[n]) for n in (*range(self.schedule.n_inputs), *self.output_numbers)
+                if self.buffers[n] is not None}
+        spans: dict[int, list[tuple[int, int, bool, tuple[str, str]]]] = {}
+        for run in runs:
+            for buffer, write in run.accesses:
+                start = buffer.offset
+                spans.setdefault(id(buffer.base), []).append((start, start + buffer.nbytes, write, (run.device.name, run.queue)))
+
+        def crossed(buffer: Buffer, write: bool, stream: tuple[str, str]) -> bool:
+            start, end = buffer.offset, buffer.offset + buffer.nbytes
+            return any(other != stream and (write or w) and s < end and start < e
+                       for s, e, w, other in spans[id(buffer.base)])
+        for run in runs:
+            stream = (run.device.name, run.queue)
+            run.keep(lambda buffer, write: id(buffer) in seen or crossed(buffer, write, stream))
+
+    def _link(self, device: Device, calls: Sequence[Call]) -> Program:
+        """One native function calling every kernel of `calls` in order, addresses bound."""
         lines = []
         launches = []  # (program, arguments) for devices that link launches themselves (CUDA)
-        for call in self.schedule.linear:
+        for call in calls:
             if isinstance(call, KernelCall):
                 program = programs.kernel(call.ast, device)
                 args = [self.buffers[call.out], *(self.buffers[i] for i in call.inputs)]

@@ -218,6 +218,12 @@ class Tensor:
             return self
         if node.op is Op.VIEW and node.arg.is_reshape_of(node.srcs[0].shape) and node.srcs[0].op is not Op.CONST:
             return self  # a reshape of contiguous memory is already contiguous: the fuser shares the buffer
+        return self._buffered()
+
+    def _buffered(self) -> Tensor:
+        """This value computed once into a buffer of its own (a CONTIGUOUS node), even when it is
+        elementwise: for a value several kernels read, which inlining would recompute in each."""
+        node = self.node
         return Tensor(LazyNode(Op.CONTIGUOUS, (node,), None, node.dtype, node.shape, node.device))
 
     def assign(self, value: Tensor | Scalar | np.ndarray) -> Tensor:

@@ -190,3 +190,31 @@ def test_graphs_over_several_devices_replay_in_runs() -> None:
         return (await sharded.acall(td.Tensor(x))).numpy()
 
     np.testing.assert_allclose(anyio.run(main), reference(x), rtol=1e-4, atol=1e-5)
+
+
+def test_captured_data_parallel_step_replayed_back_to_back_matches_one_device() -> None:
+    # two devices exchanging gradients through copies between their queues, replayed without
+    # waiting in between (replays queue up behind each other): the same weights as one device
+    g = np.random.default_rng(7)
+    data = [(g.random((8, 1, 6, 6), dtype=np.float32), g.integers(0, 3, 8)) for _ in range(6)]
+
+    def train(devices: int, captured: bool) -> list[np.ndarray]:
+        td.manual_seed(0)
+        net = td.nn.Sequential(td.nn.Conv2d(1, 4, 3, padding=1), td.nn.ReLU(), td.nn.MaxPool2d(2),
+                               td.nn.Flatten(), td.nn.Linear(4 * 3 * 3, 3))
+        model = td.parallel.DistributedDataParallel(net, devices=devices) if devices > 1 else net
+        opt = td.optim.SGD(model.parameters(), lr=0.5)
+
+        def step(x: td.Tensor, y: td.Tensor) -> td.Tensor:
+            loss = td.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return loss
+        run = td.jit(step) if captured else step
+        for x, y in data:
+            run(td.Tensor(x), td.Tensor(y))
+        return [p.numpy() for p in net.parameters()]
+
+    for got, want in zip(train(2, captured=True), train(1, captured=False)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

@@ -224,6 +224,28 @@ def test_cat_of_buffers_along_the_first_axis_is_one_gather():
     np.testing.assert_array_equal(beside.numpy(), np.concatenate([A, A], 1))
 
 
+def test_linear_keeps_each_device_together_and_feeds_other_devices_first():
+    # targets alternate between devices, and device 1's input is computed on device 0 after other
+    # work there: device 0 computes that input first, then each device's calls form one stretch
+    a, b = td.Tensor(A), td.Tensor(A * 3, device="CPU:1")
+    first0 = (a * 2).exp().sum(0)
+    first1 = (b + 1).exp().sum(0)
+    second0 = first0.log().sum(0)
+    remote = ((a - 1).to("CPU:1") * first1).sum(0)
+    targets = [first0, first1, second0, remote]
+    schedule, _ = create_schedule([t.node for t in targets])
+    streams = [(c.device, c.queue) for c in schedule.linear]
+    assert sum(1 for x, y in zip(streams, streams[1:]) if x != y) == 1, schedule.describe()
+    # CPU:1 reads device 0's `a - 1` in place (a peer read, no copy): it is device 0's first call
+    peer_reads = {n for c in schedule.linear if c.device == "CPU:1" for n in c.reads}
+    assert schedule.linear[0].device == "CPU:0" and schedule.linear[0].out in peer_reads, schedule.describe()
+    realize([t.node for t in targets])
+    expected = [np.exp(A * 2).sum(0), np.exp(A * 3 + 1).sum(0)]
+    expected += [np.log(expected[0]).sum(0), ((A - 1) * expected[1]).sum(0)]
+    for t, want in zip(targets, expected):
+        np.testing.assert_allclose(t.numpy(), want, rtol=1e-5)
+
+
 def test_shared_expensive_subexpression_is_computed_once():
     a = td.Tensor(A)
     e = a.exp()

@@ -59,6 +59,14 @@ def test_matmul_of_computed_and_transposed():
     check(td.Tensor(a) @ a.T, a @ a.T)  # numpy operand on the right
 
 
+@pytest.mark.parametrize("m,k,n", [(9, 4096, 16), (2, 1024, 3), (16, 2048, 16)])
+def test_matmul_few_outputs_long_reduction(m, k, n):
+    # computed as dot products (no packing), operands given transposed as in a weight gradient
+    a, b = rand((m, k)), rand((n, k))
+    check(td.Tensor(a) @ td.Tensor(b).T, a @ b.T, rtol=1e-4, atol=1e-4)
+    check(td.Tensor(a).T.T @ (td.Tensor(b) * 2).T, a @ (b * 2).T, rtol=1e-4, atol=1e-4)
+
+
 def test_numpy_array_on_the_left_defers_to_tensor():
     x = rand((3, 3))
     assert isinstance(x @ td.Tensor(x), td.Tensor)

@@ -250,3 +250,17 @@ def test_zero_size_tensors():
     check(td.cat([td.Tensor(np.ones((2, 3), np.float32)), t]), np.concatenate([np.ones((2, 3), np.float32), z]))
     check(td.stack([t, t]), np.stack([z, z]))
     check(td.Tensor.zeros(0, 4, dtype=td.int32) * 2, np.zeros((0, 4), np.int32))
+
+
+@pytest.mark.parametrize("shifts", [[(0, 0), (1, 2), (2, 1)], [(i, j) for i in range(4) for j in range(5)]])
+def test_sum_of_shifted_pads(shifts):
+    # the loads of one kernel masked on different ranges of the same axes (convolution taps): the
+    # loops are cut at the mask bounds, and a piece where a load is masked out reads zeros
+    a = np.arange(3 * 5 * 6, dtype=np.float32).reshape(3, 5, 6) * 0.25 - 2
+    t, total, expected = td.Tensor(a), None, None
+    for i, j in shifts:
+        width = ((0, 0), (i, 4 - i), (j, 5 - j))
+        part, ref = t.pad(width), np.pad(a, width)
+        total = part if total is None else total + part * (i + 1)
+        expected = ref if expected is None else expected + ref * (i + 1)
+    check(total[:, 1:8, 2:], expected[:, 1:8, 2:])

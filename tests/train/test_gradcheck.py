@@ -102,16 +102,31 @@ def test_matmul(shapes: tuple[tuple[int, ...], tuple[int, ...]]) -> None:
 
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(padding=1), dict(stride=2, padding=1), dict(dilation=2),
-                                    dict(groups=2, padding=1)])
+                                    dict(groups=2, padding=1), dict(stride=(2, 1), padding=(0, 2), dilation=(1, 2)),
+                                    dict(groups=2, stride=2, dilation=2, padding=2)])
 def test_conv2d(kwargs: dict) -> None:
     groups = kwargs.get("groups", 1)
-    gradcheck(lambda x, w, b: x.conv2d(w, b, **kwargs), r(2, 2, 5, 5), r(3 if groups == 1 else 2, 2 // groups, 3, 3), r(3 if groups == 1 else 2))
+    gradcheck(lambda x, w, b: x.conv2d(w, b, **kwargs), r(2, 2, 5, 6), r(3 if groups == 1 else 2, 2 // groups, 3, 2), r(3 if groups == 1 else 2))
+
+
+def test_conv2d_without_bias_and_through_later_views() -> None:
+    # the convolution's own rule sits under a reshape and a relu; one operand needs no gradient
+    gradcheck(lambda w: td.Tensor(C_IMAGE).conv2d(w, padding=1).relu().reshape(2, -1)[:, 3:40], r(4, 3, 3, 3))
+    gradcheck(lambda x: x.conv2d(td.Tensor(C_WEIGHT), stride=2).max_pool2d(2).flatten(1), r(2, 3, 9, 9))
+
+
+C_IMAGE, C_WEIGHT = rng.standard_normal((2, 3, 4, 5)), rng.standard_normal((4, 3, 2, 2))
 
 
 def test_pooling() -> None:
     x = np.arange(2 * 2 * 6 * 6, dtype=np.float64).reshape(2, 2, 6, 6)   # distinct values: no max ties
     gradcheck(lambda x: x.max_pool2d(2), rng.permutation(x.reshape(-1)).reshape(x.shape) * 0.1)
     gradcheck(lambda x: x.max_pool2d(3, stride=2, padding=1), r(1, 2, 5, 5))
+    gradcheck(lambda x: x.max_pool2d((2, 3)), r(2, 2, 5, 7))       # tiles, with rows and columns left over
+    ties = np.array([[1.0, 1.0, 0.5, 2.0], [0.0, 1.0, 2.0, -1.0]]).reshape(1, 1, 2, 4)
+    w = td.Tensor(ties, requires_grad=True)
+    (w.max_pool2d(2) * td.Tensor(np.array([3.0, 4.0]).reshape(1, 1, 1, 2))).sum().backward()
+    np.testing.assert_allclose(w.grad.numpy().reshape(2, 4), [[1, 1, 0, 2], [0, 1, 2, 0]])  # ties split evenly
     gradcheck(lambda x: x.avg_pool2d(3, stride=1, padding=1), r(1, 2, 4, 4))
 
 
@@ -136,6 +151,29 @@ def test_gradients_accumulate_and_flow_to_shared_inputs() -> None:
     (w * w).sum().backward()
     (w * 3).sum().backward()
     np.testing.assert_allclose(w.grad.numpy(), [2 + 3, 4 + 3])
+
+
+def test_custom_gradient_rule_is_used_once_and_freed() -> None:
+    calls = []
+    x = td.Tensor(np.array([1.0, 2.0]), requires_grad=True)
+    with td.no_grad():
+        value = x * x
+
+    def rule(g: td.Tensor, saved: td.Tensor) -> list[td.Tensor]:
+        calls.append(1)
+        return [g * 2 * saved]
+    y = td.autograd.custom_gradient(value, [x], [x], rule)
+    assert y.requires_grad
+    loss = (y * 3).sum()
+    loss.backward()
+    np.testing.assert_allclose(x.grad.numpy(), [6.0, 12.0])
+    assert calls == [1]
+    with pytest.raises(RuntimeError, match="already freed"):
+        loss.backward()
+    with pytest.raises(ValueError, match="no_grad"):
+        td.autograd.custom_gradient(x * x, [x], [], rule)
+    with td.no_grad():
+        assert td.autograd.custom_gradient(value, [x], [], rule) is value
 
 
 def test_no_grad_errors_and_freed_graph() -> None:

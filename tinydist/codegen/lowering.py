@@ -36,6 +36,7 @@ I1, I8, I32, I64 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64)
 F32, F64 = ir.FloatType(), ir.DoubleType()
 VECTOR_BYTES = 64                  # one AVX-512 register, one cache line
 STREAMING_STORE_BYTES = 32 << 20   # bigger than this machine's last-level cache
+MAX_LOOP_PIECES = 128              # most copies of a loop body that index-set splitting may emit
 CONTRACT = ("contract",)
 REASSOC = ("reassoc", "contract")
 
@@ -105,11 +106,11 @@ def collapse(ast: KernelAST) -> tuple[tuple[int, ...], tuple[int, ...], dict[int
 # ---- IR building ------------------------------------------------------------------------------
 
 class _Lowerer:
-    def __init__(self, ast: KernelAST) -> None:
+    def __init__(self, ast: KernelAST, module_name: str = "tinydist", pointer: ir.Type = ir.PointerType()) -> None:
         self.ast = ast
-        self.module = ir.Module(name="tinydist")
+        self.module = ir.Module(name=module_name)
         self.shape, self.reduce_axes, self.trackers = collapse(ast)
-        arg_types = [ir.PointerType()] * (1 + len(ast.slot_dtypes))
+        arg_types = [pointer] * (1 + len(ast.slot_dtypes))
         self.fn = ir.Function(self.module, ir.FunctionType(ir.VoidType(), arg_types), name="KERNEL")
         self.out, self.slots = self.fn.args[0], self.fn.args[1:]
         if not ast.aliased_slots:  # an in-place assign reads the memory it writes: no noalias there
@@ -120,6 +121,7 @@ class _Lowerer:
         self.entry = self.fn.append_basic_block("entry")
         self.b = ir.IRBuilder(self.entry)
         self.width: int | None = None  # lanes while emitting a vector loop body
+        self.known: dict[int, tuple[int, int]] = {}  # axis -> the index range of the loop piece being emitted
 
     # -- helpers --
 
@@ -157,19 +159,46 @@ class _Lowerer:
         self.b.cbranch(self.b.icmp_unsigned("==", nxt, ir.Constant(I64, count)), after, header)
         self.b.position_at_end(after)
 
-    def loops(self, axes: list[int], body: Callable[[dict[int, ir.Value]], None], prefix: str) -> None:
+    def loops(self, axes: list[int], body: Callable[[dict[int, ir.Value]], None], prefix: str,
+              pieces: dict[int, list[tuple[int, int]]] | None = None) -> None:
+        """Nested loops over `axes`; an axis in `pieces` runs as one loop per index range, each
+        emitted with its range known (see offset)."""
         indices: dict[int, ir.Value] = {}
 
         def nest(k: int) -> None:
             if k == len(axes):
                 body(dict(indices))
                 return
-
-            def inner(i: ir.Value) -> None:
-                indices[axes[k]] = i
-                nest(k + 1)
-            self.loop(self.shape[axes[k]], inner, f"{prefix}{axes[k]}")
+            axis = axes[k]
+            for lo, hi in (pieces or {}).get(axis, [(0, self.shape[axis])]):
+                def inner(i: ir.Value, lo: int = lo) -> None:
+                    indices[axis] = self.b.add(i, ir.Constant(I64, lo), flags=("nuw", "nsw")) if lo else i
+                    nest(k + 1)
+                if pieces and axis in pieces:
+                    self.known[axis] = (lo, hi)
+                self.loop(hi - lo, inner, f"{prefix}{axis}_{lo}")
+                self.known.pop(axis, None)
         nest(0)
+
+    def mask_pieces(self, axes: list[int]) -> dict[int, list[tuple[int, int]]]:
+        """Index-set splitting: each axis of `axes` that loads are masked on, cut at the mask bounds,
+        so that inside one piece every mask on it is all in or all out — padded and shifted reads
+        (convolution taps) become plain affine loads or zeros, and the inner loop vectorises.
+        Innermost axes first, while the number of loop-body copies stays small."""
+        pieces: dict[int, list[tuple[int, int]]] = {}
+        copies = 1
+        for axis in reversed(axes[:-1]):
+            n = self.shape[axis]
+            cuts = {0, n}
+            for tracker in self.trackers.values():
+                mask = tracker.views[-1].mask
+                if mask is not None:
+                    cuts.update(bound for bound in mask[axis] if 0 < bound < n)
+            if len(cuts) > 2 and copies * (len(cuts) - 1) <= MAX_LOOP_PIECES:
+                points = sorted(cuts)
+                pieces[axis] = list(zip(points, points[1:]))
+                copies *= len(points) - 1
+        return pieces
 
     # -- indexing --
 
@@ -195,6 +224,12 @@ class _Lowerer:
                 for i, ((lo, hi), size) in enumerate(zip(view.mask, view.shape)):
                     if lo == 0 and hi == size:
                         continue
+                    if depth == 0 and i in self.known:  # the loop piece decides this mask statically
+                        first, end = self.known[i]
+                        if lo <= first and end <= hi:
+                            continue
+                        if end <= lo or hi <= first:
+                            return offset, ir.Constant(I1, 0)
                     ok = b.and_(b.icmp_signed(">=", current[i], ir.Constant(I64, lo)), b.icmp_signed("<", current[i], ir.Constant(I64, hi)))
                     valid = ok if valid is None else b.and_(valid, ok)
         return offset, valid
@@ -213,6 +248,8 @@ class _Lowerer:
             if node.dtype is dtypes.bool_:
                 value = self.b.icmp_unsigned("!=", value, splat(value.type, 0))
             return value
+        if isinstance(valid, ir.Constant) and not valid.constant:  # masked out in this whole loop piece
+            return ir.Constant(llvm_type(node.dtype), 0)
         if valid is not None:
             offset = self.b.select(valid, offset, ir.Constant(I64, 0))
         pointer = self.b.gep(self.slots[slot], [offset], inbounds=True, source_etype=mem_type)
@@ -277,7 +314,8 @@ class _Lowerer:
         if width:
             self.vector_loops(width, out_type)
         elif reduce_node is None:
-            self.loops(outer, lambda idx: store(self.evaluate(self.ast.root, full_index(idx), {}), idx), "i")
+            self.loops(outer, lambda idx: store(self.evaluate(self.ast.root, full_index(idx), {}), idx), "i",
+                       self.mask_pieces(outer))
         elif self.accumulate_rows(reduce_node):
             self.accumulate_in_output(reduce_node, outer, store, full_index, out_type)
         else:

@@ -39,7 +39,7 @@ from llvmlite import ir
 from tinydist import dtypes
 from tinydist.codegen.kernel import KernelAST
 from tinydist.codegen.lowering import (
-    I8, I32, I64, F32, F64, _Lowerer, _entry_alloca, collapse, combine, identity, llvm_type)
+    I8, I32, I64, F32, F64, _Lowerer, _entry_alloca, combine, identity, llvm_type)
 from tinydist.errors import CompileError
 from tinydist.shape import prod
 
@@ -145,22 +145,10 @@ def _c(value: int) -> ir.Constant:
 
 class _PTXLowerer(_Lowerer):
     def __init__(self, ast: KernelAST) -> None:  # noqa: D107 - the CPU constructor, with global pointers
-        self.ast = ast
-        self.module = ir.Module(name="tinydist_ptx")
+        super().__init__(ast, "tinydist_ptx", GLOBAL_PTR)
         self.module.triple = TRIPLE
-        self.shape, self.reduce_axes, self.trackers = collapse(ast)
-        arg_types = [GLOBAL_PTR] * (1 + len(ast.slot_dtypes))
-        self.fn = ir.Function(self.module, ir.FunctionType(ir.VoidType(), arg_types), name="KERNEL")
         self.fn.calling_convention = "ptx_kernel"
-        self.out, self.slots = self.fn.args[0], self.fn.args[1:]
-        if not ast.aliased_slots:
-            self.out.add_attribute("noalias")
-        for i, slot in enumerate(self.slots):
-            if i not in ast.aliased_slots:
-                slot.add_attribute("noalias")
-        self.entry = self.fn.append_basic_block("entry")
-        self.b = ir.IRBuilder(self.entry)
-        self.width = None  # never vector code: the parallelism is in the threads
+        # self.width stays None: never vector code, the parallelism is in the threads
         self.kind, self.threads, self.work = "thread", THREADS, 0
 
     def unflatten(self, flat: ir.Value, axes: list[int]) -> dict[int, ir.Value]:

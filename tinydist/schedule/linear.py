@@ -43,16 +43,30 @@ def linearize(calls: Sequence[Call], overwrites: dict[int, int]) -> list[Call]:
     for targets in edges:
         for j in targets:
             indegree[j] += 1
-    ready = [i for i, d in enumerate(indegree) if d == 0]
-    heapq.heapify(ready)
+    # Ready calls per stream (device, queue). Staying on the stream of the previous call while it
+    # has ready work makes each device's calls few long runs (submissions) instead of a run per
+    # interleaving. Within a stream, calls another stream waits for come first, then the lowest
+    # index (the fuser's order, when it is valid).
+    streams = [(call.device, call.queue) for call in calls]
+    feeds_other = [any(streams[j] != streams[i] for j in edges[i]) for i in range(len(calls))]
+    ready: dict[tuple[str, str], list[tuple[bool, int]]] = {}
+
+    def push(i: int) -> None:
+        heapq.heappush(ready.setdefault(streams[i], []), (not feeds_other[i], i))
+    for i, d in enumerate(indegree):
+        if d == 0:
+            push(i)
     order: list[int] = []
-    while ready:
-        i = heapq.heappop(ready)  # lowest index first: keeps the fuser's order when it is valid
+    stream: tuple[str, str] | None = None
+    while any(ready.values()):
+        if stream is None or not ready[stream]:
+            stream = min((s for s in ready if ready[s]), key=lambda s: ready[s][0])
+        _, i = heapq.heappop(ready[stream])
         order.append(i)
         for j in edges[i]:
             indegree[j] -= 1
             if indegree[j] == 0:
-                heapq.heappush(ready, j)
+                push(j)
     if len(order) != len(calls):
         stuck = [calls[i].describe() for i, d in enumerate(indegree) if d > 0]
         raise ScheduleCycleError(
