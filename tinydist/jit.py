@@ -38,7 +38,7 @@ from tinydist.runtime.device import Completion, Device
 from tinydist.runtime.engine import get_engine
 from tinydist.runtime.program import Program
 from tinydist.schedule import Schedule, create_schedule
-from tinydist.schedule.items import CopyCall, GatherCall, KernelCall, MatmulCall
+from tinydist.schedule.items import CopyCall, GatherCall, KernelCall, MatmulCall, SliceCall
 from tinydist.tensor import Tensor, observe_assigns
 
 _entry_ids = itertools.count()
@@ -117,7 +117,7 @@ class _Captured:
         self.output_devices = [node.device for node in outputs]
         devices = set(self.output_devices) | {call.device for call in schedule.linear}
         # One device without copies links into one entry point; anything else replays in runs.
-        single = len(devices) == 1 and not any(isinstance(c, (CopyCall, GatherCall)) for c in schedule.linear)
+        single = len(devices) == 1 and not any(isinstance(c, (CopyCall, GatherCall, SliceCall)) for c in schedule.linear)
         self.device: Device | None = engine.device(devices.pop()) if single else None
         self.buffers: list[Buffer | None] = [None] * len(schedule.specs)
         self.arg_slots: list[tuple[int, int]] = []      # (argument index, buffer number)
@@ -179,6 +179,9 @@ class _Captured:
                 scalars = (call.batch, call.m, call.n, call.k, call.a_batch_stride, call.b_batch_stride, call.m * call.n)
                 run.add(programs.matmul(call.dtype, device).cfunc, [b[call.out], b[call.workspace]],
                         [b[call.a], b[call.b]], scalars, order=(0, 2, 3, 1))
+            elif isinstance(call, SliceCall):
+                run.add(programs.kernel(call.ast, device).cfunc, [b[n].view(call.start, call.nbytes) for n in call.outs],
+                        [b[n].view(call.start, call.nbytes) for n in call.inputs], ())
             elif isinstance(call, GatherCall):
                 for src, offset in zip(call.srcs, call.offsets):
                     source = b[src]
