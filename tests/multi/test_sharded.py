@@ -304,3 +304,14 @@ def test_jit_replays_a_direct_allreduce() -> None:
         assert (first.device, second.device) == ("CPU:0", "CPU:1")
         for out in (first, second):
             np.testing.assert_array_equal(out.numpy(), a.numpy() * 2 + b.numpy() + 1)
+
+
+def test_direct_allreduce_bigger_than_the_cache_streams_its_outputs() -> None:
+    elements = (STREAMING_STORE_BYTES // 4) // 4 + 5  # odd: ranges end mid-vector, a scalar tail
+    arrays = [rng.standard_normal(elements).astype(np.float32) for _ in range(2)]
+    parts = [td.Tensor(a, device=f"CPU:{i}") for i, a in enumerate(arrays)]
+    outs = allreduce(parts, "max", "direct")
+    schedule, _ = create_schedule([o.node for o in outs])
+    assert all(call.ast.stream_stores for call in schedule.linear)
+    for out in outs:
+        np.testing.assert_array_equal(out.numpy(), np.maximum(*arrays))
