@@ -2,11 +2,11 @@
 
 Each algorithm returns, for every device, a tensor on that device holding the reduction of all
 inputs. `direct` is one graph node per output (ALLREDUCE), the others are ordinary graph nodes:
-`t.to(device)` then a fused kernel. Between devices of one
-peer group (CPU devices of one process share the host's memory) the scheduler turns such a copy
-into a direct read: the kernel on the destination loads the source from its device's memory, so
-no bytes are copied, and the runtime's access logs order that read after its producer and before
-later writers on the other device's queues. Between other devices a copy is a copy, on the
+`t.to(device)` then a fused kernel. Between devices of one peer group (CPU devices of one process
+share the host's memory) the scheduler turns such a copy into a direct read: the kernel on the
+destination loads the source from its device's memory, so no bytes are copied, and the runtime's
+access logs order that read after its producer and before later writers on the other device's
+queues. Between other devices a copy is a copy, on the
 destination's copy queue, overlapping the previous chunk's addition on its compute queue.
 
 With S bytes per device and N devices, memory traffic (reads + writes, all devices) for peers:
@@ -50,7 +50,7 @@ def _combine(op: str) -> Callable[[Tensor, Tensor], Tensor]:
             "max": lambda a, b: a.maximum(b), "min": lambda a, b: a.minimum(b)}[op]
 
 
-def choose(devices: int, elements: int, requested: str = "auto", direct: bool = True) -> str:
+def choose(devices: int, elements: int, requested: str = "auto", direct: bool = False) -> str:
     """`requested` if explicit; else TINYDIST_ALLREDUCE if set to an algorithm; else `direct` where
     it can run (`direct`: the inputs are on one peer group and need no gradient) — the least
     traffic and one kernel per device at every size; else naive for two devices (N·(N+1) = 6 <
@@ -88,7 +88,7 @@ def allreduce(inputs: Sequence[Tensor], op: str = "sum", algorithm: str = "auto"
     elements = int(np.prod(shape, dtype=np.int64))
     groups = {peer_group(t.device) for t in inputs}
     direct = None not in groups and len(groups) == 1 and not any(t.requires_grad for t in inputs)
-    chosen = choose(n, elements, algorithm, direct)
+    chosen = choose(n, elements, algorithm, direct=direct)
     log.info("allreduce", algorithm=chosen, devices=[t.device for t in inputs], elements=elements, op=op)
     if chosen == "direct":
         srcs = tuple(t.node for t in inputs)
