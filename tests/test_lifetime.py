@@ -12,6 +12,7 @@ import tinydist as td
 def test_dropping_the_last_reference_frees_results_and_intermediates_without_gc() -> None:
     allocator = td.get_engine().device("CPU:0").allocator
     x = td.Tensor(np.ones((64, 64), np.float32))
+    gc.collect()  # what earlier tests left to the collector goes now, not during the measurement
     td.synchronize()
     baseline = allocator.statistics().live_buffers
     gc.disable()
@@ -31,6 +32,8 @@ def test_a_training_step_through_custom_gradient_rules_leaves_nothing_alive_with
     allocator = td.get_engine().device("CPU:0").allocator
     w = td.Tensor(np.ones((4, 2, 3, 3), np.float32), requires_grad=True)
     x = td.Tensor(np.ones((2, 2, 6, 6), np.float32))
+    td.autograd.pending_roots.clear()  # roots earlier tests' backward passes left for an optimizer
+    gc.collect()  # what earlier tests left to the collector goes now, not during the measurement
     td.synchronize()
     baseline = allocator.statistics().live_buffers
     gc.disable()

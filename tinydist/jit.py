@@ -38,7 +38,7 @@ from tinydist.runtime.device import Completion, Device
 from tinydist.runtime.engine import get_engine
 from tinydist.runtime.program import Program
 from tinydist.schedule import Schedule, create_schedule
-from tinydist.schedule.items import Call, CopyCall, GatherCall, KernelCall, MatmulCall
+from tinydist.schedule.items import Call, CopyCall, GatherCall, KernelCall, MatmulCall, SliceCall
 from tinydist.tensor import Tensor, observe_assigns
 
 _entry_ids = itertools.count()
@@ -122,7 +122,7 @@ class _Captured:
         self.output_devices = [node.device for node in outputs]
         devices = set(self.output_devices) | {call.device for call in schedule.linear}
         # One device without copies links into one entry point; anything else replays in runs.
-        single = len(devices) == 1 and not any(isinstance(c, (CopyCall, GatherCall)) for c in schedule.linear)
+        single = len(devices) == 1 and not any(isinstance(c, (CopyCall, GatherCall, SliceCall)) for c in schedule.linear)
         self.device: Device | None = engine.device(devices.pop()) if single else None
         self.buffers: list[Buffer | None] = [None] * len(schedule.specs)
         self.arg_slots: list[tuple[int, int]] = []      # (argument index, buffer number)
@@ -184,7 +184,7 @@ class _Captured:
             device = engine.device(call.device)
             if ends_run or not runs or runs[-1].device is not device or runs[-1].queue != call.queue:
                 runs.append(_Run(device, call.queue))
-            ends_run = bool(read_on.get(call.out, set()) - {(call.device, call.queue)})
+            ends_run = any(read_on.get(n, set()) - {(call.device, call.queue)} for n in call.writes)
             run, b = runs[-1], self.buffers
             run.calls.append(call)
             if isinstance(call, KernelCall):
@@ -193,6 +193,9 @@ class _Captured:
                 scalars = (call.batch, call.m, call.n, call.k, call.a_batch_stride, call.b_batch_stride, call.m * call.n)
                 run.add(programs.matmul(call.dtype, device).cfunc, [b[call.out], b[call.workspace]],
                         [b[call.a], b[call.b]], scalars, order=(0, 2, 3, 1))
+            elif isinstance(call, SliceCall):
+                run.add(programs.kernel(call.ast, device).cfunc, [b[n].view(call.start, call.nbytes) for n in call.outs],
+                        [b[n].view(call.start, call.nbytes) for n in call.inputs], ())
             elif isinstance(call, GatherCall):
                 for src, offset in zip(call.srcs, call.offsets):
                     source = b[src]
@@ -205,7 +208,7 @@ class _Captured:
         for run in runs:
             # a run of kernels is linked into one native call: the queue's worker takes the GIL
             # once per run instead of after every kernel (another thread feeding the devices holds it)
-            if len(run.calls) > 1 and not any(isinstance(call, (CopyCall, GatherCall)) for call in run.calls):
+            if len(run.calls) > 1 and all(isinstance(call, (KernelCall, MatmulCall)) for call in run.calls):
                 run.commands = [(self._link(run.device, run.calls).cfunc, ())]
         return runs
 
@@ -215,21 +218,22 @@ class _Captured:
         caller sees (arguments, weights, outputs). The rest are ordered by their own queue's FIFO,
         across replays too — and each tracked access costs a scan of its base's pending records
         at every replay, on the thread that feeds the devices."""
-        seen = {id(self.buffers[n]) for n in (*range(self.schedule.n_inputs), *self.output_numbers)
-                if self.buffers[n] is not None}
-        spans: dict[int, list[tuple[int, int, bool, tuple[str, str]]]] = {}
-        for run in runs:
-            for buffer, write in run.accesses:
-                start = buffer.offset
-                spans.setdefault(id(buffer.base), []).append((start, start + buffer.nbytes, write, (run.device.name, run.queue)))
+        def span(buffer: Buffer) -> tuple[int, int, int]:
+            return id(buffer.base), buffer.offset, buffer.offset + buffer.nbytes
+        # by memory, not by object: a gather or a slice kernel writes views of the caller's outputs
+        seen = [span(self.buffers[n]) for n in (*range(self.schedule.n_inputs), *self.output_numbers)
+                if self.buffers[n] is not None]
+        touched = [(span(buffer), write, (run.device.name, run.queue)) for run in runs for buffer, write in run.accesses]
 
-        def crossed(buffer: Buffer, write: bool, stream: tuple[str, str]) -> bool:
-            start, end = buffer.offset, buffer.offset + buffer.nbytes
-            return any(other != stream and (write or w) and s < end and start < e
-                       for s, e, w, other in spans[id(buffer.base)])
+        def tracked(buffer: Buffer, write: bool, stream: tuple[str, str]) -> bool:
+            base, start, end = span(buffer)
+            if any(b == base and s < end and start < e for b, s, e in seen):
+                return True
+            return any(other != stream and (write or w) and b == base and s < end and start < e
+                       for (b, s, e), w, other in touched)
         for run in runs:
             stream = (run.device.name, run.queue)
-            run.keep(lambda buffer, write: id(buffer) in seen or crossed(buffer, write, stream))
+            run.keep(lambda buffer, write: tracked(buffer, write, stream))
 
     def _link(self, device: Device, calls: Sequence[Call]) -> Program:
         """One native function calling every kernel of `calls` in order, addresses bound."""

@@ -29,7 +29,7 @@ from tinydist.runtime.device import Batch, Completion, Device
 from tinydist.runtime.engine import get_engine
 from tinydist.runtime.program import Program
 from tinydist.schedule import Schedule, create_schedule
-from tinydist.schedule.items import CopyCall, GatherCall, KernelCall, MatmulCall
+from tinydist.schedule.items import CopyCall, GatherCall, KernelCall, MatmulCall, SliceCall
 
 log = get_logger(layer="realize")
 
@@ -59,7 +59,7 @@ class Programs:
                     self._programs[key] = program
                     return program
                 name, ir_text = lower(ast)
-                program = device.load_ir(ir_text, name, ["w"] + ["r"] * len(ast.slot_dtypes), self._compile_cache().compile)
+                program = device.load_ir(ir_text, name, ["w"] * ast.outputs + ["r"] * len(ast.slot_dtypes), self._compile_cache().compile)
                 self._programs[key] = program
         return program
 
@@ -202,6 +202,11 @@ def _submit(schedule: Schedule, buffers: list[Buffer | None]) -> list[Completion
                 piece = out.view(offset, buffers[src].nbytes)
                 _copy(batch, piece, buffers[src], call.nbytes)
                 piece.release()  # the batch keeps the address and the access record, not the view
+        elif isinstance(call, SliceCall):
+            ranges = [buffers[n].view(call.start, call.nbytes) for n in (*call.outs, *call.inputs)]
+            batch.launch(programs.kernel(call.ast, device), *ranges)
+            for view in ranges:
+                view.release()
     if batch is not None and len(batch):
         completions.append(batch.submit())
     log.debug("realized", calls=len(schedule.linear), batches=len(completions))

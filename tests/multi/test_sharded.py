@@ -8,8 +8,9 @@ import pytest
 import tinydist as td
 from tinydist.codegen.lowering import STREAMING_STORE_BYTES
 from tinydist.multi import ALGORITHMS, ShardError, allreduce
+from tinydist.realize import realize
 from tinydist.schedule import create_schedule
-from tinydist.schedule.items import CopyCall, GatherCall, KernelCall
+from tinydist.schedule.items import CopyCall, GatherCall, KernelCall, SliceCall
 from tests.runtime.helpers import Gate
 
 DEVICES3 = ["CPU:0", "CPU:1", "CPU:2"]
@@ -227,3 +228,90 @@ def test_jit_replays_a_gather_that_reads_a_peer() -> None:
         np.testing.assert_array_equal(join(a, b).numpy(), np.concatenate([a.numpy() * 2, b.numpy() + 1]))
     schedule, _ = create_schedule([td.cat([a * 2, b.to("CPU:0") + 1], 0).node])
     assert isinstance(schedule.linear[-1], GatherCall)
+
+
+@pytest.mark.parametrize("ndev", [2, 3, 4])
+def test_direct_allreduce_is_one_slice_kernel_per_device_writing_every_output(ndev: int) -> None:
+    """Device d reduces range d of every input where it lives and writes it into every output:
+    the ranges are disjoint, cover the buffers, start on whole 64-byte vectors, nothing is copied."""
+    devices = [f"CPU:{i}" for i in range(ndev)]
+    elements = 10007
+    parts = [td.Tensor(rng.standard_normal(elements).astype(np.float32), device=d).realize() for d in devices]
+    outs = allreduce(parts, "sum", "direct")
+    schedule, inputs = create_schedule([o.node for o in outs])
+    assert all(isinstance(c, SliceCall) for c in schedule.linear)
+    assert [c.device for c in schedule.linear] == devices
+    targets = set(schedule.targets)
+    ranges = []
+    for call in schedule.linear:
+        assert set(call.outs) == targets and call.ast.outputs == ndev
+        assert [schedule.specs[i].device for i in call.inputs] == devices  # peers' inputs read in place
+        assert call.start % 64 == 0
+        ranges.append((call.start, call.start + call.nbytes))
+    assert ranges[0][0] == 0 and ranges[-1][1] == elements * 4
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    expected = sum(p.numpy() for p in parts)
+    for out in outs:
+        np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.float64])
+@pytest.mark.parametrize("op", ["sum", "max", "min", "prod"])
+def test_direct_allreduce_of_other_dtypes_equals_numpy(dtype: type, op: str) -> None:
+    arrays = [rng.integers(-3, 4, 1031).astype(dtype) for _ in DEVICES3]
+    parts = [td.Tensor(a, device=d) for a, d in zip(arrays, DEVICES3)]
+    expected = getattr(np, op)(np.stack(arrays), axis=0)
+    for out in allreduce(parts, op, "direct"):
+        assert out.dtype.np == np.dtype(dtype)
+        np.testing.assert_array_equal(out.numpy(), expected)
+
+
+def test_direct_allreduce_outputs_realized_one_at_a_time_or_feeding_kernels() -> None:
+    arrays = [rng.standard_normal(3001).astype(np.float32) for _ in DEVICES3]
+    expected = np.sum(arrays, axis=0)
+    parts = [td.Tensor(a, device=d) for a, d in zip(arrays, DEVICES3)]
+    outs = allreduce([p * 1 for p in parts], "sum", "direct")  # inputs computed in the same graph
+    np.testing.assert_allclose(outs[1].numpy(), expected, rtol=1e-5, atol=1e-5)  # alone: only its output
+    later = [out * 2 + 1 for out in outs]  # readers on every device, after every device's writes
+    realize([out.node for out in later])  # one schedule
+    for out, device in zip(later, DEVICES3):
+        assert out.device == device
+        np.testing.assert_allclose(out.numpy(), expected * 2 + 1, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_is_direct_for_peers_and_graph_algorithms_under_autograd() -> None:
+    parts = [td.Tensor(np.ones(8, np.float32), device=d) for d in DEVICES3]
+    outs = allreduce(parts, "sum")
+    assert all(o.node.op.name == "ALLREDUCE" for o in outs)
+    trained = [td.Tensor(np.ones(8, np.float32), device=d, requires_grad=True) for d in DEVICES3]
+    outs = allreduce(trained, "sum")
+    assert not any(o.node.op.name == "ALLREDUCE" for o in outs)  # autograd differentiates the graph ones
+    outs[0].sum().backward()
+    np.testing.assert_array_equal(trained[1].grad.numpy(), np.ones(8, np.float32))
+    with pytest.raises(ValueError, match="'direct' needs inputs on devices of one peer group"):
+        allreduce(trained, "sum", "direct")
+
+
+def test_jit_replays_a_direct_allreduce() -> None:
+    @td.jit
+    def reduce(a: td.Tensor, b: td.Tensor) -> list[td.Tensor]:
+        return [o + 1 for o in allreduce([a * 2, b], "sum", "direct")]
+
+    for k in range(4):  # capture, then replays over new inputs
+        a = td.Tensor(np.arange(1037, dtype=np.float32) + k)
+        b = td.Tensor(np.full(1037, k, np.float32), device="CPU:1")
+        first, second = reduce(a, b)
+        assert (first.device, second.device) == ("CPU:0", "CPU:1")
+        for out in (first, second):
+            np.testing.assert_array_equal(out.numpy(), a.numpy() * 2 + b.numpy() + 1)
+
+
+def test_direct_allreduce_bigger_than_the_cache_streams_its_outputs() -> None:
+    elements = (STREAMING_STORE_BYTES // 4) // 4 + 5  # odd: ranges end mid-vector, a scalar tail
+    arrays = [rng.standard_normal(elements).astype(np.float32) for _ in range(2)]
+    parts = [td.Tensor(a, device=f"CPU:{i}") for i, a in enumerate(arrays)]
+    outs = allreduce(parts, "max", "direct")
+    schedule, _ = create_schedule([o.node for o in outs])
+    assert all(call.ast.stream_stores for call in schedule.linear)
+    for out in outs:
+        np.testing.assert_array_equal(out.numpy(), np.maximum(*arrays))

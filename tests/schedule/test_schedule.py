@@ -10,7 +10,11 @@ import pytest
 import tinydist as td
 from tinydist.realize import realize
 from tinydist.schedule import create_schedule, schedule_cache
-from tinydist.schedule.items import CopyCall, GatherCall, KernelCall, MatmulCall
+from tinydist import dtypes
+from tinydist.codegen import kernel as K
+from tinydist.schedule.items import CopyCall, GatherCall, KernelCall, MatmulCall, SliceCall
+from tinydist.schedule.linear import linearize
+from tinydist.shape import ShapeTracker
 from tinydist.schedule.memory import BLOCK
 
 A = np.arange(12, dtype=np.float32).reshape(3, 4)
@@ -362,3 +366,17 @@ def test_a_shared_reduce_behind_a_reshape_is_computed_once():
     schedule, _ = create_schedule([(total * 2).node, (total + 1).node])
     reduces = [c for c in schedule.linear if isinstance(c, KernelCall) and c.ast.reduce_axes]
     assert len(reduces) == 1
+
+
+def test_readers_of_a_buffer_written_in_ranges_follow_every_writer() -> None:
+    """Several SliceCalls write disjoint ranges of buffer 5: a reader of 5 comes after all of
+    them, even after one that waits for a producer listed last."""
+    load = K.load(0, ShapeTracker.contiguous((16,)), dtypes.float32)
+    ast = K.KernelAST((16,), (), load, (dtypes.float32,), dtypes.float32, outputs=1)
+    first_half = SliceCall(ast, (5,), (8,), 0, 64, "CPU:0")
+    reader = KernelCall(ast, 6, (5,), "CPU:0")
+    second_half = SliceCall(ast, (5,), (0,), 64, 64, "CPU:1")
+    producer = KernelCall(ast, 8, (0,), "CPU:0")
+    order = linearize([first_half, reader, second_half, producer], {})
+    assert order.index(reader) > max(order.index(first_half), order.index(second_half))
+    assert order.index(producer) < order.index(first_half)

@@ -1,6 +1,7 @@
 """The kernel IR: what the scheduler hands to code generation.
 
-A kernel computes one output buffer (contiguous, `out_shape`) from input buffer slots. Its
+A kernel computes one output buffer (contiguous, `out_shape`) from input buffer slots (an
+elementwise kernel may store the same values into several: `outputs`). Its
 expression tree has at most one `reduce`: nodes below it are evaluated over the full iteration
 `shape`, nodes above it over the output shape (the reduced axes have size 1 there). Loads carry a
 ShapeTracker mapping the iteration index to an element of their slot's buffer.
@@ -60,6 +61,12 @@ class KernelAST:
     slot_dtypes: tuple[DType, ...]       # input slots' element types
     out_dtype: DType
     aliased_slots: tuple[int, ...] = ()  # input slots that are the output buffer itself (in-place assign)
+    outputs: int = 1                     # buffers each receiving the value (an elementwise kernel's copies)
+    stream_stores: bool = False          # non-temporal stores at any size: the scheduler knows no one re-reads them soon
+
+    def __post_init__(self) -> None:
+        if self.outputs > 1 and self.reduce_axes:
+            raise ValueError("a kernel with a reduce writes one output")
 
     @property
     def out_shape(self) -> Shape:

@@ -110,11 +110,13 @@ class _Lowerer:
         self.ast = ast
         self.module = ir.Module(name=module_name)
         self.shape, self.reduce_axes, self.trackers = collapse(ast)
-        arg_types = [pointer] * (1 + len(ast.slot_dtypes))
+        arg_types = [pointer] * (ast.outputs + len(ast.slot_dtypes))
         self.fn = ir.Function(self.module, ir.FunctionType(ir.VoidType(), arg_types), name="KERNEL")
-        self.out, self.slots = self.fn.args[0], self.fn.args[1:]
+        self.outs, self.slots = self.fn.args[:ast.outputs], self.fn.args[ast.outputs:]
+        self.out = self.outs[0]  # a kernel with a reduce has one output
         if not ast.aliased_slots:  # an in-place assign reads the memory it writes: no noalias there
-            self.out.add_attribute("noalias")
+            for out in self.outs:
+                out.add_attribute("noalias")
         for i, slot in enumerate(self.slots):
             if i not in ast.aliased_slots:
                 slot.add_attribute("noalias")
@@ -304,8 +306,8 @@ class _Lowerer:
                     flat = term if isinstance(flat, ir.Constant) else self.b.add(flat, term, flags=("nsw",))
             if self.ast.out_dtype is dtypes.bool_:
                 value = self.b.zext(value, I8)
-            pointer = self.b.gep(self.out, [flat], inbounds=True, source_etype=out_type)
-            self.b.store(value, pointer)
+            for out in self.outs:
+                self.b.store(value, self.b.gep(out, [flat], inbounds=True, source_etype=out_type))
 
         def full_index(idx: dict[int, ir.Value]) -> list[ir.Value]:
             return [idx.get(a, ir.Constant(I64, 0)) for a in range(len(self.shape))]
@@ -408,24 +410,26 @@ class _Lowerer:
         n = self.shape[0]
         vectors, tail = divmod(n, width)
         itemsize = self.ast.out_dtype.itemsize
-        # Outputs start 64-byte aligned (allocator alignment, 256-byte arena blocks), so every
-        # vector store is aligned to its own size — which streaming stores require.
-        streaming = n * itemsize >= STREAMING_STORE_BYTES and not self.ast.aliased_slots
+        # Outputs start 64-byte aligned (allocator alignment, 256-byte arena blocks, SliceCall
+        # ranges on whole vectors), so every vector store is aligned to its own size — which
+        # streaming stores require.
+        streaming = (self.ast.stream_stores or n * itemsize >= STREAMING_STORE_BYTES) and not self.ast.aliased_slots
 
-        def store(value: ir.Value, flat: ir.Value, aligned: bool) -> ir.Instruction:
+        def store(value: ir.Value, flat: ir.Value, aligned: bool) -> None:
             if self.ast.out_dtype is dtypes.bool_:
                 value = self.b.zext(value, ir.VectorType(I8, width) if aligned else I8)
-            pointer = self.b.gep(self.out, [flat], inbounds=True, source_etype=out_type)
-            return self.b.store(value, pointer, align=width * itemsize if aligned else itemsize)
+            for out in self.outs:
+                pointer = self.b.gep(out, [flat], inbounds=True, source_etype=out_type)
+                stored = self.b.store(value, pointer, align=width * itemsize if aligned else itemsize)
+                if streaming and aligned:
+                    stored.set_metadata("nontemporal", self.module.add_metadata([ir.Constant(I32, 1)]))
 
         def vector_body(k: ir.Value) -> None:
             first = self.b.mul(k, ir.Constant(I64, width), flags=("nuw", "nsw"))
             self.width = width
             value = self.evaluate(self.ast.root, [first], {})
             self.width = None
-            stored = store(value, first, aligned=True)
-            if streaming:
-                stored.set_metadata("nontemporal", self.module.add_metadata([ir.Constant(I32, 1)]))
+            store(value, first, aligned=True)
 
         def tail_body(i: ir.Value) -> None:
             index = self.b.add(i, ir.Constant(I64, vectors * width), flags=("nuw", "nsw"))

@@ -1,23 +1,27 @@
-"""Allreduce across devices of one process, built as graph: copies plus elementwise reductions.
+"""Allreduce across devices of one process, built as graph.
 
 Each algorithm returns, for every device, a tensor on that device holding the reduction of all
-inputs. They are ordinary graph nodes: `t.to(device)` then a fused kernel. Between devices of one
-peer group (CPU devices of one process share the host's memory) the scheduler turns such a copy
-into a direct read: the kernel on the destination loads the source from its device's memory, so
-no bytes are copied, and the runtime's access logs order that read after its producer and before
-later writers on the other device's queues. Between other devices a copy is a copy, on the
+inputs. `direct` is one graph node per output (ALLREDUCE), the others are ordinary graph nodes:
+`t.to(device)` then a fused kernel. Between devices of one peer group (CPU devices of one process
+share the host's memory) the scheduler turns such a copy into a direct read: the kernel on the
+destination loads the source from its device's memory, so no bytes are copied, and the runtime's
+access logs order that read after its producer and before later writers on the other device's
+queues. Between other devices a copy is a copy, on the
 destination's copy queue, overlapping the previous chunk's addition on its compute queue.
 
 With S bytes per device and N devices, memory traffic (reads + writes, all devices) for peers:
 
+  direct   device i reduces range i of every input, reading them in place, and writes the result
+           into range i of every output, in one kernel per device (a SliceCall): 2·N·S, the floor.
+           Peers only (it reads and writes other devices' memory), and no autograd through it
   naive    every device reduces all N inputs: N·(N+1)·S, in one kernel per device
   ring     reduce-scatter then allgather around a ring, in N chunks: 2·(N-1) steps
   all2all  device i reduces chunk i reading every device (reduce-scatter, (N+1)·S), then each
            device gathers the N reduced chunks (allgather, copies: 2·N·S): (3·N+1)·S
 
-The floor is 2·N·S (read every input once, write every output once). `choose` picks one from the
-device count and element count (rule in its docstring); the choice is logged and can be forced
-per call or with TINYDIST_ALLREDUCE.
+The floor is 2·N·S (read every input once, write every output once). `choose` picks one (rule in
+its docstring); the choice is logged and can be forced per call, or with TINYDIST_ALLREDUCE
+(naive, ring or all2all: the setting is shared with tinydist.dist, which has no `direct`).
 """
 
 from __future__ import annotations
@@ -27,12 +31,14 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from tinydist.config import settings
+from tinydist.lazy import LazyNode, Op
 from tinydist.logs import get_logger
+from tinydist.runtime.registry import peer_group
 from tinydist.tensor import Tensor, cat
 
 log = get_logger(layer="multi")
 
-ALGORITHMS = ("naive", "ring", "all2all")
+ALGORITHMS = ("direct", "naive", "ring", "all2all")
 REDUCE_OPS = ("sum", "max", "min", "prod")
 # Below this many elements the extra graph of all2all (N chunks, N gathers: milliseconds of
 # Python at 4 devices) costs more than the traffic it saves (bench/multidevice.py).
@@ -44,16 +50,22 @@ def _combine(op: str) -> Callable[[Tensor, Tensor], Tensor]:
             "max": lambda a, b: a.maximum(b), "min": lambda a, b: a.minimum(b)}[op]
 
 
-def choose(devices: int, elements: int, requested: str = "auto") -> str:
-    """`requested` if explicit; else TINYDIST_ALLREDUCE if set to an algorithm; else naive for two
-    devices (N·(N+1) = 6 < 3·N+1 = 7 bytes of traffic per input byte) or small inputs (one kernel
-    per device, the fewest calls), all2all beyond that (traffic linear in N, not quadratic)."""
+def choose(devices: int, elements: int, requested: str = "auto", direct: bool = False) -> str:
+    """`requested` if explicit; else TINYDIST_ALLREDUCE if set to an algorithm; else `direct` where
+    it can run (`direct`: the inputs are on one peer group and need no gradient) — the least
+    traffic and one kernel per device at every size; else naive for two devices (N·(N+1) = 6 <
+    3·N+1 = 7 bytes of traffic per input byte) or small inputs (one kernel per device, the fewest
+    calls), all2all beyond that (traffic linear in N, not quadratic)."""
     if requested == "auto":
         requested = settings.ALLREDUCE
     if requested != "auto":
         if requested not in ALGORITHMS:
             raise ValueError(f"unknown allreduce algorithm {requested!r}; choose one of {', '.join(ALGORITHMS)} or 'auto'")
+        if requested == "direct" and not direct:
+            raise ValueError("allreduce 'direct' needs inputs on devices of one peer group, without gradients")
         return requested
+    if direct:
+        return "direct"
     return "naive" if devices <= 2 or elements < ALL2ALL_MIN_ELEMENTS else "all2all"
 
 
@@ -74,8 +86,13 @@ def allreduce(inputs: Sequence[Tensor], op: str = "sum", algorithm: str = "auto"
         return list(inputs)
     shape = inputs[0].shape
     elements = int(np.prod(shape, dtype=np.int64))
-    chosen = choose(n, elements, algorithm)
+    groups = {peer_group(t.device) for t in inputs}
+    direct = None not in groups and len(groups) == 1 and not any(t.requires_grad for t in inputs)
+    chosen = choose(n, elements, algorithm, direct=direct)
     log.info("allreduce", algorithm=chosen, devices=[t.device for t in inputs], elements=elements, op=op)
+    if chosen == "direct":
+        srcs = tuple(t.node for t in inputs)
+        return [Tensor(LazyNode(Op.ALLREDUCE, srcs, (op, i), t.dtype, t.shape, t.device)) for i, t in enumerate(inputs)]
     combine = _combine(op)
     if chosen == "naive" or elements < n:
         return [_reduce_all([t.to(inputs[i].device) for t in inputs], combine) for i in range(n)]

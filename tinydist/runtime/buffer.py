@@ -48,7 +48,9 @@ class Buffer:
         view.device, view.nbytes, view.offset, view._parent = base.device, nbytes, offset, base
         view.accesses = base.accesses
         view._address, view._finalizer, view._external = base._address, None, base._external
-        view._freed, view._views = False, weakref.WeakSet()
+        # views of a view are views of the base: only the base's set is ever used, so share it
+        # rather than building one per view (an allreduce's launches make dozens of views a call)
+        view._freed, view._views = False, base._views
         base._views.add(view)
         return view
 

@@ -6,6 +6,7 @@ here and, for those that are not, why — a back end that exists is not a device
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 from collections.abc import Callable
@@ -37,9 +38,14 @@ def canonical_name(name: str) -> str:
     """"cpu" / "CPU" / "CPU:0" → "CPU:0"; anything malformed is a ValueError naming the format."""
     if not isinstance(name, str):
         raise TypeError(f"device name must be a string like 'CPU:1', got {type(name).__name__}")
+    return _canonical(name)
+
+
+@functools.lru_cache(maxsize=1024)  # every graph node names its device: parse each name once
+def _canonical(name: str) -> str:
     scheme = _SCHEME_NAME.match(name.strip())
     if scheme:  # "scheme://authority/KIND:N": the scheme's back end owns the authority part
-        return f"{scheme.group(1).lower()}://{scheme.group(2)}/{canonical_name(scheme.group(3))}"
+        return f"{scheme.group(1).lower()}://{scheme.group(2)}/{_canonical(scheme.group(3))}"
     match = _NAME.match(name.strip())
     if not match:
         raise ValueError(f"malformed device name {name!r}; expected KIND or KIND:INDEX, e.g. 'CPU:1'")

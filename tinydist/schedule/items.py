@@ -35,6 +35,10 @@ class KernelCall:
     def reads(self) -> tuple[int, ...]:
         return self.inputs
 
+    @property
+    def writes(self) -> tuple[int, ...]:
+        return (self.out,)
+
     def describe(self) -> str:
         return f"kernel {self.ast.describe()}"
 
@@ -63,6 +67,10 @@ class MatmulCall:
     def reads(self) -> tuple[int, ...]:
         return (self.a, self.b)
 
+    @property
+    def writes(self) -> tuple[int, ...]:
+        return (self.out, self.workspace)
+
     def describe(self) -> str:
         return f"matmul {self.dtype.name} {self.batch}x[{self.m}x{self.k}]@[{self.k}x{self.n}]"
 
@@ -82,6 +90,10 @@ class CopyCall:
     @property
     def reads(self) -> tuple[int, ...]:
         return (self.src,)
+
+    @property
+    def writes(self) -> tuple[int, ...]:
+        return (self.out,)
 
     def describe(self) -> str:
         return f"copy {self.nbytes} bytes -> {self.device}"
@@ -107,8 +119,38 @@ class GatherCall:
     def reads(self) -> tuple[int, ...]:
         return self.srcs
 
+    @property
+    def writes(self) -> tuple[int, ...]:
+        return (self.out,)
+
     def describe(self) -> str:
         return f"gather {len(self.srcs)} buffers, {self.nbytes} bytes -> {self.device}"
 
 
-Call = KernelCall | MatmulCall | CopyCall | GatherCall
+@dataclass(frozen=True)
+class SliceCall:
+    """Kernel `ast` (elementwise, one-dimensional) run over the byte range [start, start + nbytes)
+    of whole buffers: it reads that range of every input and writes it into every output (the
+    kernel's `outputs`). One device's part of a direct allreduce: the devices of a peer group
+    each take a disjoint range of the same buffers, so they run side by side."""
+    ast: KernelAST
+    outs: tuple[int, ...]
+    inputs: tuple[int, ...]
+    start: int
+    nbytes: int
+    device: str
+    queue: str = "compute"
+
+    @property
+    def reads(self) -> tuple[int, ...]:
+        return self.inputs
+
+    @property
+    def writes(self) -> tuple[int, ...]:
+        return self.outs
+
+    def describe(self) -> str:
+        return f"slice kernel [{self.start}, {self.start + self.nbytes}) of {len(self.outs)} outputs: {self.ast.describe()}"
+
+
+Call = KernelCall | MatmulCall | CopyCall | GatherCall | SliceCall

@@ -22,23 +22,26 @@ class ScheduleCycleError(TinydistError, ValueError):
 
 def linearize(calls: Sequence[Call], overwrites: dict[int, int]) -> list[Call]:
     """`overwrites` maps an assign's output buffer number to the version number it overwrites."""
-    producer = {call.out: i for i, call in enumerate(calls)}
+    producers: dict[int, list[int]] = {}  # several calls write disjoint ranges of one buffer (SliceCall)
     readers: dict[int, list[int]] = {}
     for i, call in enumerate(calls):
+        for number in call.writes:
+            producers.setdefault(number, []).append(i)
         for number in call.reads:
             readers.setdefault(number, []).append(i)
     edges: list[set[int]] = [set() for _ in calls]
     for i, call in enumerate(calls):
         for number in call.reads:
-            if number in producer and producer[number] != i:
-                edges[producer[number]].add(i)                # RAW
-        old = overwrites.get(call.out)
-        if old is not None:
+            for producer in producers.get(number, ()):
+                if producer != i:
+                    edges[producer].add(i)                    # RAW
+        for old in (overwrites[n] for n in call.writes if n in overwrites):
             for reader in readers.get(old, ()):
                 if reader != i:
                     edges[reader].add(i)                      # WAR
-            if old in producer and producer[old] != i:
-                edges[producer[old]].add(i)                   # WAW: the older version is written first
+            for producer in producers.get(old, ()):
+                if producer != i:
+                    edges[producer].add(i)                    # WAW: the older version is written first
     indegree = [0] * len(calls)
     for targets in edges:
         for j in targets:

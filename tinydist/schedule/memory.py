@@ -43,8 +43,7 @@ def plan_memory(linear: Sequence[Call], specs: Sequence[BufferSpec], planned: It
     planned = set(planned)
     plan = MemoryPlan()
     for index, call in enumerate(linear):
-        numbers = [call.out, *call.reads, *([call.workspace] if hasattr(call, "workspace") else [])]
-        for number in numbers:
+        for number in (*call.writes, *call.reads):
             if number in planned:
                 first, _ = plan.lifetimes.get(number, (index, index))
                 plan.lifetimes[number] = (first, index)
