@@ -13,9 +13,10 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
+from tinydist.listen import bind_address
 from tinydist.logs import get_logger
 from transports.pci_remote.audit import AuditLog
-from transports.pci_remote.server import Pki, RemoteServer, check_bind
+from transports.pci_remote.server import Pki, RemoteServer
 from transports.pci_remote.service import ServerConfig
 
 
@@ -40,14 +41,14 @@ class NodeOptions:
 
 def prepare(options: NodeOptions) -> tuple[ServerConfig, Pki, Path, str | None]:
     """Check everything that must hold before a socket is opened; raises with the reason."""
-    check_bind(options.listen, options.allow_wildcard)
+    bind_address(options.listen, allow_wildcard=options.allow_wildcard)
     pki = Pki.load(options.pki)
     policy = options.policy or (Path(options.pki) / "policy.toml")
     if not Path(policy).is_file():
         raise FileNotFoundError(f"no policy file {policy}; refusing to start (tinydist certs init writes a starter)")
     insecure = None
     if options.insecure_loopback_only:
-        insecure = check_bind(options.insecure_listen, False, loopback_only=True)
+        insecure = bind_address(options.insecure_listen, loopback_only=True)
     config = ServerConfig(listen=options.listen, devices=options.devices, allow_wildcard=options.allow_wildcard,
                           lease_ttl_s=options.lease_ttl_s, max_message_bytes=options.max_message_bytes)
     return config, pki, Path(policy), insecure

@@ -29,28 +29,10 @@ from scheduler._generated import cluster_pb2 as pb
 from scheduler._generated import cluster_pb2_grpc as pb_grpc
 from scheduler.errors import MembershipError
 from scheduler.membership import LinkRecord, MemberRecord, Membership
+from tinydist.listen import bind_address, split_bind
 from tinydist.logs import get_logger
 
 MAX_WAIT_S = 300.0
-
-
-def check_listen(listen: str, *, insecure: bool) -> tuple[str, str]:
-    """(host, port) after refusing wildcard binds and, for insecure mode, anything but loopback."""
-    host, sep, port = listen.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not port.isdigit():
-        raise ValueError(f"--listen must be host:port, got {listen!r}")
-    if host == "localhost":
-        host = "127.0.0.1"
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        raise ValueError(f"listen host {host!r} must be an IP address (127.0.0.1, ::1 or an interface address)") from None
-    if address.is_unspecified:
-        raise ValueError(f"refusing to bind the wildcard address {host}: bind the interface the nodes reach")
-    if insecure and not address.is_loopback:
-        raise ValueError(f"an insecure coordinator may only listen on loopback, not {host}")
-    return (f"[{address}]" if address.version == 6 else str(address)), port
 
 
 def _peer_is_loopback(peer: str) -> bool:
@@ -190,9 +172,9 @@ class Coordinator:
             raise ValueError("the coordinator needs --pki DIR (mutual TLS) or --insecure-loopback-only")
         if heartbeat_interval <= 0 or miss_limit < 1:
             raise ValueError("heartbeat interval must be > 0 and miss limit >= 1")
-        host, port = check_listen(listen, insecure=pki is None)
+        bind = bind_address(listen, loopback_only=pki is None, wildcard_hint="bind the interface the nodes reach")
         self = cls()
-        self.host = host.strip("[]")
+        self.host = split_bind(bind)[0]
         self.membership = Membership(heartbeat_interval, miss_limit)
         trust_domain = None
         credentials = None
@@ -206,11 +188,10 @@ class Coordinator:
         service = ClusterService(self.membership, trust_domain)
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_ClusterServicer_to_server(service, self.server)
-        address = f"{host}:{port}"
-        self.port = (self.server.add_secure_port(address, credentials) if credentials is not None
-                     else self.server.add_insecure_port(address))
+        self.port = (self.server.add_secure_port(bind, credentials) if credentials is not None
+                     else self.server.add_insecure_port(bind))
         if self.port == 0:
-            raise OSError(f"could not bind {address}")
+            raise OSError(f"could not bind {bind}")
         await self.server.start()
 
         async def sweep() -> None:

@@ -3,6 +3,7 @@ SIGKILLed (or hung) mid-collective → every survivor raises naming it, restart 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -128,12 +129,11 @@ def test_mtls_membership_and_identity_binding(tmp_path):
 
 
 def test_insecure_coordinator_refuses_non_loopback_and_wildcard(tmp_path):
-    from scheduler.coordinator import check_listen
-    with pytest.raises(ValueError, match="wildcard"):
-        check_listen("0.0.0.0:1234", insecure=False)
+    from scheduler.coordinator import Coordinator as CoordinatorServer
+    with pytest.raises(ValueError, match="wildcard.*the interface the nodes reach"):
+        asyncio.run(CoordinatorServer.start("0.0.0.0:1234", pki=tmp_path))
     with pytest.raises(ValueError, match="loopback"):
-        check_listen("10.1.2.3:1234", insecure=True)
-    assert check_listen("127.0.0.1:0", insecure=True) == ("127.0.0.1", "0")
+        asyncio.run(CoordinatorServer.start("10.1.2.3:1234", insecure_loopback_only=True))
     from scheduler.errors import ClusterError
     from scheduler.node import open_channel
     with pytest.raises(ClusterError, match="loopback-only"):

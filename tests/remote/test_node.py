@@ -16,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nodes.daemon import NodeOptions, prepare
-from transports.pci_remote.server import check_bind
+from tinydist.listen import bind_address
 
 ROOT = Path(__file__).resolve().parents[2]
 WILDCARD_V4 = ".".join(["0"] * 4)
@@ -37,14 +37,18 @@ def test_refuses_to_start_without_pki_or_policy(tmp_path, lab) -> None:
 def test_wildcard_bind_is_refused_unless_explicit() -> None:
     for listen in (f"{WILDCARD_V4}:7070", "[::]:7070"):
         with pytest.raises(ValueError, match="wildcard"):
-            check_bind(listen, allow_wildcard=False)
-        assert check_bind(listen, allow_wildcard=True)
-    assert check_bind("127.0.0.1:0", False) == "127.0.0.1:0"
-    assert check_bind("[::1]:0", False) == "[::1]:0"
+            bind_address(listen)
+        assert bind_address(listen, allow_wildcard=True)
+    assert bind_address("127.0.0.1:0") == "127.0.0.1:0"
+    assert bind_address("[::1]:0") == "[::1]:0"
     with pytest.raises(ValueError, match="IP address"):
-        check_bind("example.com:7070", False)
+        bind_address("example.com:7070")
+    with pytest.raises(ValueError, match="port 70000 .* out of range"):
+        bind_address("127.0.0.1:70000")
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        bind_address("127.0.0.1")
     with pytest.raises(ValueError, match="loopback"):
-        check_bind("10.1.2.3:7071", False, loopback_only=True)
+        bind_address("10.1.2.3:7071", loopback_only=True)
     with pytest.raises(ValueError, match="wildcard"):
         prepare(NodeOptions(listen=f"{WILDCARD_V4}:7070", pki=Path("/nonexistent")))
 

@@ -7,7 +7,6 @@ What a call may do is `service.DeviceService`'s business; this module only puts 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from tinydist.listen import bind_address
 from tinydist.logs import get_logger
 from tinydist.runtime.device import Device
 from tinydist.runtime.registry import open_device
@@ -26,33 +26,6 @@ from transports.pci_remote.service import SERVICE, DeviceService, ServerConfig
 
 def _log():  # not at import: configuring logs then would bind the importer's stderr
     return get_logger(component="remote-server")
-
-
-def split_listen(listen: str) -> tuple[str, int]:
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise ValueError(f"listen address {listen!r} must be HOST:PORT (e.g. 127.0.0.1:7070 or [::1]:7070)")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not 0 <= int(port) <= 65535:
-        raise ValueError(f"port {port} is out of range")
-    return host, int(port)
-
-
-def check_bind(listen: str, allow_wildcard: bool, loopback_only: bool = False) -> str:
-    """Refuse a wildcard bind unless explicitly allowed, and names that are not IP literals."""
-    host, port = split_listen(listen)
-    if host == "localhost":
-        host = "127.0.0.1"
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        raise ValueError(f"listen host {host!r} must be an IP address (127.0.0.1, ::1, or an interface address)") from None
-    if address.is_unspecified and not allow_wildcard:
-        raise ValueError(f"refusing to bind the wildcard address {host}: every interface would be exposed; "
-                         "pass --allow-wildcard if that is really meant")
-    if loopback_only and not address.is_loopback:
-        raise ValueError(f"an insecure port may only listen on loopback (127.0.0.1 or ::1), not {host}")
-    return f"[{address}]:{port}" if address.version == 6 else f"{address}:{port}"
 
 
 def server_options(config: ServerConfig) -> list[tuple[str, Any]]:
@@ -106,9 +79,9 @@ class RemoteServer:
     @classmethod
     async def start(cls, config: ServerConfig, pki: Pki, policy_path: Path, audit: AuditLog,
                     insecure_listen: str | None = None, pci: dict[str, SimulatedPciFunction] | None = None) -> RemoteServer:
-        listen = check_bind(config.listen, config.allow_wildcard)
+        listen = bind_address(config.listen, allow_wildcard=config.allow_wildcard)
         if insecure_listen is not None:
-            insecure_listen = check_bind(insecure_listen, False, loopback_only=True)
+            insecure_listen = bind_address(insecure_listen, loopback_only=True)
         store = PolicyStore(policy_path)  # refuses a missing or invalid policy
         self = cls()
         devices: dict[str, Device] = {}
