@@ -4,10 +4,11 @@
 
 For each world size it runs one `tinydist launch` job that times every algorithm at every size
 (float32 sum, median of repeats, rank 0's wall clock per call after a barrier), then a gloo job
-(torch.distributed over loopback TCP, the same sizes) if torch is importable. Ratios are gloo time /
-tinydist time: above 1 means tinydist is faster. nccl-tests definitions: algbw = message bytes /
-time, busbw = algbw · 2(N−1)/N. Targets on the `auto` rows: busbw ≥ 5× gloo's at ≥ 1 MiB, and
-time ≤ 0.2× gloo's at 4 KiB.
+(torch.distributed over loopback TCP, the same sizes) if torch is importable. Both reduce in place
+(gloo's all_reduce always does; ours with out=x) and refill the input with ones between calls,
+untimed. Ratios are gloo time / tinydist time: above 1 means tinydist is faster. nccl-tests
+definitions: algbw = message bytes / time, busbw = algbw · 2(N−1)/N. Targets on the `auto` rows:
+busbw ≥ 5× gloo's at ≥ 1 MiB, and time ≤ 0.2× gloo's at 4 KiB.
 """
 
 from __future__ import annotations
@@ -62,11 +63,13 @@ def worker_tinydist(sizes: list[int], out: str) -> None:
             for i in range(repeats_for(nbytes) + 1):
                 group.blocking("barrier", run_async=portal.call)
                 start = time.perf_counter()
-                # the group's blocking API, numpy in and out: td.dist.all_reduce adds only the td.Tensor wrapping
-                y = group.blocking("all_reduce", x, "sum", algorithm, run_async=portal.call)
+                # the group's blocking API, in place: td.dist.all_reduce(x, out=x) adds only argument passing
+                group.blocking("all_reduce", x, "sum", algorithm, x, run_async=portal.call)
                 if i:
                     times.append(time.perf_counter() - start)
-            assert y[0] == dist.world_size()
+                if x[0] != dist.world_size() or x[-1] != dist.world_size():
+                    raise AssertionError(f"all_reduce {algorithm} of {nbytes} B: {x[0]}, {x[-1]} != {dist.world_size()}")
+                x.fill(1.0)
             results[f"{nbytes}/{algorithm}"] = statistics.median(times)
     if dist.rank() == 0:
         Path(out).write_text(json.dumps({"results": results, "auto": {
