@@ -9,6 +9,10 @@ For each world size it runs one `tinydist launch` job that times every algorithm
 untimed. Ratios are gloo time / tinydist time: above 1 means tinydist is faster. nccl-tests
 definitions: algbw = message bytes / time, busbw = algbw · 2(N−1)/N. Targets on the `auto` rows:
 busbw ≥ 5× gloo's at ≥ 1 MiB, and time ≤ 0.2× gloo's at 4 KiB.
+
+The `memory floor` rows time what no in-place allreduce can avoid: every rank, at once (after a
+barrier), reads its tensor once and writes it once (`np.add(x, 0, out=x)`); at 16 MiB and more that
+is DRAM traffic. `auto/floor` says how far the auto row is above it.
 """
 
 from __future__ import annotations
@@ -71,6 +75,14 @@ def worker_tinydist(sizes: list[int], out: str) -> None:
                     raise AssertionError(f"all_reduce {algorithm} of {nbytes} B: {x[0]}, {x[-1]} != {dist.world_size()}")
                 x.fill(1.0)
             results[f"{nbytes}/{algorithm}"] = statistics.median(times)
+        times = []
+        for i in range(repeats_for(nbytes) + 1):
+            group.blocking("barrier", run_async=portal.call)
+            start = time.perf_counter()
+            np.add(x, 0, out=x)
+            if i:
+                times.append(time.perf_counter() - start)
+        results[f"{nbytes}/floor"] = statistics.median(times)
     if dist.rank() == 0:
         Path(out).write_text(json.dumps({"results": results, "auto": {
             str(n): dist.choose_allreduce(dist.world_size(), n, group.same_host)[0] for n in sizes}}))
@@ -170,6 +182,10 @@ def main() -> None:
                     elif algorithm == "auto" and nbytes <= 4 << 10:
                         fields.update(target="time <=0.2x gloo", passed=t / base <= 0.2)
                 report.add(f"allreduce/{world}proc/{label(nbytes)}/{shown}", t * 1e3, "ms", **fields)
+            floor = ours["results"][f"{nbytes}/floor"]
+            report.add(f"allreduce/{world}proc/{label(nbytes)}/memory floor", floor * 1e3, "ms", repeats=repeats_for(nbytes),
+                       ratio=ours["results"][f"{nbytes}/auto"] / floor, ratio_label="auto/floor",
+                       detail=f"all {world} ranks at once read and write their {label(nbytes)} once")
     report.finish()
     if report.misses:
         report.note(f"{len(report.misses)} target(s) missed")
