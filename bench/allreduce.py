@@ -4,10 +4,15 @@
 
 For each world size it runs one `tinydist launch` job that times every algorithm at every size
 (float32 sum, median of repeats, rank 0's wall clock per call after a barrier), then a gloo job
-(torch.distributed over loopback TCP, the same sizes) if torch is importable. Ratios are gloo time /
-tinydist time: above 1 means tinydist is faster. nccl-tests definitions: algbw = message bytes /
-time, busbw = algbw · 2(N−1)/N. Targets on the `auto` rows: busbw ≥ 5× gloo's at ≥ 1 MiB, and
-time ≤ 0.2× gloo's at 4 KiB.
+(torch.distributed over loopback TCP, the same sizes) if torch is importable. Both reduce in place
+(gloo's all_reduce always does; ours with out=x) and refill the input with ones between calls,
+untimed. Ratios are gloo time / tinydist time: above 1 means tinydist is faster. nccl-tests
+definitions: algbw = message bytes / time, busbw = algbw · 2(N−1)/N. Targets on the `auto` rows:
+busbw ≥ 5× gloo's at ≥ 1 MiB, and time ≤ 0.2× gloo's at 4 KiB.
+
+The `memory floor` rows time what no in-place allreduce can avoid: every rank, at once (after a
+barrier), reads its tensor once and writes it once (`np.add(x, 0, out=x)`); at 16 MiB and more that
+is DRAM traffic. `auto/floor` says how far the auto row is above it.
 """
 
 from __future__ import annotations
@@ -62,12 +67,22 @@ def worker_tinydist(sizes: list[int], out: str) -> None:
             for i in range(repeats_for(nbytes) + 1):
                 group.blocking("barrier", run_async=portal.call)
                 start = time.perf_counter()
-                # the group's blocking API, numpy in and out: td.dist.all_reduce adds only the td.Tensor wrapping
-                y = group.blocking("all_reduce", x, "sum", algorithm, run_async=portal.call)
+                # the group's blocking API, in place: td.dist.all_reduce(x, out=x) adds only argument passing
+                group.blocking("all_reduce", x, "sum", algorithm, x, run_async=portal.call)
                 if i:
                     times.append(time.perf_counter() - start)
-            assert y[0] == dist.world_size()
+                if x[0] != dist.world_size() or x[-1] != dist.world_size():
+                    raise AssertionError(f"all_reduce {algorithm} of {nbytes} B: {x[0]}, {x[-1]} != {dist.world_size()}")
+                x.fill(1.0)
             results[f"{nbytes}/{algorithm}"] = statistics.median(times)
+        times = []
+        for i in range(repeats_for(nbytes) + 1):
+            group.blocking("barrier", run_async=portal.call)
+            start = time.perf_counter()
+            np.add(x, 0, out=x)
+            if i:
+                times.append(time.perf_counter() - start)
+        results[f"{nbytes}/floor"] = statistics.median(times)
     if dist.rank() == 0:
         Path(out).write_text(json.dumps({"results": results, "auto": {
             str(n): dist.choose_allreduce(dist.world_size(), n, group.same_host)[0] for n in sizes}}))
@@ -167,6 +182,10 @@ def main() -> None:
                     elif algorithm == "auto" and nbytes <= 4 << 10:
                         fields.update(target="time <=0.2x gloo", passed=t / base <= 0.2)
                 report.add(f"allreduce/{world}proc/{label(nbytes)}/{shown}", t * 1e3, "ms", **fields)
+            floor = ours["results"][f"{nbytes}/floor"]
+            report.add(f"allreduce/{world}proc/{label(nbytes)}/memory floor", floor * 1e3, "ms", repeats=repeats_for(nbytes),
+                       ratio=ours["results"][f"{nbytes}/auto"] / floor, ratio_label="auto/floor",
+                       detail=f"all {world} ranks at once read and write their {label(nbytes)} once")
     report.finish()
     if report.misses:
         report.note(f"{len(report.misses)} target(s) missed")

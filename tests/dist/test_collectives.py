@@ -30,7 +30,8 @@ def test_mismatches_raise_on_every_rank_and_group_survives(transport, no_shm_lea
     assert "NO ERROR" not in out
     for rank in range(3):
         lines = [line for line in out.splitlines() if line.startswith(f"[rank {rank}] MISMATCH")]
-        assert len(lines) == 8, out
+        assert len(lines) == 12, out
+        assert f"[rank {rank}] OUT ARRAYS untouched" in out
         assert f"[rank {rank}] AFTER [6.0, 6.0, 6.0]" in out
     assert "ranks disagree on shape: rank 0 (4,), rank 1 (5,), rank 2 (5,)" in out
     assert "ranks disagree on dtype: rank 0 float32, rank 1 int64" in out
@@ -39,6 +40,11 @@ def test_mismatches_raise_on_every_rank_and_group_survives(transport, no_shm_lea
     assert "invalid arguments on rank 1: unknown op 'avg'" in out
     assert "ranks disagree on shape_except_axis: rank 0 (3,), rank 1 (4,)" in out
     assert "ranks disagree on shape: rank 0 (4,), rank 1 (50000,), rank 2 (50000,)" in out
+    assert "invalid arguments on rank 1: out= (a float64 array of shape (40000,)) is read-only" in out
+    assert "invalid arguments on rank 0: out= (a float64 array of shape (40000,)) is not C-contiguous" in out
+    assert ("invalid arguments on rank 2: out= (a int64 array of shape (40000,)) does not fit the result, "
+            "a float64 array of shape (40000,)") in out
+    assert "invalid arguments on rank 0: out= must be a numpy array, not Tensor" in out
 
 
 def test_auto_rule_is_deterministic_and_sees_size_world_and_link():

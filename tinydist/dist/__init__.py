@@ -3,13 +3,14 @@
     import tinydist as td
     td.dist.init()                                   # TINYDIST_RANK, TINYDIST_WORLD_SIZE, TINYDIST_COORDINATOR
     y = td.dist.all_reduce(td.Tensor(x), op="sum")   # algorithm="auto" | "naive" | "ring" | "all2all"
+    td.dist.all_reduce(x, out=x)                     # numpy x overwritten with the result, as in torch
     td.dist.all_gather(t, axis=0); td.dist.reduce_scatter(t, op="sum", axis=0)
     td.dist.broadcast(t, src=0); td.dist.barrier(); td.dist.destroy()
 
-Inputs are td.Tensors or numpy arrays; results are td.Tensors. The functions are a blocking facade
-over `ProcessGroup` (numpy in and out), whose links run on an event loop in a background thread;
-ranks on one host run the collective itself on the calling thread, over shared memory. Async code
-can use `ProcessGroup.open(...)` directly. See docs/collectives.md.
+Inputs are td.Tensors or numpy arrays; results are td.Tensors (all_reduce with out=: that numpy
+array). The functions are a blocking facade over `ProcessGroup` (numpy in and out), whose links run
+on an event loop in a background thread; ranks on one host run the collective itself on the calling
+thread, over shared memory. Async code can use `ProcessGroup.open(...)` directly. See docs/collectives.md.
 """
 
 from __future__ import annotations
@@ -147,9 +148,15 @@ def _tensor(arr: np.ndarray) -> Any:
     return Tensor(arr)
 
 
-def all_reduce(t: Any, op: str = "sum", algorithm: str = "auto") -> Any:
-    """Reduce `t` over all ranks (op: sum, mean, prod, max, min); every rank gets the result."""
-    return _tensor(_call("all_reduce", _array(t), op, algorithm, algorithm=algorithm))
+def all_reduce(t: Any, op: str = "sum", algorithm: str = "auto", out: np.ndarray | None = None) -> Any:
+    """Reduce `t` over all ranks (op: sum, mean, prod, max, min); every rank gets the result, a new
+    td.Tensor, or with `out=` (a writeable C-contiguous numpy array of the result's shape and dtype)
+    written into `out`, which is returned. `all_reduce(x, out=x)` overwrites the numpy array `x`, as
+    torch.distributed.all_reduce does, and saves allocating (and first touching) a result. A call whose
+    `out` does not qualify raises CollectiveMismatch on every rank and modifies nothing."""
+    if out is None:
+        return _tensor(_call("all_reduce", _array(t), op, algorithm, algorithm=algorithm))
+    return _call("all_reduce", _array(t), op, algorithm, out, algorithm=algorithm)
 
 
 def all_gather(t: Any, axis: int = 0) -> Any:

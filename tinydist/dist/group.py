@@ -301,8 +301,11 @@ class ProcessGroup:
     # ---- collectives (numpy in, numpy out) --------------------------------------------------
     # Each `_name` prepares a `_Call`; `name` runs it from async code, `blocking("name", ...)` from a thread.
 
-    async def all_reduce(self, x: np.ndarray, op: str = "sum", algorithm: str = "auto") -> np.ndarray:
-        return await self._run(self._all_reduce(x, op, algorithm))
+    async def all_reduce(self, x: np.ndarray, op: str = "sum", algorithm: str = "auto",
+                         out: np.ndarray | None = None) -> np.ndarray:
+        """The reduction of every rank's `x`; written into `out` (and `out` returned) when given: `out=x`
+        overwrites the input, as torch.distributed.all_reduce does (see `_check_out` for what `out` must be)."""
+        return await self._run(self._all_reduce(x, op, algorithm, out))
 
     async def all_gather(self, x: np.ndarray, axis: int = 0) -> np.ndarray:
         return await self._run(self._all_gather(x, axis))
@@ -316,9 +319,10 @@ class ProcessGroup:
     async def barrier(self) -> None:
         await self._run(self._barrier())
 
-    def _all_reduce(self, x: np.ndarray, op: str, algorithm: str) -> _Call:
+    def _all_reduce(self, x: np.ndarray, op: str, algorithm: str, out: np.ndarray | None = None) -> _Call:
         x = np.asarray(x, order="C")
         error = _check_op(op) or _check_algorithm(algorithm)
+        error = error or _check_out(out, x, np.dtype(np.float64) if op == "mean" and x.dtype.kind not in "fc" else x.dtype)
         chosen, reason = algorithm, "requested"
         if not error and algorithm == "auto":
             if settings.ALLREDUCE != "auto":
@@ -330,26 +334,31 @@ class ProcessGroup:
         if not error:
             self._log_choice("all_reduce", chosen, reason, nbytes=x.nbytes,
                              link="shm segment" if on_segment else "shm" if self.same_host else "tcp")
+        # `out` passed `_check_out`: C-contiguous, so its flat view shares its memory
+        flat_out = None if out is None else out.reshape(-1)
 
         async def body(_: dict[int, dict[str, Any]]) -> np.ndarray:
             flat = x.reshape(-1)
             ufunc = OPS[op]
             if self.world == 1:
-                out = flat.copy()
+                acc = flat.copy()
             elif chosen == "naive":
-                out = await algo.naive(self.links, self.rank, self.world, flat, ufunc)
+                acc = await algo.naive(self.links, self.rank, self.world, flat, ufunc)
             elif chosen == "ring":
-                out = flat.copy()
-                await algo.ring(self.links, self.rank, self.world, out, algo.split_bounds(flat.size, self.world),
+                acc = flat.copy()
+                await algo.ring(self.links, self.rank, self.world, acc, algo.split_bounds(flat.size, self.world),
                                 self.rank, self.world - 1, self.world - 1, ufunc)
             else:
-                out = np.empty_like(flat)
-                await algo.all2all(self.links, self.rank, self.world, flat, out, algo.split_bounds(flat.size, self.world), ufunc)
-            return _finish(out, op, self.world).reshape(x.shape)
+                acc = np.empty_like(flat)
+                await algo.all2all(self.links, self.rank, self.world, flat, acc, algo.split_bounds(flat.size, self.world), ufunc)
+            return _result(_finish(acc, op, self.world, flat_out), x.shape, out)
 
         def segment(session: shm.Session) -> np.ndarray:
             run = shm.allreduce_naive if chosen == "naive" else shm.allreduce_all2all
-            return _finish(run(session, x.reshape(-1), OPS[op]), op, self.world).reshape(x.shape)
+            # reduce straight into `out` when it has the input's dtype (integer mean's float64 `out` does not)
+            acc = flat_out if flat_out is not None and flat_out.dtype == x.dtype else np.empty(x.size, x.dtype)
+            run(session, x.reshape(-1), acc, OPS[op])
+            return _result(_finish(acc, op, self.world, flat_out), x.shape, out)
 
         return _Call(header, body, segment if on_segment else None)
 
@@ -419,7 +428,7 @@ class ProcessGroup:
 
         def finish(rows: np.ndarray, parts: list[tuple[int, int]], piece: np.ndarray) -> np.ndarray:
             shape = (parts[self.rank][1] - parts[self.rank][0], *rows.shape[1:])
-            return np.moveaxis(_finish(piece, op, self.world).reshape(shape), 0, ax)
+            return np.moveaxis(_finish(piece, op, self.world, None).reshape(shape), 0, ax)
 
         async def body(_: dict[int, dict[str, Any]]) -> np.ndarray:
             rows, parts, bounds = layout()
@@ -482,13 +491,45 @@ def _check_algorithm(algorithm: str) -> str | None:
     return None if algorithm in ("auto", *ALGORITHMS) else f"unknown algorithm {algorithm!r}; expected auto, {', '.join(ALGORITHMS)}"
 
 
-def _finish(out: np.ndarray, op: str, world: int) -> np.ndarray:
-    if op != "mean":
+def _check_out(out: Any, x: np.ndarray, dtype: np.dtype) -> str | None:
+    """Why `out` cannot take a result shaped like `x` of `dtype` (None if it can, or if there is no `out`).
+    Checked before the collective and sent in the header, so every rank refuses the call and no rank's
+    `out` is touched."""
+    if out is None:
+        return None
+    if not isinstance(out, np.ndarray):
+        return (f"out= must be a numpy array, not {type(out).__name__}; for a td.Tensor t, drop out= "
+                f"and t.assign() the result")
+    what = f"out= (a {out.dtype} array of shape {out.shape})"
+    if not out.flags.writeable:
+        return f"{what} is read-only; pass a writeable array (np.array(out) copies it) or drop out= for a new result"
+    if not out.flags.c_contiguous:
+        return (f"{what} is not C-contiguous, so the result cannot be written in place; pass a contiguous "
+                f"array (np.ascontiguousarray) or drop out= for a new result")
+    if out.shape != x.shape or out.dtype != dtype:
+        return f"{what} does not fit the result, a {dtype} array of shape {x.shape}"
+    if np.may_share_memory(out, x) and out.ctypes.data != x.ctypes.data:
+        return f"{what} overlaps the input without being it; pass the input itself (in place) or a separate array"
+    return None
+
+
+def _finish(acc: np.ndarray, op: str, world: int, out: np.ndarray | None) -> np.ndarray:
+    """The collective's flat result from the flat reduction `acc`: divided by `world` for mean (integer
+    mean is float64, as numpy's), and in `out` when given (copied there unless `acc` is `out`)."""
+    if op == "mean":
+        if acc.dtype.kind in "fc":
+            acc /= world
+        else:
+            acc = np.divide(acc, world, out=out)
+    if out is not None and acc is not out:
+        np.copyto(out, acc)
         return out
-    if out.dtype.kind in "fc":
-        out /= world
-        return out
-    return out / world       # integer mean is float64, as numpy's mean
+    return acc
+
+
+def _result(flat: np.ndarray, shape: tuple[int, ...], out: np.ndarray | None) -> np.ndarray:
+    """`out` itself when the caller gave one (numpy's `out=` convention), else `flat` in `shape`."""
+    return flat.reshape(shape) if out is None else out
 
 
 _FIELDS = ("coll", "op", "dtype", "shape", "axis", "ndim", "shape_except_axis", "src", "algorithm")

@@ -77,18 +77,21 @@ def _reduce_into(ufunc: Ufunc, dst: np.ndarray, sources: Sequence[np.ndarray]) -
         ufunc(dst, src, out=dst)
 
 
-def allreduce_naive(s: Session, x: np.ndarray, ufunc: Ufunc) -> np.ndarray:
-    grp, out = s.grp, np.empty_like(x)
+def allreduce_naive(s: Session, x: np.ndarray, out: np.ndarray, ufunc: Ufunc) -> None:
+    """The reduction of every rank's flat `x` into `out` (which may be `x`: round k reads only x's chunk k,
+    all of it into the slot, before writing out's chunk k)."""
+    grp = s.grp
     for a, b in _rounds(x.size, s.elements(x.dtype)):
         p = s.round()
         grp.region(grp.rank, p, x.dtype, b - a)[:] = x[a:b]
         s.sync()
         _reduce_into(ufunc, out[a:b], [grp.region(r, p, x.dtype, b - a) for r in range(grp.world)])
-    return out
 
 
-def allreduce_all2all(s: Session, x: np.ndarray, ufunc: Ufunc) -> np.ndarray:
-    grp, out = s.grp, np.empty_like(x)
+def allreduce_all2all(s: Session, x: np.ndarray, out: np.ndarray, ufunc: Ufunc) -> None:
+    """The reduction of every rank's flat `x` into `out` (which may be `x`: round k has read x's chunk k
+    into the slot and reduced it before it writes out's chunk k)."""
+    grp = s.grp
     rounds = _rounds(x.size, s.elements(x.dtype))
     filled: list[tuple[int, list[tuple[int, int]], np.ndarray]] = []
 
@@ -114,7 +117,6 @@ def allreduce_all2all(s: Session, x: np.ndarray, ufunc: Ufunc) -> np.ndarray:
         s.sync(functools.partial(fill, *rounds[k + 1]) if k + 1 < len(rounds) else None)
         for r, (c0, c1) in enumerate(parts):
             out[a + c0:a + c1] = grp.region(r, p, x.dtype, b - a)[c0:c1]
-    return out
 
 
 def reduce_scatter(s: Session, x: np.ndarray, bounds: Sequence[tuple[int, int]], ufunc: Ufunc) -> np.ndarray:

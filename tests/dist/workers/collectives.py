@@ -47,6 +47,26 @@ def main() -> None:
                         raise AssertionError("all_reduce must return a td.Tensor")
                     check(got, want, f"all_reduce {op} {algorithm} {np.dtype(dtype)} {size}")
                     count += 1
+    # in place (out=x) and into a separate out=: exactly the out-of-place result; sizes up to 1 MiB + 12 B of
+    # float32, which takes many rounds on the group segment. Integer mean is float64, so it needs a separate out.
+    for dtype in (np.float32, np.float64, np.int64):
+        for op, ref in OPS.items():
+            for algorithm in ("naive", "ring", "all2all", "auto"):
+                for size in [*sizes, (1 << 18) + 3]:
+                    case += 1
+                    x = data(r, case, size, dtype)
+                    plain = dist.all_reduce(x, op=op, algorithm=algorithm).numpy()
+                    into = x if plain.dtype == x.dtype else np.empty_like(plain)
+                    got = dist.all_reduce(x, op=op, algorithm=algorithm, out=into)
+                    what = f"all_reduce out= {op} {algorithm} {np.dtype(dtype)} {size}"
+                    if got is not into:
+                        raise AssertionError(f"{what}: returned {type(got).__name__}, not its out= array")
+                    # all2all over links adds float contributions in arrival order: equal only within rounding
+                    exact = algorithm != "all2all" or op in ("max", "min") or np.dtype(dtype).kind == "i"
+                    if exact and not np.array_equal(into, plain):
+                        raise AssertionError(f"{what}: differs from the out-of-place result")
+                    check(into, ref(np.stack([data(q, case, size, dtype) for q in range(n)])), what)
+                    count += 1
     # long enough for several pipelined chunks per ring segment, odd length
     for algorithm in ("naive", "ring", "all2all"):
         for dtype in (np.float32, np.int64):
