@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench install clean env-doc
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/runtime.py
+
+env-doc: $(STAMP)
+	$(BIN)/python -c "from tinydist.config import env_vars_markdown; print(env_vars_markdown(), end='')" > docs/env_vars.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -2,6 +2,8 @@
 
 Each setting is declared once, here, with its type, default and meaning; `docs/env_vars.md`
 lists them. Code reads `settings.NAME`; tests override with `settings.override(NAME=value)`.
+The launch contract (`LAUNCH_VARIABLES`) is listed here too, but read where a process joins its
+job: launchers write it per child, and some of it is consumed once (a socket handed down).
 """
 
 from __future__ import annotations
@@ -137,3 +139,42 @@ for _setting in (
             "or none (off); a pair where either side has none falls back to TCP with a logged reason."),
 ):
     settings.declare(_setting)
+
+# What launchers (`tinydist launch`, the Slurm and Kubernetes mapping in scheduler/environment.py)
+# set for each process they start, and what a process reads to join its job or reach the cluster.
+LAUNCH_VARIABLES: dict[str, str] = {
+    "TINYDIST_RANK": "This process's rank in its job (0 … world size − 1); set by `tinydist launch` or mapped from "
+                     "SLURM_PROCID / JOB_COMPLETION_INDEX.",
+    "TINYDIST_WORLD_SIZE": "How many ranks the job has.",
+    "TINYDIST_LOCAL_RANK": "This process's rank among the job's processes on its host.",
+    "TINYDIST_COORDINATOR": "HOST:PORT where rank 0 holds the rendezvous of tinydist.dist (default 127.0.0.1:29400).",
+    "TINYDIST_COORDINATOR_FD": "A listening socket rank 0 inherits from `tinydist launch`, which bound the port before "
+                               "starting the ranks; removed from the environment once used.",
+    "TINYDIST_JOB_ID": "Names the job's shared-memory segments, so `tinydist launch` can sweep what a killed rank left.",
+    "TINYDIST_PORT": "Rendezvous port on Slurm and Kubernetes, where the coordinator host comes from the scheduler "
+                     "(default 29400).",
+    "TINYDIST_K8S_SERVICE": "The headless Service that names rank 0's pod on Kubernetes (when TINYDIST_COORDINATOR is unset).",
+    "TINYDIST_NODE_ID": "This node's id for the cluster scheduler (else the pod name, `<SLURMD_NODENAME>-<localid>` "
+                        "or `node-<rank>`).",
+    "TINYDIST_SCHEDULER": "HOST:PORT of the cluster scheduler (`tinydist scheduler serve`) to join.",
+    "TINYDIST_SCHEDULER_PORT": "The cluster scheduler's port on Slurm, on the job's first host (default 29500).",
+    "TINYDIST_CERT": "Client certificate (PEM path) for mutual TLS to a node or the cluster scheduler.",
+    "TINYDIST_KEY": "The client certificate's private key (PEM path).",
+    "TINYDIST_CA": "The CA certificate (PEM path) that node and scheduler certificates must chain to.",
+}
+
+
+def env_vars_markdown() -> str:
+    """The text of docs/env_vars.md (the README's regeneration command writes it)."""
+    lines = ["# Environment variables", "",
+             "Every setting tinydist reads from the environment, declared once in `tinydist/config.py`",
+             "(this file is generated from that registry by `make env-doc`; `tests/test_settings_doc.py`",
+             "keeps it in sync).", "",
+             "| variable | meaning |", "|---|---|"]
+    lines += [f"| `TINYDIST_{s.name}` | {s.doc} |" for s in settings.declared()]
+    lines += ["", "## Launch contract", "",
+              "Set by `tinydist launch`, or mapped from Slurm and Kubernetes by `scheduler/environment.py`, for",
+              "every process of a job; read where a process joins its job or reaches the cluster.", "",
+              "| variable | meaning |", "|---|---|"]
+    lines += [f"| `{name}` | {doc} |" for name, doc in LAUNCH_VARIABLES.items()]
+    return "\n".join(lines) + "\n"
