@@ -18,8 +18,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -30,24 +28,7 @@ from scheduler.errors import ClusterError, CoordinatorLost, MembershipError, Nod
 from scheduler.membership import LinkRecord
 from scheduler.topology import LinkModel, NodeSpec, Topology
 from tinydist.logs import get_logger
-
-
-@dataclass
-class Credentials:
-    cert: bytes
-    key: bytes
-    ca: bytes
-
-    @classmethod
-    def load(cls, cert: str | Path | None = None, key: str | Path | None = None, ca: str | Path | None = None) -> Credentials:
-        paths = {"certificate": cert or os.environ.get("TINYDIST_CERT"), "key": key or os.environ.get("TINYDIST_KEY"),
-                 "CA": ca or os.environ.get("TINYDIST_CA")}
-        missing = [what for what, path in paths.items() if not path]
-        if missing:
-            raise ClusterError(f"mutual TLS needs a client {', '.join(missing)} (pass it, or set TINYDIST_CERT, "
-                               "TINYDIST_KEY, TINYDIST_CA); use insecure mode only on loopback")
-        data = {what: Path(path).read_bytes() for what, path in paths.items()}  # type: ignore[arg-type]
-        return cls(data["certificate"], data["key"], data["CA"])
+from tinydist.pki import ClientCredentials as Credentials
 
 
 def open_channel(target: str, credentials: Credentials | None) -> grpc.Channel:
@@ -56,9 +37,7 @@ def open_channel(target: str, credentials: Credentials | None) -> grpc.Channel:
         if host not in ("127.0.0.1", "::1", "localhost"):
             raise ClusterError(f"refusing an insecure channel to {target}: insecure mode is loopback-only")
         return grpc.insecure_channel(target)
-    creds = grpc.ssl_channel_credentials(root_certificates=credentials.ca, private_key=credentials.key,
-                                         certificate_chain=credentials.cert)
-    return grpc.secure_channel(target, creds)
+    return grpc.secure_channel(target, credentials.channel_credentials())
 
 
 def status(target: str, credentials: Credentials | None, timeout: float = 10.0) -> pb.ClusterStatus:

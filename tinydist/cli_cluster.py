@@ -68,8 +68,12 @@ def _status(args: argparse.Namespace) -> int:
     import grpc
 
     from scheduler.node import status
+    from tinydist.pki import PKIError
     try:
         st = status(args.coordinator, _credentials(args), timeout=args.timeout)
+    except PKIError as exc:
+        print(f"tinydist cluster status: {exc}")
+        return 2
     except grpc.RpcError as exc:
         print(f"tinydist cluster status: {args.coordinator}: {exc.code().name}: {exc.details()}")
         return 1

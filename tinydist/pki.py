@@ -25,11 +25,15 @@ import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+if TYPE_CHECKING:
+    import grpc
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 TRUST_DOMAIN_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{0,250}$")
@@ -38,6 +42,36 @@ DEFAULT_TRUST_DOMAIN = "tinydist.lab"
 
 class PKIError(Exception):
     """A certificate directory is missing something or holds something invalid."""
+
+
+@dataclass(frozen=True)
+class ClientCredentials:
+    """A client's certificate, its key and the lab CA (PEM bytes): mutual TLS to a node or to the
+    cluster scheduler. `load` reads explicit paths, else TINYDIST_CERT / TINYDIST_KEY / TINYDIST_CA."""
+
+    cert: bytes
+    key: bytes
+    ca: bytes
+
+    @classmethod
+    def load(cls, cert: str | Path | None = None, key: str | Path | None = None,
+             ca: str | Path | None = None) -> ClientCredentials:
+        paths = {"certificate": (cert, "TINYDIST_CERT"), "key": (key, "TINYDIST_KEY"), "CA": (ca, "TINYDIST_CA")}
+        found: dict[str, bytes] = {}
+        for what, (explicit, env) in paths.items():
+            path = explicit if explicit is not None else os.environ.get(env)
+            if not path:
+                raise PKIError(f"mutual TLS needs a client {what}: pass it, or set {env}")
+            try:
+                found[what] = Path(path).read_bytes()
+            except OSError as exc:
+                raise PKIError(f"cannot read the client {what} {path}: {exc.strerror}") from None
+        return cls(found["certificate"], found["key"], found["CA"])
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        import grpc  # only a channel needs gRPC; the certificate tools do not
+
+        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert)
 
 
 @dataclass(frozen=True)

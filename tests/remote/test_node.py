@@ -168,3 +168,16 @@ def test_node_serves_prometheus_metrics_that_count_rpcs_and_denials(lab, tmp_pat
             proc.kill()
             proc.stdout.close()
             proc.stderr.close()
+
+
+def test_client_credentials_name_what_is_missing_or_unreadable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tinydist.pki import ClientCredentials, PKIError
+    monkeypatch.delenv("TINYDIST_KEY", raising=False)
+    cert = tmp_path / "c.pem"
+    cert.write_bytes(b"cert")
+    with pytest.raises(PKIError, match="client key: pass it, or set TINYDIST_KEY"):
+        ClientCredentials.load(cert, None, cert)
+    with pytest.raises(PKIError, match=f"cannot read the client CA {tmp_path / 'missing.pem'}"):
+        ClientCredentials.load(cert, cert, tmp_path / "missing.pem")
+    monkeypatch.setenv("TINYDIST_KEY", str(cert))
+    assert ClientCredentials.load(cert, None, cert) == ClientCredentials(b"cert", b"cert", b"cert")

@@ -1,54 +1,27 @@
-"""Client side of the remote device service: credentials, a mutually-authenticated channel, and a
-lease kept alive in the background.
+"""Client side of the remote device service: a mutually-authenticated channel, and a lease kept
+alive in the background.
 
-Credentials come from explicit paths or TINYDIST_CERT / TINYDIST_KEY / TINYDIST_CA (PEM files: the
-client certificate, its key, and the lab CA that signed the server's certificate).
+Credentials are `tinydist.pki.ClientCredentials`: explicit paths or TINYDIST_CERT / TINYDIST_KEY /
+TINYDIST_CA (PEM files: the client certificate, its key, and the lab CA that signed the server's
+certificate).
 """
 
 from __future__ import annotations
 
-import os
 import threading
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
 
-from tinydist.errors import DeviceUnavailable
 from tinydist.logs import get_logger
+from tinydist.pki import ClientCredentials
 from transports.pci_remote._generated import device_pb2 as pb
 from transports.pci_remote._generated import device_pb2_grpc as pb_grpc
 from transports.pci_remote import wire
 
-ENV_CERT, ENV_KEY, ENV_CA = "TINYDIST_CERT", "TINYDIST_KEY", "TINYDIST_CA"
 MAX_MESSAGE_BYTES = 8 << 20
 CHUNK_BYTES = 4 << 20
 _SERVICE = pb.DESCRIPTOR.services_by_name["DeviceService"].full_name
-
-
-@dataclass(frozen=True)
-class ClientCredentials:
-    cert: bytes
-    key: bytes
-    ca: bytes
-
-    @classmethod
-    def load(cls, cert: str | Path | None = None, key: str | Path | None = None, ca: str | Path | None = None) -> ClientCredentials:
-        paths = {"certificate": (cert, ENV_CERT), "key": (key, ENV_KEY), "CA": (ca, ENV_CA)}
-        found: dict[str, bytes] = {}
-        for what, (explicit, env) in paths.items():
-            path = explicit if explicit is not None else os.environ.get(env)
-            if not path:
-                raise DeviceUnavailable(f"remote devices need mutual TLS: no client {what} (pass it, or set {env})")
-            try:
-                found[what] = Path(path).read_bytes()
-            except OSError as exc:
-                raise DeviceUnavailable(f"cannot read the client {what} {path}: {exc.strerror}") from None
-        return cls(found["certificate"], found["key"], found["CA"])
-
-    def channel_credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert)
 
 
 def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:

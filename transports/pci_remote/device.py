@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 
 from tinydist.errors import DeviceError, DeviceNotFound, DeviceUnavailable
+from tinydist.pki import PKIError
 from tinydist.runtime.allocator import Allocator
 from tinydist.runtime.device import Device
 from tinydist.runtime.program import Program, check_signature
@@ -106,7 +107,10 @@ class RemoteDevice(Device):
             raise DeviceError(f"{self.name}: {method} failed: {exc.code().name}: {exc.details()}") from None
 
     def _open_backend(self) -> None:
-        credentials = self._credentials or ClientCredentials.load()
+        try:
+            credentials = self._credentials or ClientCredentials.load()
+        except PKIError as exc:
+            raise DeviceUnavailable(f"remote device {self.name}: {exc}") from None
         session = RemoteSession(self.target, credentials)
         try:
             try:
