@@ -119,6 +119,13 @@ def test_data_only_chunks_are_checked_like_any_write(server, connect) -> None:
     assert server.service.handler_calls["WriteStream"] == before + 2
     assert [r["status"] for r in server.audit_records()[-2:]] == ["NOT_FOUND", "OUT_OF_RANGE"]
     assert bob.Read(pb.ReadRequest(lease=lease, handle=h, length=1000)).data == got  # nothing written
+    # later messages may not redirect the stream: another handle, lease or offset is refused
+    other_lease, other = lease_of(bob), alloc(bob, lease, 1000)
+    for redirect in (pb.WriteRequest(handle=other, data=b"d"), pb.WriteRequest(lease=other_lease, data=b"d"),
+                     pb.WriteRequest(offset=5, data=b"d")):
+        stream = iter([header, redirect.SerializeToString()])
+        assert code_of(raw, stream, timeout=10) == grpc.StatusCode.INVALID_ARGUMENT
+    assert bob.Read(pb.ReadRequest(lease=lease, handle=other, length=1000)).data == bytes(1000)
 
 
 def test_quotas(make_server, lab, connect) -> None:

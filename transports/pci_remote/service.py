@@ -441,11 +441,12 @@ class DeviceService:
         try:
             async for request in requests:
                 if alloc is None:
-                    alloc = self._allocation(call, self._lease(call, request.lease), request.handle)
+                    lease = request.lease
+                    alloc = self._allocation(call, self._lease(call, lease), request.handle)
                     alloc.busy += 1
                     position = request.offset
-                elif (request.handle and request.handle != alloc.handle) or request.offset:
-                    raise RpcError(Code.INVALID_ARGUMENT, "only the first message of a stream names handle and offset")
+                elif (request.lease and request.lease != lease) or (request.handle and request.handle != alloc.handle) or request.offset:
+                    raise RpcError(Code.INVALID_ARGUMENT, "only the first message of a stream names lease, handle and offset")
                 _check_range(alloc.nbytes, position, len(request.data))
                 completion = await self._write(call, alloc, position, request.data)
                 last = completion or last
