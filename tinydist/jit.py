@@ -152,6 +152,10 @@ class _Captured:
         self.written_args = [(position, number) for position, number in self.arg_slots
                              if number in schedule.aliases.values()]
         self.entry = self._link(self.device, self.schedule.linear) if self.device is not None else None
+        # for a replay in runs: the argument copies made at the start of run k, the outputs copied
+        # out at its end; the rest get batches of their own (see _place_copies)
+        self.args_into: dict[int | None, list[tuple[int, int]]] = {}
+        self.outputs_from: dict[int | None, list[int]] = {}
         self.runs = self._bind_runs() if self.device is None else []
         self.arg_copies = [(position, self.buffers[number].address, self.buffers[number].nbytes)
                            for position, number in self.arg_slots]
@@ -204,6 +208,7 @@ class _Captured:
             else:
                 source = b[call.src]
                 run.add(device.copy_command("d2d", source.device), [b[call.out]], [source], (call.nbytes,))
+        self._place_copies(runs)
         self._track_only_shared(runs)
         for run in runs:
             # a run of kernels is linked into one native call: the queue's worker takes the GIL
@@ -221,9 +226,14 @@ class _Captured:
         def span(buffer: Buffer) -> tuple[int, int, int]:
             return id(buffer.base), buffer.offset, buffer.offset + buffer.nbytes
         # by memory, not by object: a gather or a slice kernel writes views of the caller's outputs
-        seen = [span(self.buffers[n]) for n in (*range(self.schedule.n_inputs), *self.output_numbers)
-                if self.buffers[n] is not None]
+        private = {number for _, number in self.arg_slots}
+        seen = [span(self.buffers[n]) for n in range(self.schedule.n_inputs)
+                if self.buffers[n] is not None and n not in private]
         touched = [(span(buffer), write, (run.device.name, run.queue)) for run in runs for buffer, write in run.accesses]
+        # the JIT's own argument and output buffers: written by the copy in, read by the copy out,
+        # on their device's compute queue (in a run there or in a batch of their own)
+        touched += [(span(self.buffers[n]), True, (self.buffers[n].device.name, "compute")) for _, n in self.arg_slots]
+        touched += [(span(self.buffers[n]), False, (self.buffers[n].device.name, "compute")) for n in self.output_numbers]
 
         def tracked(buffer: Buffer, write: bool, stream: tuple[str, str]) -> bool:
             base, start, end = span(buffer)
@@ -234,6 +244,35 @@ class _Captured:
         for run in runs:
             stream = (run.device.name, run.queue)
             run.keep(lambda buffer, write: tracked(buffer, write, stream))
+
+    def _place_copies(self, runs: list[_Run]) -> None:
+        """Copy each argument in at the start of the first run on its buffer's compute queue, when
+        no earlier run touches it; copy each output out at the end of the last run on its
+        device's compute queue, when no later run writes it. A batch of its own would cost the
+        feeding thread a submission and the queue's worker a wake-up, every replay. Arguments
+        the function assigns to keep their own batches (their copy back reads the same buffer)."""
+        streams = [(run.device.name, run.queue) for run in runs]
+        assigned = {number for _, number in self.written_args}
+
+        def touching(number: int) -> list[int]:
+            memory = self.schedule.aliases
+            return [k for k, run in enumerate(runs)
+                    if any(memory.get(n, n) == number for call in run.calls for n in (*call.reads, *call.writes))]
+        for position, number in self.arg_slots:
+            stream = (self.buffers[number].device.name, "compute")
+            users = touching(number)
+            first = streams.index(stream) if stream in streams and number not in assigned else None
+            if first is not None and users and users[0] < first:
+                first = None
+            self.args_into.setdefault(first, []).append((position, number))
+        for i, number in enumerate(self.output_numbers):
+            stream = (self.output_devices[i], "compute")
+            last = len(streams) - 1 - streams[::-1].index(stream) if stream in streams else None
+            writers = [k for k in touching(number)
+                       if any(self.schedule.aliases.get(n, n) == number for call in runs[k].calls for n in call.writes)]
+            if last is not None and writers and writers[-1] > last:
+                last = None
+            self.outputs_from.setdefault(last, []).append(i)
 
     def _link(self, device: Device, calls: Sequence[Call]) -> Program:
         """One native function calling every kernel of `calls` in order, addresses bound."""
@@ -286,26 +325,33 @@ class _Captured:
         runs across queues and devices exactly as they order a realize."""
         engine = get_engine()
         completions = []
-        for position, number in self.arg_slots:
+        outputs: list[Tensor] = [None] * len(self.output_numbers)  # type: ignore[list-item]
+
+        def copy_out(batch: Any, i: int) -> None:
+            (shape, dtype), name = self.output_specs[i], self.output_devices[i]
+            out = engine.device(name).allocator.alloc(math.prod(shape) * dtype.itemsize)
+            batch.copy(out, self.buffers[self.output_numbers[i]])
+            outputs[i] = Tensor(buffer_node(out, dtype, shape, name))
+        for position, number in self.args_into.get(None, ()):
             target = self.buffers[number]
             with target.device.batch("compute") as batch:
                 batch.copy(target, args[position].node.buffer)
             completions.append(batch.completion)
-        for run in self.runs:
+        for k, run in enumerate(self.runs):
             batch = run.device.batch(run.queue)
+            for position, number in self.args_into.get(k, ()):
+                batch.copy(self.buffers[number], args[position].node.buffer)
             for buffer, write in run.accesses:
                 batch.track(buffer, write)
             for fn, call_args in run.commands:
                 batch.command(fn, call_args)
+            for i in self.outputs_from.get(k, ()):
+                copy_out(batch, i)
             completions.append(batch.submit())
-        outputs = []
-        for number, (shape, dtype), name in zip(self.output_numbers, self.output_specs, self.output_devices):
-            device = engine.device(name)
-            out = device.allocator.alloc(math.prod(shape) * dtype.itemsize)
-            with device.batch("compute") as batch:
-                batch.copy(out, self.buffers[number])
+        for i in self.outputs_from.get(None, ()):
+            with engine.device(self.output_devices[i]).batch("compute") as batch:
+                copy_out(batch, i)
             completions.append(batch.completion)
-            outputs.append(Tensor(buffer_node(out, dtype, shape, name)))
         for position, number in self.written_args:
             caller = args[position].node.buffer
             with caller.device.batch("compute") as batch:

@@ -154,6 +154,24 @@ def test_callbacks_wait_for_retire_not_for_failure() -> None:
     assert calls == ["released", "late"]
 
 
+def test_each_signal_runs_exactly_the_callbacks_now_due_in_registration_order() -> None:
+    """Callbacks registered out of target order (a caller far ahead of the device queues many):
+    a signal runs those whose target it reached — in registration order for one target — and
+    leaves the rest for later signals or a retire."""
+    tl = Timeline("t")
+    calls: list[tuple[int, int]] = []
+    for i, target in enumerate([5, 2, 9, 2, 7, 5, 1000]):
+        tl.call_when_reached(target, lambda target=target, i=i: calls.append((target, i)))
+    tl.signal(2)
+    assert calls == [(2, 1), (2, 3)]
+    tl.signal(7)
+    assert calls[2:] == [(5, 0), (5, 5), (7, 4)]
+    tl.signal(9)
+    assert calls[5:] == [(9, 2)]
+    tl.retire(1000)
+    assert calls[6:] == [(1000, 6)] and tl.value == 9
+
+
 async def test_callbacks_run_before_waiters_wake() -> None:
     """A waiter that sees the value also sees what completion released (memory, keep-alives).
 

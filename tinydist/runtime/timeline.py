@@ -13,6 +13,8 @@ device is marked failed and every waiter on every timeline of that device wakes 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -69,7 +71,10 @@ class Timeline:
         self._cond = threading.Condition(threading.Lock())
         self._waiters: list[_AsyncWaiter] = []
         self._blocked = 0
-        self._callbacks: list[tuple[int, Callable[[], None]]] = []
+        # a heap of (target, registration number, callback): a signal takes only the due ones off
+        # it, however many later ones a caller that runs ahead of the device has queued behind
+        self._callbacks: list[tuple[int, int, Callable[[], None]]] = []
+        self._registrations = itertools.count()
         # The highest value whose work is over — done, or skipped because the device failed.
         # Callbacks release what that work held, so they wait for this, never for the failure alone.
         self._retired = 0
@@ -106,9 +111,7 @@ class Timeline:
             ready = [w for w in self._waiters if w.target <= value]
             if ready:
                 self._waiters = [w for w in self._waiters if w.target > value]
-            due = [cb for target, cb in self._callbacks if target <= value]
-            if due:
-                self._callbacks = [(t, cb) for t, cb in self._callbacks if t > value]
+            due = self._take_due(value)
             if self._blocked:
                 self._cond.notify_all()
         # Callbacks first (they give back memory and keep-alives held for the finished work), so a
@@ -123,7 +126,7 @@ class Timeline:
         failure) — on the thread that finishes it, or now if it already has."""
         with self._cond:
             if self._retired < value:
-                self._callbacks.append((value, callback))
+                heapq.heappush(self._callbacks, (value, next(self._registrations), callback))
                 return
         callback()
 
@@ -132,10 +135,16 @@ class Timeline:
         device): run the callbacks waiting for it, without moving the counter."""
         with self._cond:
             self._retired = max(self._retired, value)
-            due = [cb for target, cb in self._callbacks if target <= value]
-            self._callbacks = [(t, cb) for t, cb in self._callbacks if t > value]
+            due = self._take_due(value)
         for callback in due:
             callback()
+
+    def _take_due(self, value: int) -> list[Callable[[], None]]:
+        """The callbacks for work up to `value`, in registration order per target (lock held)."""
+        callbacks, due = self._callbacks, []
+        while callbacks and callbacks[0][0] <= value:
+            due.append(heapq.heappop(callbacks)[2])
+        return due
 
     def fail(self, error: DeviceFailed) -> None:
         """Wake every waiter with `error`; later waits raise it. Callbacks wait for `retire`: a
