@@ -39,37 +39,34 @@ def supported(op: str, dtype: np.dtype) -> bool:
     return op in ("sum", "prod") or (op in ("max", "min") and dtype.kind in "iu")
 
 
-def _combine(op: str, dtype: np.dtype, ty: str, a: str, b: str, out: str) -> str:
-    """IR lines setting %out to `a op b` (operands of type `ty`, scalar or vector)."""
+def _combine(op: str, dtype: np.dtype, ty: str, mask: str, a: str, b: str, out: str) -> str:
+    """IR lines setting %out to `a op b` (operands of type `ty`, scalar or vector; `mask`: i1 of that shape)."""
     if op in ("sum", "prod"):
         code = {"sum": "add", "prod": "mul"}[op]
         return f"  %{out} = {'f' + code if dtype.kind == 'f' else code} {ty} {a}, {b}\n"
     cond = {("max", "i"): "sgt", ("min", "i"): "slt", ("max", "u"): "ugt", ("min", "u"): "ult"}[op, dtype.kind]
-    # numpy's maximum keeps the first operand on ties; for integers the two are indistinguishable
-    return f"  %{out}_c = icmp {cond} {ty} {a}, {b}\n  %{out} = select {'<' + ty.split(' x ')[0][1:] + ' x i1>' if ty.startswith('<') else 'i1'} %{out}_c, {ty} {a}, {ty} {b}\n"
+    return f"  %{out}_c = icmp {cond} {ty} {a}, {b}\n  %{out} = select {mask} %{out}_c, {ty} {a}, {ty} {b}\n"
 
 
-def _body(op: str, dtype: np.dtype, ty: str, sources: int, outputs: int, index: str, prefix: str, align: int) -> str:
+def _body(op: str, dtype: np.dtype, ty: str, mask: str, sources: int, outputs: int, index: str, prefix: str) -> str:
     """Load every source at element `index`, combine in order, store to every destination."""
+    scalar = llvm_type(dtype)
     lines = []
     for j in range(sources):
-        lines.append(f"  %{prefix}p{j} = getelementptr inbounds {_scalar(ty)}, ptr %s{j}, i64 {index}\n")
-        lines.append(f"  %{prefix}v{j} = load {ty}, ptr %{prefix}p{j}, align {align}\n")
+        lines.append(f"  %{prefix}p{j} = getelementptr inbounds {scalar}, ptr %s{j}, i64 {index}\n")
+        lines.append(f"  %{prefix}v{j} = load {ty}, ptr %{prefix}p{j}, align {dtype.itemsize}\n")
     acc = f"%{prefix}v0"
     for j in range(1, sources):
-        lines.append(_combine(op, dtype, ty, acc, f"%{prefix}v{j}", f"{prefix}a{j}"))
+        lines.append(_combine(op, dtype, ty, mask, acc, f"%{prefix}v{j}", f"{prefix}a{j}"))
         acc = f"%{prefix}a{j}"
     for d in range(outputs):
-        lines.append(f"  %{prefix}q{d} = getelementptr inbounds {_scalar(ty)}, ptr %d{d}, i64 {index}\n")
-        lines.append(f"  store {ty} {acc}, ptr %{prefix}q{d}, align {align}\n")
+        lines.append(f"  %{prefix}q{d} = getelementptr inbounds {scalar}, ptr %d{d}, i64 {index}\n")
+        lines.append(f"  store {ty} {acc}, ptr %{prefix}q{d}, align {dtype.itemsize}\n")
     return "".join(lines)
 
 
-def _scalar(ty: str) -> str:
-    return ty.split(" x ")[1].rstrip(">") if ty.startswith("<") else ty
-
-
 def signature(sources: int, outputs: int) -> tuple[str, ...]:
+    """The loader's argument kinds: the destinations, the sources, the element count."""
     return ("w",) * outputs + ("r",) * sources + ("i64",)
 
 
@@ -93,7 +90,7 @@ entry:
 body:
   %b = phi i64 [0, %entry], [%b_next, %body]
   %at = mul i64 %b, {lanes}
-{_body(op, dtype, vector, sources, outputs, "%at", "b", dtype.itemsize)}  %b_next = add nuw i64 %b, 1
+{_body(op, dtype, vector, f"<{lanes} x i1>", sources, outputs, "%at", "b")}  %b_next = add nuw i64 %b, 1
   %b_done = icmp eq i64 %b_next, %blocks
   br i1 %b_done, label %tail_check, label %body
 tail_check:
@@ -101,7 +98,7 @@ tail_check:
   br i1 %any_tail, label %tail, label %exit
 tail:
   %i = phi i64 [%tail_start, %tail_check], [%i_next, %tail]
-{_body(op, dtype, scalar, sources, outputs, "%i", "t", dtype.itemsize)}  %i_next = add nuw i64 %i, 1
+{_body(op, dtype, scalar, "i1", sources, outputs, "%i", "t")}  %i_next = add nuw i64 %i, 1
   %i_done = icmp eq i64 %i_next, %n
   br i1 %i_done, label %exit, label %tail
 exit:
