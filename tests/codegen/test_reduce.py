@@ -61,3 +61,15 @@ def test_in_place_into_the_first_source(op: str, dtype: str) -> None:
     want = expected(op, srcs)
     programs.host_reduce(op, dt, 3, 1).cfunc(srcs[0].ctypes.data, *[s.ctypes.data for s in srcs], srcs[0].size)
     np.testing.assert_array_equal(srcs[0].view(np.uint8), want.view(np.uint8))
+
+
+@pytest.mark.parametrize("shift", [0, 4, 20])
+def test_a_result_not_aligned_to_its_element_size(shift: int) -> None:
+    """A float64 result 4 bytes off its element alignment gets no aligned head: still every element right."""
+    dt, n = np.dtype("f8"), 1000
+    srcs = sources(dt, 2, n, 0, seed=shift)
+    raw = np.zeros(n * 8 + 64, np.uint8)
+    programs.host_reduce("sum", dt, 2, 1).cfunc(raw.ctypes.data + shift, *[s.ctypes.data for s in srcs], n)
+    got = np.frombuffer(raw[shift:shift + n * 8].tobytes(), dt)
+    np.testing.assert_array_equal(got.view(np.uint8), expected("sum", srcs).view(np.uint8))
+    assert not raw[:shift].any() and not raw[shift + n * 8:].any()

@@ -5,8 +5,8 @@
 
 The sources are combined in argument order, one element at a time, as numpy's binary ufuncs do
 (`np.add(s0, s1)`, then `np.add(acc, s2)`, ...): no reassociation, so a float sum is bitwise the
-one numpy computes. The body works on 64-byte vectors (one cache line, an AVX-512 register) with
-a scalar tail. No pointer is `noalias`: the collectives reduce in place (d0 is s0), and every
+one numpy computes. The body works on 64-byte vectors (one cache line, an AVX-512 register) stored
+at 64-byte boundaries of d0, between a scalar head and tail. No pointer is `noalias`: the collectives reduce in place (d0 is s0), and every
 vector is loaded before it is stored, so an exact alias is well defined.
 
 Compiled: sum and prod for float32/float64 and every integer width (wrapping, as numpy's), max and
@@ -83,13 +83,36 @@ def reduce_ir(name: str, op: str, dtype: np.dtype, sources: int, outputs: int) -
     return f"""
 define void @{name}({params}) {{
 entry:
-  %blocks = udiv i64 %n, {lanes}
-  %tail_start = mul i64 %blocks, {lanes}
+  ; scalar head up to the first 64-byte boundary of d0 (none when d0 is not element-aligned), so
+  ; the stream to the result never splits a vector store across two cache lines
+  %address = ptrtoint ptr %d0 to i64
+  %misaligned = and i64 %address, 63
+  %to_boundary = sub i64 64, %misaligned
+  %boundary_bytes = and i64 %to_boundary, 63
+  %element_rest = and i64 %address, {dtype.itemsize - 1}
+  %element_aligned = icmp eq i64 %element_rest, 0
+  %head_elements = udiv i64 %boundary_bytes, {dtype.itemsize}
+  %head_wanted = select i1 %element_aligned, i64 %head_elements, i64 0
+  %short = icmp ult i64 %n, %head_wanted
+  %head = select i1 %short, i64 %n, i64 %head_wanted
+  %rest = sub i64 %n, %head
+  %blocks = udiv i64 %rest, {lanes}
+  %body_elements = mul i64 %blocks, {lanes}
+  %tail_start = add i64 %head, %body_elements
+  %any_head = icmp ne i64 %head, 0
+  br i1 %any_head, label %head_loop, label %body_check
+head_loop:
+  %h = phi i64 [0, %entry], [%h_next, %head_loop]
+{_body(op, dtype, scalar, "i1", sources, outputs, "%h", "h")}  %h_next = add nuw i64 %h, 1
+  %h_done = icmp eq i64 %h_next, %head
+  br i1 %h_done, label %body_check, label %head_loop
+body_check:
   %any_body = icmp ne i64 %blocks, 0
   br i1 %any_body, label %body, label %tail_check
 body:
-  %b = phi i64 [0, %entry], [%b_next, %body]
-  %at = mul i64 %b, {lanes}
+  %b = phi i64 [0, %body_check], [%b_next, %body]
+  %b_offset = mul i64 %b, {lanes}
+  %at = add i64 %head, %b_offset
 {_body(op, dtype, vector, f"<{lanes} x i1>", sources, outputs, "%at", "b")}  %b_next = add nuw i64 %b, 1
   %b_done = icmp eq i64 %b_next, %blocks
   br i1 %b_done, label %tail_check, label %body
