@@ -16,8 +16,9 @@ next round's first step). The first step of a collective's first round also publ
 
 In all2all and reduce-scatter a rank does not copy in the part it reduces itself: it reads that from
 its own input (naive copies everything: every peer reads all of it). Reductions of a part of 1 MiB
-or more from more than two sources or into two destinations run as one compiled pass (`tinydist.codegen.reduce`: every source read once, every
-destination written once) where the op and dtype are compiled; numpy's ufuncs do the rest.
+or more from more than two sources or into two destinations run as one compiled pass
+(`tinydist.codegen.reduce`: every source read once, every destination written once) where the op
+and dtype are compiled; numpy's ufuncs do the rest.
 """
 
 from __future__ import annotations
