@@ -92,12 +92,12 @@ def _reduce_into(ufunc: Ufunc, dsts: Sequence[np.ndarray], sources: Sequence[np.
     dtype are compiled (`tinydist.codegen.reduce.supported`) and the part is big enough to pay, else
     as numpy passes."""
     dst = dsts[0]
-    op = _COMPILED_OPS.get(ufunc)
-    fuses = len(dsts) > 1 or len(sources) > 2
-    if fuses and dst.nbytes >= COMPILED_MIN_BYTES and op is not None and supported(op, dst.dtype):
-        kernel = programs.host_reduce(op, dst.dtype, len(sources), len(dsts)).cfunc
-        kernel(*[a.ctypes.data for a in dsts], *[a.ctypes.data for a in sources], dst.size)
-        return
+    if (len(dsts) > 1 or len(sources) > 2) and dst.nbytes >= COMPILED_MIN_BYTES:   # cheap tests first: small calls
+        op = _COMPILED_OPS.get(ufunc)
+        if op is not None and supported(op, dst.dtype):
+            kernel = programs.host_reduce(op, dst.dtype, len(sources), len(dsts)).cfunc
+            kernel(*[a.ctypes.data for a in dsts], *[a.ctypes.data for a in sources], dst.size)
+            return
     ufunc(sources[0], sources[1], out=dst)
     for src in sources[2:]:
         ufunc(dst, src, out=dst)
