@@ -13,6 +13,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
+import numpy as np
+
 from tinydist.codegen.compile_cache import CompileCache
 from tinydist.codegen.compiler import HostCompiler
 from tinydist.codegen.copy import SIGNATURE as STREAM_COPY_SIGNATURE
@@ -21,10 +23,13 @@ from tinydist.codegen.kernel import KernelAST
 from tinydist.codegen.lowering import STREAMING_STORE_BYTES, lower
 from tinydist.codegen.matmul import SIGNATURE as MATMUL_SIGNATURE
 from tinydist.codegen.matmul import matmul_ir
+from tinydist.codegen.reduce import reduce_ir
+from tinydist.codegen.reduce import signature as reduce_signature
 from tinydist.dtypes import DType
 from tinydist.lazy import LazyNode, Op
 from tinydist.logs import get_logger
 from tinydist.runtime.buffer import Buffer
+from tinydist.runtime.cpu.loader import native_loader
 from tinydist.runtime.device import Batch, Completion, Device
 from tinydist.runtime.engine import get_engine
 from tinydist.runtime.program import Program
@@ -84,6 +89,20 @@ class Programs:
             with self._lock:
                 name = "tinydist_stream_copy"
                 program = device.load_ir(stream_copy_ir(name), name, STREAM_COPY_SIGNATURE, self._compile_cache().compile)
+                self._programs[key] = program
+        return program
+
+
+    def host_reduce(self, op: str, dtype: np.dtype, sources: int, outputs: int) -> Program:
+        """The fused reduction of `tinydist.codegen.reduce` for host memory (the process-group collectives
+        call it on their shared segment, outside any device queue)."""
+        key = (("reduce", op, dtype.str, sources, outputs), "host")
+        program = self._programs.get(key)
+        if program is None:
+            with self._lock:
+                name = f"tinydist_reduce_{op}_{dtype.str[1:]}_{sources}_{outputs}"
+                program = native_loader.load(self._compile_cache().compile(reduce_ir(name, op, dtype, sources, outputs)),
+                                             name, reduce_signature(sources, outputs))
                 self._programs[key] = program
         return program
 
