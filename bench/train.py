@@ -203,6 +203,15 @@ def main() -> None:
                 extra += f"  ({rate / rows['torch 1 thread']:.2f}x torch)"
             print(f"{name:4s} {label:22s} {rate:10,.0f} samples/s{extra}")
             results.append({"name": f"{name}/{label.replace(' ', '_')}", "value": rate, "unit": "samples/s"})
+        # the targets, each against its own baseline: captured step against captured step
+        jit1, jit2 = rows["tinydist 1 device, td.jit step"], rows["tinydist 2 devices, td.jit step"]
+        scaling = jit2 / jit1
+        print(f"{name:4s} target: 2-device scaling (td.jit steps) {scaling:.2f}x "
+              f"{'>=1.7x: PASS' if scaling >= 1.7 else '>=1.7x: MISS'}")
+        if have_torch:
+            versus = jit1 / rows["torch 1 thread"]
+            print(f"{name:4s} target: one core, td.jit step vs torch 1 thread {versus:.2f}x "
+                  f"{'>=1x: PASS' if versus >= 1 else '>=1x: MISS'}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 
