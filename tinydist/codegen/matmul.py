@@ -18,7 +18,7 @@ Blocking (the five loops around the micro-kernel, outermost first):
 
 The micro-kernel keeps an MR×NR tile of C in vector registers for the whole KC loop: per step of
 k it loads NR/V vectors of packed B, broadcasts MR scalars of packed A and issues MR*NR/V fused
-multiply-adds (on AVX-512: 2 aligned vmovaps, 6 vbroadcastss and 12 vfmadd231ps zmm, nothing
+multiply-adds (on AVX-512: 2 aligned vmovaps, 8 vbroadcastss and 16 vfmadd231ps zmm, nothing
 spilled). Packing pads partial micro-panels with zeros, so the micro-kernel always computes a full
 tile; an edge tile goes through a small MR×NR buffer in the workspace instead of C.
 
@@ -62,14 +62,18 @@ class Tiling:
 
 _DTYPES: dict[str, tuple[ir.Type, int]] = {"float32": (ir.FloatType(), 4), "float64": (ir.DoubleType(), 8)}
 
-# MR=6 rows × NR/V=2 vectors = 12 zmm accumulators leave room for the two B vectors and the
-# broadcasts (wider tiles, 8×32 and 12×32, measured no faster). KC makes the MR×KC micro-panel of
-# A 24 KiB, so it stays in the 32 KiB L1d for the whole call while the KC×NR micro-panel of B
-# (128 KiB) and the MC×KC block of A (192 KiB) share the 1 MiB L2; a long KC also means the C tile
-# is loaded and stored only once per K/KC. The KC×NC panel of B (8 MiB at most) lives in L3.
-# Chosen by measurement on znver4 at 1024³ float32: KC=128..256 gave 87-94 GFLOP/s, KC=1024 105-110.
+# MR=8 rows × NR/V=2 vectors = 16 zmm accumulators leave room for the two B vectors and the
+# broadcasts. At 1024³ 6×32 and 8×32 run alike (~110 GFLOP/s; 12×32 no faster), but 8 divides the
+# channel counts convolutions have (16, 32, 3·3·16 = 144) where 6 leaves a partial edge tile (computed
+# whole into a buffer, then copied) every sixth row: the CNN's 32-channel conv forward (M=32,
+# N=16384, K=144) took 1.9-2.0 ms with MR=6, 1.7-1.8 ms with MR=8. The MR×KC micro-panel of A
+# (32 KiB) is re-read from L1/L2 for the whole call while the KC×NR micro-panel of B (128 KiB) and
+# the MC×KC block of A (192 KiB) share the L2; a long KC also means the C tile is loaded and stored
+# only once per K/KC. The KC×NC panel of B (8 MiB at most) lives in L3.
+# KC chosen by measurement on znver4 at 1024³ float32: KC=128..256 gave 87-94 GFLOP/s, KC=1024
+# 105-110 (with MR=8 on the CNN's conv matmuls KC=768 measured the same as 1024).
 DEFAULT_TILINGS: dict[str, Tiling] = {
-    "float32": Tiling(mr=6, nr=32, kc=1024, mc=48, nc=2048),
+    "float32": Tiling(mr=8, nr=32, kc=1024, mc=48, nc=2048),
     "float64": Tiling(mr=6, nr=16, kc=512, mc=48, nc=2048),
 }
 
