@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -76,19 +78,18 @@ def test_cli_certs_and_refusals(tmp_path) -> None:
     assert insecure.returncode == 2 and "loopback" in insecure.stderr
 
 
-def test_node_process_serves_health_over_mtls(lab, tmp_path) -> None:
+@contextlib.contextmanager
+def serving_node(lab, tmp_path: Path, *extra: str) -> Iterator[tuple[subprocess.Popen, int]]:
+    """`tinydist node serve` in its own process on a free loopback port: (process, port); SIGTERM at exit."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TINYDIST_")}
     proc = subprocess.Popen([sys.executable, "-m", "tinydist.cli", "node", "serve", "--listen", "127.0.0.1:0", "--pki",
-                             str(lab.root), "--audit", str(tmp_path / "audit.jsonl")],
+                             str(lab.root), "--audit", str(tmp_path / "audit.jsonl"), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     try:
         line = proc.stdout.readline()
         match = re.search(r"serving 127\.0\.0\.1:(\d+)", line)
         assert match, (line, proc.stderr.read() if proc.poll() is not None else "")
-        creds = lab.creds["carol"]
-        with grpc.secure_channel(f"127.0.0.1:{match.group(1)}", creds.channel_credentials()) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="tinydist.v1.DeviceService"), timeout=10)
-            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        yield proc, int(match.group(1))
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -97,6 +98,14 @@ def test_node_process_serves_health_over_mtls(lab, tmp_path) -> None:
             proc.kill()
             proc.stdout.close()
             proc.stderr.close()
+
+
+def test_node_process_serves_health_over_mtls(lab, tmp_path) -> None:
+    with serving_node(lab, tmp_path) as (proc, port):
+        creds = lab.creds["carol"]
+        with grpc.secure_channel(f"127.0.0.1:{port}", creds.channel_credentials()) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="tinydist.v1.DeviceService"), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
     assert proc.returncode == 0
 
 
@@ -142,14 +151,8 @@ def test_node_serves_prometheus_metrics_that_count_rpcs_and_denials(lab, tmp_pat
     with socket.socket() as probe:  # a free loopback port for the metrics endpoint
         probe.bind(("127.0.0.1", 0))
         metrics_port = probe.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TINYDIST_")}
-    proc = subprocess.Popen([sys.executable, "-m", "tinydist.cli", "node", "serve", "--listen", "127.0.0.1:0", "--pki",
-                             str(lab.root), "--metrics", f"127.0.0.1:{metrics_port}", "--audit", str(tmp_path / "audit.jsonl")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
-    try:
-        match = re.search(r"serving 127\.0\.0\.1:(\d+)", proc.stdout.readline())
-        assert match, proc.stderr.read() if proc.poll() is not None else "no serving line"
-        with grpc.secure_channel(f"127.0.0.1:{match.group(1)}", lab.creds["mallory"].channel_credentials()) as channel:
+    with serving_node(lab, tmp_path, "--metrics", f"127.0.0.1:{metrics_port}") as (_, port):
+        with grpc.secure_channel(f"127.0.0.1:{port}", lab.creds["mallory"].channel_credentials()) as channel:
             ping = channel.unary_unary("/tinydist.v1.DeviceService/Ping", request_serializer=pb.PingRequest.SerializeToString,
                                        response_deserializer=pb.PingReply.FromString)
             with pytest.raises(grpc.RpcError) as refused:
@@ -160,14 +163,6 @@ def test_node_serves_prometheus_metrics_that_count_rpcs_and_denials(lab, tmp_pat
                    for family in text_string_to_metric_families(text) for s in family.samples}
         assert samples[("tinydist_rpcs_total", (("method", "Ping"), ("status", "PERMISSION_DENIED")))] >= 1
         assert sum(v for (name, _), v in samples.items() if name == "tinydist_auth_denials_total") >= 1
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.communicate(timeout=15)
-        finally:
-            proc.kill()
-            proc.stdout.close()
-            proc.stderr.close()
 
 
 def test_client_credentials_name_what_is_missing_or_unreadable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
