@@ -38,10 +38,12 @@ from tinydist.runtime.device import Completion, Device
 from tinydist.runtime.engine import get_engine
 from tinydist.runtime.program import Program
 from tinydist.schedule import Schedule, create_schedule
-from tinydist.schedule.items import Call, CopyCall, GatherCall, KernelCall, MatmulCall, SliceCall
+from tinydist.schedule.items import Call, GatherCall, KernelCall, MatmulCall, SliceCall
 from tinydist.tensor import Tensor, observe_assigns
 
 _entry_ids = itertools.count()
+# the calls `_link` turns into one native entry; copies, gathers and slice kernels replay as commands
+_LINKABLE = (KernelCall, MatmulCall)
 
 
 class JitError(TinydistError, ValueError):
@@ -121,8 +123,8 @@ class _Captured:
         self.output_bytes = [node.nbytes for node in outputs]
         self.output_devices = [node.device for node in outputs]
         devices = set(self.output_devices) | {call.device for call in schedule.linear}
-        # One device without copies links into one entry point; anything else replays in runs.
-        single = len(devices) == 1 and not any(isinstance(c, (CopyCall, GatherCall, SliceCall)) for c in schedule.linear)
+        # One device with only linkable calls links into one entry point; anything else replays in runs.
+        single = len(devices) == 1 and all(isinstance(c, _LINKABLE) for c in schedule.linear)
         self.device: Device | None = engine.device(devices.pop()) if single else None
         self.buffers: list[Buffer | None] = [None] * len(schedule.specs)
         self.arg_slots: list[tuple[int, int]] = []      # (argument index, buffer number)
@@ -213,7 +215,7 @@ class _Captured:
         for run in runs:
             # a run of kernels is linked into one native call: the queue's worker takes the GIL
             # once per run instead of after every kernel (another thread feeding the devices holds it)
-            if len(run.calls) > 1 and all(isinstance(call, (KernelCall, MatmulCall)) for call in run.calls):
+            if len(run.calls) > 1 and all(isinstance(call, _LINKABLE) for call in run.calls):
                 run.commands = [(self._link(run.device, run.calls).cfunc, ())]
         return runs
 
