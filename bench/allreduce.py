@@ -58,7 +58,10 @@ def worker_tinydist(sizes: list[int], out: str) -> None:
     dist.init()
     group, portal = dist.get_group(), dist._state["portal"]
     if dist.rank() == 0:
-        print(f"tinydist from {Path(dist.__file__).parent}; group segment: {group.shm is not None}", flush=True)
+        threshold = None if group.shm is None else group.shm.single_copy_bytes
+        single = "off" if threshold is None else f"from {threshold >> 20} MiB"
+        print(f"tinydist from {Path(dist.__file__).parent}; group segment: {group.shm is not None}; "
+              f"all2all single copy: {single}", flush=True)
     results = {}
     for nbytes in sizes:
         x = np.ones(nbytes // 4, np.float32)

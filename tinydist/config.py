@@ -127,6 +127,10 @@ for _setting in (
     Setting("SHM_SLOT_BYTES", _positive_int, lambda: 4 << 20,
             "Bytes each rank moves per round through the group's shared-memory segment (tinydist.dist on one host); "
             "larger messages take several rounds. Every rank of a job must use the same value."),
+    Setting("SHM_SINGLE_COPY", _choice("auto", "on", "off"), lambda: "auto",
+            "Whether all2all allreduce on one host (tinydist.dist) copies straight between the ranks' memory with "
+            "process_vm_readv/writev, where every rank may: auto from 8 MiB on, on at every size, off never (through "
+            "the group segment's slots). One rank's off turns it off for the whole job; on and auto agree on 8 MiB."),
     Setting("TRANSPORT", _choice("auto", "shm", "tcp", "rdma"), lambda: "auto",
             "Links between ranks. auto: shared memory on one host; between hosts BNXT RDMA when both ranks "
             "have a NIC, else TCP. shm / tcp / rdma force one (rdma falls back to TCP, with the reason logged)."),

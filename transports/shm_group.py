@@ -10,6 +10,7 @@ use alternate slots, so a rank may fill round k+1's slot while a slow peer still
 
     control page of rank r (only r writes it):
         [0:8)      uint64 step: how many steps r has completed; peers wait on it
+        [8:40)     uint64 pid, probe address, probe verdict, single-copy threshold (`negotiate_single_copy`)
         [64:...)   two header slots (round parity): uint32 length, then a JSON blob
 
 Signalling: a rank fills its data (and header), then stores its new `step`, then FUTEX_WAKEs the
@@ -40,6 +41,7 @@ from collections.abc import Callable, Sequence
 import anyio
 import numpy as np
 
+from transports import cma
 from transports.base import Link, TransportError
 from transports.shm import PREFIX, _attach, _create, _unlink
 
@@ -73,6 +75,7 @@ class WaitTimeout(TransportError):
         super().__init__(f"ranks {ranks} did not reach step {step}")
 
 
+_PROBE = 0x7464_7072_6F62_6500   # a rank's probe word is this | its rank: a read of the wrong address shows
 _FAILED = "failed: "   # rank 0's message instead of a segment name when it could not create one
 
 
@@ -96,6 +99,11 @@ class ShmGroup:
         self._loadavg = os.open("/proc/loadavg", os.O_RDONLY) if os.path.exists("/proc/loadavg") else -1
         self.step = int(self.steps[rank])
         self.rounds = 0           # rounds begun; every rank begins the same rounds, so parities agree
+        # every rank's pid, and from what size on collectives copy straight between the ranks' memory
+        # (`transports.cma`; None: never, as when a rank may not read or write a peer's memory)
+        self.pids: list[int] = []
+        self.single_copy_bytes: int | None = None
+        self._scratch = np.empty(0, np.uint8)
 
     @staticmethod
     def supported() -> bool:
@@ -138,6 +146,12 @@ class ShmGroup:
         offset = self.world * CONTROL_BYTES + (2 * rank + parity) * self.slot_bytes
         return np.ndarray((count,), dtype, buffer=self.map, offset=offset)
 
+    def scratch(self, nbytes: int) -> np.ndarray:
+        """A private buffer of at least `nbytes`, kept between collectives (a fresh one would fault its pages in each time)."""
+        if self._scratch.nbytes < nbytes:
+            self._scratch = np.empty(nbytes, np.uint8)
+        return self._scratch[:nbytes]
+
     def write_header(self, parity: int, blob: bytes) -> None:
         if len(blob) > HEADER_BYTES - 4:
             raise TransportError(f"collective header of {len(blob)} bytes exceeds {HEADER_BYTES - 4}")
@@ -158,6 +172,38 @@ class ShmGroup:
         if self.raw is None:
             raise TransportError(f"the group's shared memory is closed (rank {self.rank})")
         return self.raw
+
+    def negotiate_single_copy(self, deadline: float, check: Callable[[int], None], min_bytes: int | None) -> int | None:
+        """Learn every rank's pid, and agree from what message size on collectives copy straight
+        between the ranks' memory (`transports.cma`); None: never. Each rank publishes a probe word,
+        reads and rewrites every peer's, then publishes its verdict and its `min_bytes` (None: it
+        wants no single copy). Single copy needs every rank's yes; its threshold is the largest asked
+        for, the same on every rank. Two steps."""
+        control = self._control()
+        probe = np.array([_PROBE | self.rank], np.uint64)   # private memory the peers probe
+        control[self.rank, 1:3] = (os.getpid(), probe.ctypes.data)
+        self.wait(self.post(), deadline, check)
+        self.pids = [int(pid) for pid in control[:, 1]]
+        verdict = min_bytes is not None and cma.available()
+        seen = np.zeros(1, np.uint64)
+        for peer in self.peers if verdict else ():
+            try:
+                cma.read(self.pids[peer], int(control[peer, 2]), seen)
+                cma.write(self.pids[peer], int(control[peer, 2]), seen)
+            except TransportError:
+                seen[0] = 0
+            if int(seen[0]) != _PROBE | peer:
+                verdict = False
+                break
+        control[self.rank, 3:5] = (int(verdict), min_bytes or 0)
+        self.wait(self.post(), deadline, check)      # every peer is done with `probe`
+        self.single_copy_bytes = int(control[:, 4].max()) if control[:, 3].all() else None
+        return self.single_copy_bytes
+
+    def _control(self) -> np.ndarray:
+        """Every rank's first control words, (world, 5) uint64: step, pid, probe address, probe verdict, single-copy threshold."""
+        raw = self._raw()
+        return np.ndarray((self.world, 5), np.uint64, buffer=raw, strides=(CONTROL_BYTES, 8))
 
     # ---- signalling ---------------------------------------------------------------------------
 

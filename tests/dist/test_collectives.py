@@ -2,23 +2,41 @@
 
 from __future__ import annotations
 
+import platform
 import re
+import sys
+from pathlib import Path
 
 import pytest
 
 from .helpers import finish, launch, spawn_ranks
 
 
-@pytest.mark.parametrize("nproc,transport,slot", [(2, "shm", None), (3, "tcp", None), (4, "shm", None), (4, "tcp", None),
-                                                  (3, "shm", "4096")])
-def test_collectives_match_numpy(nproc, transport, slot, no_shm_leak):
-    """slot: a small TINYDIST_SHM_SLOT_BYTES makes most calls on the group segment take many rounds."""
-    env = {"TINYDIST_TRANSPORT": transport, **({"TINYDIST_SHM_SLOT_BYTES": slot} if slot else {})}
+def _single_copy_permitted() -> bool:
+    """Whether sibling processes may read each other's memory here (process_vm_readv): Linux x86-64
+    without Yama's ptrace restriction (scope 1+ allows only ancestors)."""
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return False
+    scope = Path("/proc/sys/kernel/yama/ptrace_scope")
+    return not scope.exists() or scope.read_text().strip() == "0"
+
+
+@pytest.mark.parametrize("nproc,transport,slot,single_copy", [
+    (2, "shm", None, "on"), (3, "tcp", None, "auto"), (4, "shm", None, "on"), (4, "tcp", None, "auto"),
+    (3, "shm", "4096", "auto"), (4, "shm", None, "off")])
+def test_collectives_match_numpy(nproc, transport, slot, single_copy, no_shm_leak):
+    """slot: a small TINYDIST_SHM_SLOT_BYTES makes most calls on the group segment take many rounds.
+    single_copy: on, all2all allreduce copies straight between the ranks' memory (process_vm_readv/writev)
+    at every size; auto, only from 8 MiB on, so these sizes go through the slots; off, never."""
+    env = {"TINYDIST_TRANSPORT": transport, "TINYDIST_SHM_SINGLE_COPY": single_copy,
+           **({"TINYDIST_SHM_SLOT_BYTES": slot} if slot else {})}
     result = launch(nproc, "collectives.py", env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    done = re.findall(r"\[rank (\d)\] OK (\d+) checks", result.stdout)
-    assert sorted(int(r) for r, _ in done) == list(range(nproc)), result.stdout[-3000:]
-    assert all(int(n) > 300 for _, n in done)
+    done = re.findall(r"\[rank (\d)\] OK (\d+) checks on rank \d of \d; single copy: (\w+)", result.stdout)
+    assert sorted(int(r) for r, _, _ in done) == list(range(nproc)), result.stdout[-3000:]
+    assert all(int(n) > 300 for _, n, _ in done)
+    expected = transport == "shm" and single_copy != "off" and _single_copy_permitted()
+    assert {used for _, _, used in done} == {str(expected)}, result.stdout[-3000:]
 
 
 @pytest.mark.parametrize("transport", ["auto", "tcp"])   # headers on the group segment / over links

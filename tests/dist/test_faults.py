@@ -33,11 +33,14 @@ def test_sigkill_mid_collective_survivors_name_the_dead_rank(transport, no_shm_l
     _survivors_name(finish(procs, timeout=60), victim=2, within=3.0)     # well within the 3 s collective timeout
 
 
-def test_sigkill_mid_collective_on_the_group_segment(no_shm_leak):
+@pytest.mark.parametrize("single_copy", ["off", "on"])
+def test_sigkill_mid_collective_on_the_group_segment(single_copy, no_shm_leak):
     """Small slots make each call many rounds, so the victim dies between two steps of one collective;
-    survivors asleep on its step must be woken by the link's EOF, not wait for the timeout."""
+    survivors asleep on its step must be woken by the link's EOF, not wait for the timeout. With single
+    copy, all2all reads and writes the victim's memory directly and may find its process gone."""
     procs = spawn_ranks(4, "faults.py", "kill", "1", "all2all,naive",
-                        env={"TINYDIST_COLLECTIVE_TIMEOUT": "20", "TINYDIST_SHM_SLOT_BYTES": "65536"})
+                        env={"TINYDIST_COLLECTIVE_TIMEOUT": "20", "TINYDIST_SHM_SLOT_BYTES": "65536",
+                             "TINYDIST_SHM_SINGLE_COPY": single_copy})
     _survivors_name(finish(procs, timeout=60), victim=1, within=5.0)     # far below the 20 s timeout
 
 

@@ -127,12 +127,31 @@ class ProcessGroup:
             try:
                 if world > 1 and group.same_host and transport in ("auto", "shm") and ShmGroup.supported():
                     group.shm = await open_group(rank, world, table["job"], group.links, settings.SHM_SLOT_BYTES, timeout)
+                    await group._negotiate_single_copy(timeout)
                 group.log.debug("dist.init", links={p: link.kind for p, link in group.links.items()},
-                                segment=group.shm is not None)
+                                segment=group.shm is not None, single_copy_bytes=group.shm and group.shm.single_copy_bytes)
                 yield group
             finally:
                 with anyio.CancelScope(shield=True):
                     await group._close()
+
+    async def _negotiate_single_copy(self, timeout: float) -> None:
+        """Agree with every rank from what size on all2all copies straight between the ranks' memory
+        (`ShmGroup.negotiate_single_copy`): TINYDIST_SHM_SINGLE_COPY=off on any rank says never, `on`
+        asks for every size, `auto` for `shm.SINGLE_COPY_MIN_BYTES` on."""
+        grp = self.shm
+        assert grp is not None
+        wanted = {"auto": shm.SINGLE_COPY_MIN_BYTES, "on": 0, "off": None}[settings.SHM_SINGLE_COPY]
+        deadline = time.monotonic() + timeout
+        check = functools.partial(self._check_waiting, "the single-copy probe")
+        try:
+            await anyio.to_thread.run_sync(grp.negotiate_single_copy, deadline, check, wanted)
+        except WaitTimeout as exc:
+            raise self._timed_out("the single-copy probe", exc.ranks, False) from None
+        if grp.single_copy_bytes is None:
+            self.log.info("dist.single_copy_off", reason="TINYDIST_SHM_SINGLE_COPY=off or a rank cannot read a peer's "
+                                                         "memory (process_vm_readv: ptrace rights); large collectives "
+                                                         "go through the segment's slots")
 
     async def _close(self) -> None:
         blamed = self._failure.rank if isinstance(self._failure, RankFailed) else None
@@ -200,6 +219,11 @@ class ProcessGroup:
                 headers = session.sync()
             except WaitTimeout as exc:
                 raise self._timed_out(name, exc.ranks, session.headers is None) from None
+            except RankFailed as exc:
+                if self._failure is None:       # a peer's process vanished under a single copy: as a link's EOF
+                    self._on_link_failure(exc.rank, str(exc), exc.rank)
+                self._check_failure(name)
+                raise
             except CollectiveError:
                 raise
             except BaseException as exc:
@@ -331,9 +355,11 @@ class ProcessGroup:
                 chosen, reason = choose_allreduce(self.world, x.nbytes, self.same_host)
         header = {"coll": "all_reduce", "op": op, "dtype": x.dtype.str, "shape": list(x.shape), "algorithm": chosen, "error": error}
         on_segment = self.shm is not None and not error and chosen != "ring"
+        threshold = None if self.shm is None else self.shm.single_copy_bytes
+        single_copy = on_segment and chosen == "all2all" and threshold is not None and x.nbytes >= threshold
         if not error:
-            self._log_choice("all_reduce", chosen, reason, nbytes=x.nbytes,
-                             link="shm segment" if on_segment else "shm" if self.same_host else "tcp")
+            link = "single copy" if single_copy else "shm segment" if on_segment else "shm" if self.same_host else "tcp"
+            self._log_choice("all_reduce", chosen, reason, nbytes=x.nbytes, link=link)
         # `out` passed `_check_out`: C-contiguous, so its flat view shares its memory
         flat_out = None if out is None else out.reshape(-1)
 
@@ -354,7 +380,7 @@ class ProcessGroup:
             return _result(_finish(acc, op, self.world, flat_out), x.shape, out)
 
         def segment(session: shm.Session) -> np.ndarray:
-            run = shm.allreduce_naive if chosen == "naive" else shm.allreduce_all2all
+            run = shm.allreduce_single_copy if single_copy else shm.allreduce_naive if chosen == "naive" else shm.allreduce_all2all
             # reduce straight into `out` when it has the input's dtype (integer mean's float64 `out` does not)
             acc = flat_out if flat_out is not None and flat_out.dtype == x.dtype else np.empty(x.size, x.dtype)
             run(session, x.reshape(-1), acc, OPS[op])

@@ -113,8 +113,10 @@ def main() -> None:
     check(dist.broadcast(x if r == 0 else None), x, "big broadcast")
     for _ in range(3):
         dist.barrier()
+    shm = dist.get_group().shm
+    single_copy = shm is not None and shm.single_copy_bytes is not None
     dist.destroy()
-    print(f"OK {count} checks on rank {r} of {n}")
+    print(f"OK {count} checks on rank {r} of {n}; single copy: {single_copy}")
 
 
 if __name__ == "__main__":
