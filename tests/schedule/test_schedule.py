@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -15,7 +16,8 @@ from tinydist.codegen import kernel as K
 from tinydist.schedule.items import CopyCall, GatherCall, KernelCall, MatmulCall, SliceCall
 from tinydist.schedule.linear import linearize
 from tinydist.shape import ShapeTracker
-from tinydist.schedule.memory import BLOCK
+from tinydist.schedule.items import BufferSpec
+from tinydist.schedule.memory import BLOCK, plan_memory
 
 A = np.arange(12, dtype=np.float32).reshape(3, 4)
 
@@ -380,3 +382,26 @@ def test_readers_of_a_buffer_written_in_ranges_follow_every_writer() -> None:
     order = linearize([first_half, reader, second_half, producer], {})
     assert order.index(reader) > max(order.index(first_half), order.index(second_half))
     assert order.index(producer) < order.index(first_half)
+
+
+@dataclasses.dataclass
+class _Call:
+    """What the memory planner reads of a call."""
+    writes: tuple[int, ...]
+    reads: tuple[int, ...]
+    device: str = "CPU:0"
+    queue: str = "compute"
+
+
+def test_memory_plan_gives_buffers_of_several_streams_their_own_bytes():
+    """A buffer another device reads is not reused after its last reader, even by a buffer whose
+    lifetime is disjoint from it: a replay would have to wait for the other device first."""
+    specs = [BufferSpec(1024, dtypes.float32, (256,), device) for device in ("CPU:0", "CPU:0", "CPU:1", "CPU:0")]
+    linear = [_Call(writes=(0,), reads=()), _Call(writes=(2,), reads=(0,), device="CPU:1"),
+              _Call(writes=(1,), reads=()), _Call(writes=(3,), reads=(1,))]
+    plan = plan_memory(linear, specs, planned=[0, 1, 2])
+    assert plan.lifetimes[0] == (0, 1) and plan.lifetimes[1] == (2, 3)
+    assert plan.offsets[0] != plan.offsets[1]
+    linear[1] = _Call(writes=(2,), reads=(0,))             # the reader on the same device:
+    one_stream = plan_memory(linear, specs, planned=[0, 1, 2])
+    assert one_stream.offsets[0] == one_stream.offsets[1]  # buffer 1 reuses buffer 0's bytes
