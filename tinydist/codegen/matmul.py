@@ -137,12 +137,12 @@ def workspace_bytes(M: int, N: int, K: int, dtype: str = "float32", tiling: Tili
     rows then columns); each region starts on a 64-byte boundary. Blocks shrink to the problem, so
     small problems need little.
     """
-    tables = _round_up(4 * strided.table_entries, _ALIGN) if strided is not None else 0
+    tables = 4 * strided.table_entries if strided is not None else 0
     _, itemsize = _dtype(dtype)
     t = tiling or DEFAULT_TILINGS[dtype]
     kc, nc, mc = min(K, t.kc), min(_round_up(N, t.nr), t.nc), min(_round_up(M, t.mr), t.mc)
-    tile = _round_up(t.mr * t.nr * itemsize, _ALIGN) if strided is not None else t.mr * t.nr * itemsize
-    return _round_up(kc * nc * itemsize, _ALIGN) + _round_up(mc * kc * itemsize, _ALIGN) + tile + tables
+    regions = (kc * nc * itemsize, mc * kc * itemsize, t.mr * t.nr * itemsize)
+    return sum(_round_up(size, _ALIGN) for size in regions) + tables
 
 
 I32, I64 = ir.IntType(32), ir.IntType(64)
@@ -465,7 +465,7 @@ class _Generator:
         tile_ld = _i64(t.nr)
         strided = self.strided
         if strided is not None:
-            row_table = b.at(tile, _i64(-(-t.mr * t.nr * self.itemsize // _ALIGN) * _ALIGN), ir.IntType(8))
+            row_table = b.at(tile, _i64(_round_up(t.mr * t.nr * self.itemsize, _ALIGN)), ir.IntType(8))
             col_table = b.at(row_table, _i64(math.prod(size for size, _ in strided.rows)), I32)
             self.offset_table(b, row_table, strided.rows, strided.offset)
             self.offset_table(b, col_table, strided.cols, 0)

@@ -10,7 +10,9 @@ Rules, in the order they are applied:
      than storing it (it contains a transcendental, a reduce, or more than a few ops).
      A copy between devices of one peer group (CPU devices of one process) is the exception:
      not a call at all, its readers load the source straight from the peer's memory (the source
-     itself is still computed on its own device).
+     itself is still computed on its own device). So is, on host devices, a matmul operand that
+     is a `contiguous` copy of one strided view (a convolution's im2col columns): the matmul
+     packs it straight from the view's base, unless something else needs the copy first.
   3. Everything else — chains of elementwise ops, the reduce they feed, and elementwise ops
      applied to that reduce's result — is inlined into the kernel that computes the
      materialized node that uses it.
