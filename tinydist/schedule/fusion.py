@@ -32,7 +32,7 @@ from tinydist.codegen.matmul import StridedOperand, workspace_bytes
 from tinydist.lazy import ELEMENTWISE, TRANSCENDENTAL, LazyNode, Op
 from tinydist.runtime.registry import peer_group
 from tinydist.schedule.items import BufferSpec, Call, CopyCall, GatherCall, KernelCall, MatmulCall, SliceCall
-from tinydist.shape import ShapeTracker, View, prod
+from tinydist.shape import ShapeTracker, prod
 
 CHEAP_RECOMPUTE_OPS = 3
 
@@ -256,25 +256,27 @@ class _Fuser:
         # One operand at most is read strided (host devices only: the LLVM matmul gathers), the
         # bigger one, whose copy costs the most: a convolution's columns, not the transposed
         # weights or output gradient it is multiplied with.
-        candidates = [(operand.numel, which, operand) for which, operand in (("a", a_node), ("b", b_node))
-                      if peer_group(node.device) == "host" and self._strided_candidate(operand)]
-        strided = self._strided_operand(*max(candidates)[1:]) if candidates else None
-        a = strided[0] if strided is not None and strided[1].operand == "a" else self.buffer_of(a_node)
-        b = strided[0] if strided is not None and strided[1].operand == "b" else self.buffer_of(b_node)
-        view = strided[1] if strided is not None else None
+        found = [(operand.numel, view) for operand, view in ((a_node, self._strided_view(a_node, "a")),
+                                                             (b_node, self._strided_view(b_node, "b")))
+                 if view is not None and peer_group(node.device) == "host"]
+        strided: StridedOperand | None = None
+        if found:
+            base, strided = max(found, key=lambda pair: pair[0])[1]
+        a = self.buffer_of(base) if strided is not None and strided.operand == "a" else self.buffer_of(a_node)
+        b = self.buffer_of(base) if strided is not None and strided.operand == "b" else self.buffer_of(b_node)
         batch = max(ba, bb)
-        workspace = self._new_buffer(None, BufferSpec(workspace_bytes(m, n, k, node.dtype.name, strided=view),
+        workspace = self._new_buffer(None, BufferSpec(workspace_bytes(m, n, k, node.dtype.name, strided=strided),
                                                       dtypes.bool_, (), node.device))
         out = self._new_buffer(node, BufferSpec(node.nbytes, node.dtype, node.shape, node.device))
         self.graph.calls.append(MatmulCall(out, a, b, workspace, batch, m, n, k, 0 if ba == 1 else m * k,
-                                           0 if bb == 1 else k * n, node.dtype, node.device, strided=view))
+                                           0 if bb == 1 else k * n, node.dtype, node.device, strided=strided))
         return out
 
-    def _strided_view(self, operand: LazyNode) -> tuple[LazyNode, View, int] | None:
-        """For a matmul operand that is a not yet computed `contiguous` copy of one strided view (a
-        convolution's im2col columns): the view's base node, the view, and how many of its
-        (non-unit) axes make the matrix's rows. None where the copy is needed anyway, or the view
-        is masked, or the rows do not end on an axis, or offsets would not fit int32."""
+    def _strided_view(self, operand: LazyNode, which: str) -> tuple[LazyNode, StridedOperand] | None:
+        """For matmul operand `which` when it is a not yet computed `contiguous` copy of one strided
+        view (a convolution's im2col columns): the view's base node and how the matrix lies in it.
+        None where the copy is needed anyway, or the view is masked, or the rows do not end on an
+        axis of the view, or offsets would not fit int32."""
         _, rows, _ = operand.shape
         node = operand
         if node.op is Op.VIEW and not node.realized and node.arg.is_reshape_of(node.srcs[0].shape):
@@ -288,23 +290,14 @@ class _Fuser:
         base, inner = view.srcs[0], view.arg.views[0]
         if base.op is Op.CONST or base.numel >= 1 << 31:
             return None
-        sizes = [size for size in inner.shape if size != 1]
-        split, count = 0, 1
-        while split < len(sizes) and count < rows:
-            count *= sizes[split]
-            split += 1
-        return (base, inner, split) if count == rows else None
-
-    def _strided_candidate(self, operand: LazyNode) -> bool:
-        return self._strided_view(operand) is not None
-
-    def _strided_operand(self, which: str, operand: LazyNode) -> tuple[int, StridedOperand]:
-        """The base buffer of a `_strided_view` operand (computed first) and how the matrix lies in it."""
-        found = self._strided_view(operand)
-        assert found is not None
-        base, inner, split = found
         axes = tuple((size, stride) for size, stride in zip(inner.shape, inner.strides) if size != 1)
-        return self.buffer_of(base), StridedOperand(which, axes[:split], axes[split:], inner.offset)
+        split, count = 0, 1
+        while split < len(axes) and count < rows:
+            count *= axes[split][0]
+            split += 1
+        if count != rows:
+            return None
+        return base, StridedOperand(which, axes[:split], axes[split:], inner.offset)
 
     def _allreduce(self, node: LazyNode) -> None:
         """`node`'s whole group (every output of one allreduce in this graph) as one SliceCall per
