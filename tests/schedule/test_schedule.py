@@ -405,3 +405,45 @@ def test_memory_plan_gives_buffers_of_several_streams_their_own_bytes():
     linear[1] = _Call(writes=(2,), reads=(0,))             # the reader on the same device:
     one_stream = plan_memory(linear, specs, planned=[0, 1, 2])
     assert one_stream.offsets[0] == one_stream.offsets[1]  # buffer 1 reuses buffer 0's bytes
+
+
+def _np_conv2d(x: np.ndarray, w: np.ndarray, padding: int) -> np.ndarray:
+    padded = np.pad(x, ((0, 0), (0, 0), (padding, padding), (padding, padding)))
+    windows = np.lib.stride_tricks.sliding_window_view(padded, w.shape[2:], axis=(2, 3))  # N C OH OW KH KW
+    return np.einsum("ncyxij,ocij->noyx", windows, w)
+
+
+def test_convolution_columns_are_packed_from_the_padded_input():
+    """The im2col columns are never written out: the forward matmul packs them from the padded
+    input, and so does the weight gradient's (as A), with the same values as numpy."""
+    rng = np.random.default_rng(3)
+    x_np, w_np = rng.standard_normal((3, 2, 5, 7)).astype(np.float32), rng.standard_normal((4, 2, 3, 3)).astype(np.float32)
+    x, w = td.Tensor(x_np), td.Tensor(w_np, requires_grad=True)
+    out = x.conv2d(w, padding=1)
+    loss = (out * out).sum()
+    loss.backward()
+    schedule, _ = create_schedule([out.node])
+    (forward,) = [c for c in schedule.linear if isinstance(c, MatmulCall)]
+    assert forward.strided is not None and forward.strided.operand == "b"
+    assert not any(isinstance(c, KernelCall) and c.ast.shape[-3:] == (3, 5, 7) and len(c.ast.shape) == 7
+                   for c in schedule.linear), "the columns were copied"
+    expected = _np_conv2d(x_np, w_np, 1)
+    np.testing.assert_allclose(out.numpy(), expected, rtol=1e-4, atol=1e-4)
+    columns = np.lib.stride_tricks.sliding_window_view(np.pad(x_np, ((0, 0), (0, 0), (1, 1), (1, 1))), (3, 3), axis=(2, 3))
+    np.testing.assert_allclose(w.grad.numpy(), np.einsum("ncyxij,noyx->ocij", columns, 2 * expected), rtol=1e-3, atol=1e-3)
+
+
+def test_strided_operand_that_another_kernel_reads_is_still_right():
+    """Columns a kernel also reads are copied for it; the matmul's values do not depend on which
+    of the two reads first."""
+    from tinydist.functional import _im2col
+    rng = np.random.default_rng(4)
+    x_np = rng.standard_normal((2, 3, 6, 6)).astype(np.float32)
+    weights = rng.standard_normal((1, 5, 27)).astype(np.float32)
+    columns_np = np.lib.stride_tricks.sliding_window_view(x_np, (3, 3), axis=(2, 3)).transpose(1, 4, 5, 0, 2, 3).reshape(1, 27, 32)
+    for matmul_first in (True, False):
+        columns = _im2col(td.Tensor(x_np), (3, 3), (1, 1), (1, 1), 1)
+        product, total = td.Tensor(weights).matmul(columns), columns.sum()
+        realize([product.node, total.node] if matmul_first else [total.node, product.node])
+        np.testing.assert_allclose(product.numpy(), weights @ columns_np, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(total.numpy(), columns_np.sum(), rtol=1e-4, atol=1e-3)
