@@ -209,7 +209,7 @@ def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 
             grad = g.pad(margin)._buffered()
             flipped = w._as_strided(w.shape, (cg * kh * kw, kh * kw, -kw, -1), (kh - 1) * kw + kw - 1)
             dx = conv2d(grad, flipped.permute(1, 0, 2, 3))
-            g = grad.shrink(tuple((lo, lo + size) for (lo, _), size in zip(margin, g.shape)))
+            g = grad.shrink(tuple((lo, lo + size) for (lo, _), size in zip(margin, g.shape)))  # read, not recomputed
         # the output gradient in the columns' pixel order: G OCg (N OH OW); permuted in 4-D so every
         # load of the graph computing it stays one strided view
         gt = g.permute(1, 0, 2, 3)._buffered().reshape(groups, ocg, n * oh * ow)

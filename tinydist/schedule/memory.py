@@ -2,10 +2,11 @@
 
 Lifetimes come from the LINEAR order: a buffer lives from the call that writes it to the last
 call that reads it. Sizes are rounded up to 256-byte blocks; buffers are placed largest first at
-the lowest offset where they overlap no placed buffer whose lifetime intersects theirs. Buffers
-the user holds (inputs, targets, assigned tensors) are never planned. The plan is a prediction:
-reuse is safe only because the executor runs calls in LINEAR order (queue FIFO plus the access
-logs' waits across queues).
+the lowest offset where they overlap no placed buffer whose lifetime intersects theirs; a buffer
+calls on several streams touch overlaps no other buffer at all. Buffers the user holds (inputs,
+targets, assigned tensors) are never planned. The plan is a prediction: reuse is safe only
+because the executor runs calls in LINEAR order (queue FIFO plus the access logs' waits across
+queues).
 """
 
 from __future__ import annotations
