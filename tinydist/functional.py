@@ -194,12 +194,26 @@ def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 
         if bs is not None:
             out = out + bs.reshape(1, oc, 1, 1)
 
+    # With stride and dilation 1 the input gradient is itself a convolution: of the output
+    # gradient padded by K-1-P, with the weights flipped and their channel axes swapped. Its matmul
+    # packs the gradient's windows in place, as the forward packs its columns; col2im would write
+    # KH·KW values per input pixel (the matmul's output) and read them back.
+    transposed = (xs.requires_grad and stride2 == (1, 1) and dilation2 == (1, 1) and groups == 1
+                  and ph < kh and pw < kw)
+
     def rule(g: Tensor, w: Tensor, columns: Tensor) -> list[Tensor | None]:
-        # the output gradient once, in the columns' pixel order: G OCg (N OH OW); permuted in 4-D
-        # so every load of the graph computing it stays one strided view
-        gt = g.permute(1, 0, 2, 3)._buffered().reshape(groups, ocg, n * oh * ow)
         dx = dw = db = None
-        if xs.requires_grad:
+        if transposed:
+            # the output gradient computed once, padded for the transposed convolution
+            margin = ((0, 0), (0, 0), (kh - 1 - ph, kh - 1 - ph), (kw - 1 - pw, kw - 1 - pw))
+            grad = g.pad(margin)._buffered()
+            flipped = w._as_strided(w.shape, (cg * kh * kw, kh * kw, -kw, -1), (kh - 1) * kw + kw - 1)
+            dx = conv2d(grad, flipped.permute(1, 0, 2, 3))
+            g = grad.shrink(tuple((lo, lo + size) for (lo, _), size in zip(margin, g.shape)))  # read, not recomputed
+        # the output gradient in the columns' pixel order: G OCg (N OH OW); permuted in 4-D so every
+        # load of the graph computing it stays one strided view
+        gt = g.permute(1, 0, 2, 3)._buffered().reshape(groups, ocg, n * oh * ow)
+        if xs.requires_grad and not transposed:
             dcols = w.reshape(groups, ocg, k).permute(0, 2, 1).matmul(gt)        # G K (N OH OW)
             dx = _col2im(dcols, padded.shape, (oh, ow), (kh, kw), stride2, dilation2)
             dx = dx.shrink(((0, n), (0, c), (ph, ph + x.shape[2]), (pw, pw + x.shape[3])))

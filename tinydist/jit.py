@@ -197,7 +197,7 @@ class _Captured:
                 run.add(programs.kernel(call.ast, device).cfunc, [b[call.out]], [b[i] for i in call.inputs], ())
             elif isinstance(call, MatmulCall):
                 scalars = (call.batch, call.m, call.n, call.k, call.a_batch_stride, call.b_batch_stride, call.m * call.n)
-                run.add(programs.matmul(call.dtype, device).cfunc, [b[call.out], b[call.workspace]],
+                run.add(programs.matmul(call.dtype, device, call.strided).cfunc, [b[call.out], b[call.workspace]],
                         [b[call.a], b[call.b]], scalars, order=(0, 2, 3, 1))
             elif isinstance(call, SliceCall):
                 run.add(programs.kernel(call.ast, device).cfunc, [b[n].view(call.start, call.nbytes) for n in call.outs],
@@ -288,7 +288,7 @@ class _Captured:
                 operands = [f"ptr inttoptr (i64 {b.address} to ptr)" for b in args]
             else:
                 assert isinstance(call, MatmulCall)
-                program = programs.matmul(call.dtype, device)
+                program = programs.matmul(call.dtype, device, call.strided)
                 pointers = [self.buffers[n] for n in (call.out, call.a, call.b, call.workspace)]
                 scalars = (call.batch, call.m, call.n, call.k, call.a_batch_stride, call.b_batch_stride, call.m * call.n)
                 launches.append((program, [*(b.address for b in pointers), *scalars]))

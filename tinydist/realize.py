@@ -10,6 +10,7 @@ the last kernel using it has completed.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Sequence
 
@@ -22,7 +23,7 @@ from tinydist.codegen.copy import stream_copy_ir
 from tinydist.codegen.kernel import KernelAST
 from tinydist.codegen.lowering import STREAMING_STORE_BYTES, lower
 from tinydist.codegen.matmul import SIGNATURE as MATMUL_SIGNATURE
-from tinydist.codegen.matmul import matmul_ir
+from tinydist.codegen.matmul import StridedOperand, matmul_ir
 from tinydist.codegen.reduce import reduce_ir
 from tinydist.codegen.reduce import signature as reduce_signature
 from tinydist.dtypes import DType
@@ -68,17 +69,23 @@ class Programs:
                 self._programs[key] = program
         return program
 
-    def matmul(self, dtype: DType, device: Device) -> Program:
-        key = (("matmul", dtype.name), device.name)
+    def matmul(self, dtype: DType, device: Device, strided: StridedOperand | None = None) -> Program:
+        """The matmul kernel; with `strided`, one specialised to read that operand through its view."""
+        key = (("matmul", dtype.name, strided), device.name)
         program = self._programs.get(key)
         if program is None:
             with self._lock:
                 if hasattr(device, "load_matmul"):  # same arguments as the CPU matmul
+                    if strided is not None:
+                        raise ValueError(f"{device.name} reads matmul operands contiguous only; the schedule gave a strided one")
                     program = device.load_matmul(dtype.name)
                     self._programs[key] = program
                     return program
                 name = f"tinydist_matmul_{dtype.name}"
-                program = device.load_ir(matmul_ir(name, dtype.name), name, MATMUL_SIGNATURE, self._compile_cache().compile)
+                if strided is not None:
+                    name += "_strided_" + hashlib.sha256(repr(strided).encode()).hexdigest()[:16]
+                program = device.load_ir(matmul_ir(name, dtype.name, strided=strided), name, MATMUL_SIGNATURE,
+                                         self._compile_cache().compile)
                 self._programs[key] = program
         return program
 
@@ -210,7 +217,7 @@ def _submit(schedule: Schedule, buffers: list[Buffer | None]) -> list[Completion
         if isinstance(call, KernelCall):
             batch.launch(programs.kernel(call.ast, device), buffers[call.out], *(buffers[i] for i in call.inputs))
         elif isinstance(call, MatmulCall):
-            batch.launch(programs.matmul(call.dtype, device), buffers[call.out], buffers[call.a], buffers[call.b],
+            batch.launch(programs.matmul(call.dtype, device, call.strided), buffers[call.out], buffers[call.a], buffers[call.b],
                          buffers[call.workspace], call.batch, call.m, call.n, call.k,
                          call.a_batch_stride, call.b_batch_stride, call.m * call.n)
         elif isinstance(call, CopyCall):

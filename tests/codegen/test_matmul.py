@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tinydist.codegen.compiler import HostCompiler
-from tinydist.codegen.matmul import DEFAULT_TILINGS, SIGNATURE, Tiling, matmul_ir, workspace_bytes
+from tinydist.codegen.matmul import DEFAULT_TILINGS, SIGNATURE, StridedOperand, Tiling, matmul_ir, workspace_bytes
 from tinydist.runtime.cpu.loader import native_loader
 
 GUARD = 0xA5
@@ -30,10 +30,10 @@ def kernels():
 
 
 def _run(kernel, a: np.ndarray, b: np.ndarray, c: np.ndarray, batch: int, M: int, N: int, K: int,
-         strides: tuple[int, int, int], tiling: Tiling | None = None) -> None:
+         strides: tuple[int, int, int], tiling: Tiling | None = None, strided: StridedOperand | None = None) -> None:
     """Calls the kernel with a workspace of exactly workspace_bytes, followed by guard bytes."""
     dtype = str(c.dtype)
-    size = workspace_bytes(M, N, K, dtype, tiling)
+    size = workspace_bytes(M, N, K, dtype, tiling, strided)
     raw = np.full(size + 64 + 256, GUARD, np.uint8)
     start = -raw.ctypes.data % 64
     kernel(c.ctypes.data, a.ctypes.data, b.ctypes.data, raw.ctypes.data + start, batch, M, N, K, *strides)
@@ -110,3 +110,54 @@ def test_unsupported_dtype_is_refused() -> None:
         matmul_ir("never_compiled", "float16")
     with pytest.raises(ValueError, match="float16"):
         workspace_bytes(1, 1, 1, "float16")
+
+
+# A convolution's im2col columns as a view of its padded (N, C, H, W) input: rows (C, KH, KW),
+# columns (N, OH, OW). Odd sizes: partial micro-panels and blocks, runs (OW) that do or do not
+# divide NR, and a strided window whose columns are not consecutive at all.
+CONVOLUTIONS = [  # (n, c, h, w, kh, kw, stride)
+    (3, 2, 7, 10, 3, 3, 1), (2, 5, 6, 6, 3, 2, 1), (1, 3, 9, 11, 2, 3, 2), (5, 1, 4, 8, 1, 1, 1), (2, 4, 10, 18, 3, 3, 1),
+]
+
+
+def _columns_view(x: np.ndarray, kh: int, kw: int, stride: int) -> tuple[np.ndarray, StridedOperand, StridedOperand]:
+    """im2col of x as numpy computes it, and the same matrix described as operand A and as B."""
+    n, c, h, w = x.shape
+    oh, ow = (h - kh) // stride + 1, (w - kw) // stride + 1
+    cols = np.lib.stride_tricks.sliding_window_view(x, (kh, kw), axis=(2, 3))[:, :, ::stride, ::stride]
+    matrix = cols.transpose(1, 4, 5, 0, 2, 3).reshape(c * kh * kw, n * oh * ow)
+    rows = ((c, h * w), (kh, w), (kw, 1))
+    columns = ((n, c * h * w), (oh, stride * w), (ow, stride))
+    return matrix, StridedOperand("a", rows, columns, 0), StridedOperand("b", rows, columns, 0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("small", [False, True], ids=["default_tiling", "small_tiling"])
+@pytest.mark.parametrize("conv", CONVOLUTIONS, ids=["x".join(map(str, conv)) for conv in CONVOLUTIONS])
+def test_strided_operand_matches_numpy(dtype: str, small: bool, conv: tuple[int, ...]) -> None:
+    """Each operand read through a convolution's window view, against numpy on the copied columns."""
+    n, c, h, w, kh, kw, stride = conv
+    rng = np.random.default_rng(sum(conv))
+    x = rng.uniform(-1, 1, (n, c, h, w)).astype(dtype)
+    columns, as_a, as_b = _columns_view(x, kh, kw, stride)
+    rows, cols = columns.shape
+    tiling = SMALL_TILING[dtype] if small else None
+    for strided in (as_a, as_b):
+        name = f"test_strided_{dtype}_{'small' if small else 'default'}_{strided.operand}_{'_'.join(map(str, conv))}"
+        kernel = native_loader.load(HostCompiler().compile(matmul_ir(name, dtype, tiling, strided)), name, SIGNATURE).cfunc
+        if strided.operand == "b":   # weights @ columns, as a convolution's forward
+            a, b, M, N, K = _operands(rng, dtype, (7, rows))[0], x, 7, cols, rows
+            expected_b = columns
+        else:                        # columns @ output gradient, as its weight gradient
+            a, b, M, N, K = x, _operands(rng, dtype, (cols, 6))[0], rows, 6, cols
+            expected_b = b
+        c_out = np.full((M, N), np.nan, dtype)
+        _run(kernel, a, b, c_out, 1, M, N, K, (0, 0, 0), tiling, strided)
+        _check(c_out, columns if strided.operand == "a" else a, expected_b, dtype)
+
+
+def test_strided_operand_run() -> None:
+    """Consecutive columns: the innermost unit-stride axes, merged while they continue each other."""
+    assert StridedOperand("b", ((4, 1),), ((2, 64), (8, 1)), 0).run == 8
+    assert StridedOperand("b", ((4, 1),), ((2, 8), (8, 1)), 0).run == 16
+    assert StridedOperand("b", ((4, 1),), ((2, 64), (8, 2)), 0).run == 1

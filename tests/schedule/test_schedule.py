@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -15,7 +16,8 @@ from tinydist.codegen import kernel as K
 from tinydist.schedule.items import CopyCall, GatherCall, KernelCall, MatmulCall, SliceCall
 from tinydist.schedule.linear import linearize
 from tinydist.shape import ShapeTracker
-from tinydist.schedule.memory import BLOCK
+from tinydist.schedule.items import BufferSpec
+from tinydist.schedule.memory import BLOCK, plan_memory
 
 A = np.arange(12, dtype=np.float32).reshape(3, 4)
 
@@ -380,3 +382,68 @@ def test_readers_of_a_buffer_written_in_ranges_follow_every_writer() -> None:
     order = linearize([first_half, reader, second_half, producer], {})
     assert order.index(reader) > max(order.index(first_half), order.index(second_half))
     assert order.index(producer) < order.index(first_half)
+
+
+@dataclasses.dataclass
+class _Call:
+    """What the memory planner reads of a call."""
+    writes: tuple[int, ...]
+    reads: tuple[int, ...]
+    device: str = "CPU:0"
+    queue: str = "compute"
+
+
+def test_memory_plan_gives_buffers_of_several_streams_their_own_bytes():
+    """A buffer another device reads is not reused after its last reader, even by a buffer whose
+    lifetime is disjoint from it: a replay would have to wait for the other device first."""
+    specs = [BufferSpec(1024, dtypes.float32, (256,), device) for device in ("CPU:0", "CPU:0", "CPU:1", "CPU:0")]
+    linear = [_Call(writes=(0,), reads=()), _Call(writes=(2,), reads=(0,), device="CPU:1"),
+              _Call(writes=(1,), reads=()), _Call(writes=(3,), reads=(1,))]
+    plan = plan_memory(linear, specs, planned=[0, 1, 2])
+    assert plan.lifetimes[0] == (0, 1) and plan.lifetimes[1] == (2, 3)
+    assert plan.offsets[0] != plan.offsets[1]
+    linear[1] = _Call(writes=(2,), reads=(0,))             # the reader on the same device:
+    one_stream = plan_memory(linear, specs, planned=[0, 1, 2])
+    assert one_stream.offsets[0] == one_stream.offsets[1]  # buffer 1 reuses buffer 0's bytes
+
+
+def _np_conv2d(x: np.ndarray, w: np.ndarray, padding: int) -> np.ndarray:
+    padded = np.pad(x, ((0, 0), (0, 0), (padding, padding), (padding, padding)))
+    windows = np.lib.stride_tricks.sliding_window_view(padded, w.shape[2:], axis=(2, 3))  # N C OH OW KH KW
+    return np.einsum("ncyxij,ocij->noyx", windows, w)
+
+
+def test_convolution_columns_are_packed_from_the_padded_input():
+    """The im2col columns are never written out: the forward matmul packs them from the padded
+    input, and so does the weight gradient's (as A), with the same values as numpy."""
+    rng = np.random.default_rng(3)
+    x_np, w_np = rng.standard_normal((3, 2, 5, 7)).astype(np.float32), rng.standard_normal((4, 2, 3, 3)).astype(np.float32)
+    x, w = td.Tensor(x_np), td.Tensor(w_np, requires_grad=True)
+    out = x.conv2d(w, padding=1)
+    loss = (out * out).sum()
+    loss.backward()
+    schedule, _ = create_schedule([out.node])
+    (forward,) = [c for c in schedule.linear if isinstance(c, MatmulCall)]
+    assert forward.strided is not None and forward.strided.operand == "b"
+    assert not any(isinstance(c, KernelCall) and c.ast.shape[-3:] == (3, 5, 7) and len(c.ast.shape) == 7
+                   for c in schedule.linear), "the columns were copied"
+    expected = _np_conv2d(x_np, w_np, 1)
+    np.testing.assert_allclose(out.numpy(), expected, rtol=1e-4, atol=1e-4)
+    columns = np.lib.stride_tricks.sliding_window_view(np.pad(x_np, ((0, 0), (0, 0), (1, 1), (1, 1))), (3, 3), axis=(2, 3))
+    np.testing.assert_allclose(w.grad.numpy(), np.einsum("ncyxij,noyx->ocij", columns, 2 * expected), rtol=1e-3, atol=1e-3)
+
+
+def test_strided_operand_that_another_kernel_reads_is_still_right():
+    """Columns a kernel also reads are copied for it; the matmul's values do not depend on which
+    of the two reads first."""
+    from tinydist.functional import _im2col
+    rng = np.random.default_rng(4)
+    x_np = rng.standard_normal((2, 3, 6, 6)).astype(np.float32)
+    weights = rng.standard_normal((1, 5, 27)).astype(np.float32)
+    columns_np = np.lib.stride_tricks.sliding_window_view(x_np, (3, 3), axis=(2, 3)).transpose(1, 4, 5, 0, 2, 3).reshape(1, 27, 32)
+    for matmul_first in (True, False):
+        columns = _im2col(td.Tensor(x_np), (3, 3), (1, 1), (1, 1), 1)
+        product, total = td.Tensor(weights).matmul(columns), columns.sum()
+        realize([product.node, total.node] if matmul_first else [total.node, product.node])
+        np.testing.assert_allclose(product.numpy(), weights @ columns_np, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(total.numpy(), columns_np.sum(), rtol=1e-4, atol=1e-3)

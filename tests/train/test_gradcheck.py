@@ -101,7 +101,10 @@ def test_matmul(shapes: tuple[tuple[int, ...], tuple[int, ...]]) -> None:
     gradcheck(lambda a, b: a @ b, r(*shapes[0]), r(*shapes[1]))
 
 
-@pytest.mark.parametrize("kwargs", [dict(), dict(padding=1), dict(stride=2, padding=1), dict(dilation=2),
+# stride 1 without groups or dilation: the input gradient is a convolution of the output gradient
+# (padding below the kernel size) or col2im (padding (3, 0): the 3-row kernel's margin would be negative)
+@pytest.mark.parametrize("kwargs", [dict(), dict(padding=1), dict(padding=(2, 1)), dict(padding=(3, 0)),
+                                    dict(stride=2, padding=1), dict(dilation=2),
                                     dict(groups=2, padding=1), dict(stride=(2, 1), padding=(0, 2), dilation=(1, 2)),
                                     dict(groups=2, stride=2, dilation=2, padding=2)])
 def test_conv2d(kwargs: dict) -> None:

@@ -22,6 +22,11 @@ multiply-adds (on AVX-512: 2 aligned vmovaps, 8 vbroadcastss and 16 vfmadd231ps 
 spilled). Packing pads partial micro-panels with zeros, so the micro-kernel always computes a full
 tile; an edge tile goes through a small MR×NR buffer in the workspace instead of C.
 
+A strided operand (`StridedOperand`, for a batch of one): A or B is not a contiguous matrix but a
+view of another buffer, e.g. a convolution's im2col columns over its padded input. Its packing
+gathers straight from that view, through tables of row and column offsets the driver fills in
+the workspace first, so the (often large) matrix is never written out and read back.
+
 Numerics: no fast-math flags are used; the multiply-adds are explicit ``llvm.fma`` calls (what
 ``contract`` would produce: one rounding per multiply-add). The reduction order is *not* changed:
 the tile is reloaded from C at the start of every KC block and each element accumulates
@@ -33,7 +38,8 @@ ordinary rounding error (worst case O(K·eps) relative), not bitwise.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import math
+from contextlib import ExitStack, contextmanager
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -58,6 +64,39 @@ class Tiling:
     def __post_init__(self) -> None:
         if self.mc % self.mr or self.nc % self.nr:
             raise ValueError(f"MC must be a multiple of MR and NC of NR: {self}")
+
+
+Axes = tuple[tuple[int, int], ...]   # (size, stride) per axis, outermost first
+
+
+@dataclass(frozen=True)
+class StridedOperand:
+    """Operand `operand` ("a" or "b") of a batch-of-one matmul read through a strided view: its
+    element (r, c) is at `offset + Σ r_i·stride_i + Σ c_j·stride_j` elements of the buffer passed
+    for it, r decomposed over the `rows` axes and c over the `cols` axes. Offsets must fit in int32."""
+
+    operand: str
+    rows: Axes
+    cols: Axes
+    offset: int
+
+    def __post_init__(self) -> None:
+        if self.operand not in ("a", "b"):
+            raise ValueError(f"operand must be 'a' or 'b', got {self.operand!r}")
+
+    @property
+    def run(self) -> int:
+        """How many consecutive columns are consecutive in memory (from column 0 of every row)."""
+        run = 1
+        for size, stride in reversed(self.cols):
+            if stride != run:
+                break
+            run *= size
+        return run
+
+    @property
+    def table_entries(self) -> int:
+        return math.prod(size for size, _ in self.rows) + math.prod(size for size, _ in self.cols)
 
 
 _DTYPES: dict[str, tuple[ir.Type, int]] = {"float32": (ir.FloatType(), 4), "float64": (ir.DoubleType(), 8)}
@@ -89,20 +128,24 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def workspace_bytes(M: int, N: int, K: int, dtype: str = "float32", tiling: Tiling | None = None) -> int:
+def workspace_bytes(M: int, N: int, K: int, dtype: str = "float32", tiling: Tiling | None = None,
+                    strided: StridedOperand | None = None) -> int:
     """Bytes of workspace the kernel for (M, N, K) needs.
 
     Layout (mirrored in the generated driver): the packed KC×NC block of B at offset 0, the packed
-    MC×KC block of A, then one MR×NR edge tile; each region starts on a 64-byte boundary. Blocks
-    shrink to the problem, so small problems need little.
+    MC×KC block of A, then one MR×NR edge tile, then a strided operand's offset tables (int32,
+    rows then columns); each region starts on a 64-byte boundary. Blocks shrink to the problem, so
+    small problems need little.
     """
+    tables = 4 * strided.table_entries if strided is not None else 0
     _, itemsize = _dtype(dtype)
     t = tiling or DEFAULT_TILINGS[dtype]
     kc, nc, mc = min(K, t.kc), min(_round_up(N, t.nr), t.nc), min(_round_up(M, t.mr), t.mc)
-    return _round_up(kc * nc * itemsize, _ALIGN) + _round_up(mc * kc * itemsize, _ALIGN) + t.mr * t.nr * itemsize
+    regions = (kc * nc * itemsize, mc * kc * itemsize, t.mr * t.nr * itemsize)
+    return sum(_round_up(size, _ALIGN) for size in regions) + tables
 
 
-I64 = ir.IntType(64)
+I32, I64 = ir.IntType(32), ir.IntType(64)
 PTR = ir.PointerType()
 
 
@@ -153,9 +196,10 @@ def _define(module: ir.Module, name: str, args: list[tuple[str, ir.Type]], inter
 
 
 class _Generator:
-    def __init__(self, name: str, dtype: str, tiling: Tiling) -> None:
+    def __init__(self, name: str, dtype: str, tiling: Tiling, strided: StridedOperand | None) -> None:
         self.elem, self.itemsize = _dtype(dtype)
         self.t = tiling
+        self.strided = strided
         self.lanes = _VECTOR_BYTES // self.itemsize
         if tiling.nr % self.lanes:
             raise ValueError(f"NR={tiling.nr} must be a multiple of the vector width {self.lanes}")
@@ -170,7 +214,9 @@ class _Generator:
 
     def generate(self) -> str:
         kernel = self.micro_kernel()
-        pack_a, pack_b = self.pack_a(), self.pack_b()
+        gathered = self.strided.operand if self.strided is not None else None
+        pack_a = self.pack_a_gathered() if gathered == "a" else self.pack_a()
+        pack_b = self.pack_b_gathered() if gathered == "b" else self.pack_b()
         self.driver(kernel, pack_a, pack_b)
         return str(self.module)
 
@@ -293,6 +339,102 @@ class _Generator:
         b.ret_void()
         return fn
 
+    def pack_a_gathered(self) -> ir.Function:
+        """pack_a from a strided operand: row r starts at src[rows[r]], its column k is at
+        [cols[k]] from there (the tables are offset to this block's first row and column)."""
+        mr = self.t.mr
+        fn, b = _define(self.module, f"{self.name}.pack_a_gathered",
+                        [("dst", PTR), ("src", PTR), ("rows", PTR), ("cols", PTR), ("mc", I64), ("kc", I64)])
+        dst, src, rows, cols, mc, kc = fn.args
+
+        def row_start(r: ir.Value) -> ir.Value:
+            return b.at(src, b.sext(b.load(b.at(rows, r, I32), typ=I32), I64), self.elem)
+
+        def element(row: ir.Value, k: ir.Value) -> ir.Value:
+            column = b.sext(b.load(b.at(cols, k, I32), typ=I32), I64)
+            return b.load(b.at(row, column, self.elem), typ=self.elem, align=self.itemsize)
+
+        # Every KC block starts on a multiple of KC and K is a multiple of the run, so a block's
+        # columns come in whole pieces of `chunk` consecutive ones: one table lookup per piece.
+        assert self.strided is not None
+        chunk = math.gcd(self.strided.run, self.t.kc)
+        full_panels_end = b.mul(b.sdiv(mc, _i64(mr)), _i64(mr))
+        with b.loop(_i64(0), full_panels_end, mr, "p") as p:
+            panel = b.at(dst, b.mul(p, kc), self.elem)
+            starts = [row_start(b.add(p, _i64(i))) for i in range(mr)]
+            with b.loop(_i64(0), kc, chunk, "k") as k:
+                # MR rows × chunk columns: one vector load per row, transposed in registers into
+                # chunk MR-wide columns
+                column = b.sext(b.load(b.at(cols, k, I32), typ=I32), I64)
+                piece = ir.VectorType(self.elem, chunk)
+                loaded = [b.load(b.at(starts[i], column, self.elem), typ=piece, align=self.itemsize) for i in range(mr)]
+                for kk in range(chunk):
+                    out = ir.Constant(ir.VectorType(self.elem, mr), ir.Undefined)
+                    for i in range(mr):
+                        out = b.insert_element(out, b.extract_element(loaded[i], _i64(kk)), _i64(i))
+                    b.store(out, b.at(panel, b.mul(b.add(k, _i64(kk)), _i64(mr)), self.elem), align=self.itemsize)
+        rest = b.sub(mc, full_panels_end)
+        with b.if_then(b.icmp_signed(">", rest, _i64(0))):
+            panel = b.at(dst, b.mul(full_panels_end, kc), self.elem)
+            self.zero_fill(b, panel, b.mul(kc, _i64(mr)))
+            with b.loop(_i64(0), rest, 1, "i") as i:
+                start = row_start(b.add(full_panels_end, i))
+                with b.loop(_i64(0), kc, 1, "k") as k:
+                    b.store(element(start, k), b.at(panel, b.add(b.mul(k, _i64(mr)), i), self.elem), align=self.itemsize)
+        b.ret_void()
+        return fn
+
+    def pack_b_gathered(self) -> ir.Function:
+        """pack_b from a strided operand (tables as pack_a_gathered's). A full micro-panel is
+        copied in pieces of `chunk` columns, consecutive in memory (the view's innermost run,
+        e.g. one output row of a convolution): one column-table lookup per piece and row."""
+        assert self.strided is not None
+        nr = self.t.nr
+        chunk = math.gcd(self.strided.run, nr)
+        piece = ir.VectorType(self.elem, chunk) if chunk > 1 else self.elem
+        fn, b = _define(self.module, f"{self.name}.pack_b_gathered",
+                        [("dst", PTR), ("src", PTR), ("rows", PTR), ("cols", PTR), ("kc", I64), ("nc", I64)])
+        dst, src, rows, cols, kc, nc = fn.args
+
+        def row_start(k: ir.Value) -> ir.Value:
+            return b.at(src, b.sext(b.load(b.at(rows, k, I32), typ=I32), I64), self.elem)
+
+        def column(j: ir.Value) -> ir.Value:
+            return b.sext(b.load(b.at(cols, j, I32), typ=I32), I64)
+
+        full_panels_end = b.mul(b.sdiv(nc, _i64(nr)), _i64(nr))
+        with b.loop(_i64(0), full_panels_end, nr, "q") as q:
+            panel = b.at(dst, b.mul(q, kc), self.elem)
+            pieces = [column(b.add(q, _i64(r))) for r in range(0, nr, chunk)]
+            with b.loop(_i64(0), kc, 1, "k") as k:
+                row = row_start(k)
+                out = b.at(panel, b.mul(k, _i64(nr)), self.elem)
+                for r, offset in zip(range(0, nr, chunk), pieces):
+                    value = b.load(b.at(row, offset, self.elem), typ=piece, align=self.itemsize)
+                    b.store(value, b.at(out, _i64(r), self.elem), align=self.itemsize)
+        rest = b.sub(nc, full_panels_end)
+        with b.if_then(b.icmp_signed(">", rest, _i64(0))):
+            panel = b.at(dst, b.mul(full_panels_end, kc), self.elem)
+            self.zero_fill(b, panel, b.mul(kc, _i64(nr)))
+            with b.loop(_i64(0), kc, 1, "k") as k:
+                row = row_start(k)
+                out = b.at(panel, b.mul(k, _i64(nr)), self.elem)
+                with b.loop(_i64(0), rest, 1, "j") as j:
+                    value = b.load(b.at(row, column(b.add(full_panels_end, j)), self.elem), typ=self.elem, align=self.itemsize)
+                    b.store(value, b.at(out, j, self.elem), align=self.itemsize)
+        b.ret_void()
+        return fn
+
+    def offset_table(self, b: _Builder, dst: ir.Value, axes: Axes, base: int) -> None:
+        """dst[i] = base + Σ index_d·stride_d, i running over the axes in row-major order (int32)."""
+        with ExitStack() as nest:
+            flat, offset = _i64(0), _i64(base)
+            for d, (size, stride) in enumerate(axes):
+                index = nest.enter_context(b.loop(_i64(0), _i64(size), 1, f"table{d}"))
+                flat = b.add(b.mul(flat, _i64(size)), index)
+                offset = b.add(offset, b.mul(index, _i64(stride)))
+            b.store(b.trunc(offset, I32), b.at(dst, flat, I32), align=4)
+
     def copy_tile(self, b: _Builder, dst: ir.Value, ld_dst: ir.Value, src: ir.Value, ld_src: ir.Value,
                   rows: ir.Value, cols: ir.Value) -> None:
         with b.loop(_i64(0), rows, 1, "ti") as i:
@@ -321,6 +463,12 @@ class _Generator:
         b_packed, a_packed = W, b.at(W, a_offset, ir.IntType(8))
         tile = b.at(W, tile_offset, ir.IntType(8))
         tile_ld = _i64(t.nr)
+        strided = self.strided
+        if strided is not None:
+            row_table = b.at(tile, _i64(_round_up(t.mr * t.nr * self.itemsize, _ALIGN)), ir.IntType(8))
+            col_table = b.at(row_table, _i64(math.prod(size for size, _ in strided.rows)), I32)
+            self.offset_table(b, row_table, strided.rows, strided.offset)
+            self.offset_table(b, col_table, strided.cols, 0)
 
         with b.loop(_i64(0), batch, 1, "batch") as item:
             a_item = b.at(A, b.mul(item, stride_a), self.elem)
@@ -331,10 +479,16 @@ class _Generator:
                 with b.loop(_i64(0), K, t.kc, "pc") as pc:
                     kc = b.min(b.sub(K, pc), _i64(t.kc))
                     accumulate = b.icmp_signed(">", pc, _i64(0))
-                    b.call(pack_b, [b_packed, b.at(b_item, b.add(b.mul(pc, N), jc), self.elem), N, kc, nc])
+                    if strided is not None and strided.operand == "b":
+                        b.call(pack_b, [b_packed, b_item, b.at(row_table, pc, I32), b.at(col_table, jc, I32), kc, nc])
+                    else:
+                        b.call(pack_b, [b_packed, b.at(b_item, b.add(b.mul(pc, N), jc), self.elem), N, kc, nc])
                     with b.loop(_i64(0), M, t.mc, "ic") as ic:
                         mc = b.min(b.sub(M, ic), _i64(t.mc))
-                        b.call(pack_a, [a_packed, b.at(a_item, b.add(b.mul(ic, K), pc), self.elem), K, mc, kc])
+                        if strided is not None and strided.operand == "a":
+                            b.call(pack_a, [a_packed, a_item, b.at(row_table, ic, I32), b.at(col_table, pc, I32), mc, kc])
+                        else:
+                            b.call(pack_a, [a_packed, b.at(a_item, b.add(b.mul(ic, K), pc), self.elem), K, mc, kc])
                         with b.loop(_i64(0), nc, t.nr, "jr") as jr:
                             nr = b.min(b.sub(nc, jr), _i64(t.nr))
                             b_panel = b.at(b_packed, b.mul(jr, kc), self.elem)
@@ -360,7 +514,9 @@ class _Generator:
         b.ret_void()
 
 
-def matmul_ir(name: str, dtype: str = "float32", tiling: Tiling | None = None) -> str:
-    """LLVM IR text defining ``void @<name>(C, A, B, W, batch, M, N, K, strideA, strideB, strideC)``."""
+def matmul_ir(name: str, dtype: str = "float32", tiling: Tiling | None = None,
+              strided: StridedOperand | None = None) -> str:
+    """LLVM IR text defining ``void @<name>(C, A, B, W, batch, M, N, K, strideA, strideB, strideC)``;
+    with `strided`, that operand is read through its view (M, N, K must match the view's sizes)."""
     _dtype(dtype)
-    return _Generator(name, dtype, tiling or DEFAULT_TILINGS[dtype]).generate()
+    return _Generator(name, dtype, tiling or DEFAULT_TILINGS[dtype], strided).generate()

@@ -10,7 +10,9 @@ Rules, in the order they are applied:
      than storing it (it contains a transcendental, a reduce, or more than a few ops).
      A copy between devices of one peer group (CPU devices of one process) is the exception:
      not a call at all, its readers load the source straight from the peer's memory (the source
-     itself is still computed on its own device).
+     itself is still computed on its own device). So is, on host devices, a matmul operand that
+     is a `contiguous` copy of one strided view (a convolution's im2col columns): the matmul
+     packs it straight from the view's base, unless something else needs the copy first.
   3. Everything else — chains of elementwise ops, the reduce they feed, and elementwise ops
      applied to that reduce's result — is inlined into the kernel that computes the
      materialized node that uses it.
@@ -26,7 +28,7 @@ from tinydist import dtypes
 from tinydist.codegen import kernel as K
 from tinydist.codegen.kernel import KernelAST, KNode
 from tinydist.codegen.lowering import STREAMING_STORE_BYTES, VECTOR_BYTES
-from tinydist.codegen.matmul import workspace_bytes
+from tinydist.codegen.matmul import StridedOperand, workspace_bytes
 from tinydist.lazy import ELEMENTWISE, TRANSCENDENTAL, LazyNode, Op
 from tinydist.runtime.registry import peer_group
 from tinydist.schedule.items import BufferSpec, Call, CopyCall, GatherCall, KernelCall, MatmulCall, SliceCall
@@ -250,14 +252,52 @@ class _Fuser:
 
     def _matmul(self, node: LazyNode) -> int:
         a_node, b_node = node.srcs
-        a, b = self.buffer_of(a_node), self.buffer_of(b_node)
         (ba, m, k), (bb, _, n) = a_node.shape, b_node.shape
+        # One operand at most is read strided (host devices only: the LLVM matmul gathers), the
+        # bigger one, whose copy costs the most: a convolution's columns, not the transposed
+        # weights or output gradient it is multiplied with.
+        found = [(operand.numel, view) for operand, view in ((a_node, self._strided_view(a_node, "a")),
+                                                             (b_node, self._strided_view(b_node, "b")))
+                 if view is not None and peer_group(node.device) == "host"]
+        strided: StridedOperand | None = None
+        if found:
+            base, strided = max(found, key=lambda pair: pair[0])[1]
+        a = self.buffer_of(base) if strided is not None and strided.operand == "a" else self.buffer_of(a_node)
+        b = self.buffer_of(base) if strided is not None and strided.operand == "b" else self.buffer_of(b_node)
         batch = max(ba, bb)
-        workspace = self._new_buffer(None, BufferSpec(workspace_bytes(m, n, k, node.dtype.name), dtypes.bool_, (), node.device))
+        workspace = self._new_buffer(None, BufferSpec(workspace_bytes(m, n, k, node.dtype.name, strided=strided),
+                                                      dtypes.bool_, (), node.device))
         out = self._new_buffer(node, BufferSpec(node.nbytes, node.dtype, node.shape, node.device))
         self.graph.calls.append(MatmulCall(out, a, b, workspace, batch, m, n, k, 0 if ba == 1 else m * k,
-                                           0 if bb == 1 else k * n, node.dtype, node.device))
+                                           0 if bb == 1 else k * n, node.dtype, node.device, strided=strided))
         return out
+
+    def _strided_view(self, operand: LazyNode, which: str) -> tuple[LazyNode, StridedOperand] | None:
+        """For matmul operand `which` when it is a not yet computed `contiguous` copy of one strided
+        view (a convolution's im2col columns): the view's base node and how the matrix lies in it.
+        None where the copy is needed anyway, or the view is masked, or the rows do not end on an
+        axis of the view, or offsets would not fit int32."""
+        _, rows, _ = operand.shape
+        node = operand
+        if node.op is Op.VIEW and not node.realized and node.arg.is_reshape_of(node.srcs[0].shape):
+            node = node.srcs[0]
+        if (node.realized or node.op is not Op.CONTIGUOUS or operand.shape[0] != 1
+                or id(node) in self.graph.number or id(node) in self.must_materialize):
+            return None
+        view = node.srcs[0]
+        if view.op is not Op.VIEW or view.realized or len(view.arg.views) != 1 or view.arg.views[0].mask is not None:
+            return None
+        base, inner = view.srcs[0], view.arg.views[0]
+        if base.op is Op.CONST or base.numel >= 1 << 31:
+            return None
+        axes = tuple((size, stride) for size, stride in zip(inner.shape, inner.strides) if size != 1)
+        split, count = 0, 1
+        while split < len(axes) and count < rows:
+            count *= axes[split][0]
+            split += 1
+        if count != rows:
+            return None
+        return base, StridedOperand(which, axes[:split], axes[split:], inner.offset)
 
     def _allreduce(self, node: LazyNode) -> None:
         """`node`'s whole group (every output of one allreduce in this graph) as one SliceCall per

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tinydist.codegen.kernel import KernelAST
+from tinydist.codegen.matmul import StridedOperand
 from tinydist.dtypes import DType
 from tinydist.shape import Shape
 
@@ -58,6 +59,7 @@ class MatmulCall:
     dtype: DType
     device: str
     queue: str = "compute"
+    strided: StridedOperand | None = None   # a or b is read through this view of its buffer
 
     @property
     def inputs(self) -> tuple[int, ...]:
@@ -72,7 +74,8 @@ class MatmulCall:
         return (self.out, self.workspace)
 
     def describe(self) -> str:
-        return f"matmul {self.dtype.name} {self.batch}x[{self.m}x{self.k}]@[{self.k}x{self.n}]"
+        gathered = f" ({self.strided.operand.upper()} strided)" if self.strided is not None else ""
+        return f"matmul {self.dtype.name} {self.batch}x[{self.m}x{self.k}]@[{self.k}x{self.n}]{gathered}"
 
 
 @dataclass(frozen=True)
