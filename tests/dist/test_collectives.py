@@ -68,7 +68,10 @@ def test_mismatches_raise_on_every_rank_and_group_survives(transport, no_shm_lea
 def test_auto_rule_is_deterministic_and_sees_size_world_and_link():
     from tinydist.dist import choose_allreduce
     assert choose_allreduce(4, 1024, True)[0] == "naive"
-    assert choose_allreduce(4, 1 << 20, True)[0] == "naive"
+    assert choose_allreduce(4, 1 << 20, True, cpus=2)[0] == "naive"       # ranks outnumber CPUs: one step is dear
+    assert choose_allreduce(4, 1 << 20, True, cpus=8)[0] == "all2all"
+    assert choose_allreduce(2, 256 << 10, True, cpus=2)[0] == "all2all"
+    assert choose_allreduce(2, 128 << 10, True, cpus=2)[0] == "naive"
     assert choose_allreduce(4, 1 << 20, False)[0] == "ring"
     assert choose_allreduce(2, 64 << 20, True)[0] == "all2all"
     assert choose_allreduce(2, 64 << 20, False)[0] == "ring"
