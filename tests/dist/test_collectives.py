@@ -2,23 +2,44 @@
 
 from __future__ import annotations
 
+import functools
 import platform
 import re
+import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+from transports import cma
+from transports.base import TransportError
 
 from .helpers import finish, launch, spawn_ranks
 
 
+@functools.cache
 def _single_copy_permitted() -> bool:
     """Whether sibling processes may read each other's memory here (process_vm_readv): Linux x86-64
-    without Yama's ptrace restriction (scope 1+ allows only ancestors)."""
-    if sys.platform != "linux" or platform.machine() != "x86_64":
+    without Yama's ptrace restriction (scope 1+ allows only ancestors), and a read of a child's
+    memory works (a seccomp profile or missing rights would refuse it)."""
+    if sys.platform != "linux" or platform.machine() != "x86_64" or not cma.available():
         return False
     scope = Path("/proc/sys/kernel/yama/ptrace_scope")
-    return not scope.exists() or scope.read_text().strip() == "0"
+    if scope.exists() and scope.read_text().strip() != "0":
+        return False
+    child = subprocess.Popen([sys.executable, "-c", "import sys, numpy as np; a = np.full(1, 7.0); "
+                              "print(a.ctypes.data, flush=True); sys.stdin.readline()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        seen = np.zeros(1)
+        cma.read(child.pid, int(child.stdout.readline()), seen)
+        return seen[0] == 7.0
+    except TransportError:
+        return False
+    finally:
+        child.kill()
+        child.communicate()
 
 
 @pytest.mark.parametrize("nproc,transport,slot,single_copy", [
