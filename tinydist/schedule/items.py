@@ -15,6 +15,16 @@ from tinydist.dtypes import DType
 from tinydist.shape import Shape
 
 
+class _ReadsItsInputs:
+    """Every call reads exactly the buffers it takes as inputs (`reads` pairs with each call's `writes`)."""
+
+    inputs: tuple[int, ...]
+
+    @property
+    def reads(self) -> tuple[int, ...]:
+        return self.inputs
+
+
 @dataclass(frozen=True)
 class BufferSpec:
     nbytes: int
@@ -25,16 +35,12 @@ class BufferSpec:
 
 
 @dataclass(frozen=True)
-class KernelCall:
+class KernelCall(_ReadsItsInputs):
     ast: KernelAST
     out: int
     inputs: tuple[int, ...]
     device: str
     queue: str = "compute"
-
-    @property
-    def reads(self) -> tuple[int, ...]:
-        return self.inputs
 
     @property
     def writes(self) -> tuple[int, ...]:
@@ -45,7 +51,7 @@ class KernelCall:
 
 
 @dataclass(frozen=True)
-class MatmulCall:
+class MatmulCall(_ReadsItsInputs):
     out: int
     a: int
     b: int
@@ -66,10 +72,6 @@ class MatmulCall:
         return (self.a, self.b)
 
     @property
-    def reads(self) -> tuple[int, ...]:
-        return (self.a, self.b)
-
-    @property
     def writes(self) -> tuple[int, ...]:
         return (self.out, self.workspace)
 
@@ -79,7 +81,7 @@ class MatmulCall:
 
 
 @dataclass(frozen=True)
-class CopyCall:
+class CopyCall(_ReadsItsInputs):
     out: int
     src: int
     nbytes: int
@@ -91,10 +93,6 @@ class CopyCall:
         return (self.src,)
 
     @property
-    def reads(self) -> tuple[int, ...]:
-        return (self.src,)
-
-    @property
     def writes(self) -> tuple[int, ...]:
         return (self.out,)
 
@@ -103,7 +101,7 @@ class CopyCall:
 
 
 @dataclass(frozen=True)
-class GatherCall:
+class GatherCall(_ReadsItsInputs):
     """Whole buffers copied into consecutive byte ranges of `out` (a `cat` of buffers): plain
     memory copies, which stream at memory bandwidth where a kernel would test every piece's mask
     at every element."""
@@ -119,10 +117,6 @@ class GatherCall:
         return self.srcs
 
     @property
-    def reads(self) -> tuple[int, ...]:
-        return self.srcs
-
-    @property
     def writes(self) -> tuple[int, ...]:
         return (self.out,)
 
@@ -131,7 +125,7 @@ class GatherCall:
 
 
 @dataclass(frozen=True)
-class SliceCall:
+class SliceCall(_ReadsItsInputs):
     """Kernel `ast` (elementwise, one-dimensional) run over the byte range [start, start + nbytes)
     of whole buffers: it reads that range of every input and writes it into every output (the
     kernel's `outputs`). One device's part of a direct allreduce: the devices of a peer group
@@ -143,10 +137,6 @@ class SliceCall:
     nbytes: int
     device: str
     queue: str = "compute"
-
-    @property
-    def reads(self) -> tuple[int, ...]:
-        return self.inputs
 
     @property
     def writes(self) -> tuple[int, ...]:
