@@ -40,7 +40,7 @@ def test_tensor_on_remote_device_matches_numpy(server, credentials_env) -> None:
     engine.synchronize(10)
     engine.run(device.aclose)
     engine._devices.pop(device.name, None)  # the test's server goes away with this module
-    assert not server.service.leases
+    assert not server.service.table.leases
 
 
 def test_remote_device_refuses_object_code_and_needs_credentials(server, lab, monkeypatch) -> None:

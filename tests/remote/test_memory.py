@@ -146,13 +146,13 @@ def test_disconnected_clients_allocations_are_released_when_the_lease_expires(ma
     lease = lease_of(bob)
     for _ in range(3):
         alloc(bob, lease, 1 << 16)
-    assert server.service.bytes_by_identity["spiffe://tinydist.lab/user/bob"] == 3 << 16
+    assert server.service.table.bytes_by_identity["spiffe://tinydist.lab/user/bob"] == 3 << 16
     bob.close()  # gone without CloseLease
     deadline = time.monotonic() + 5
-    while server.service.allocations and time.monotonic() < deadline:
+    while server.service.table.allocations and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not server.service.allocations and not server.service.leases
-    assert server.service.bytes_by_identity["spiffe://tinydist.lab/user/bob"] == 0
+    assert not server.service.table.allocations and not server.service.table.leases
+    assert server.service.table.bytes_by_identity["spiffe://tinydist.lab/user/bob"] == 0
     actions = [r.get("action") for r in server.audit_records()]
     assert actions.count("free") == 3 and "lease_released" in actions
     stats = server.service.devices["CPU:0"].allocator.statistics()
@@ -172,7 +172,7 @@ def test_programs_in_flight_free_and_visibility(make_server, connect) -> None:
         bob.Launch, pb.LaunchRequest(lease=lease, device="CPU:0", program_id=program, args=args), timeout=60)))
     worker.start()
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not any(a.busy for a in list(server.service.allocations.values())):
+    while time.monotonic() < deadline and not any(a.busy for a in list(server.service.table.allocations.values())):
         time.sleep(0.005)
     assert code_of(bob.Free, pb.FreeRequest(lease=lease, handle=h)) == grpc.StatusCode.FAILED_PRECONDITION
     worker.join(60)

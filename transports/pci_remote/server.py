@@ -121,7 +121,7 @@ class RemoteServer:
         while True:
             await asyncio.sleep(interval)
             if self.service is not None:
-                self.service.reap()
+                self.service.table.reap()
 
     async def stop(self, grace: float = 1.0) -> None:
         if self._reaper is not None:
@@ -131,8 +131,8 @@ class RemoteServer:
             await self.server.stop(grace)
             self.server = None
         if self.service is not None:
-            for lease in list(self.service.leases.values()):
-                self.service.release_lease(lease, "server stopping")
+            for lease in list(self.service.table.leases.values()):
+                self.service.table.release_lease(lease, "server stopping")
         for device in self._devices:
             await device.aclose()
         self._devices = []

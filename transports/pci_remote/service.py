@@ -14,12 +14,13 @@ work: allocations, copies and kernels go through the same Device/Batch API local
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import secrets
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -35,13 +36,13 @@ from transports.pci_remote._generated import device_pb2 as pb
 from transports.pci_remote import wire
 from transports.pci_remote.audit import AuditLog, handle_tag
 from transports.pci_remote.identity import IdentityError, PeerCache, peer_from_auth_context
+from transports.pci_remote.leases import Allocation, Lease, LeaseTable
 from transports.pci_remote.pci_sim import SimulatedPciFunction
 from transports.pci_remote.policy import ELEVATED, RANK, Policy, PolicyStore
 from transports.pci_remote.verifier import ENGINE, RAW, VerificationError, verify
 
 SERVICE = "tinydist.v1.DeviceService"
 ELEVATION_METADATA = "tinydist-elevation"
-HANDLE_BYTES = 16
 Code = grpc.StatusCode
 
 
@@ -87,26 +88,6 @@ class Call:
     deadline: float  # monotonic
 
 
-@dataclass(eq=False)
-class Lease:
-    id: bytes
-    identity: str
-    expires: float
-    handles: set[bytes] = field(default_factory=set)
-
-
-@dataclass(eq=False)
-class Allocation:
-    handle: bytes
-    identity: str
-    lease: Lease
-    device: Device
-    buffer: Buffer
-    nbytes: int
-    busy: int = 0
-    free_pending: bool = False
-
-
 def _check_range(nbytes: int, offset: int, length: int) -> None:
     if not (offset <= nbytes and length <= nbytes - offset):
         raise RpcError(Code.OUT_OF_RANGE, f"range offset={offset} length={length} is outside the {nbytes}-byte buffer")
@@ -123,10 +104,7 @@ class DeviceService:
         self.devices = devices
         self.pci = pci if pci is not None else {}
         self.handler_calls: Counter[str] = Counter()  # how often each handler body ran (tests prove refusals)
-        self.leases: dict[bytes, Lease] = {}
-        self.allocations: dict[bytes, Allocation] = {}
-        self.bytes_by_identity: Counter[str] = Counter()
-        self.handles_by_identity: Counter[str] = Counter()
+        self.table = LeaseTable(audit, config.lease_ttl_s)
         self._buckets: dict[str, tuple[float, float]] = {}
         self._tokens: dict[str, list[tuple[bytes, float]]] = {}
         self._programs: dict[tuple[str, str], Program] = {}
@@ -276,16 +254,14 @@ class DeviceService:
         return device
 
     def _lease(self, call: Call, lease_id: bytes) -> Lease:
-        lease = self.leases.get(lease_id)
-        now = time.monotonic()
-        if lease is None or lease.identity != call.identity or lease.expires <= now:
+        lease = self.table.lease(call.identity, lease_id)
+        if lease is None:
             raise RpcError(Code.NOT_FOUND, "no such lease")
-        lease.expires = now + self.config.lease_ttl_s
         return lease
 
     def _allocation(self, call: Call, lease: Lease, handle: bytes) -> Allocation:
-        alloc = self.allocations.get(handle)
-        if alloc is None or alloc.identity != call.identity or alloc.lease is not lease or alloc.free_pending:
+        alloc = self.table.allocation(call.identity, lease, handle)
+        if alloc is None:
             raise RpcError(Code.NOT_FOUND, "no such handle")  # the same answer for foreign and missing
         return alloc
 
@@ -297,44 +273,6 @@ class DeviceService:
             await asyncio.wait_for(completion.wait(), remaining)
         except (asyncio.TimeoutError, TimeoutError):
             raise RpcError(Code.DEADLINE_EXCEEDED, "deadline exceeded before the device finished") from None
-
-    def _release(self, alloc: Allocation, call: Call | None, reason: str) -> None:
-        if alloc.busy:
-            alloc.free_pending = True  # released when the in-flight operation finishes
-            return
-        if self.allocations.pop(alloc.handle, None) is None:
-            return
-        alloc.lease.handles.discard(alloc.handle)
-        self.bytes_by_identity[alloc.identity] -= alloc.nbytes
-        self.handles_by_identity[alloc.identity] -= 1
-        alloc.buffer.free()
-        self.audit.effect(identity=alloc.identity, method=call.method if call else "-", action="free",
-                          handle=handle_tag(alloc.handle), nbytes=alloc.nbytes, reason=reason)
-
-    def _done(self, allocs: list[Allocation]) -> None:
-        for alloc in allocs:
-            alloc.busy -= 1
-            if alloc.busy == 0 and alloc.free_pending:
-                alloc.free_pending = False
-                self._release(alloc, None, "deferred")
-
-    def release_lease(self, lease: Lease, reason: str) -> int:
-        self.leases.pop(lease.id, None)
-        count = 0
-        for handle in list(lease.handles):
-            alloc = self.allocations.get(handle)
-            if alloc is not None:
-                self._release(alloc, None, reason)
-                count += 1
-        self.audit.effect(identity=lease.identity, method="-", action="lease_released", reason=reason, handles=count)
-        return count
-
-    def reap(self) -> int:
-        now = time.monotonic()
-        expired = [lease for lease in self.leases.values() if lease.expires <= now]
-        for lease in expired:
-            self.release_lease(lease, "lease expired")
-        return len(expired)
 
     # ---- viewer ----------------------------------------------------------------------------------
 
@@ -356,10 +294,9 @@ class DeviceService:
 
     async def rpc_OpenLease(self, request: Any, call: Call) -> pb.LeaseReply:
         quota = call.policy.quota_of(call.identity)
-        if sum(1 for lease in self.leases.values() if lease.identity == call.identity) >= quota.max_leases:
+        if self.table.count(call.identity) >= quota.max_leases:
             raise RpcError(Code.RESOURCE_EXHAUSTED, "lease quota exceeded")
-        lease = Lease(secrets.token_bytes(HANDLE_BYTES), call.identity, time.monotonic() + self.config.lease_ttl_s)
-        self.leases[lease.id] = lease
+        lease = self.table.open(call.identity)
         self._effect(call, "lease_opened")
         return pb.LeaseReply(lease=lease.id, ttl_seconds=self.config.lease_ttl_s)
 
@@ -369,7 +306,7 @@ class DeviceService:
 
     async def rpc_CloseLease(self, request: pb.CloseLeaseRequest, call: Call) -> pb.CloseLeaseReply:
         lease = self._lease(call, request.lease)
-        return pb.CloseLeaseReply(released=self.release_lease(lease, "lease closed"))
+        return pb.CloseLeaseReply(released=self.table.release_lease(lease, "lease closed"))
 
     async def rpc_Allocate(self, request: pb.AllocateRequest, call: Call) -> pb.AllocateReply:
         lease = self._lease(call, request.lease)
@@ -378,9 +315,9 @@ class DeviceService:
         if nbytes == 0:
             raise RpcError(Code.INVALID_ARGUMENT, "allocation size must be positive")
         quota = call.policy.quota_of(call.identity)
-        if nbytes > self.config.max_allocation_bytes or self.bytes_by_identity[call.identity] + nbytes > quota.max_bytes:
+        if nbytes > self.config.max_allocation_bytes or self.table.bytes_by_identity[call.identity] + nbytes > quota.max_bytes:
             raise RpcError(Code.RESOURCE_EXHAUSTED, "allocation quota exceeded")
-        if self.handles_by_identity[call.identity] >= quota.max_handles:
+        if self.table.handles_by_identity[call.identity] >= quota.max_handles:
             raise RpcError(Code.RESOURCE_EXHAUSTED, "handle quota exceeded")
         try:
             buffer = device.allocator.alloc(nbytes)
@@ -391,13 +328,7 @@ class DeviceService:
         except BaseException:
             buffer.free()
             raise
-        handle = secrets.token_bytes(HANDLE_BYTES)
-        while handle in self.allocations:
-            handle = secrets.token_bytes(HANDLE_BYTES)
-        self.allocations[handle] = Allocation(handle, call.identity, lease, device, buffer, nbytes)
-        lease.handles.add(handle)
-        self.bytes_by_identity[call.identity] += nbytes
-        self.handles_by_identity[call.identity] += 1
+        handle = self.table.add(call.identity, lease, device, buffer, nbytes).handle
         self._effect(call, "alloc", handle=handle_tag(handle), nbytes=nbytes, device=request.device)
         return pb.AllocateReply(handle=handle, nbytes=nbytes)
 
@@ -405,7 +336,7 @@ class DeviceService:
         alloc = self._allocation(call, self._lease(call, request.lease), request.handle)
         if alloc.busy:
             raise RpcError(Code.FAILED_PRECONDITION, "buffer is in use by an in-flight operation")
-        self._release(alloc, call, "freed by owner")
+        self.table.release(alloc, call.method, "freed by owner")
         return pb.FreeReply()
 
     async def _write(self, call: Call, alloc: Allocation, offset: int, data: bytes | memoryview) -> Any:
@@ -424,13 +355,10 @@ class DeviceService:
     async def rpc_Write(self, request: pb.WriteRequest, call: Call) -> pb.WriteReply:
         alloc = self._allocation(call, self._lease(call, request.lease), request.handle)
         _check_range(alloc.nbytes, request.offset, len(request.data))
-        alloc.busy += 1
-        try:
+        with self.table.in_use(alloc):
             completion = await self._write(call, alloc, request.offset, request.data)
             if completion is not None:
                 await self._wait(call, completion)
-        finally:
-            self._done([alloc])
         self._effect(call, "write", handle=handle_tag(alloc.handle), nbytes=len(request.data))
         return pb.WriteReply(written=len(request.data))
 
@@ -438,12 +366,12 @@ class DeviceService:
         alloc: Allocation | None = None
         position = written = 0
         last = None
-        try:
+        with contextlib.ExitStack() as held:
             async for request in requests:
                 if alloc is None:
                     lease = request.lease
                     alloc = self._allocation(call, self._lease(call, lease), request.handle)
-                    alloc.busy += 1
+                    held.enter_context(self.table.in_use(alloc))
                     position = request.offset
                 elif (request.lease and request.lease != lease) or (request.handle and request.handle != alloc.handle) or request.offset:
                     raise RpcError(Code.INVALID_ARGUMENT, "only the first message of a stream names lease, handle and offset")
@@ -456,9 +384,6 @@ class DeviceService:
                 raise RpcError(Code.INVALID_ARGUMENT, "empty stream")
             if last is not None:
                 await self._wait(call, last)  # the copy queue is FIFO: the last write proves them all
-        finally:
-            if alloc is not None:
-                self._done([alloc])
         self._effect(call, "write", handle=handle_tag(alloc.handle), nbytes=written)
         return pb.WriteReply(written=written)
 
@@ -486,34 +411,30 @@ class DeviceService:
         _check_range(alloc.nbytes, request.offset, request.length)
         if request.length > self.config.max_message_bytes - 1024:
             raise RpcError(Code.RESOURCE_EXHAUSTED, "read larger than the message limit; use ReadStream")
-        alloc.busy += 1
-        try:
+        with self.table.in_use(alloc):
             return await self._read(call, alloc, request.offset, request.length)
-        finally:
-            self._done([alloc])
 
     async def rpc_ReadStream(self, request: pb.ReadRequest, call: Call) -> AsyncIterator[bytes]:
         alloc = self._allocation(call, self._lease(call, request.lease), request.handle)
         _check_range(alloc.nbytes, request.offset, request.length)
         limit = self.config.max_message_bytes - 1024
         chunk = min(request.chunk_bytes or self.config.stream_chunk_bytes, limit)
-        alloc.busy += 1
-        try:
-            position, end = request.offset, request.offset + request.length
-            pending = None
-            while position < end or pending is not None:
-                nxt = None
-                if position < end:  # read the next chunk while the previous one is being sent
-                    size = min(chunk, end - position)
-                    nxt = asyncio.ensure_future(self._read(call, alloc, position, size))
-                    position += size
-                if pending is not None:
-                    yield await pending
-                pending = nxt
-        finally:
-            if pending is not None and not pending.done():
-                pending.cancel()
-            self._done([alloc])
+        pending = None
+        with self.table.in_use(alloc):
+            try:
+                position, end = request.offset, request.offset + request.length
+                while position < end or pending is not None:
+                    nxt = None
+                    if position < end:  # read the next chunk while the previous one is being sent
+                        size = min(chunk, end - position)
+                        nxt = asyncio.ensure_future(self._read(call, alloc, position, size))
+                        position += size
+                    if pending is not None:
+                        yield await pending
+                    pending = nxt
+            finally:
+                if pending is not None and not pending.done():
+                    pending.cancel()
 
     async def rpc_Copy(self, request: pb.CopyRequest, call: Call) -> pb.CopyReply:
         lease = self._lease(call, request.lease)
@@ -525,9 +446,7 @@ class DeviceService:
             raise RpcError(Code.INVALID_ARGUMENT, "source and destination are on different devices")
         if not request.length:
             return pb.CopyReply()
-        dst.busy += 1
-        src.busy += 1
-        try:
+        with self.table.in_use(dst, src):
             dview = dst.buffer.view(request.dst_offset, request.length)
             sview = src.buffer.view(request.src_offset, request.length)
             try:
@@ -537,8 +456,6 @@ class DeviceService:
                 dview.release()
                 sview.release()
             await self._wait(call, batch.completion)
-        finally:
-            self._done([dst, src])
         self._effect(call, "copy", dst=handle_tag(dst.handle), src=handle_tag(src.handle), nbytes=request.length)
         return pb.CopyReply()
 
@@ -607,18 +524,14 @@ class DeviceService:
                     raise RpcError(Code.INVALID_ARGUMENT, f"argument {i} must be {kind}")
                 else:
                     values.append(getattr(arg, kind))
-            for alloc in used:
-                alloc.busy += 1
             start = time.perf_counter()
-            try:
+            with self.table.in_use(*used):
                 with device.batch() as batch:
                     batch.launch(program, *values)
                 for view in views:
                     view.release()
                 views = []
                 await self._wait(call, batch.completion)
-            finally:
-                self._done(used)
         finally:
             for view in views:
                 view.release()
