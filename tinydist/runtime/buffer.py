@@ -80,7 +80,8 @@ class Buffer:
     @property
     def address(self) -> int:
         """The memory address of this buffer's first byte (checked: the base must be alive)."""
-        self.check_alive()
+        if self._freed or (self._parent is not None and self._parent._freed):  # check_alive, inline: once per access
+            self.check_alive()
         return self._address + self.offset
 
     def check_alive(self) -> None:

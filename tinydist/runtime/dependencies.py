@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from tinydist.runtime.timeline import Timeline
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass costs 3x to construct, once per access
 class Access:
     start: int
     end: int
@@ -40,26 +40,28 @@ class AccessLog:
     def waits_for(self, start: int, end: int, write: bool, queue_timeline: Timeline) -> dict[Timeline, int]:
         """Timeline values an access to bytes [start, end) from the queue of `queue_timeline` must wait for."""
         waits: dict[Timeline, int] = {}
+        if not self._records:  # nothing recorded: nothing to wait for (read without the lock, as in conflicts)
+            return waits
         with self._lock:
-            if not self._records:
-                return waits
-            live = self._records = [r for r in self._records if r.timeline.value < r.value]
-            for r in live:
-                if (write or r.write) and r.start < end and start < r.end and r.timeline is not queue_timeline:
-                    if waits.get(r.timeline, -1) < r.value:
-                        waits[r.timeline] = r.value
+            finished = 0
+            for r in self._records:
+                if r.timeline.value >= r.value:
+                    finished += 1
+                elif (r.timeline is not queue_timeline and (write or r.write) and r.start < end and start < r.end
+                        and waits.get(r.timeline, -1) < r.value):
+                    waits[r.timeline] = r.value
+            if finished:
+                self._records = [r for r in self._records if r.timeline.value < r.value]
         return waits
 
     def record(self, start: int, end: int, write: bool, timeline: Timeline, value: int) -> None:
         new = Access(start, end, write, timeline, value)
         with self._lock:
-            if not self._records:
-                self._records.append(new)
-                return
-            kept = [r for r in self._records
-                    if r.timeline.value < r.value
-                    and not (r.timeline is timeline and start <= r.start and r.end <= end and (write or not r.write))]
-            kept.append(new)
+            kept = [new]
+            for r in self._records:
+                if r.timeline.value < r.value and not (
+                        r.timeline is timeline and start <= r.start and r.end <= end and (write or not r.write)):
+                    kept.append(r)
             self._records = kept
 
     def conflicts(self, start: int, end: int, write: bool) -> bool:

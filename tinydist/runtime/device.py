@@ -304,16 +304,23 @@ class Batch:
         """Order this access after conflicting work on other queues; returns the buffer's address."""
         address = buffer.address  # checks the buffer is alive
         start = buffer.offset
-        key = (buffer.accesses, start, start + buffer.nbytes)
+        log = buffer.accesses
+        key = (log, start, start + buffer.nbytes)
         seen = self._accesses.get(key)
         if seen is None or (write and not seen):
             # Earlier commands of this batch with the same range already waited for what a read needs.
-            for timeline, value in key[0].waits_for(start, key[2], write, self.queue.timeline).items():
-                if self._waited.get(timeline, 0) < value:
-                    self._waited[timeline] = value
-                    self._commands.append((timeline.wait_blocking, (value, self._timeout)))
+            waits = log.waits_for(start, key[2], write, self.queue.timeline)
+            if waits:
+                self._wait_for(waits)
             self._accesses[key] = write or bool(seen)
         return address
+
+    def _wait_for(self, waits: dict[Timeline, int]) -> None:
+        """Make the batch's next commands wait until each timeline reaches its value."""
+        for timeline, value in waits.items():
+            if self._waited.get(timeline, 0) < value:
+                self._waited[timeline] = value
+                self._commands.append((timeline.wait_blocking, (value, self._timeout)))
 
     def launch(self, program: Program, *args: Any) -> None:
         """Run `program` with `args` matching its signature (buffers must live on this device)."""
