@@ -116,6 +116,27 @@ def test_wait_blocking_from_a_thread() -> None:
     assert tl.statistics().blocked_threads == 0
 
 
+def test_a_signal_wakes_only_the_blocked_threads_whose_target_it_reached() -> None:
+    tl = Timeline("t")
+    returned: list[int] = []
+    threads = [threading.Thread(target=lambda v=v: (tl.wait_blocking(v, timeout=30), returned.append(v))) for v in (2, 5)]
+    for thread in threads:
+        thread.start()
+    for _ in range(5000):
+        if tl.statistics().blocked_threads == 2:
+            break
+        threads[0].join(0.002)
+    tl.signal(3)
+    threads[0].join(10)
+    assert returned == [2]
+    # the waiter for 5 was never woken: it still holds its registration, its wake lock untouched
+    (later,) = tl._blocked
+    assert later.target == 5 and later.wake.locked()
+    tl.signal(5)
+    threads[1].join(10)
+    assert returned == [2, 5] and tl.statistics().blocked_threads == 0
+
+
 def test_wait_blocking_reached_value_returns_immediately() -> None:
     tl = Timeline("t")
     tl.signal(4)

@@ -38,6 +38,17 @@ class TimelineStatistics:
     failed: bool
 
 
+class _BlockedThread:
+    """A thread in `wait_blocking`: its `wake` lock is held until a signal reaches `target`."""
+
+    __slots__ = ("target", "wake")
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.wake = threading.Lock()
+        self.wake.acquire()
+
+
 class _AsyncWaiter:
     __slots__ = ("target", "loop", "future")
 
@@ -68,9 +79,11 @@ class Timeline:
         self._value = 0
         self._progress_at = clock()
         self._failure: DeviceFailed | None = None
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
         self._waiters: list[_AsyncWaiter] = []
-        self._blocked = 0
+        # each woken only by the signal that reaches its target: a worker waiting for a later value
+        # is not woken (and made to take the GIL) by every signal before it
+        self._blocked: list[_BlockedThread] = []
         # a heap of (target, registration number, callback): a signal takes only the due ones off
         # it, however many later ones a caller that runs ahead of the device has queued behind
         self._callbacks: list[tuple[int, int, Callable[[], None]]] = []
@@ -94,7 +107,7 @@ class Timeline:
         return self._value >= value
 
     def statistics(self) -> TimelineStatistics:
-        return TimelineStatistics(self._value, len(self._waiters), self._blocked, self._failure is not None)
+        return TimelineStatistics(self._value, len(self._waiters), len(self._blocked), self._failure is not None)
 
     # ---- signalling (any thread) -------------------------------------------------------------
 
@@ -102,7 +115,7 @@ class Timeline:
         """Advance to `value`; wakes waiters whose target is reached. Safe from any thread."""
         if not 0 <= value <= MAX_VALUE:
             raise ValueError(f"timeline {self.name}: value {value} is outside 0..2**64-1")
-        with self._cond:
+        with self._lock:
             if value < self._value:
                 raise ValueError(f"timeline {self.name} is monotonic: cannot move from {self._value} back to {value}")
             self._value = value
@@ -111,20 +124,23 @@ class Timeline:
             ready = [w for w in self._waiters if w.target <= value]
             if ready:
                 self._waiters = [w for w in self._waiters if w.target > value]
+            woken = [t for t in self._blocked if t.target <= value]
+            if woken:
+                self._blocked = [t for t in self._blocked if t.target > value]
             due = self._take_due(value)
-            if self._blocked:
-                self._cond.notify_all()
         # Callbacks first (they give back memory and keep-alives held for the finished work), so a
         # waiter that wakes on this value also observes everything it released.
         for callback in due:
             callback()
+        for thread in woken:
+            thread.wake.release()
         for waiter in ready:
             _wake(waiter, None)
 
     def call_when_reached(self, value: int, callback: Callable[[], None]) -> None:
         """Run `callback()` once the work up to `value` is over (reached, or retired after a
         failure) — on the thread that finishes it, or now if it already has."""
-        with self._cond:
+        with self._lock:
             if self._retired < value:
                 heapq.heappush(self._callbacks, (value, next(self._registrations), callback))
                 return
@@ -133,7 +149,7 @@ class Timeline:
     def retire(self, value: int) -> None:
         """The work up to `value` is over without reaching it (skipped or aborted on a failed
         device): run the callbacks waiting for it, without moving the counter."""
-        with self._cond:
+        with self._lock:
             self._retired = max(self._retired, value)
             due = self._take_due(value)
         for callback in due:
@@ -149,12 +165,14 @@ class Timeline:
     def fail(self, error: DeviceFailed) -> None:
         """Wake every waiter with `error`; later waits raise it. Callbacks wait for `retire`: a
         kernel may still be running, and what it holds must not be given back underneath it."""
-        with self._cond:
+        with self._lock:
             if self._failure is not None:
                 return
             self._failure = error
             waiters, self._waiters = self._waiters, []
-            self._cond.notify_all()
+            blocked, self._blocked = self._blocked, []
+        for thread in blocked:
+            thread.wake.release()
         for waiter in waiters:
             _wake(waiter, error)
 
@@ -177,7 +195,7 @@ class Timeline:
         while True:
             future: asyncio.Future[object] = loop.create_future()
             waiter = _AsyncWaiter(value, loop, future)
-            with self._cond:
+            with self._lock:
                 if self._value >= value:
                     return
                 if self._failure is not None:
@@ -188,7 +206,7 @@ class Timeline:
                 outcome = await future
             finally:
                 deadline.cancel()
-                with self._cond:
+                with self._lock:
                     if waiter in self._waiters:
                         self._waiters.remove(waiter)
             if outcome is not _DEADLINE or self._value >= value:
@@ -200,25 +218,26 @@ class Timeline:
     def wait_blocking(self, value: int, timeout: float | None = None) -> None:
         """Block this (worker) thread until `value`; same hang rule as `wait`. Never on an event loop."""
         timeout = _default_timeout() if timeout is None else timeout
-        with self._cond:
-            window_start = self._clock()
-            self._blocked += 1
-            try:
-                while self._value < value:
-                    if self._failure is not None:
-                        raise self._failure
-                    remaining = window_start + timeout - self._clock()
-                    if remaining <= 0:
-                        if self._progress_at > window_start:
-                            window_start = self._progress_at
-                            continue
-                        break
-                    self._cond.wait(remaining)
-                else:
+        window_start = self._clock()
+        while True:
+            with self._lock:
+                if self._value >= value:
                     return
-            finally:
-                self._blocked -= 1
-        raise self._declare_hang(value, timeout)
+                if self._failure is not None:
+                    raise self._failure
+                thread = _BlockedThread(value)
+                self._blocked.append(thread)
+            remaining = window_start + timeout - self._clock()
+            if remaining > 0 and thread.wake.acquire(timeout=min(remaining, threading.TIMEOUT_MAX)):
+                continue  # a signal reached the target, or the device failed: the top says which
+            with self._lock:
+                if thread in self._blocked:
+                    self._blocked.remove(thread)
+            if self._value >= value or self._failure is not None:
+                continue
+            if self._progress_at <= window_start:
+                raise self._declare_hang(value, timeout)
+            window_start = self._progress_at  # it moved: the watchdog restarts from its last progress
 
     def _declare_hang(self, value: int, timeout: float) -> DeviceFailed:
         error = DeviceHang(
