@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import threading
 import weakref
 from abc import ABC, abstractmethod
@@ -92,7 +93,7 @@ class Allocator(ABC):
             faults.check("alloc.register")
             self._register(address, nbytes)
             undo.append(lambda: self._unregister(address))
-            buffer = Buffer(self.device, nbytes, address, lambda: self._free(address, nbytes))
+            buffer = Buffer(self.device, nbytes, address, functools.partial(self._free, address, nbytes))
             self._bases.add(buffer)
         except Exception as exc:
             for step in reversed(undo):

@@ -130,17 +130,29 @@ def _release_when_idle(accesses: AccessLog, release: Callable[[], None], owner: 
     if not pending:
         release()
         return
-    remaining = [len(pending)]
-    lock = threading.Lock()
-    keep = [owner]  # the callbacks below hold the owner until the last access completes
-
-    def one_done() -> None:
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            release()
-            keep.clear()
-
+    countdown = _ReleaseAfterLast(len(pending), release, owner)
     for timeline, value in pending.items():
-        timeline.call_when_reached(value, one_done)
+        timeline.call_when_reached(value, countdown)
+
+
+class _ReleaseAfterLast:
+    """Called once per pending timeline; the last call releases the memory and lets go of its
+    owner. One object rather than a closure and its cells: a caller that runs far ahead of the
+    devices keeps one of these per freed buffer alive, and the garbage collector walks them all."""
+
+    __slots__ = ("_remaining", "_lock", "_release", "_owner")
+
+    def __init__(self, count: int, release: Callable[[], None], owner: Any) -> None:
+        self._remaining = count
+        self._lock = threading.Lock()
+        self._release: Callable[[], None] | None = release
+        self._owner = owner
+
+    def __call__(self) -> None:
+        with self._lock:
+            self._remaining -= 1
+            last = self._remaining == 0
+        if last:
+            assert self._release is not None
+            self._release()
+            self._release = self._owner = None

@@ -320,7 +320,7 @@ class Batch:
         for timeline, value in waits.items():
             if self._waited.get(timeline, 0) < value:
                 self._waited[timeline] = value
-                self._commands.append((timeline.wait_blocking, (value, self._timeout)))
+                self._commands.append((timeline.wait_command, (value, self._timeout)))
 
     def launch(self, program: Program, *args: Any) -> None:
         """Run `program` with `args` matching its signature (buffers must live on this device)."""

@@ -84,6 +84,9 @@ class Timeline:
         # each woken only by the signal that reaches its target: a worker waiting for a later value
         # is not woken (and made to take the GIL) by every signal before it
         self._blocked: list[_BlockedThread] = []
+        # the bound method, made once: a batch that waits on this timeline queues it as a command
+        # (a new bound method per wait would be one more object per command for the collector)
+        self.wait_command = self.wait_blocking
         # a heap of (target, registration number, callback): a signal takes only the due ones off
         # it, however many later ones a caller that runs ahead of the device has queued behind
         self._callbacks: list[tuple[int, int, Callable[[], None]]] = []
