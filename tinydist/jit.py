@@ -14,6 +14,12 @@ The signature is checked on every replay: argument names and count, shapes, dtyp
 the Python values that were baked in at capture (a changed scalar is an error, never the old
 value silently). Inputs are copied in, so feeding an output back as the next input is safe; an
 input the function assigns to is copied back out after the replay.
+
+A replay on several devices is queued, not waited for: a loop that never reads a result runs
+ahead of the devices. At TINYDIST_JIT_RUN_AHEAD replays (64) queued, a call waits until the devices
+have caught up, so the inputs, commands and bookkeeping held for queued work stay bounded — and
+the feeding loop and the devices' workers take turns in bursts instead of contending for the GIL
+at every step.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import numpy as np
 
 from tinydist.codegen.compile_cache import CompileCache
 from tinydist.codegen.compiler import HostCompiler
+from tinydist.config import settings
 from tinydist.errors import TinydistError
 from tinydist.lazy import LazyNode, buffer_node
 from tinydist.realize import programs, realize
@@ -400,6 +407,7 @@ class TinyJit:
         self.fn = fn
         self.signature = inspect.signature(fn)
         self.calls = 0
+        self.queued = 0  # replays since the caller last waited for the devices to catch up
         self.captured: _Captured | None = None
         self.specs: tuple[_ArgSpec, ...] = ()
         self.tensor_positions: list[int] = []
@@ -444,7 +452,12 @@ class TinyJit:
                                "Python values are baked into the captured graph — pass a Tensor to vary it, or make a new jit")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        result, _ = self._call(args, kwargs, inline=True)
+        result, completions = self._call(args, kwargs, inline=True)
+        self.queued += 1
+        if self.queued >= settings.JIT_RUN_AHEAD:  # bounded run-ahead (module docstring)
+            for completion in completions:  # this replay's, so every earlier one's too (queues are FIFO)
+                completion.wait_blocking()
+            self.queued = 0
         return result
 
     def call_numpy(self, *arrays: Any) -> Any:

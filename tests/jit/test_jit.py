@@ -192,6 +192,28 @@ def test_graphs_over_several_devices_replay_in_runs() -> None:
     np.testing.assert_allclose(anyio.run(main), reference(x), rtol=1e-4, atol=1e-5)
 
 
+def test_a_caller_that_never_waits_is_held_to_the_run_ahead_bound() -> None:
+    from tinydist.config import settings
+    from tinydist.runtime.engine import get_engine
+
+    @td.jit
+    def sharded(x: td.Tensor) -> td.Tensor:
+        return (x.shard(["CPU:0", "CPU:1"], axis=0).exp() * 0.5).sum(axis=0).to("CPU:0")
+
+    xs = [rng.standard_normal((8, 5)).astype(np.float32) for _ in range(9)]
+    queues = [q for name in ("CPU:0", "CPU:1") for q in get_engine().device(name).queues.values()]
+    outputs, caught_up = [], 0
+    with settings.override(JIT_RUN_AHEAD=3):
+        for x in xs:
+            outputs.append(sharded(td.Tensor(x)))
+            if sharded.queued == 0:  # this call reached the bound: it waited until the devices caught up
+                caught_up += 1
+                assert [q.statistics().in_flight for q in queues] == [0] * len(queues)
+    assert caught_up == 3 and sharded.captured is not None and sharded.captured.entry is None
+    for x, out in zip(xs, outputs):
+        np.testing.assert_allclose(out.numpy(), (np.exp(x) * 0.5).sum(0), rtol=1e-5, atol=1e-6)
+
+
 def test_arguments_copied_in_and_outputs_copied_out_inside_runs_keep_their_order() -> None:
     # b is copied in at the start of the first run (on CPU:1); a gets a batch of its own, since a
     # run on CPU:1 reads it before any run on CPU:0; both outputs are copied out at the end of
