@@ -137,6 +137,25 @@ def test_a_signal_wakes_only_the_blocked_threads_whose_target_it_reached() -> No
     assert returned == [2, 5] and tl.statistics().blocked_threads == 0
 
 
+def test_an_interrupted_blocking_wait_leaves_no_registration(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tinydist.runtime.timeline as timeline_module
+
+    class Interrupted:
+        def __init__(self, target: int) -> None:
+            self.target = target
+            self.wake = self
+
+        def acquire(self, timeout: float) -> bool:
+            raise KeyboardInterrupt  # what Ctrl-C raises in a main thread blocked here
+
+    tl = Timeline("t")
+    monkeypatch.setattr(timeline_module, "_BlockedThread", Interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tl.wait_blocking(5, timeout=30)
+    assert tl.statistics().blocked_threads == 0
+    tl.signal(5)  # nothing left to wake
+
+
 def test_wait_blocking_reached_value_returns_immediately() -> None:
     tl = Timeline("t")
     tl.signal(4)

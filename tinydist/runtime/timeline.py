@@ -231,12 +231,16 @@ class Timeline:
                 thread = _BlockedThread(value)
                 self._blocked.append(thread)
             remaining = window_start + timeout - self._clock()
-            if remaining > 0 and thread.wake.acquire(timeout=min(remaining, threading.TIMEOUT_MAX)):
-                continue  # a signal reached the target, or the device failed: the top says which
-            with self._lock:
-                if thread in self._blocked:
-                    self._blocked.remove(thread)
-            if self._value >= value or self._failure is not None:
+            woken = False
+            try:
+                woken = remaining > 0 and thread.wake.acquire(timeout=min(remaining, threading.TIMEOUT_MAX))
+            finally:
+                if not woken:  # timed out, or interrupted (Ctrl-C in the main thread): deregister
+                    with self._lock:
+                        if thread in self._blocked:
+                            self._blocked.remove(thread)
+            if woken or self._value >= value or self._failure is not None:
+                # a signal reached the target, or the device failed: the top of the loop says which
                 continue
             if self._progress_at <= window_start:
                 raise self._declare_hang(value, timeout)
