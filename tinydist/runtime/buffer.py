@@ -80,12 +80,12 @@ class Buffer:
     @property
     def address(self) -> int:
         """The memory address of this buffer's first byte (checked: the base must be alive)."""
-        if self._freed or (self._parent is not None and self._parent._freed):  # check_alive, inline: once per access
-            self.check_alive()
+        self.check_alive()
         return self._address + self.offset
 
     def check_alive(self) -> None:
-        if self.base._freed or self._freed:
+        # read through _parent, not the `base` property: this runs once per access of every batch
+        if self._freed or (self._parent is not None and self._parent._freed):
             raise UseAfterFree(f"{self!r} was freed; allocate a new buffer")
 
     def view(self, offset: int, nbytes: int) -> Buffer:
