@@ -16,10 +16,14 @@ from __future__ import annotations
 
 import enum
 import itertools
+import operator
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+
+from tinydist import dtypes
 from tinydist.dtypes import DType
 from tinydist.runtime.buffer import Buffer
 from tinydist.shape import Shape, ShapeTracker, prod
@@ -142,8 +146,20 @@ def const_node(value: Any, dtype: DType, device: str) -> LazyNode:
     return LazyNode(Op.CONST, (), dtype.np.type(value).item(), dtype, (), device)
 
 
+# Arithmetic over constants is done when the graph is built: a constant expression left in the
+# graph is inlined where it is read, except by another device, where it becomes a kernel and a
+# cross-device wait of its own (a loss's gradient seed 1/N, read by every data-parallel replica).
+# Only IEEE basic arithmetic on floats, which numpy rounds exactly as the kernels do.
+_FOLDABLE = {Op.ADD: operator.add, Op.SUB: operator.sub, Op.MUL: operator.mul, Op.DIV: operator.truediv, Op.NEG: operator.neg}
+
+
 def elementwise(op: Op, srcs: tuple[LazyNode, ...], dtype: DType, arg: Any = None) -> LazyNode:
     shape, device = srcs[0].shape, srcs[0].device
+    fold = _FOLDABLE.get(op)
+    if (fold is not None and dtype in (dtypes.float32, dtypes.float64)
+            and all(s.op is Op.CONST and s.buffer is None and s.dtype == dtype and not s.requires_grad for s in srcs)):
+        with np.errstate(all="ignore"):  # 1/0 is inf, 0/0 is nan, as in a kernel
+            return const_node(fold(*(dtype.np.type(s.arg) for s in srcs)), dtype, device)
     return LazyNode(op, srcs, arg, dtype, shape, device)
 
 

@@ -203,6 +203,13 @@ class Tensor:
         device = canonical_name(device)
         if device == self.device:
             return self
+        node = self.node
+        base = node.srcs[0] if node.op is Op.VIEW and not node.realized else node
+        if base.op is Op.CONST and not base.realized and not node.requires_grad:
+            # a constant (or a view of one) is the same constant there: nothing to copy, and no
+            # reader on `device` waits for a kernel on this one (a data-parallel loss's 1/N seed)
+            moved = const_node(base.arg, base.dtype, device)
+            return Tensor(moved if base is node else LazyNode(Op.VIEW, (moved,), node.arg, node.dtype, node.shape, device))
         src = self.contiguous().node
         return Tensor(LazyNode(Op.COPY, (src,), None, self.dtype, self.shape, device))
 

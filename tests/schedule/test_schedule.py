@@ -206,6 +206,37 @@ def test_reading_a_peer_devices_value_is_no_copy():
     np.testing.assert_array_equal(t.numpy(), A * 2 + 1)
 
 
+def test_arithmetic_over_constants_is_folded_into_one_constant():
+    """Exactly rounded float arithmetic over constants is done when the graph is built, as a
+    kernel would round it; anything else (integer division, a transcendental) stays a node."""
+    seed = td.Tensor.full((), 1.0, td.float32) / 256
+    assert seed.node.op is td.lazy.Op.CONST and seed.node.arg == np.float32(1) / np.float32(256)
+    assert (-(td.Tensor.full((), 3.0) * 0.1 - 1.0)).node.arg == -(np.float64(3.0) * 0.1 - 1.0)
+    inf, nan = td.Tensor.full((), 1.0) / 0.0, td.Tensor.full((), 0.0) / 0.0
+    assert inf.node.op is td.lazy.Op.CONST and inf.numpy() == np.inf and np.isnan(nan.numpy())
+    for kept in (td.Tensor.full((), 7) // 2, td.Tensor.full((), 2.0).exp()):
+        assert kept.node.op is not td.lazy.Op.CONST
+    np.testing.assert_array_equal((td.Tensor.full((), 7) // 2).numpy(), 3)
+
+
+def test_a_constant_moved_to_another_device_is_that_constant_there():
+    """`.to()` of a constant (or a broadcast of one) needs no copy and no kernel on the source
+    device: the reader's kernel inlines it, so it waits for nothing there (a loss's 1/N seed read
+    by a data-parallel replica)."""
+    half = (td.Tensor.full((), 1.0, td.float32) / 2).to("CPU:1")
+    assert half.node.op is td.lazy.Op.CONST and half.device == "CPU:1"
+    t = td.Tensor(A, device="CPU:1") * half + td.Tensor.full((3, 4), 2.0, td.float32).to("CPU:1")
+    schedule, _ = create_schedule([t.node])
+    assert [(type(c), c.device) for c in schedule.linear] == [(KernelCall, "CPU:1")]
+    np.testing.assert_array_equal(t.numpy(), A * 0.5 + 2)
+    w = td.Tensor.full((3,), 2.0, td.float32)
+    w.requires_grad_()  # a leaf that wants its gradient keeps the copy the gradient flows back through
+    moved = w.to("CPU:1")
+    assert moved.node.op is td.lazy.Op.COPY
+    (moved * 3).sum().backward()
+    np.testing.assert_array_equal(w.grad.numpy(), [3, 3, 3])
+
+
 def test_views_of_a_peers_view_read_it_in_place():
     b = td.Tensor(A).realize()
     window = b[1:3, ::2].to("CPU:1")                         # a strided window of CPU:0's buffer
