@@ -259,7 +259,9 @@ class _Captured:
         no earlier run touches it; copy each output out at the end of the last run on its
         device's compute queue, when no later run writes it. A batch of its own would cost the
         feeding thread a submission and the queue's worker a wake-up, every replay. Arguments
-        the function assigns to keep their own batches (their copy back reads the same buffer)."""
+        the function assigns to keep their own batches (their copy back reads the same buffer),
+        and so do arguments a run on another queue reads: a run signals only when all of it is
+        done, and that reader (a data-parallel replica's half of the batch) would wait for it."""
         streams = [(run.device.name, run.queue) for run in runs]
         assigned = {number for _, number in self.written_args}
 
@@ -271,7 +273,7 @@ class _Captured:
             stream = (self.buffers[number].device.name, "compute")
             users = touching(number)
             first = streams.index(stream) if stream in streams and number not in assigned else None
-            if first is not None and users and users[0] < first:
+            if first is not None and users and (users[0] < first or any(streams[k] != stream for k in users)):
                 first = None
             self.args_into.setdefault(first, []).append((position, number))
         for i, number in enumerate(self.output_numbers):
@@ -341,11 +343,12 @@ class _Captured:
             out = engine.device(name).allocator.alloc(math.prod(shape) * dtype.itemsize)
             batch.copy(out, self.buffers[self.output_numbers[i]])
             outputs[i] = Tensor(buffer_node(out, dtype, shape, name))
+        own: dict[Device, Any] = {}  # the argument copies that are not part of a run: one batch per device
         for position, number in self.args_into.get(None, ()):
             target = self.buffers[number]
-            with target.device.batch("compute") as batch:
-                batch.copy(target, args[position].node.buffer)
-            completions.append(batch.completion)
+            batch = own.get(target.device) or own.setdefault(target.device, target.device.batch("compute"))
+            batch.copy(target, args[position].node.buffer)
+        completions.extend(batch.submit() for batch in own.values())
         for k, run in enumerate(self.runs):
             batch = run.device.batch(run.queue)
             for position, number in self.args_into.get(k, ()):

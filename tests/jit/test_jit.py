@@ -215,12 +215,13 @@ def test_a_caller_that_never_waits_is_held_to_the_run_ahead_bound() -> None:
 
 
 def test_arguments_copied_in_and_outputs_copied_out_inside_runs_keep_their_order() -> None:
-    # b is copied in at the start of the first run (on CPU:1); a gets a batch of its own, since a
-    # run on CPU:1 reads it before any run on CPU:0; both outputs are copied out at the end of
-    # the runs that make them. Replays back to back, read afterwards: each saw its own arguments.
+    # b, read only on CPU:1, is copied in at the start of the first run there; a gets a batch of
+    # its own, since a run on CPU:1 reads it (the end of a run on CPU:0 would come too late for
+    # that reader); both outputs are copied out at the end of the runs that make them. Replays
+    # back to back, read afterwards: each saw its own arguments.
     @td.jit
     def mixed(a: td.Tensor, b: td.Tensor) -> tuple[td.Tensor, td.Tensor]:
-        return (a.to("CPU:1") * b).sum(axis=0), (b.to("CPU:0") + a).exp() * 2
+        return (a.to("CPU:1") * b).sum(axis=0), (b.sum(axis=0).to("CPU:0") + a).exp() * 2
 
     g = np.random.default_rng(3)
     pairs = [(g.standard_normal((5, 3)).astype(np.float32), g.standard_normal((5, 3)).astype(np.float32)) for _ in range(6)]
@@ -228,7 +229,7 @@ def test_arguments_copied_in_and_outputs_copied_out_inside_runs_keep_their_order
     for (a, b), (s, u) in zip(pairs, results):
         assert (s.device, u.device) == ("CPU:1", "CPU:0")
         np.testing.assert_allclose(s.numpy(), (a * b).sum(0), rtol=1e-5)
-        np.testing.assert_allclose(u.numpy(), np.exp(a + b) * 2, rtol=1e-5)
+        np.testing.assert_allclose(u.numpy(), np.exp(a + b.sum(0)) * 2, rtol=1e-5)
     captured = mixed.captured
     assert captured is not None and captured.args_into[None] == [(0, 0)] and None not in captured.outputs_from
     assert sorted(n for k, slots in captured.args_into.items() if k is not None for _, n in slots) == [1]
