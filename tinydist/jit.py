@@ -346,8 +346,9 @@ class _Captured:
         own: dict[Device, Any] = {}  # the argument copies that are not part of a run: one batch per device
         for position, number in self.args_into.get(None, ()):
             target = self.buffers[number]
-            batch = own.get(target.device) or own.setdefault(target.device, target.device.batch("compute"))
-            batch.copy(target, args[position].node.buffer)
+            if target.device not in own:
+                own[target.device] = target.device.batch("compute")
+            own[target.device].copy(target, args[position].node.buffer)
         completions.extend(batch.submit() for batch in own.values())
         for k, run in enumerate(self.runs):
             batch = run.device.batch(run.queue)

@@ -131,7 +131,8 @@ class LazyNode:
 
     @property
     def base(self) -> LazyNode:
-        return self.srcs[0] if self.op is Op.VIEW else self
+        """The node a view reads; a realized node (a view too) is its own memory."""
+        return self.srcs[0] if self.op is Op.VIEW and self.buffer is None else self
 
     @property
     def tracker(self) -> ShapeTracker:

@@ -204,7 +204,7 @@ class Tensor:
         if device == self.device:
             return self
         node = self.node
-        base = node.srcs[0] if node.op is Op.VIEW and not node.realized else node
+        base = node.base
         if base.op is Op.CONST and not base.realized and not node.requires_grad:
             # a constant (or a view of one) is the same constant there: nothing to copy, and no
             # reader on `device` waits for a kernel on this one (a data-parallel loss's 1/N seed)
