@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import enum
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -89,6 +90,9 @@ class Device(ABC):
         self.failure: DeviceFailed | None = None
         self.queues: dict[str, CommandQueue] = {}
         self._state_lock = threading.Lock()
+        # told `device_failed(error)` when this device fails: work ordered outside the runtime's
+        # timelines (a captured step's native waits) stops waiting for a device that will not run it
+        self.failure_listeners: weakref.WeakSet[Any] = weakref.WeakSet()
         self.log = get_logger(device=name)
 
     def __repr__(self) -> str:
@@ -204,6 +208,8 @@ class Device(ABC):
         for q in self.queues.values():
             q.timeline.fail(first)
         if first is error:
+            for listener in list(self.failure_listeners):
+                listener.device_failed(first)
             FAILURES[(self.name, type(error).__name__)] += 1
             self.log.error("device failed", error=str(error))
         return first
@@ -262,7 +268,8 @@ class Batch:
     earlier work on other queues through its base's access log, before it joins the batch.
     """
 
-    __slots__ = ("device", "queue", "completion", "_commands", "_accesses", "_keepalive", "_waited", "_timeout", "_copied")
+    __slots__ = ("device", "queue", "completion", "_commands", "_accesses", "_keepalive", "_waited", "_timeout", "_copied",
+                 "_ordered_elsewhere")
 
     def __init__(self, device: Device, queue: CommandQueue) -> None:
         self.device = device
@@ -275,6 +282,7 @@ class Batch:
         self._waited: dict[Timeline, int] = {}
         self._timeout = settings.TIMELINE_TIMEOUT
         self._copied = 0  # bytes in this batch's copies, counted by the queue at submit
+        self._ordered_elsewhere: frozenset[Timeline] = frozenset()
 
     def __enter__(self) -> Batch:
         return self
@@ -290,6 +298,12 @@ class Batch:
         """Order the batch after conflicting work on `buffer`, record the access, and return its
         address — for `command`s whose buffers are not passed as Buffer arguments."""
         return self._access(buffer, write)
+
+    def leave_ordering_to(self, timelines: frozenset[Timeline]) -> None:
+        """Wait for no work on `timelines`: the submitter orders this batch's commands against
+        it itself (a captured step's streams wait for each other in native code). Accesses are
+        still recorded, so other work orders after this batch as usual."""
+        self._ordered_elsewhere = timelines
 
     def keep_alive(self, *objects: Any) -> None:
         """Hold `objects` (host arrays a command reads or writes) until the batch completes."""
@@ -318,7 +332,7 @@ class Batch:
     def _wait_for(self, waits: dict[Timeline, int]) -> None:
         """Make the batch's next commands wait until each timeline reaches its value."""
         for timeline, value in waits.items():
-            if self._waited.get(timeline, 0) < value:
+            if self._waited.get(timeline, 0) < value and timeline not in self._ordered_elsewhere:
                 self._waited[timeline] = value
                 self._commands.append((timeline.wait_command, (value, self._timeout)))
 

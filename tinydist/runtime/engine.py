@@ -50,6 +50,16 @@ class Engine:
                 self._devices[canonical] = device
             return device
 
+    def reopen(self, name: str) -> Device:
+        """Close the engine's device `name` (a failed one, say) and open a fresh one in its place.
+        Nothing of the old device carries over: its buffers, and steps captured on it, are gone."""
+        canonical = canonical_name(name)
+        with self._lock:
+            old = self._devices.pop(canonical, None)
+        if old is not None:
+            self.run(old.aclose)
+        return self.device(canonical)
+
     def synchronize(self, timeout: float | None = None) -> None:
         """Block until all work submitted so far on the engine's devices has completed."""
         for device in self.open_devices():
