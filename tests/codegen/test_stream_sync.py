@@ -1,0 +1,84 @@
+"""Native cross-stream waits and signals: ordering, per-replay argument rows, timeout and abort."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from tinydist.codegen.compiler import HostCompiler
+from tinydist.codegen.stream_sync import (ABORTED, OK, TIMED_OUT, ControlBlock, Part, Slot, Wait, native_address,
+                                          step_function_ir)
+from tinydist.runtime.cpu.loader import native_loader
+
+RING = 4
+_compiler = HostCompiler(opt_level=1)
+
+
+def _until(predicate: Callable[[], bool], what: str) -> None:
+    """Bounded polling for a state with no event (a stream going to sleep on a counter)."""
+    deadline = time.monotonic() + 10
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.001)
+
+
+def _two_streams(name: str, timeout_ns: int) -> tuple[ControlBlock, np.ndarray, np.ndarray, list]:
+    """Stream 0 copies the replay's source (a per-replay row slot) into out[0]; stream 1 waits for
+    that, then copies out[0] into out[1]."""
+    block = ControlBlock(2)
+    rows = np.zeros((RING, 1), np.int64)
+    out = np.zeros(2, np.int64)
+    memmove = native_address(ctypes.memmove)
+    assert memmove is not None
+    parts = ([Part((), ((memmove, (out.ctypes.data, Slot(0), 8)),))],
+             [Part((Wait(0, 0, 0),), ((memmove, (out.ctypes.data + 8, out.ctypes.data, 8)),))])
+    steps = []
+    for s, stream_parts in enumerate(parts):
+        entry = f"{name}_{s}"
+        ir = step_function_ir(entry, block, s, stream_parts, [1, 1], rows.ctypes.data, RING, 1, timeout_ns)
+        steps.append(native_loader.load(_compiler.compile(ir), entry, []).cfunc)
+    return block, rows, out, steps
+
+
+def test_a_stream_sleeps_until_the_part_it_needs_and_each_replay_reads_its_own_row() -> None:
+    block, rows, out, (first, second) = _two_streams("sync_order", 10**10)
+    sources = np.arange(100, 110, dtype=np.int64)
+    for replay in range(2 * RING + 1):  # the ring of rows wraps around twice
+        rows[replay % RING, 0] = sources[replay:].ctypes.data
+        waiter = threading.Thread(target=second)
+        waiter.start()
+        _until(lambda: block.word(0, block.SLEEPERS) == 1, "stream 1 to sleep on stream 0's counter")
+        first()
+        waiter.join(10)
+        assert not waiter.is_alive()
+        assert out.tolist() == [100 + replay, 100 + replay]
+        assert [block.word(s, block.PROGRESS) for s in (0, 1)] == [replay + 1, replay + 1]
+        assert [block.word(s, block.STATUS) for s in (0, 1)] == [OK, OK]
+    assert block.word(0, block.SLEEPERS) == 0 and not block.aborted
+
+
+def test_a_wait_on_a_stream_that_stands_still_gives_up_and_says_where() -> None:
+    block, rows, out, (_, second) = _two_streams("sync_timeout", 50_000_000)
+    second()  # stream 0 never runs its part
+    assert block.word(1, block.STATUS) == TIMED_OUT
+    assert (block.word(1, block.UNIT), block.word(1, block.PEER)) == (0, 0)
+    assert (block.word(1, block.TARGET), block.word(1, block.SEEN)) == (1, 0)
+    assert block.aborted, "a stream that gives up stops the others too"
+    assert out.tolist() == [0, 0], "nothing after the failed wait ran"
+    assert block.word(1, block.PROGRESS) == 0
+
+
+def test_abort_wakes_a_sleeping_stream_which_runs_nothing_more() -> None:
+    block, rows, out, (_, second) = _two_streams("sync_abort", 10**12)
+    waiter = threading.Thread(target=second)
+    waiter.start()
+    _until(lambda: block.word(0, block.SLEEPERS) == 1, "stream 1 to sleep")
+    block.device_failed(RuntimeError("stream 0's device failed"))
+    waiter.join(10)
+    assert not waiter.is_alive()
+    assert block.word(1, block.STATUS) == ABORTED and out.tolist() == [0, 0]
+    assert block.word(1, block.PROGRESS) == 0 and block.word(0, block.SLEEPERS) == 0

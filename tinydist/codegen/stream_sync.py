@@ -1,0 +1,246 @@
+"""Ordering between queues inside native code: the step functions of a capture linked per queue.
+
+A captured step over several queues ("streams") can run as one native call per stream and replay
+(`tinydist.jit_streams`). Its streams order themselves through a control block of host memory:
+each stream owns a progress counter that its step function advances after each of its parts, and
+a part that needs another stream's part first waits until that stream's counter has passed it.
+
+A wait never spins: it sleeps on the counter's futex in slices of at most 1 ms, and gives up when
+the block's abort word is set (a device of the capture failed) or when the other stream's counter
+has stood still for the timeout (it is stuck: the runtime's hang rule). It then records why in its stream's status words, sets the abort word so
+every other stream of the capture stops too, and the step function returns at once; the caller
+reads the status and turns it into an error. A signal wakes sleepers only when there are any.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+_FUTEX_SYSCALL = 202                 # SYS_futex on x86-64 Linux
+_FUTEX_WAIT_PRIVATE, _FUTEX_WAKE_PRIVATE = 128, 129
+_CLOCK_MONOTONIC = 1
+_SLEEP_SLICE_NS = 1_000_000          # how often a sleeping wait looks at the abort word and the clock
+
+# status codes a step function leaves in its stream's status word
+OK, ABORTED, TIMED_OUT = 0, 1, 2
+
+
+@functools.cache
+def _libc_addresses() -> tuple[int, int]:
+    libc = ctypes.CDLL(None, use_errno=True)
+    return (ctypes.cast(libc.syscall, ctypes.c_void_p).value or 0,
+            ctypes.cast(libc.clock_gettime, ctypes.c_void_p).value or 0)
+
+
+def native_address(fn: object) -> int | None:
+    """The entry address of a ctypes foreign function (a kernel's cfunc, ctypes.memmove), else None."""
+    if not isinstance(fn, ctypes._CFuncPtr):  # type: ignore[attr-defined]
+        return None
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+class ControlBlock:
+    """The int64 words a capture's streams share: per stream one cache line
+    [progress, sleepers, replays, status, unit, peer, target, seen], then the abort word."""
+
+    LINE = 8
+    PROGRESS, SLEEPERS, REPLAYS, STATUS, UNIT, PEER, TARGET, SEEN = range(8)
+
+    def __init__(self, streams: int) -> None:
+        self.streams = streams
+        self.words = np.zeros(self.LINE * (streams + 1), np.int64)
+        self._base = self.words.ctypes.data
+
+    def address(self, stream: int, field: int) -> int:
+        return self._base + 8 * (self.LINE * stream + field)
+
+    @property
+    def abort_address(self) -> int:
+        return self._base + 8 * self.LINE * self.streams
+
+    def word(self, stream: int, field: int) -> int:
+        return int(self.words[self.LINE * stream + field])
+
+    @property
+    def aborted(self) -> bool:
+        return bool(self.words[self.LINE * self.streams])
+
+    def abort(self) -> None:
+        """Make every wait of every stream give up (within one sleep slice)."""
+        self.words[self.LINE * self.streams] = 1
+
+    def device_failed(self, error: BaseException) -> None:
+        """A device of the capture failed: its streams' parts will never run."""
+        self.abort()
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Before a part: wait until stream `peer` has finished its part `index` of replay r - lag."""
+    peer: int
+    lag: int      # 0: this replay; 1: the replay before
+    index: int    # the part's position among the peer's parts
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A command argument that changes per replay: word `k` of the replay's row of addresses."""
+    k: int
+
+
+@dataclass(frozen=True)
+class Part:
+    waits: tuple[Wait, ...]
+    commands: tuple[tuple[int, tuple[int | Slot, ...]], ...]   # (native entry address, arguments)
+
+
+def step_function_ir(name: str, block: ControlBlock, stream: int, parts: Sequence[Part], parts_per_stream: Sequence[int],
+                     slots: int, ring: int, row_words: int, timeout_ns: int) -> str:
+    """LLVM IR of `void name()`: stream `stream`'s parts of one replay, in order, each after its waits
+    and followed by a signal. `slots` is the address of the ring of per-replay argument rows
+    (`ring` rows of `row_words` int64 words; replay r reads row r % ring)."""
+    if ring & (ring - 1):
+        raise ValueError(f"ring must be a power of two, got {ring}")
+    syscall, clock = _libc_addresses()
+    wait_fn, signal_fn, now_fn = f"{name}.wait", f"{name}.signal", f"{name}.now"
+
+    def word(s: int, field: int) -> str:
+        return f"ptr inttoptr (i64 {block.address(s, field)} to ptr)"
+
+    out = [
+        f"define internal i64 @\"{now_fn}\"() {{",
+        "entry:",
+        "  %ts = alloca [2 x i64], align 8",
+        f"  %r = call i32 inttoptr (i64 {clock} to ptr)(i32 {_CLOCK_MONOTONIC}, ptr %ts)",
+        "  %s = load i64, ptr %ts, align 8",
+        "  %pn = getelementptr i64, ptr %ts, i64 1",
+        "  %n = load i64, ptr %pn, align 8",
+        "  %m = mul i64 %s, 1000000000",
+        "  %t = add i64 %m, %n",
+        "  ret i64 %t",
+        "}",
+        "",
+        f"define internal i1 @\"{wait_fn}\"(ptr %counter, ptr %sleepers, i64 %target, i64 %unit, i64 %peer) {{",
+        "entry:",
+        "  %ts = alloca [2 x i64], align 8",
+        "  %startp = alloca i64, align 8",
+        "  %lastp = alloca i64, align 8",
+        "  %v0 = load atomic i64, ptr %counter acquire, align 8",
+        "  %ok0 = icmp sge i64 %v0, %target",
+        "  br i1 %ok0, label %reached, label %slow",
+        "slow:",
+        f"  %start0 = call i64 @\"{now_fn}\"()",
+        "  store i64 %start0, ptr %startp, align 8",
+        "  store i64 %v0, ptr %lastp, align 8",
+        "  br label %loop",
+        "loop:",
+        "  %v = load atomic i64, ptr %counter acquire, align 8",
+        "  %ok = icmp sge i64 %v, %target",
+        "  br i1 %ok, label %reached, label %progresscheck",
+        "progresscheck:",  # as the runtime's hang rule: the clock runs while the other stream stands still
+        "  %last = load i64, ptr %lastp, align 8",
+        "  %moved = icmp ne i64 %v, %last",
+        "  br i1 %moved, label %progressed, label %abortcheck",
+        "progressed:",
+        "  store i64 %v, ptr %lastp, align 8",
+        f"  %start1 = call i64 @\"{now_fn}\"()",
+        "  store i64 %start1, ptr %startp, align 8",
+        "  br label %abortcheck",
+        "abortcheck:",
+        f"  %a = load atomic i64, ptr inttoptr (i64 {block.abort_address} to ptr) acquire, align 8",
+        "  %isab = icmp ne i64 %a, 0",
+        "  br i1 %isab, label %aborted, label %timecheck",
+        "timecheck:",
+        f"  %now = call i64 @\"{now_fn}\"()",
+        "  %start = load i64, ptr %startp, align 8",
+        "  %elapsed = sub i64 %now, %start",
+        f"  %late = icmp sgt i64 %elapsed, {timeout_ns}",
+        "  br i1 %late, label %timedout, label %sleep",
+        "sleep:",
+        "  %s0 = atomicrmw add ptr %sleepers, i64 1 seq_cst",
+        "  %v2 = load atomic i64, ptr %counter seq_cst, align 8",
+        "  %ok2 = icmp sge i64 %v2, %target",
+        "  br i1 %ok2, label %awake, label %futex",
+        "futex:",
+        "  store i64 0, ptr %ts, align 8",
+        "  %tsn = getelementptr i64, ptr %ts, i64 1",
+        f"  store i64 {_SLEEP_SLICE_NS}, ptr %tsn, align 8",
+        "  %low = and i64 %v2, 4294967295",  # the futex word is the counter's low half (little-endian)
+        f"  %f = call i64 (i64, ...) inttoptr (i64 {syscall} to ptr)(i64 {_FUTEX_SYSCALL}, ptr %counter, "
+        f"i64 {_FUTEX_WAIT_PRIVATE}, i64 %low, ptr %ts)",
+        "  br label %awake",
+        "awake:",
+        "  %s1 = atomicrmw sub ptr %sleepers, i64 1 seq_cst",
+        "  br label %loop",
+        "aborted:",
+        "  br label %failed",
+        "timedout:",
+        "  br label %failed",
+        "failed:",
+        f"  %code = phi i64 [ {ABORTED}, %aborted ], [ {TIMED_OUT}, %timedout ]",
+        f"  store i64 %code, {word(stream, block.STATUS)}, align 8",
+        f"  store i64 %unit, {word(stream, block.UNIT)}, align 8",
+        f"  store i64 %peer, {word(stream, block.PEER)}, align 8",
+        f"  store i64 %target, {word(stream, block.TARGET)}, align 8",
+        f"  store i64 %v, {word(stream, block.SEEN)}, align 8",
+        f"  store atomic i64 1, ptr inttoptr (i64 {block.abort_address} to ptr) seq_cst, align 8",
+        "  ret i1 false",
+        "reached:",
+        "  ret i1 true",
+        "}",
+        "",
+        f"define internal void @\"{signal_fn}\"() {{",
+        "entry:",
+        f"  %old = atomicrmw add {word(stream, block.PROGRESS)}, i64 1 seq_cst",
+        f"  %n = load atomic i64, {word(stream, block.SLEEPERS)} seq_cst, align 8",
+        "  %any = icmp ne i64 %n, 0",
+        "  br i1 %any, label %wake, label %done",
+        "wake:",
+        f"  %f = call i64 (i64, ...) inttoptr (i64 {syscall} to ptr)(i64 {_FUTEX_SYSCALL}, {word(stream, block.PROGRESS)}, "
+        f"i64 {_FUTEX_WAKE_PRIVATE}, i64 2147483647)",
+        "  br label %done",
+        "done:",
+        "  ret void",
+        "}",
+        "",
+        f"define void @\"{name}\"() {{",
+        "entry:",
+        f"  %r = load i64, {word(stream, block.REPLAYS)}, align 8",
+        "  %r1 = add i64 %r, 1",
+        f"  store i64 %r1, {word(stream, block.REPLAYS)}, align 8",
+        f"  %row = and i64 %r, {ring - 1}",
+        f"  %rowoff = mul i64 %row, {8 * row_words}",
+        f"  %rowaddr = add i64 %rowoff, {slots}",
+    ]
+    values = 0
+    for u, part in enumerate(parts):
+        for w in part.waits:
+            values += 1
+            v = values
+            out += [f"  %b{v} = sub i64 %r, {w.lag}",
+                    f"  %m{v} = mul i64 %b{v}, {parts_per_stream[w.peer]}",
+                    f"  %t{v} = add i64 %m{v}, {w.index + 1}",
+                    f"  %ok{v} = call i1 @\"{wait_fn}\"({word(w.peer, block.PROGRESS)}, {word(w.peer, block.SLEEPERS)}, "
+                    f"i64 %t{v}, i64 {u}, i64 {w.peer})",
+                    f"  br i1 %ok{v}, label %go{v}, label %stop",
+                    f"go{v}:"]
+        for address, args in part.commands:
+            operands = []
+            for arg in args:
+                if isinstance(arg, Slot):
+                    values += 1
+                    out += [f"  %sa{values} = add i64 %rowaddr, {8 * arg.k}",
+                            f"  %sp{values} = inttoptr i64 %sa{values} to ptr",
+                            f"  %sv{values} = load i64, ptr %sp{values}, align 8"]
+                    operands.append(f"i64 %sv{values}")
+                else:
+                    operands.append(f"i64 {int(arg)}")
+            out.append(f"  call void inttoptr (i64 {address} to ptr)({', '.join(operands)})")
+        out.append(f"  call void @\"{signal_fn}\"()")
+    out += ["  ret void", "stop:", "  ret void", "}", ""]
+    return "\n".join(out)
