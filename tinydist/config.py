@@ -119,6 +119,10 @@ for _setting in (
     Setting("JIT_RUN_AHEAD", _positive_int, lambda: 64,
             "Replays a synchronous td.jit caller may queue ahead of the devices; at that depth the call waits "
             "until they have finished them all (bounds the memory held for queued work)."),
+    Setting("JIT_NATIVE_STREAMS", _choice("on", "off"), lambda: "on",
+            "How td.jit replays a step over several CPU devices: on, one native call per queue, the queues "
+            "waiting for each other in native code; off, one batch per run of kernels, ordered by the runtime's "
+            "access logs (as steps on other devices always are)."),
     Setting("CPU_MEMORY_LIMIT", _positive_int, lambda: 1 << 40,
             "Bytes one CPU device may hold allocated at once."),
     Setting("ALLOCATOR_CACHE", int, lambda: 1 << 30,

@@ -15,6 +15,10 @@ the Python values that were baked in at capture (a changed scalar is an error, n
 value silently). Inputs are copied in, so feeding an output back as the next input is safe; an
 input the function assigns to is copied back out after the replay.
 
+A graph over several host devices replays as one native call per device and queue, ordered
+between them by waits baked at capture (`tinydist.jit_streams`); on other devices, as one batch
+per run of calls, ordered by the runtime's access logs.
+
 A replay on several devices is queued, not waited for: a loop that never reads a result runs
 ahead of the devices. At TINYDIST_JIT_RUN_AHEAD replays (64) queued, a call waits until the devices
 have caught up, so the inputs, commands and bookkeeping held for queued work stay bounded — and
@@ -38,6 +42,7 @@ from tinydist.codegen.compile_cache import CompileCache
 from tinydist.codegen.compiler import HostCompiler
 from tinydist.config import settings
 from tinydist.errors import TinydistError
+from tinydist.jit_streams import NativeStreams, span
 from tinydist.lazy import LazyNode, buffer_node
 from tinydist.realize import programs, realize
 from tinydist.runtime.buffer import Buffer
@@ -161,16 +166,6 @@ class _Captured:
         self.written_args = [(position, number) for position, number in self.arg_slots
                              if number in schedule.aliases.values()]
         self.entry = self._link(self.device, self.schedule.linear) if self.device is not None else None
-        # for a replay in runs: the argument copies made at the start of run k, the outputs copied
-        # out at its end; the rest get batches of their own (see _place_copies)
-        self.args_into: dict[int | None, list[tuple[int, int]]] = {}
-        self.outputs_from: dict[int | None, list[int]] = {}
-        self.runs = self._bind_runs() if self.device is None else []
-        self.arg_copies = [(position, self.buffers[number].address, self.buffers[number].nbytes)
-                           for position, number in self.arg_slots]
-        self.output_copies = [(self.buffers[n].address, self.buffers[n].nbytes) for n in self.output_numbers]
-        self.written_copies = [(position, self.buffers[number].address, self.buffers[number].nbytes)
-                               for position, number in self.written_args]
         # Buffers the JIT owns are touched only by its replays, in FIFO order on one queue: only
         # the weights it shares with the rest of the program need ordering against other work.
         private = {number for _, number in self.arg_slots}
@@ -181,9 +176,33 @@ class _Captured:
                 written = number in schedule.aliases.values()
                 shared[id(buffer)] = (buffer, written or shared.get(id(buffer), (buffer, False))[1])
         self.accesses = list(shared.values())
+        # for a replay in runs: the argument copies made at the start of run k, the outputs copied
+        # out at its end; the rest get batches of their own (see _place_copies)
+        self.args_into: dict[int | None, list[tuple[int, int]]] = {}
+        self.outputs_from: dict[int | None, list[int]] = {}
+        self.runs: list[_Run] = []
+        self.streams: NativeStreams | None = None  # several host devices: one native call per queue
+        if self.device is None:
+            runs = self._bind_runs()
+            if settings.JIT_NATIVE_STREAMS == "on":
+                b = self.buffers
+                self.streams = NativeStreams.build(
+                    runs, [(position, b[number]) for position, number in self.arg_slots],
+                    [(b[n], engine.device(name)) for n, name in zip(self.output_numbers, self.output_devices)],
+                    [(position, b[number]) for position, number in self.written_args],
+                    [buffer for buffer, _ in self.accesses])
+            if self.streams is None:
+                self._prepare_runs(runs)
+                self.runs = runs
+        self.arg_copies = [(position, self.buffers[number].address, self.buffers[number].nbytes)
+                           for position, number in self.arg_slots]
+        self.output_copies = [(self.buffers[n].address, self.buffers[n].nbytes) for n in self.output_numbers]
+        self.written_copies = [(position, self.buffers[number].address, self.buffers[number].nbytes)
+                               for position, number in self.written_args]
 
     def _bind_runs(self) -> list[_Run]:
-        """The LINEAR as runs of calls on one device and queue, every argument bound once."""
+        """The LINEAR as runs of calls on one device and queue, every argument bound once, each
+        call a command of its own and every buffer it touches tracked."""
         engine = get_engine()
         runs: list[_Run] = []
         # a run ends after a call whose output another device or queue reads: a run's completion is
@@ -217,6 +236,11 @@ class _Captured:
             else:
                 source = b[call.src]
                 run.add(device.copy_command("d2d", source.device), [b[call.out]], [source], (call.nbytes,))
+        return runs
+
+    def _prepare_runs(self, runs: list[_Run]) -> None:
+        """Runs replayed as batches: place the argument and output copies, track only the accesses
+        the access logs must order, and link each run of kernels into one entry point."""
         self._place_copies(runs)
         self._track_only_shared(runs)
         for run in runs:
@@ -224,7 +248,6 @@ class _Captured:
             # once per run instead of after every kernel (another thread feeding the devices holds it)
             if len(run.calls) > 1 and all(isinstance(call, _LINKABLE) for call in run.calls):
                 run.commands = [(self._link(run.device, run.calls).cfunc, ())]
-        return runs
 
     def _track_only_shared(self, runs: list[_Run]) -> None:
         """Keep in each run's tracked accesses only those the runtime's access logs must order:
@@ -232,8 +255,6 @@ class _Captured:
         caller sees (arguments, weights, outputs). The rest are ordered by their own queue's FIFO,
         across replays too — and each tracked access costs a scan of its base's pending records
         at every replay, on the thread that feeds the devices."""
-        def span(buffer: Buffer) -> tuple[int, int, int]:
-            return id(buffer.base), buffer.offset, buffer.offset + buffer.nbytes
         # by memory, not by object: a gather or a slice kernel writes views of the caller's outputs
         private = {number for _, number in self.arg_slots}
         seen = [span(self.buffers[n]) for n in range(self.schedule.n_inputs)
@@ -311,6 +332,10 @@ class _Captured:
         return device.load_program(object_code, name, [])
 
     def replay(self, args: list[Tensor], inline: bool) -> tuple[Any, list[Completion]]:
+        if self.streams is not None:
+            buffers, completions = self.streams.replay(args)
+            return self.rebuild([Tensor(buffer_node(buffer, dtype, shape, name)) for buffer, (shape, dtype), name
+                                 in zip(buffers, self.output_specs, self.output_devices)]), completions
         if self.device is None:
             return self._replay_runs(args)
         device = self.device

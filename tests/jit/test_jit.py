@@ -162,7 +162,16 @@ def test_call_numpy_is_numpy_in_numpy_out_and_checks_the_signature() -> None:
         mlp.call_numpy([0.0] * 64)
 
 
-def test_graphs_over_several_devices_replay_in_runs() -> None:
+@pytest.fixture(params=["on", "off"])
+def native_streams(request: pytest.FixtureRequest):
+    """Both ways a multi-device capture replays: one native call per queue, or a batch per run."""
+    from tinydist.config import settings
+
+    with settings.override(JIT_NATIVE_STREAMS=request.param):
+        yield request.param
+
+
+def test_graphs_over_several_devices_replay_per_queue_or_in_runs(native_streams: str) -> None:
     import anyio
 
     w = rng.standard_normal((6, 4)).astype(np.float32)
@@ -182,7 +191,13 @@ def test_graphs_over_several_devices_replay_in_runs() -> None:
         out = sharded(td.Tensor(x))
         assert out.device == "CPU:0"
         np.testing.assert_allclose(out.numpy(), reference(x), rtol=1e-4, atol=1e-5)
-    assert sharded.captured is not None and sharded.captured.entry is None and len(sharded.captured.runs) > 2
+    captured = sharded.captured
+    assert captured is not None and captured.entry is None
+    if native_streams == "on":
+        assert captured.runs == [] and captured.streams is not None
+        assert {"CPU:0/compute", "CPU:1/compute"} <= {st.name for st in captured.streams.streams}
+    else:
+        assert captured.streams is None and len(captured.runs) > 2
     x = rng.standard_normal((9, 6)).astype(np.float32)
     np.testing.assert_allclose(sharded.call_numpy(x), reference(x), rtol=1e-4, atol=1e-5)
 
@@ -192,7 +207,7 @@ def test_graphs_over_several_devices_replay_in_runs() -> None:
     np.testing.assert_allclose(anyio.run(main), reference(x), rtol=1e-4, atol=1e-5)
 
 
-def test_a_caller_that_never_waits_is_held_to_the_run_ahead_bound() -> None:
+def test_a_caller_that_never_waits_is_held_to_the_run_ahead_bound(native_streams: str) -> None:
     from tinydist.config import settings
     from tinydist.runtime.engine import get_engine
 
@@ -214,7 +229,7 @@ def test_a_caller_that_never_waits_is_held_to_the_run_ahead_bound() -> None:
         np.testing.assert_allclose(out.numpy(), (np.exp(x) * 0.5).sum(0), rtol=1e-5, atol=1e-6)
 
 
-def test_arguments_copied_in_and_outputs_copied_out_inside_runs_keep_their_order() -> None:
+def test_arguments_copied_in_and_outputs_copied_out_inside_runs_keep_their_order(native_streams: str) -> None:
     # b, read only on CPU:1, is copied in at the start of the first run there; a gets a batch of
     # its own, since a run on CPU:1 reads it (the end of a run on CPU:0 would come too late for
     # that reader); both outputs are copied out at the end of the runs that make them. Replays
@@ -231,11 +246,13 @@ def test_arguments_copied_in_and_outputs_copied_out_inside_runs_keep_their_order
         np.testing.assert_allclose(s.numpy(), (a * b).sum(0), rtol=1e-5)
         np.testing.assert_allclose(u.numpy(), np.exp(a + b.sum(0)) * 2, rtol=1e-5)
     captured = mixed.captured
-    assert captured is not None and captured.args_into[None] == [(0, 0)] and None not in captured.outputs_from
-    assert sorted(n for k, slots in captured.args_into.items() if k is not None for _, n in slots) == [1]
+    assert captured is not None
+    if native_streams == "off":
+        assert captured.args_into[None] == [(0, 0)] and None not in captured.outputs_from
+        assert sorted(n for k, slots in captured.args_into.items() if k is not None for _, n in slots) == [1]
 
 
-def test_captured_data_parallel_step_replayed_back_to_back_matches_one_device() -> None:
+def test_captured_data_parallel_step_replayed_back_to_back_matches_one_device(native_streams: str) -> None:
     # two devices exchanging gradients through copies between their queues, replayed without
     # waiting in between (replays queue up behind each other): the same weights as one device
     g = np.random.default_rng(7)
@@ -261,3 +278,125 @@ def test_captured_data_parallel_step_replayed_back_to_back_matches_one_device() 
 
     for got, want in zip(train(2, captured=True), train(1, captured=False)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_step_over_several_devices_queues_one_batch_per_queue_per_replay() -> None:
+    from tinydist.runtime.engine import get_engine
+
+    @td.jit
+    def step(x: td.Tensor) -> td.Tensor:
+        halves = x.shard(["CPU:0", "CPU:1"], axis=0)
+        return (halves.exp() * 0.5).sum(axis=0).to("CPU:0") + 1
+
+    xs = [rng.standard_normal((8, 5)).astype(np.float32) for _ in range(6)]
+    step(td.Tensor(xs[0]))
+    step(td.Tensor(xs[0]))  # captured
+    td.synchronize()
+    queues = [get_engine().device(name).queues["compute"] for name in ("CPU:0", "CPU:1")]
+    before = [q.last_submitted for q in queues]
+    outputs = [step(td.Tensor(x)) for x in xs]
+    assert [q.last_submitted - b for q, b in zip(queues, before)] == [len(xs), len(xs)]
+    for x, out in zip(xs, outputs):
+        np.testing.assert_allclose(out.numpy(), (np.exp(x) * 0.5).sum(0) + 1, rtol=1e-5, atol=1e-6)
+
+
+def test_a_caller_far_ahead_of_the_devices_reuses_argument_rows_only_after_their_replay() -> None:
+    from tinydist.config import settings
+    from tinydist.jit_streams import RING
+
+    @td.jit
+    def step(x: td.Tensor) -> td.Tensor:
+        return (x.to("CPU:1") * 2).to("CPU:0") + x
+
+    xs = [np.full(3, i, np.float32) for i in range(2 * RING + 5)]
+    with settings.override(JIT_RUN_AHEAD=10 * RING):  # never held back by the run-ahead bound
+        outputs = [step(td.Tensor(x)) for x in xs]
+    assert step.captured is not None and step.captured.streams is not None
+    for x, out in zip(xs, outputs):
+        np.testing.assert_array_equal(out.numpy(), 3 * x)
+
+
+def test_weights_changed_between_replays_on_a_queue_of_the_step_are_seen() -> None:
+    # work queued on one of the step's queues between replays is ordered by the access logs, not
+    # left to the step's native waits
+    w = td.Tensor(np.ones(4, np.float32), device="CPU:1")
+
+    @td.jit
+    def scale(x: td.Tensor) -> td.Tensor:
+        return (x.to("CPU:1") * w).to("CPU:0")
+
+    x = td.Tensor(np.full(4, 3, np.float32))
+    for _ in range(3):
+        scale(x)
+    w.assign(w * 5)
+    w.realize()
+    first = scale(x)
+    w.assign(w + 1)
+    w.realize()
+    np.testing.assert_array_equal(first.numpy(), np.full(4, 15, np.float32))
+    np.testing.assert_array_equal(scale(x).numpy(), np.full(4, 18, np.float32))
+
+
+def _captured_over(devices: tuple[str, str]) -> tuple[td.jit, td.Tensor]:
+    """A step whose part on the first device reads what the second computed."""
+    first, second = devices
+
+    @td.jit
+    def step(x: td.Tensor) -> td.Tensor:
+        return (x.to(second).exp() + 1).to(first) * 2
+
+    x = td.Tensor(np.zeros(4, np.float32), device=first)
+    np.testing.assert_allclose(step(x).numpy(), np.full(4, 4, np.float32))
+    np.testing.assert_allclose(step(x).numpy(), np.full(4, 4, np.float32))
+    assert step.captured is not None and step.captured.streams is not None
+    return step, x
+
+
+def test_a_device_failing_mid_step_stops_the_other_devices_part_with_its_error() -> None:
+    import threading
+
+    from tinydist.errors import DeviceFailed
+    from tinydist.runtime.engine import get_engine
+
+    engine = get_engine()
+    step, x = _captured_over(("CPU:2", "CPU:3"))
+    gate = threading.Event()
+    try:
+        engine.device("CPU:3").queues["compute"].submit([(gate.wait, (60,))])  # CPU:3's part queues behind it
+        out = step(x)  # CPU:2's part waits in native code for CPU:3's
+        engine.device("CPU:3").mark_failed(DeviceFailed("test: CPU:3 broke"))
+        gate.set()
+        with pytest.raises(DeviceFailed, match=r"CPU:2/compute \(part \d\) waited for CPU:3/compute's part 0 of replay 2 "
+                                               r"and stopped: CPU:3: test: CPU:3 broke"):
+            out.numpy()
+        assert engine.device("CPU:2").failure is not None
+        with pytest.raises(DeviceFailed, match="this captured step stopped after a failure"):
+            step(x)
+    finally:
+        gate.set()
+        for name in ("CPU:2", "CPU:3"):
+            engine.reopen(name)
+
+
+def test_a_device_that_stands_still_mid_step_is_declared_hung_by_the_waiting_part() -> None:
+    import threading
+
+    from tinydist.config import settings
+    from tinydist.errors import DeviceFailed, DeviceHang
+    from tinydist.runtime.engine import get_engine
+
+    engine = get_engine()
+    with settings.override(TIMELINE_TIMEOUT=0.3):  # baked into the step's native waits at capture
+        step, x = _captured_over(("CPU:2", "CPU:3"))
+    gate = threading.Event()
+    try:
+        engine.device("CPU:3").queues["compute"].submit([(gate.wait, (60,))])
+        out = step(x)
+        with pytest.raises(DeviceFailed, match=r"waited for CPU:3/compute's part 0 of replay 2, and CPU:3/compute "
+                                               r"made no progress for 0.3s"):
+            out.numpy()
+        assert isinstance(engine.device("CPU:3").failure, DeviceHang)
+    finally:
+        gate.set()
+        for name in ("CPU:2", "CPU:3"):
+            engine.reopen(name)

@@ -1,0 +1,285 @@
+"""A captured step over several host devices, replayed as one native call per queue.
+
+`td.jit` binds a multi-device step into runs of calls, one device and queue each. Replayed as a
+batch per run, every replay costs the feeding thread a batch, its tracked accesses and a
+submission per run, and each queue's worker the GIL at every run boundary and every cross-queue
+wait — on a 2-core machine, CPU taken from the devices at every step.
+
+Here the ordering is baked at capture instead, as CUDA graphs do: the step's parts (argument
+copies in, runs, output copies out) are grouped by queue ("stream"), every pair of parts on
+different streams that touch the same memory in a conflicting way becomes a wait — on the same
+replay's part when it comes first in the step, else on the previous replay's — and each stream's
+parts are linked with their waits and signals into one native function
+(`tinydist.codegen.stream_sync`). A replay writes the addresses that change (the caller's
+arguments, the fresh outputs) into its row of a ring, and submits one batch per stream whose
+only command is that function. The runtime's access logs still order the step against the rest
+of the program through the memory the caller sees (arguments, weights, outputs); waits on the
+capture's own queues are left to the native code while no other work was queued on them.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from tinydist.codegen.compile_cache import CompileCache
+from tinydist.codegen.compiler import HostCompiler
+from tinydist.codegen.stream_sync import (ABORTED, OK, ControlBlock, Part, Slot, Wait, native_address,
+                                          step_function_ir)
+from tinydist.config import settings
+from tinydist.errors import DeviceFailed, DeviceHang
+from tinydist.runtime.buffer import Buffer
+from tinydist.runtime.command_queue import CommandQueue
+from tinydist.runtime.device import Completion, Device
+
+RING = 128  # rows of per-replay addresses; a replay waits for the one RING before it to finish
+_names = itertools.count()
+
+Span = tuple[int, int, int]  # (id of the base buffer, start, end)
+
+
+def span(buffer: Buffer) -> Span:
+    return id(buffer.base), buffer.offset, buffer.offset + buffer.nbytes
+
+
+class StepRun(Protocol):
+    """A run of the captured step: consecutive commands on one device and queue, with every
+    buffer they touch (and whether they write it)."""
+    device: Device
+    queue: str
+    commands: list[tuple[Any, tuple[Any, ...]]]
+
+    @property
+    def accesses(self) -> list[tuple[Buffer, bool]]: ...
+
+
+@dataclass
+class _Unit:
+    stream: int
+    accesses: list[tuple[Span, bool]]
+    commands: list[tuple[int, tuple[int | Slot, ...]]] = field(default_factory=list)
+    index: int = 0  # position among its stream's parts
+
+
+class _Stream:
+    def __init__(self, device: Device, queue: str) -> None:
+        self.device, self.queue = device, queue
+        self.name = f"{device.name}/{queue}"
+        self.shared: dict[int, tuple[Buffer, bool]] = {}  # caller-visible memory its runs touch
+        # indices into a replay's argument sources, outputs and written arguments: what its
+        # prologue copies in (reads), and what its epilogue copies out (writes)
+        self.sources: list[int] = []
+        self.outputs: list[int] = []
+        self.written: list[int] = []
+        self.units: list[_Unit] = []
+        self.step: Any = None
+
+
+class NativeStreams:
+    """The replay of one captured multi-device step; see the module docstring."""
+
+    @classmethod
+    def build(cls, runs: Sequence[StepRun], arguments: Sequence[tuple[int, Buffer]],
+              outputs: Sequence[tuple[Buffer, Device]], written: Sequence[tuple[int, Buffer]],
+              shared: Sequence[Buffer]) -> NativeStreams | None:
+        """None when a part is not host code taking integer arguments (such a step replays in runs)."""
+        if any(not d.host_visible or hasattr(d, "link_launches") for d in cls._devices(runs, arguments, outputs)):
+            return None
+        for run in runs:
+            for fn, args in run.commands:
+                if native_address(fn) is None or not all(isinstance(a, int) for a in args):
+                    return None
+        return cls(runs, arguments, outputs, written, shared)
+
+    def __init__(self, runs: Sequence[StepRun], arguments: Sequence[tuple[int, Buffer]],
+                 outputs: Sequence[tuple[Buffer, Device]], written: Sequence[tuple[int, Buffer]],
+                 shared: Sequence[Buffer]) -> None:
+        self.streams: list[_Stream] = []
+        index: dict[tuple[Device, str], int] = {}
+
+        def stream(device: Device, queue: str) -> int:
+            if (device, queue) not in index:
+                index[(device, queue)] = len(self.streams)
+                self.streams.append(_Stream(device, queue))
+            return index[(device, queue)]
+        memmove = native_address(next(iter(self._devices(runs, arguments, outputs))).host_copy())
+        assert memmove is not None
+        # the row of addresses a replay fills: argument sources, then outputs, then written arguments
+        self.arg_positions = [position for position, _ in arguments]
+        self.written_positions = [position for position, _ in written]
+        self.output_sizes = [(device, buffer.nbytes) for buffer, device in outputs]
+        row_words = len(arguments) + len(outputs) + len(written)
+        prologues: dict[int, _Unit] = {}
+        epilogues: dict[int, _Unit] = {}
+        for k, (position, buffer) in enumerate(arguments):
+            s = stream(buffer.device, "compute")
+            unit = prologues.setdefault(s, _Unit(s, []))
+            unit.accesses.append((span(buffer), True))
+            unit.commands.append((memmove, (buffer.address, Slot(k), buffer.nbytes)))
+            self.streams[s].sources.append(k)
+        middle = []
+        shared_spans = [span(b) for b in shared]
+        for run in runs:
+            s = stream(run.device, run.queue)
+            unit = _Unit(s, [(span(b), w) for b, w in run.accesses])
+            unit.commands = [(native_address(fn) or 0, args) for fn, args in run.commands]
+            middle.append(unit)
+            for buffer, write in run.accesses:
+                if any(_overlap(span(buffer), other) for other in shared_spans):
+                    seen = self.streams[s].shared.get(id(buffer))
+                    self.streams[s].shared[id(buffer)] = (buffer, write or (seen is not None and seen[1]))
+        for i, (buffer, device) in enumerate(outputs):
+            s = stream(device, "compute")
+            unit = epilogues.setdefault(s, _Unit(s, []))
+            unit.accesses.append((span(buffer), False))
+            unit.commands.append((memmove, (Slot(len(arguments) + i), buffer.address, buffer.nbytes)))
+            self.streams[s].outputs.append(i)
+        for k, (position, buffer) in enumerate(written):
+            s = stream(buffer.device, "compute")
+            unit = epilogues.setdefault(s, _Unit(s, []))
+            unit.accesses.append((span(buffer), False))
+            unit.commands.append((memmove, (Slot(len(arguments) + len(outputs) + k), buffer.address, buffer.nbytes)))
+            self.streams[s].written.append(k)
+        # the step's order: every argument copied in, the runs, every output copied out
+        units = [*prologues.values(), *middle, *epilogues.values()]
+        for unit in units:
+            own = self.streams[unit.stream].units
+            unit.index = len(own)
+            own.append(unit)
+        waits = _waits(units)
+        self.block = ControlBlock(len(self.streams))
+        self.rows = np.zeros((RING, max(row_words, 1)), np.int64)
+        self.timeout = settings.TIMELINE_TIMEOUT
+        counts = [len(s.units) for s in self.streams]
+        compiler = CompileCache(HostCompiler(opt_level=1), enabled=False)
+        for s, st in enumerate(self.streams):
+            name = f"jit_stream_{next(_names)}_{id(self):x}_{s}"
+            parts = [Part(tuple(waits[id(u)]), tuple(u.commands)) for u in st.units]
+            ir_text = step_function_ir(name, self.block, s, parts, counts, self.rows.ctypes.data, RING,
+                                       self.rows.shape[1], int(self.timeout * 1e9))
+            program = st.device.load_program(compiler.compile(ir_text), name, [])
+            st.step = _StepCommand(self, s, program.cfunc)
+            st.device.failure_listeners.add(self.block)
+        self.queues: list[CommandQueue] = [st.device.queues[st.queue] for st in self.streams]
+        self.last_submitted = [-1] * len(self.streams)  # each stream's batch of the latest replay
+        self.replays = 0
+        self.inflight: collections.deque[list[Completion]] = collections.deque()
+
+    @staticmethod
+    def _devices(runs: Sequence[StepRun], arguments: Sequence[tuple[int, Buffer]],
+                 outputs: Sequence[tuple[Buffer, Device]]) -> set[Device]:
+        return {run.device for run in runs} | {b.device for _, b in arguments} | {d for _, d in outputs}
+
+    def replay(self, args: Sequence[Any]) -> tuple[list[Buffer], list[Completion]]:
+        """Queue one replay; returns its fresh output buffers and each stream's completion."""
+        block = self.block
+        if block.aborted:
+            raise DeviceFailed(f"this captured step stopped after a failure ({self._failed_devices() or 'its replay was cut short'}); "
+                               "close and reopen its devices, then capture it again")
+        if len(self.inflight) == RING:  # the row this replay writes is the one RING replays ago read
+            for completion in self.inflight.popleft():
+                completion.wait_blocking()
+        sources = [args[position].node.buffer for position in self.arg_positions]
+        outputs = [device.allocator.alloc(nbytes) for device, nbytes in self.output_sizes]
+        written = [args[position].node.buffer for position in self.written_positions]
+        row = self.rows[self.replays % RING]
+        for k, buffer in enumerate([*sources, *outputs, *written]):
+            row[k] = buffer.address
+        # waits on the capture's own queues are the native code's, unless other work joined them
+        native = frozenset(q.timeline for q, last in zip(self.queues, self.last_submitted) if q.last_submitted == last)
+        batches = []
+        for st in self.streams:
+            batch = st.device.batch(st.queue)
+            batch.leave_ordering_to(native)
+            for buffer, write in st.shared.values():
+                batch.track(buffer, write)
+            for k in st.sources:
+                batch.track(sources[k], False)
+            for i in st.outputs:
+                batch.track(outputs[i], True)
+            for k in st.written:
+                batch.track(written[k], True)
+            batch.command(st.step, ())
+            batches.append(batch)
+        completions = []
+        try:
+            for s, batch in enumerate(batches):
+                completion = batch.submit()
+                completions.append(completion)
+                self.last_submitted[s] = completion.value
+        except BaseException:
+            block.abort()  # the streams already queued would wait for the ones that never will be
+            raise
+        self.replays += 1
+        self.inflight.append(completions)
+        return outputs, completions
+
+    def _failed_devices(self) -> str:
+        return "; ".join(f"{st.device.name}: {st.device.failure}" for st in self.streams if st.device.failure is not None)
+
+    def stopped(self, s: int) -> DeviceFailed:
+        """The error for stream `s`'s step function having given up a wait (its status words)."""
+        block, st = self.block, self.streams[s]
+        peer = self.streams[block.word(s, block.PEER)]
+        parts = len(peer.units)
+        replay, part = divmod(block.word(s, block.TARGET) - 1, parts)  # replays counted from 1, parts from 0
+        waited = f"{st.name} (part {block.word(s, block.UNIT)}) waited for {peer.name}'s part {part} of replay {replay + 1}"
+        if block.word(s, block.STATUS) == ABORTED:
+            why = self._failed_devices() or "another stream of the step gave up first"
+            return DeviceFailed(f"{waited} and stopped: {why}")
+        hang = DeviceHang(f"{waited}, and {peer.name} made no progress for {self.timeout:g}s "
+                          f"(its counter stood at {block.word(s, block.SEEN)} parts, all replays counted); "
+                          f"{peer.device.name} is marked failed — close and reopen it")
+        return peer.device.mark_failed(hang)
+
+
+class _StepCommand:
+    """A stream's batch command: its step function, then a check of why it returned."""
+
+    __slots__ = ("streams", "stream", "cfunc", "__name__")
+
+    def __init__(self, streams: NativeStreams, stream: int, cfunc: Any) -> None:
+        self.streams, self.stream, self.cfunc = streams, stream, cfunc
+        self.__name__ = getattr(cfunc, "__name__", "jit_stream")
+
+    def __call__(self) -> None:
+        self.cfunc()
+        if self.streams.block.word(self.stream, ControlBlock.STATUS) != OK:
+            raise self.streams.stopped(self.stream)
+
+
+def _overlap(a: Span, b: Span) -> bool:
+    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+
+
+def _waits(units: Sequence[_Unit]) -> dict[int, list[Wait]]:
+    """For each part (by id): what it waits for on other streams — the latest conflicting part that
+    comes before it in the step (this replay), else the latest after it (the previous replay) —
+    leaving out what an earlier part of its own stream already waited for."""
+    def strength(lag: int, index: int) -> tuple[int, int]:
+        return -lag, index  # a part of this replay is later than any of the one before
+    waited: dict[tuple[int, int], tuple[int, int]] = {}  # (stream, peer) -> strongest wait so far
+    result: dict[int, list[Wait]] = {}
+    for i, unit in enumerate(units):
+        need: dict[int, tuple[int, int]] = {}
+        for j, other in enumerate(units):
+            if other.stream == unit.stream or not _conflict(unit.accesses, other.accesses):
+                continue
+            candidate = strength(0 if j < i else 1, other.index)
+            if candidate > need.get(other.stream, (-2, -1)):
+                need[other.stream] = candidate
+        result[id(unit)] = []
+        for peer, candidate in sorted(need.items()):
+            if candidate > waited.get((unit.stream, peer), (-2, -1)):
+                waited[(unit.stream, peer)] = candidate
+                result[id(unit)].append(Wait(peer, -candidate[0], candidate[1]))
+    return result
+
+
+def _conflict(a: list[tuple[Span, bool]], b: list[tuple[Span, bool]]) -> bool:
+    return any((wa or wb) and _overlap(sa, sb) for sa, wa in a for sb, wb in b)
