@@ -29,7 +29,7 @@ import numpy as np
 
 from tinydist.codegen.compile_cache import CompileCache
 from tinydist.codegen.compiler import HostCompiler
-from tinydist.codegen.stream_sync import (ABORTED, OK, ControlBlock, Part, Slot, Wait, native_address,
+from tinydist.codegen.stream_sync import (ABORTED, OK, ControlBlock, Part, Slot, Wait, futex_syscall, native_address,
                                           step_function_ir)
 from tinydist.config import settings
 from tinydist.errors import DeviceFailed, DeviceHang
@@ -87,8 +87,9 @@ class NativeStreams:
     def build(cls, runs: Sequence[StepRun], arguments: Sequence[tuple[int, Buffer]],
               outputs: Sequence[tuple[Buffer, Device]], written: Sequence[tuple[int, Buffer]],
               shared: Sequence[Buffer]) -> NativeStreams | None:
-        """None when a part is not host code taking integer arguments (such a step replays in runs)."""
-        if any(not d.host_visible or hasattr(d, "link_launches") for d in cls._devices(runs, arguments, outputs)):
+        """None when a part is not host code taking integer arguments, or the machine has no futex
+        (such a step replays in runs)."""
+        if futex_syscall() is None or any(not d.host_visible or hasattr(d, "link_launches") for d in cls._devices(runs, arguments, outputs)):
             return None
         for run in runs:
             for fn, args in run.commands:

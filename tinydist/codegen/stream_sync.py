@@ -16,18 +16,29 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import platform
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-_FUTEX_SYSCALL = 202                 # SYS_futex on x86-64 Linux
+_FUTEX_SYSCALLS = {"x86_64": 202, "aarch64": 98}  # SYS_futex per Linux architecture
 _FUTEX_WAIT_PRIVATE, _FUTEX_WAKE_PRIVATE = 128, 129
 _CLOCK_MONOTONIC = 1
 _SLEEP_SLICE_NS = 1_000_000          # how often a sleeping wait looks at the abort word and the clock
 
 # status codes a step function leaves in its stream's status word
 OK, ABORTED, TIMED_OUT = 0, 1, 2
+
+
+@functools.cache
+def futex_syscall() -> int | None:
+    """This machine's futex system call number; None where there is none (not Linux, or an
+    architecture not listed): captured steps there replay in runs instead."""
+    if not sys.platform.startswith("linux"):
+        return None
+    return _FUTEX_SYSCALLS.get(platform.machine())
 
 
 @functools.cache
@@ -106,6 +117,9 @@ def step_function_ir(name: str, block: ControlBlock, stream: int, parts: Sequenc
     (`ring` rows of `row_words` int64 words; replay r reads row r % ring)."""
     if ring & (ring - 1):
         raise ValueError(f"ring must be a power of two, got {ring}")
+    futex = futex_syscall()
+    if futex is None:
+        raise RuntimeError(f"no futex system call on {sys.platform}/{platform.machine()}; check futex_syscall() first")
     syscall, clock = _libc_addresses()
     wait_fn, signal_fn, now_fn = f"{name}.wait", f"{name}.signal", f"{name}.now"
 
@@ -171,7 +185,7 @@ def step_function_ir(name: str, block: ControlBlock, stream: int, parts: Sequenc
         "  %tsn = getelementptr i64, ptr %ts, i64 1",
         f"  store i64 {_SLEEP_SLICE_NS}, ptr %tsn, align 8",
         "  %low = and i64 %v2, 4294967295",  # the futex word is the counter's low half (little-endian)
-        f"  %f = call i64 (i64, ...) inttoptr (i64 {syscall} to ptr)(i64 {_FUTEX_SYSCALL}, ptr %counter, "
+        f"  %f = call i64 (i64, ...) inttoptr (i64 {syscall} to ptr)(i64 {futex}, ptr %counter, "
         f"i64 {_FUTEX_WAIT_PRIVATE}, i64 %low, ptr %ts)",
         "  br label %awake",
         "awake:",
@@ -201,7 +215,7 @@ def step_function_ir(name: str, block: ControlBlock, stream: int, parts: Sequenc
         "  %any = icmp ne i64 %n, 0",
         "  br i1 %any, label %wake, label %done",
         "wake:",
-        f"  %f = call i64 (i64, ...) inttoptr (i64 {syscall} to ptr)(i64 {_FUTEX_SYSCALL}, {word(stream, block.PROGRESS)}, "
+        f"  %f = call i64 (i64, ...) inttoptr (i64 {syscall} to ptr)(i64 {futex}, {word(stream, block.PROGRESS)}, "
         f"i64 {_FUTEX_WAKE_PRIVATE}, i64 2147483647)",
         "  br label %done",
         "done:",
