@@ -30,14 +30,18 @@ import numpy as np
 from tinydist.codegen.compile_cache import CompileCache
 from tinydist.codegen.compiler import HostCompiler
 from tinydist.codegen.stream_sync import (ABORTED, OK, ControlBlock, Part, Slot, Wait, futex_syscall, native_address,
-                                          step_function_ir)
+                                          publish, step_function_ir)
 from tinydist.config import settings
 from tinydist.errors import DeviceFailed, DeviceHang
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.command_queue import CommandQueue
+from tinydist.runtime.dependencies import StandingAccess
 from tinydist.runtime.device import Completion, Device
 
 RING = 128  # rows of per-replay addresses; a replay waits for the one RING before it to finish
+# How long a stream's step function may run queued replays back to back before it returns to its
+# worker (which then signals them): bounds how late a replay's completion is seen.
+CHAIN_NS = 20_000_000
 _names = itertools.count()
 
 Span = tuple[int, int, int]  # (id of the base buffer, start, end)
@@ -71,6 +75,7 @@ class _Stream:
         self.device, self.queue = device, queue
         self.name = f"{device.name}/{queue}"
         self.shared: dict[int, tuple[Buffer, bool]] = {}  # caller-visible memory its runs touch
+        self.standing: list[StandingAccess] = []
         # indices into a replay's argument sources, outputs and written arguments: what its
         # prologue copies in (reads), and what its epilogue copies out (writes)
         self.sources: list[int] = []
@@ -155,6 +160,7 @@ class NativeStreams:
         waits = _waits(units)
         self.block = ControlBlock(len(self.streams))
         self.rows = np.zeros((RING, max(row_words, 1)), np.int64)
+        self.ready = np.zeros(RING, np.int64)  # word r % RING is r + 1 once replay r may run back to back
         self.timeout = settings.TIMELINE_TIMEOUT
         counts = [len(s.units) for s in self.streams]
         compiler = CompileCache(HostCompiler(opt_level=1), enabled=False)
@@ -162,9 +168,10 @@ class NativeStreams:
             name = f"jit_stream_{next(_names)}_{id(self):x}_{s}"
             parts = [Part(tuple(waits[id(u)]), tuple(u.commands)) for u in st.units]
             ir_text = step_function_ir(name, self.block, s, parts, counts, self.rows.ctypes.data, RING,
-                                       self.rows.shape[1], int(self.timeout * 1e9))
+                                       self.rows.shape[1], self.ready.ctypes.data, int(self.timeout * 1e9), CHAIN_NS)
             program = st.device.load_program(compiler.compile(ir_text), name, [])
             st.step = _StepCommand(self, s, program.cfunc)
+            st.standing = [StandingAccess(buffer, write) for buffer, write in st.shared.values()]
             st.device.failure_listeners.add(self.block)
         self.queues: list[CommandQueue] = [st.device.queues[st.queue] for st in self.streams]
         self.last_submitted = [-1] * len(self.streams)  # each stream's batch of the latest replay
@@ -197,8 +204,9 @@ class NativeStreams:
         for st in self.streams:
             batch = st.device.batch(st.queue)
             batch.leave_ordering_to(native)
-            for buffer, write in st.shared.values():
-                batch.track(buffer, write)
+            for standing in st.standing:  # weights: recorded after submit, waited for only when something else touched them
+                if not standing.unchanged:
+                    batch.order_after(standing.buffer, standing.write)
             for k in st.sources:
                 batch.track(sources[k], False)
             for i in st.outputs:
@@ -213,9 +221,15 @@ class NativeStreams:
                 completion = batch.submit()
                 completions.append(completion)
                 self.last_submitted[s] = completion.value
+                for standing in self.streams[s].standing:
+                    standing.renew(completion.timeline, completion.value)
         except BaseException:
             block.abort()  # the streams already queued would wait for the ones that never will be
             raise
+        # A replay that waits for no other work (and joins queues no other work joined) may run
+        # straight on from the one before it, in the same native call.
+        if len(native) == len(self.streams) and all(len(batch) == 1 for batch in batches):
+            publish(self.ready.ctypes.data + 8 * (self.replays % RING), self.replays + 1)
         self.replays += 1
         self.inflight.append(completions)
         return outputs, completions

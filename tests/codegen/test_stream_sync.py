@@ -28,9 +28,10 @@ def _until(predicate: Callable[[], bool], what: str) -> None:
 
 def _two_streams(name: str, timeout_ns: int) -> tuple[ControlBlock, np.ndarray, np.ndarray, list]:
     """Stream 0 copies the replay's source (a per-replay row slot) into out[0]; stream 1 waits for
-    that, then copies out[0] into out[1]."""
+    that, then copies out[0] into out[1]. `rows` is the ring of argument rows, then its ready words."""
     block = ControlBlock(2)
-    rows = np.zeros((RING, 1), np.int64)
+    rows = np.zeros((RING + 1, RING), np.int64)
+    ready = rows[RING]
     out = np.zeros(2, np.int64)
     memmove = native_address(ctypes.memmove)
     assert memmove is not None
@@ -39,7 +40,8 @@ def _two_streams(name: str, timeout_ns: int) -> tuple[ControlBlock, np.ndarray, 
     steps = []
     for s, stream_parts in enumerate(parts):
         entry = f"{name}_{s}"
-        ir = step_function_ir(entry, block, s, stream_parts, [1, 1], rows.ctypes.data, RING, 1, timeout_ns)
+        ir = step_function_ir(entry, block, s, stream_parts, [1, 1], rows.ctypes.data, RING, RING, ready.ctypes.data,
+                              timeout_ns, 10**9)
         steps.append(native_loader.load(_compiler.compile(ir), entry, []).cfunc)
     return block, rows, out, steps
 
@@ -59,6 +61,23 @@ def test_a_stream_sleeps_until_the_part_it_needs_and_each_replay_reads_its_own_r
         assert [block.word(s, block.PROGRESS) for s in (0, 1)] == [replay + 1, replay + 1]
         assert [block.word(s, block.STATUS) for s in (0, 1)] == [OK, OK]
     assert block.word(0, block.SLEEPERS) == 0 and not block.aborted
+
+
+def test_a_call_runs_the_queued_replays_after_its_own_and_their_calls_return_at_once() -> None:
+    block, rows, out, (first, _) = _two_streams("sync_chain", 10**10)
+    sources = np.arange(200, 210, dtype=np.int64)
+    for replay in range(3):
+        rows[replay, 0] = sources[replay:].ctypes.data
+    rows[RING, 1], rows[RING, 2] = 2, 3  # replays 1 and 2 are queued behind replay 0
+    first()
+    assert out[0] == 202 and block.word(0, block.PROGRESS) == 3 and block.word(0, block.REPLAYS) == 3
+    out[0] = 0
+    first()
+    first()  # the calls standing for replays 1 and 2: already run
+    assert out[0] == 0 and block.word(0, block.PROGRESS) == 3 and block.word(0, block.CALLS) == 3
+    rows[3, 0] = sources[3:].ctypes.data  # replay 3, not marked ready: its own call runs it
+    first()
+    assert out[0] == 203 and block.word(0, block.PROGRESS) == 4
 
 
 def test_a_wait_on_a_stream_that_stands_still_gives_up_and_says_where() -> None:

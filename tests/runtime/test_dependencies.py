@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import anyio
 import numpy as np
 import pytest
 
-from tinydist.runtime.dependencies import AccessLog
+from tinydist.runtime.dependencies import AccessLog, StandingAccess
 from tinydist.runtime.device import Batch, Device
 from tinydist.runtime.timeline import Timeline
 
@@ -111,6 +113,34 @@ def test_other_timelines_are_not_superseded(queues) -> None:
     log.record(0, 8, True, a, 1)
     log.record(0, 8, True, b, 1)
     assert log.waits_for(0, 8, False, Timeline("C")) == {a: 1, b: 1}
+
+
+def test_a_standing_access_moves_its_one_record_forward_while_nothing_else_touches_the_range(queues) -> None:
+    a, b = queues
+    log = AccessLog()
+    buffer = SimpleNamespace(accesses=log, offset=8, nbytes=8)
+    standing = StandingAccess(buffer, write=True)
+    assert not standing.unchanged  # never recorded: the first replay scans for what to wait for
+    standing.renew(a, 1)
+    assert standing.unchanged and len(log) == 1 and log.waits_for(0, 64, False, b) == {a: 1}
+    for value in range(2, 6):
+        standing.renew(a, value)  # in place: no new record, nothing new to wait for
+    assert standing.unchanged and len(log) == 1 and log.waits_for(0, 64, False, b) == {a: 5}
+    log.record(0, 16, False, b, 1)  # other work reads the range
+    assert not standing.unchanged
+    standing.renew(a, 6)
+    assert standing.unchanged and len(log) == 2
+
+
+def test_a_standing_access_whose_record_was_pruned_records_again(queues) -> None:
+    a, b = queues
+    log = AccessLog()
+    standing = StandingAccess(SimpleNamespace(accesses=log, offset=0, nbytes=4), write=False)
+    standing.renew(a, 1)
+    a.signal(1)
+    assert log.waits_for(0, 4, True, b) == {} and len(log) == 0  # finished: pruned
+    standing.renew(a, 2)
+    assert len(log) == 1 and log.waits_for(0, 4, True, b) == {a: 2}
 
 
 # ---- end to end through Batch ------------------------------------------------------------------
@@ -228,6 +258,25 @@ async def test_read_after_read_across_queues_never_waits(cpu: Device, kernels: K
     with cpu.batch("copy") as read_too:
         read_too.read_to_host(np.empty(64, np.uint8), x)
     assert len(read_too) == 1 and _waits(read_too) == []
+    stall.open()
+
+
+@pytest.mark.anyio
+async def test_order_after_waits_for_other_work_without_recording_and_ordering_can_be_left_to_the_caller(
+        cpu: Device, kernels: Kernels, gate) -> None:
+    x = cpu.allocator.alloc(64)
+    stall = gate()
+    _stall(cpu, "copy", stall)
+    cpu.copyin(x, np.ones(16, np.float32))  # a write queued on the copy queue
+    with cpu.batch() as ordered:
+        ordered.order_after(x, False)
+    assert _waits(ordered) == [(f"{cpu.name}/copy", 2)]
+    assert x.accesses.pending() == {cpu.queues["copy"].timeline: 2}, "order_after records nothing"
+    with cpu.batch() as left:
+        left.leave_ordering_to(frozenset({cpu.queues["copy"].timeline}))
+        left.track(x, False)
+    assert _waits(left) == []
+    assert x.accesses.pending() == {cpu.queues["copy"].timeline: 2, cpu.queues["compute"].timeline: 2}
     stall.open()
 
 

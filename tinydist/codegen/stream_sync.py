@@ -18,10 +18,13 @@ import ctypes
 import functools
 import platform
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from tinydist.codegen.compiler import HostCompiler
+from tinydist.runtime.cpu.loader import native_loader
 
 _FUTEX_SYSCALLS = {"x86_64": 202, "aarch64": 98}  # SYS_futex per Linux architecture
 _FUTEX_WAIT_PRIVATE, _FUTEX_WAKE_PRIVATE = 128, 129
@@ -56,11 +59,11 @@ def native_address(fn: object) -> int | None:
 
 
 class ControlBlock:
-    """The int64 words a capture's streams share: per stream one cache line
-    [progress, sleepers, replays, status, unit, peer, target, seen], then the abort word."""
+    """The int64 words a capture's streams share: per stream two cache lines [progress, sleepers,
+    replays run, status, unit, peer, target, seen, calls made], then the abort word."""
 
-    LINE = 8
-    PROGRESS, SLEEPERS, REPLAYS, STATUS, UNIT, PEER, TARGET, SEEN = range(8)
+    LINE = 16
+    PROGRESS, SLEEPERS, REPLAYS, STATUS, UNIT, PEER, TARGET, SEEN, CALLS = range(9)
 
     def __init__(self, streams: int) -> None:
         self.streams = streams
@@ -111,10 +114,16 @@ class Part:
 
 
 def step_function_ir(name: str, block: ControlBlock, stream: int, parts: Sequence[Part], parts_per_stream: Sequence[int],
-                     slots: int, ring: int, row_words: int, timeout_ns: int) -> str:
-    """LLVM IR of `void name()`: stream `stream`'s parts of one replay, in order, each after its waits
+                     slots: int, ring: int, row_words: int, ready: int, timeout_ns: int, chain_ns: int) -> str:
+    """LLVM IR of `void name()`: stream `stream`'s parts of a replay, in order, each after its waits
     and followed by a signal. `slots` is the address of the ring of per-replay argument rows
-    (`ring` rows of `row_words` int64 words; replay r reads row r % ring)."""
+    (`ring` rows of `row_words` int64 words; replay r reads row r % ring).
+
+    Each call stands for the next replay. When a replay is done and the next one is already
+    queued (`ready`, a ring of int64 words: word r % ring holds r + 1 once replay r may run
+    straight on), the function runs it too, for up to `chain_ns`, without going back to its
+    caller; the calls that stand for replays it ran that way return at once. A queue's worker so
+    takes the GIL once per chain rather than once per replay."""
     if ring & (ring - 1):
         raise ValueError(f"ring must be a power of two, got {ring}")
     futex = futex_syscall()
@@ -224,9 +233,17 @@ def step_function_ir(name: str, block: ControlBlock, stream: int, parts: Sequenc
         "",
         f"define void @\"{name}\"() {{",
         "entry:",
-        f"  %r = load i64, {word(stream, block.REPLAYS)}, align 8",
-        "  %r1 = add i64 %r, 1",
-        f"  store i64 %r1, {word(stream, block.REPLAYS)}, align 8",
+        f"  %calls0 = load i64, {word(stream, block.CALLS)}, align 8",
+        "  %calls = add i64 %calls0, 1",
+        f"  store i64 %calls, {word(stream, block.CALLS)}, align 8",
+        f"  %done = load i64, {word(stream, block.REPLAYS)}, align 8",
+        "  %ran = icmp sge i64 %done, %calls",  # an earlier call ran this call's replay in its chain
+        "  br i1 %ran, label %stop, label %begin",
+        "begin:",
+        f"  %chain0 = call i64 @\"{now_fn}\"()",
+        "  br label %replay",
+        "replay:",
+        "  %r = phi i64 [ %done, %begin ], [ %r1, %chain ]",
         f"  %row = and i64 %r, {ring - 1}",
         f"  %rowoff = mul i64 %row, {8 * row_words}",
         f"  %rowaddr = add i64 %rowoff, {slots}",
@@ -256,5 +273,45 @@ def step_function_ir(name: str, block: ControlBlock, stream: int, parts: Sequenc
                     operands.append(f"i64 {int(arg)}")
             out.append(f"  call void inttoptr (i64 {address} to ptr)({', '.join(operands)})")
         out.append(f"  call void @\"{signal_fn}\"()")
-    out += ["  ret void", "stop:", "  ret void", "}", ""]
+    out += [
+        "  %r1 = add i64 %r, 1",
+        f"  store i64 %r1, {word(stream, block.REPLAYS)}, align 8",
+        f"  %nrow = and i64 %r1, {ring - 1}",
+        "  %nroff = mul i64 %nrow, 8",
+        f"  %naddr = add i64 %nroff, {ready}",
+        "  %nptr = inttoptr i64 %naddr to ptr",
+        "  %flag = load atomic i64, ptr %nptr acquire, align 8",
+        "  %want = add i64 %r1, 1",
+        "  %queued = icmp eq i64 %flag, %want",
+        "  br i1 %queued, label %abortcheck, label %stop",
+        "abortcheck:",
+        f"  %a = load atomic i64, ptr inttoptr (i64 {block.abort_address} to ptr) acquire, align 8",
+        "  %isab = icmp ne i64 %a, 0",
+        "  br i1 %isab, label %stop, label %timecheck",
+        "timecheck:",
+        f"  %now = call i64 @\"{now_fn}\"()",
+        "  %spent = sub i64 %now, %chain0",
+        f"  %over = icmp sgt i64 %spent, {chain_ns}",
+        "  br i1 %over, label %stop, label %chain",
+        "chain:",
+        "  br label %replay",
+        "stop:",
+        "  ret void",
+        "}",
+        "",
+    ]
     return "\n".join(out)
+
+
+@functools.cache
+def _publisher() -> Callable[[int, int], None]:
+    ir = ("define void @td_stream_publish(ptr %word, i64 %value) {\nentry:\n"
+          "  store atomic i64 %value, ptr %word release, align 8\n  ret void\n}\n")
+    address = native_loader.load(HostCompiler(opt_level=1).compile(ir), "td_stream_publish", ["i64", "i64"]).address
+    return ctypes.PYFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64)(address)  # a store: keeps the GIL
+
+
+def publish(address: int, value: int) -> None:
+    """Store `value` at `address` after every store before it (a release store): a replay's row of
+    addresses is visible to a step function that sees the replay's ready word."""
+    _publisher()(address, value)

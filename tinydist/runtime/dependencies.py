@@ -10,13 +10,22 @@ other: writing bytes [0,4) and then reading [8,12) runs unordered, reading [2,6)
 Records whose timeline has passed their value are pruned; a newer record on the same timeline that
 covers an older one's range (and writes if the older one wrote) replaces it, so a hot buffer keeps
 a short list.
+
+A captured step repeats the same accesses on every replay. A `StandingAccess` keeps one record per
+(buffer, queue) and moves it forward in place, and skips the scan for what to wait for while
+nothing else was recorded on the buffer since its last replay.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 from tinydist.runtime.timeline import Timeline
+
+if TYPE_CHECKING:
+    from tinydist.runtime.buffer import Buffer
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass costs 3x to construct, once per access
@@ -31,11 +40,12 @@ class Access:
 class AccessLog:
     """The unfinished accesses to one base buffer."""
 
-    __slots__ = ("_lock", "_records")
+    __slots__ = ("_lock", "_records", "generation")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._records: list[Access] = []
+        self.generation = 0  # counts records added: unchanged means nobody accessed the buffer since
 
     def waits_for(self, start: int, end: int, write: bool, queue_timeline: Timeline) -> dict[Timeline, int]:
         """Timeline values an access to bytes [start, end) from the queue of `queue_timeline` must wait for."""
@@ -54,15 +64,32 @@ class AccessLog:
                 self._records = [r for r in self._records if r.timeline.value < r.value]
         return waits
 
-    def record(self, start: int, end: int, write: bool, timeline: Timeline, value: int) -> None:
+    def record(self, start: int, end: int, write: bool, timeline: Timeline, value: int) -> Access:
         new = Access(start, end, write, timeline, value)
         with self._lock:
-            kept = [new]
-            for r in self._records:
-                if r.timeline.value < r.value and not (
-                        r.timeline is timeline and start <= r.start and r.end <= end and (write or not r.write)):
-                    kept.append(r)
-            self._records = kept
+            self._add(new)
+        return new
+
+    def _add(self, new: Access) -> None:
+        kept = [new]
+        for r in self._records:
+            if r.timeline.value < r.value and not (
+                    r.timeline is new.timeline and new.start <= r.start and r.end <= new.end and (new.write or not r.write)):
+                kept.append(r)
+        self._records = kept
+        self.generation += 1
+
+    def renew(self, access: Access | None, start: int, end: int, write: bool, timeline: Timeline,
+              value: int) -> tuple[Access, int]:
+        """Move `access` (an earlier record of the same range, mode and timeline) to `value` in
+        place while it is still recorded, else record anew; returns the record and the generation."""
+        with self._lock:
+            if access is not None and any(r is access for r in self._records):
+                access.value = value
+            else:
+                access = Access(start, end, write, timeline, value)
+                self._add(access)
+            return access, self.generation
 
     def conflicts(self, start: int, end: int, write: bool) -> bool:
         """Whether unfinished work conflicts with accessing bytes [start, end) now, from any thread
@@ -84,3 +111,26 @@ class AccessLog:
 
     def __len__(self) -> int:
         return len(self._records)
+
+
+class StandingAccess:
+    """One queue's access to a buffer that a captured step makes on every replay (see the module
+    docstring): `unchanged` says no other access was recorded on the buffer since the last
+    `renew`, so the next replay has nothing new to wait for."""
+
+    __slots__ = ("buffer", "write", "_access", "_generation")
+
+    def __init__(self, buffer: Buffer, write: bool) -> None:
+        self.buffer, self.write = buffer, write
+        self._access: Access | None = None
+        self._generation = -1
+
+    @property
+    def unchanged(self) -> bool:
+        return self.buffer.accesses.generation == self._generation
+
+    def renew(self, timeline: Timeline, value: int) -> None:
+        """The replay submitted as `value` on `timeline` makes this access."""
+        buffer = self.buffer
+        self._access, self._generation = buffer.accesses.renew(
+            self._access, buffer.offset, buffer.offset + buffer.nbytes, self.write, timeline, value)

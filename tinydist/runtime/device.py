@@ -299,6 +299,14 @@ class Batch:
         address — for `command`s whose buffers are not passed as Buffer arguments."""
         return self._access(buffer, write)
 
+    def order_after(self, buffer: Buffer, write: bool) -> None:
+        """Order the batch after conflicting work on `buffer` without recording the access: for a
+        submitter that records it itself (a `StandingAccess`)."""
+        buffer.check_alive()
+        waits = buffer.accesses.waits_for(buffer.offset, buffer.offset + buffer.nbytes, write, self.queue.timeline)
+        if waits:
+            self._wait_for(waits)
+
     def leave_ordering_to(self, timelines: frozenset[Timeline]) -> None:
         """Wait for no work on `timelines`: the submitter orders this batch's commands against
         it itself (a captured step's streams wait for each other in native code). Accesses are
