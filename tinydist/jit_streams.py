@@ -14,7 +14,12 @@ parts are linked with their waits and signals into one native function
 arguments, the fresh outputs) into its row of a ring, and submits one batch per stream whose
 only command is that function. The runtime's access logs still order the step against the rest
 of the program through the memory the caller sees (arguments, weights, outputs); waits on the
-capture's own queues are left to the native code while no other work was queued on them.
+capture's own queues are left to the native code while no other work was queued on them, and the
+weights are standing accesses (one record per buffer and queue, moved forward per replay).
+
+A replay that waits for nothing else is marked ready in its ring row once all its batches are
+queued; a step function that finishes the replay before it runs it straight on (see
+`step_function_ir`), so while the caller runs ahead a worker takes the GIL once per chain.
 """
 
 from __future__ import annotations

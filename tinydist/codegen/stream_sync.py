@@ -10,6 +10,10 @@ the block's abort word is set (a device of the capture failed) or when the other
 has stood still for the timeout (it is stuck: the runtime's hang rule). It then records why in its stream's status words, sets the abort word so
 every other stream of the capture stops too, and the step function returns at once; the caller
 reads the status and turns it into an error. A signal wakes sleepers only when there are any.
+
+A call of a step function stands for one replay; when the next replay is already queued and
+marked ready (`publish`), the function runs it straight on, so a queue's worker returns to
+Python — and takes the GIL — once per chain of replays.
 """
 
 from __future__ import annotations
