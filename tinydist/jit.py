@@ -523,11 +523,13 @@ class TinyJit:
             outputs, _ = _flatten(result)
             return result, realize([t.node for t in outputs])
         self.specs = tuple(self._spec(name, value) for name, value in flat)
+        # before the call: an argument the function assigns to gets a new node
+        given = [t.node for t in tensors]
+        arg_nodes = {id(node): i for i, node in enumerate(given)}
         with observe_assigns() as assigns:
             result = self.fn(*args, **kwargs)
         outputs, rebuild = _flatten(result)
         nodes = [t.node for t in outputs]
-        arg_nodes = {id(t.node): i for i, t in enumerate(tensors)}
         if any(node.realized for node in nodes):
             raise JitError(f"{self.fn.__name__} returns an input or an already computed tensor unchanged; "
                            "there is nothing to capture — return a computed value")
@@ -535,8 +537,13 @@ class TinyJit:
         side_effects = [a for a in assigns if not a.realized]
         schedule, inputs = create_schedule(nodes + side_effects)
         self.captured = _Captured(schedule, inputs, arg_nodes, nodes, rebuild)
+        # An assigned weight now lives in the JIT's memory. An assigned argument keeps the caller's
+        # buffer, which the replay below reads (the value before the call) and then writes back,
+        # as every later replay does: it must not alias memory that later replays reuse.
+        written = {number: position for position, number in self.captured.written_args}
         for node, number in zip(side_effects, schedule.targets[len(nodes):]):
-            node.buffer = self.captured.buffers[schedule.aliases.get(number, number)]
+            memory = schedule.aliases.get(number, number)
+            node.buffer = given[written[memory]].buffer if memory in written else self.captured.buffers[memory]
         return self.captured.replay(tensors, inline)
 
 

@@ -400,3 +400,27 @@ def test_a_device_that_stands_still_mid_step_is_declared_hung_by_the_waiting_par
         gate.set()
         for name in ("CPU:2", "CPU:3"):
             engine.reopen(name)
+
+
+@pytest.mark.parametrize("other", ["CPU:0", "CPU:1"])
+def test_an_argument_the_step_assigns_to_gets_its_new_value_and_keeps_its_own_memory(native_streams: str, other: str) -> None:
+    # from the capture call on, each call reads the argument's value before the call and writes
+    # the new one back into the caller's tensor — which stays the caller's, whatever later calls do
+    @td.jit
+    def step(state: td.Tensor, x: td.Tensor) -> td.Tensor:
+        out = (state.to(other) * x.to(other)).to("CPU:0")
+        state.assign(state + 1)
+        return out
+
+    states, outputs = [], []
+    for i in range(6):
+        state = td.Tensor(np.full(3, 10 * i + 7, np.float32))
+        outputs.append(step(state, td.Tensor(np.full(3, 2, np.float32))))
+        states.append(state)
+    for i, (state, out) in enumerate(zip(states, outputs)):
+        np.testing.assert_array_equal(out.numpy(), np.full(3, 2 * (10 * i + 7), np.float32))
+        np.testing.assert_array_equal(state.numpy(), np.full(3, 10 * i + 8, np.float32))
+    same = td.Tensor(np.zeros(3, np.float32))  # one tensor passed again and again counts up
+    for _ in range(4):
+        step(same, td.Tensor(np.ones(3, np.float32)))
+    np.testing.assert_array_equal(same.numpy(), np.full(3, 4, np.float32))
