@@ -33,6 +33,23 @@ def test_device_opened_once_and_runs_async_functions(engine: Engine) -> None:
     np.testing.assert_array_equal(out.view(np.float32), data)
 
 
+def test_reopen_closes_a_failed_device_and_opens_a_fresh_one_in_its_place(engine: Engine) -> None:
+    from tinydist.errors import DeviceFailed
+
+    failed = engine.device("CPU:2")
+    failed.allocator.alloc(64)
+    failed.mark_failed(DeviceFailed("test: broken"))
+    with pytest.raises(DeviceFailed, match="test: broken"):
+        failed.batch()
+    fresh = engine.reopen("cpu:2")
+    assert fresh is not failed and fresh.state is DeviceState.OPEN and failed.state is DeviceState.CLOSED
+    assert engine.device("CPU:2") is fresh and engine.open_devices() == [fresh]
+    buf = fresh.allocator.alloc(16)
+    fresh.copyin(buf, np.arange(4, dtype=np.float32))
+    np.testing.assert_array_equal(engine.run(fresh.copyout, buf).view(np.float32), np.arange(4, dtype=np.float32))
+    assert engine.reopen("CPU:3").state is DeviceState.OPEN  # one never opened is simply opened
+
+
 def test_close_closes_devices_and_is_idempotent() -> None:
     engine = Engine()
     dev = engine.device("CPU:2")

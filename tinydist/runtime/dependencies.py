@@ -64,11 +64,10 @@ class AccessLog:
                 self._records = [r for r in self._records if r.timeline.value < r.value]
         return waits
 
-    def record(self, start: int, end: int, write: bool, timeline: Timeline, value: int) -> Access:
+    def record(self, start: int, end: int, write: bool, timeline: Timeline, value: int) -> None:
         new = Access(start, end, write, timeline, value)
         with self._lock:
             self._add(new)
-        return new
 
     def _add(self, new: Access) -> None:
         kept = [new]
