@@ -229,8 +229,11 @@ def main() -> None:
         # the targets, each against its own baseline: captured step against captured step,
         # the median of the per-round ratios of the interleaved windows
         scaling = _ratio(interleaved, "tinydist 2 devices, td.jit step", "tinydist 1 device, td.jit step")
-        print(f"{name:4s} target: 2-device scaling (td.jit steps) {scaling:.2f}x "
-              f"{'>=1.7x: PASS' if scaling >= 1.7 else '>=1.7x: MISS'} (median of 5 interleaved rounds)")
+        if name == "cnn":  # the scaling target is the CNN's; the MLP's ~0.3 ms step is decided by fixed costs
+            print(f"{name:4s} target: 2-device scaling (td.jit steps) {scaling:.2f}x "
+                  f"{'>=1.7x: PASS' if scaling >= 1.7 else '>=1.7x: MISS'} (median of 5 interleaved rounds)")
+        else:
+            print(f"{name:4s} 2-device scaling (td.jit steps) {scaling:.2f}x, no target (median of 5 interleaved rounds)")
         if have_torch:
             versus = _ratio(interleaved, "tinydist 1 device, td.jit step", "torch 1 thread")
             print(f"{name:4s} target: one core, td.jit step vs torch 1 thread {versus:.2f}x "
