@@ -42,7 +42,7 @@ from tinydist.codegen.compile_cache import CompileCache
 from tinydist.codegen.compiler import HostCompiler
 from tinydist.config import settings
 from tinydist.errors import TinydistError
-from tinydist.jit_streams import NativeStreams, span
+from tinydist.jit_streams import NativeStreams, overlap, span
 from tinydist.lazy import LazyNode, buffer_node
 from tinydist.realize import programs, realize
 from tinydist.runtime.buffer import Buffer
@@ -266,11 +266,10 @@ class _Captured:
         touched += [(span(self.buffers[n]), False, (self.buffers[n].device.name, "compute")) for n in self.output_numbers]
 
         def tracked(buffer: Buffer, write: bool, stream: tuple[str, str]) -> bool:
-            base, start, end = span(buffer)
-            if any(b == base and s < end and start < e for b, s, e in seen):
+            memory = span(buffer)
+            if any(overlap(memory, other) for other in seen):
                 return True
-            return any(other != stream and (write or w) and b == base and s < end and start < e
-                       for (b, s, e), w, other in touched)
+            return any(other != stream and (write or w) and overlap(memory, where) for where, w, other in touched)
         for run in runs:
             stream = (run.device.name, run.queue)
             run.keep(lambda buffer, write: tracked(buffer, write, stream))

@@ -56,6 +56,11 @@ def span(buffer: Buffer) -> Span:
     return id(buffer.base), buffer.offset, buffer.offset + buffer.nbytes
 
 
+def overlap(a: Span, b: Span) -> bool:
+    """Whether two spans share a byte of the same base buffer."""
+    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+
+
 class StepRun(Protocol):
     """A run of the captured step: consecutive commands on one device and queue, with every
     buffer they touch (and whether they write it)."""
@@ -141,7 +146,7 @@ class NativeStreams:
             unit.commands = [(native_address(fn) or 0, args) for fn, args in run.commands]
             middle.append(unit)
             for buffer, write in run.accesses:
-                if any(_overlap(span(buffer), other) for other in shared_spans):
+                if any(overlap(span(buffer), other) for other in shared_spans):
                     seen = self.streams[s].shared.get(id(buffer))
                     self.streams[s].shared[id(buffer)] = (buffer, write or (seen is not None and seen[1]))
         for i, (buffer, device) in enumerate(outputs):
@@ -273,10 +278,6 @@ class _StepCommand:
             raise self.streams.stopped(self.stream)
 
 
-def _overlap(a: Span, b: Span) -> bool:
-    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
-
-
 def _waits(units: Sequence[_Unit]) -> dict[int, list[Wait]]:
     """For each part (by id): what it waits for on other streams — the latest conflicting part that
     comes before it in the step (this replay), else the latest after it (the previous replay) —
@@ -302,4 +303,4 @@ def _waits(units: Sequence[_Unit]) -> dict[int, list[Wait]]:
 
 
 def _conflict(a: list[tuple[Span, bool]], b: list[tuple[Span, bool]]) -> bool:
-    return any((wa or wb) and _overlap(sa, sb) for sa, wa in a for sb, wb in b)
+    return any((wa or wb) and overlap(sa, sb) for sa, wa in a for sb, wb in b)
