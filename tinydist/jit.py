@@ -56,6 +56,8 @@ from tinydist.tensor import Tensor, observe_assigns
 _entry_ids = itertools.count()
 # the calls `_link` turns into one native entry; copies, gathers and slice kernels replay as commands
 _LINKABLE = (KernelCall, MatmulCall)
+# how a capture replays: "auto" picks the first that applies, the others force one (tests use them)
+REPLAYS = ("auto", "entry", "runs", "streams")
 
 
 class JitError(TinydistError, ValueError):
@@ -127,7 +129,7 @@ class _Captured:
     """One captured graph: buffers bound, kernels compiled, entry point linked."""
 
     def __init__(self, schedule: Schedule, inputs: list[LazyNode], arg_nodes: dict[int, int],
-                 outputs: list[LazyNode], rebuild: Callable[[list[Tensor]], Any]) -> None:
+                 outputs: list[LazyNode], rebuild: Callable[[list[Tensor]], Any], replay: str = "auto") -> None:
         engine = get_engine()
         self.schedule = schedule
         self.rebuild = rebuild
@@ -137,6 +139,10 @@ class _Captured:
         devices = set(self.output_devices) | {call.device for call in schedule.linear}
         # One device with only linkable calls links into one entry point; anything else replays in runs.
         single = len(devices) == 1 and all(isinstance(c, _LINKABLE) for c in schedule.linear)
+        if replay == "entry" and not single:
+            raise JitError("replay='entry' needs a graph on one device of kernels and matmuls only; "
+                           f"this one runs on {sorted(devices)} with {sorted({type(c).__name__ for c in schedule.linear})}")
+        single = single and replay in ("auto", "entry")
         self.device: Device | None = engine.device(devices.pop()) if single else None
         self.buffers: list[Buffer | None] = [None] * len(schedule.specs)
         self.arg_slots: list[tuple[int, int]] = []      # (argument index, buffer number)
@@ -184,13 +190,15 @@ class _Captured:
         self.streams: NativeStreams | None = None  # several host devices: one native call per queue
         if self.device is None:
             runs = self._bind_runs()
-            if settings.JIT_NATIVE_STREAMS == "on":
+            if replay == "streams" or (replay == "auto" and settings.JIT_NATIVE_STREAMS == "on"):
                 b = self.buffers
                 self.streams = NativeStreams.build(
                     runs, [(position, b[number]) for position, number in self.arg_slots],
                     [(b[n], engine.device(name)) for n, name in zip(self.output_numbers, self.output_devices)],
                     [(position, b[number]) for position, number in self.written_args],
                     [buffer for buffer, _ in self.accesses])
+                if self.streams is None and replay == "streams":
+                    raise JitError("replay='streams' needs host devices whose calls are native code, on a machine with a futex")
             if self.streams is None:
                 self._prepare_runs(runs)
                 self.runs = runs
@@ -431,8 +439,11 @@ class _Captured:
 class TinyJit:
     """A jitted function; see the module docstring."""
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], replay: str = "auto") -> None:
+        if replay not in REPLAYS:
+            raise ValueError(f"replay must be one of {', '.join(REPLAYS)}, got {replay!r}")
         self.fn = fn
+        self.replay = replay
         self.signature = inspect.signature(fn)
         self.calls = 0
         self.queued = 0  # replays since the caller last waited for the devices to catch up
@@ -535,7 +546,7 @@ class TinyJit:
         # assigns made inside the function (e.g. an optimizer's weight updates) are part of the step
         side_effects = [a for a in assigns if not a.realized]
         schedule, inputs = create_schedule(nodes + side_effects)
-        self.captured = _Captured(schedule, inputs, arg_nodes, nodes, rebuild)
+        self.captured = _Captured(schedule, inputs, arg_nodes, nodes, rebuild, self.replay)
         # An assigned weight now lives in the JIT's memory. An assigned argument keeps the caller's
         # buffer, which the replay below reads (the value before the call) and then writes back,
         # as every later replay does: it must not alias memory that later replays reuse.
@@ -561,6 +572,9 @@ def _same_value(a: Any, b: Any) -> bool:
         return a is b
 
 
-def jit(fn: Callable[..., Any]) -> TinyJit:
-    """Capture `fn` on its second call and replay it afterwards; see the module docstring."""
-    return TinyJit(fn)
+def jit(fn: Callable[..., Any] | None = None, *, replay: str = "auto") -> Any:
+    """Capture `fn` on its second call and replay it afterwards; see the module docstring.
+    `@td.jit(replay="runs")` forces a replay strategy (one of REPLAYS) instead of choosing one."""
+    if fn is None:
+        return lambda f: TinyJit(f, replay)
+    return TinyJit(fn, replay)
