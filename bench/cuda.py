@@ -76,7 +76,7 @@ async def _bench(name: str, repeats: int) -> None:
         host_b = rng.standard_normal((n, n), np.float32)
         await dev.copyin(a, host_a).wait(60)
         await dev.copyin(b, host_b).wait(60)
-        matmul = dev.load_matmul("float32")
+        matmul = dev.compiler.matmul(dtypes.float32)
 
         def run_matmul() -> None:
             with dev.batch() as batch:
@@ -105,7 +105,7 @@ async def _bench(name: str, repeats: int) -> None:
         mul = KNode("mul", (lx, ly), None, dtypes.float32)
         root = KNode("add", (mul, lx), None, dtypes.float32)
         ast = KernelAST((count,), (), root, (dtypes.float32, dtypes.float32), dtypes.float32)
-        kernel = dev.load_kernel(ast)
+        kernel = dev.compiler.kernel(ast)
 
         def run_elementwise() -> None:
             with dev.batch() as batch:

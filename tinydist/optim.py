@@ -24,7 +24,7 @@ import numpy as np
 import tinydist.tensor as _tensor_module
 from tinydist import autograd
 from tinydist.autograd import no_grad
-from tinydist.realize import realize
+from tinydist.engine.realize import realize
 from tinydist.tensor import Tensor
 
 __all__ = ["SGD", "Adam", "AdamW", "Optimizer"]

@@ -45,7 +45,7 @@ from tinydist.autograd import no_grad, queue_callback, register_grad_hook
 from tinydist.multi.allreduce import allreduce
 from tinydist.multi.sharded import MultiTensor, split_sizes
 from tinydist.nn.module import Module, replicate
-from tinydist.realize import realize
+from tinydist.engine.realize import realize
 from tinydist.runtime.registry import canonical_name
 from tinydist.tensor import Tensor, cat
 

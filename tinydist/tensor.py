@@ -22,7 +22,7 @@ import numpy as np
 from tinydist import dtypes
 from tinydist.dtypes import DType, to_dtype
 from tinydist.lazy import LazyNode, Op, buffer_node, const_node, elementwise, view
-from tinydist.realize import realize
+from tinydist.engine.realize import realize
 from tinydist.runtime.engine import get_engine
 from tinydist.runtime.registry import canonical_name
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tinydist.codegen.reduce import reduce_ir, supported
-from tinydist.realize import programs
+from tinydist.runtime.compiler import host_reduce
 
 UFUNCS = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
 COMPILED = [(op, dtype) for dtype in ("f4", "f8", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8")
@@ -48,7 +48,7 @@ def test_matches_numpy_bitwise_into_both_outputs(op: str, dtype: str, count: int
     srcs = sources(dt, count, n, offset, seed=count * 1000 + n)
     want = expected(op, srcs)
     d0, d1 = np.zeros(n + 2, dt), np.zeros(n + 5, dt)
-    programs.host_reduce(op, dt, count, 2).cfunc(d0.ctypes.data, d1[3:].ctypes.data, *[s.ctypes.data for s in srcs], n)
+    host_reduce(op, dt, count, 2).cfunc(d0.ctypes.data, d1[3:].ctypes.data, *[s.ctypes.data for s in srcs], n)
     np.testing.assert_array_equal(d0[:n].view(np.uint8), want.view(np.uint8))
     np.testing.assert_array_equal(d1[3:3 + n].view(np.uint8), want.view(np.uint8))
     assert not d0[n:].any() and not d1[:3].any() and not d1[3 + n:].any()   # nothing written outside
@@ -59,7 +59,7 @@ def test_in_place_into_the_first_source(op: str, dtype: str) -> None:
     dt = np.dtype(dtype)
     srcs = sources(dt, 3, 100_003, 0, seed=7)
     want = expected(op, srcs)
-    programs.host_reduce(op, dt, 3, 1).cfunc(srcs[0].ctypes.data, *[s.ctypes.data for s in srcs], srcs[0].size)
+    host_reduce(op, dt, 3, 1).cfunc(srcs[0].ctypes.data, *[s.ctypes.data for s in srcs], srcs[0].size)
     np.testing.assert_array_equal(srcs[0].view(np.uint8), want.view(np.uint8))
 
 
@@ -69,7 +69,7 @@ def test_a_result_not_aligned_to_its_element_size(shift: int) -> None:
     dt, n = np.dtype("f8"), 1000
     srcs = sources(dt, 2, n, 0, seed=shift)
     raw = np.zeros(n * 8 + 64, np.uint8)
-    programs.host_reduce("sum", dt, 2, 1).cfunc(raw.ctypes.data + shift, *[s.ctypes.data for s in srcs], n)
+    host_reduce("sum", dt, 2, 1).cfunc(raw.ctypes.data + shift, *[s.ctypes.data for s in srcs], n)
     got = np.frombuffer(raw[shift:shift + n * 8].tobytes(), dt)
     np.testing.assert_array_equal(got.view(np.uint8), expected("sum", srcs).view(np.uint8))
     assert not raw[:shift].any() and not raw[shift + n * 8:].any()

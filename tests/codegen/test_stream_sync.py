@@ -10,9 +10,9 @@ from collections.abc import Callable
 import numpy as np
 
 from tinydist.codegen.compiler import HostCompiler
-from tinydist.codegen.stream_sync import (ABORTED, OK, TIMED_OUT, ControlBlock, Part, Slot, Wait, native_address,
-                                          step_function_ir)
+from tinydist.codegen.stream_sync import ABORTED, OK, TIMED_OUT, Part, Slot, Wait, step_function_ir
 from tinydist.runtime.cpu.loader import native_loader
+from tinydist.runtime.cpu.stream_control import ControlBlock, native_address
 
 RING = 4
 _compiler = HostCompiler(opt_level=1)

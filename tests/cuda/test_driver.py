@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import tinydist as td
+from tinydist import dtypes
 from tinydist.errors import CompileError, DeviceUnavailable
 from tinydist.runtime import registry
 from tinydist.runtime.cuda import driver as cu
@@ -227,7 +228,7 @@ def test_device_plumbing_over_the_fake_driver(fake):
             out = (await dev.copyout(buf)).view(np.float32)
             assert out.tolist() == [0.0, 1.0, 2.0, 3.0]
             assert lib.calls == ["cuCtxSetCurrent", "cuMemcpyDtoHAsync_v2", "cuStreamSynchronize"]
-            program = dev.load_matmul("float32")
+            program = dev.compiler.matmul(dtypes.float32)
             lib.calls.clear()
             with dev.batch() as batch:
                 batch.launch(program, buf, buf, buf, buf, 1, 2, 2, 2, 0, 0, 0)
@@ -244,7 +245,7 @@ def test_jit_log_is_surfaced_verbatim(fake):
     async def main():
         async with td.open_device("CUDA:0") as dev:
             with pytest.raises(CompileError) as info:
-                dev.load_matmul("float64")
+                dev.compiler.matmul(dtypes.float64)
             assert "CUDA_ERROR_INVALID_PTX (218)" in str(info.value)
             assert "ptxas fatal   : Unresolved extern function 'fmodf'" in str(info.value)
     anyio.run(main)

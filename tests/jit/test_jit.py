@@ -33,7 +33,7 @@ def test_mlp_replays_equal_numpy_and_link_one_entry_point() -> None:
         x = rng.standard_normal((1, 64)).astype(np.float32)
         np.testing.assert_allclose(mlp(td.Tensor(x)).numpy(), _reference_mlp(x, n1, n2), rtol=1e-4, atol=1e-6)
     assert mlp.captured is not None
-    assert mlp.captured.entry.signature == ()  # one native entry point, addresses bound inside
+    assert mlp.captured.strategy.name == "entry" and mlp.captured.strategy.entry.signature == ()  # one native entry point, addresses bound inside
 
 
 def test_outputs_are_fresh_and_feeding_an_output_back_is_safe() -> None:
@@ -192,12 +192,12 @@ def test_graphs_over_several_devices_replay_per_queue_or_in_runs(native_streams:
         assert out.device == "CPU:0"
         np.testing.assert_allclose(out.numpy(), reference(x), rtol=1e-4, atol=1e-5)
     captured = sharded.captured
-    assert captured is not None and captured.entry is None
+    assert captured is not None and captured.strategy.name != "entry"
     if native_streams == "on":
-        assert captured.runs == [] and captured.streams is not None
-        assert {"CPU:0/compute", "CPU:1/compute"} <= {st.name for st in captured.streams.streams}
+        assert captured.strategy.name == "streams"
+        assert {"CPU:0/compute", "CPU:1/compute"} <= {st.name for st in captured.strategy.streams.streams}
     else:
-        assert captured.streams is None and len(captured.runs) > 2
+        assert captured.strategy.name == "runs" and len(captured.strategy.runs) > 2
     x = rng.standard_normal((9, 6)).astype(np.float32)
     np.testing.assert_allclose(sharded.call_numpy(x), reference(x), rtol=1e-4, atol=1e-5)
 
@@ -224,7 +224,7 @@ def test_a_caller_that_never_waits_is_held_to_the_run_ahead_bound(native_streams
             if sharded.queued == 0:  # this call reached the bound: it waited until the devices caught up
                 caught_up += 1
                 assert [q.statistics().in_flight for q in queues] == [0] * len(queues)
-    assert caught_up == 3 and sharded.captured is not None and sharded.captured.entry is None
+    assert caught_up == 3 and sharded.captured is not None and sharded.captured.strategy.name != "entry"
     for x, out in zip(xs, outputs):
         np.testing.assert_allclose(out.numpy(), (np.exp(x) * 0.5).sum(0), rtol=1e-5, atol=1e-6)
 
@@ -248,8 +248,8 @@ def test_arguments_copied_in_and_outputs_copied_out_inside_runs_keep_their_order
     captured = mixed.captured
     assert captured is not None
     if native_streams == "off":
-        assert captured.args_into[None] == [(0, 0)] and None not in captured.outputs_from
-        assert sorted(n for k, slots in captured.args_into.items() if k is not None for _, n in slots) == [1]
+        assert captured.strategy.args_into[None] == [(0, 0)] and None not in captured.strategy.outputs_from
+        assert sorted(n for k, slots in captured.strategy.args_into.items() if k is not None for _, n in slots) == [1]
 
 
 def test_captured_data_parallel_step_replayed_back_to_back_matches_one_device(native_streams: str) -> None:
@@ -302,7 +302,7 @@ def test_a_step_over_several_devices_queues_one_batch_per_queue_per_replay() -> 
 
 def test_a_caller_far_ahead_of_the_devices_reuses_argument_rows_only_after_their_replay() -> None:
     from tinydist.config import settings
-    from tinydist.jit_streams import RING
+    from tinydist.engine.streams import RING
 
     @td.jit
     def step(x: td.Tensor) -> td.Tensor:
@@ -311,7 +311,7 @@ def test_a_caller_far_ahead_of_the_devices_reuses_argument_rows_only_after_their
     xs = [np.full(3, i, np.float32) for i in range(2 * RING + 5)]
     with settings.override(JIT_RUN_AHEAD=10 * RING):  # never held back by the run-ahead bound
         outputs = [step(td.Tensor(x)) for x in xs]
-    assert step.captured is not None and step.captured.streams is not None
+    assert step.captured is not None and step.captured.strategy.name == "streams"
     for x, out in zip(xs, outputs):
         np.testing.assert_array_equal(out.numpy(), 3 * x)
 
@@ -348,7 +348,7 @@ def _captured_over(devices: tuple[str, str]) -> tuple[td.jit, td.Tensor]:
     x = td.Tensor(np.zeros(4, np.float32), device=first)
     np.testing.assert_allclose(step(x).numpy(), np.full(4, 4, np.float32))
     np.testing.assert_allclose(step(x).numpy(), np.full(4, 4, np.float32))
-    assert step.captured is not None and step.captured.streams is not None
+    assert step.captured is not None and step.captured.strategy.name == "streams"
     return step, x
 
 

@@ -8,7 +8,7 @@ import pytest
 import tinydist as td
 from tinydist.codegen.lowering import STREAMING_STORE_BYTES
 from tinydist.multi import ALGORITHMS, ShardError, allreduce
-from tinydist.realize import realize
+from tinydist.engine.realize import realize
 from tinydist.schedule import create_schedule
 from tinydist.schedule.items import CopyCall, GatherCall, KernelCall, SliceCall
 from tests.runtime.helpers import Gate

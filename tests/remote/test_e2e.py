@@ -64,3 +64,37 @@ def test_remote_device_refuses_object_code_and_needs_credentials(server, lab, mo
             await RemoteDevice(f"remote://127.0.0.1:{server.port}/CPU:0", lab.creds["mallory"]).open()
 
     anyio.run(main)
+
+
+def test_a_capture_on_a_remote_device_replays_in_runs_and_matches_numpy(server, credentials_env) -> None:
+    # A remote node runs no client binaries: nothing links into one entry point, so the capture
+    # replays its calls by runs, and the frame loop (call_numpy) uploads straight to the node.
+    name = f"remote://127.0.0.1:{server.port}/CPU:0"
+    g = np.random.default_rng(7)
+    w_host = g.standard_normal((8, 4)).astype(np.float32)
+    w = td.Tensor(w_host, device=name)
+
+    @td.jit
+    def step(x: td.Tensor, bias: td.Tensor) -> td.Tensor:
+        return (bias + x @ w).relu()  # `bias` is reached before `x`, against declaration order
+
+    @td.jit
+    def frame(x: td.Tensor, bias: td.Tensor) -> td.Tensor:
+        return (bias + x @ w).relu()
+
+    for _ in range(5):
+        x, bias = g.standard_normal((3, 8)).astype(np.float32), g.standard_normal(4).astype(np.float32)
+        expected = np.maximum(bias.astype(np.float64) + x.astype(np.float64) @ w_host, 0)
+        out = step(td.Tensor(x, device=name), td.Tensor(bias, device=name))
+        assert out.device == name
+        np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(frame.call_numpy(x, bias, device=name), expected, rtol=1e-5, atol=1e-6)
+    assert step.captured is not None and step.captured.strategy.name == "runs"
+    assert frame.captured is not None and frame.captured.capture.frame is None
+    engine = td.get_engine()
+    device = engine.device(name)
+    del w, out, step, frame
+    gc.collect()
+    engine.synchronize(10)
+    engine.run(device.aclose)
+    engine._devices.pop(device.name, None)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import tinydist as td
-from tinydist.realize import realize
+from tinydist.engine.realize import realize
 from tinydist.schedule import create_schedule, schedule_cache
 from tinydist import dtypes
 from tinydist.codegen import kernel as K

@@ -14,7 +14,7 @@ def no_schedule(monkeypatch):
     """Fail loudly if anything is scheduled while the test builds ops."""
     def refuse(*args, **kwargs):
         raise AssertionError("an op that should be refused at build time reached the scheduler")
-    monkeypatch.setattr("tinydist.realize.create_schedule", refuse)
+    monkeypatch.setattr("tinydist.engine.realize.create_schedule", refuse)
 
 
 A = np.arange(6, dtype=np.float32).reshape(2, 3)

@@ -7,6 +7,7 @@ and rename): two processes compiling the same kernel both succeed, one file wins
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import tempfile
@@ -66,3 +67,26 @@ class CompileCache:
             os.unlink(tmp)
             raise
         return data
+
+
+@functools.cache
+def _kernel_cache() -> CompileCache:
+    return CompileCache(HostCompiler())
+
+
+@functools.cache
+def _glue_compiler() -> HostCompiler:
+    return HostCompiler(opt_level=1)
+
+
+def compile_kernel(ir_text: str) -> bytes:
+    """Object code for a kernel: the O3 pipeline, through the on-disk cache. The one host
+    compiler every kernel of this process goes through."""
+    return _kernel_cache().compile(ir_text)
+
+
+def compile_glue(ir_text: str) -> bytes:
+    """Object code for glue that calls kernels with addresses baked in (a capture's entry point,
+    a stream's step function): O1 — it is calls and branches, nothing to vectorise — and never
+    cached on disk, since its addresses are this process's."""
+    return _glue_compiler().compile(ir_text)

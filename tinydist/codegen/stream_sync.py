@@ -1,7 +1,7 @@
 """Ordering between queues inside native code: the step functions of a capture linked per queue.
 
 A captured step over several queues ("streams") can run as one native call per stream and replay
-(`tinydist.jit_streams`). Its streams order themselves through a control block of host memory:
+(`tinydist.engine.streams`). Its streams order themselves through a control block of host memory:
 each stream owns a progress counter that its step function advances after each of its parts, and
 a part that needs another stream's part first waits until that stream's counter has passed it.
 
@@ -22,13 +22,9 @@ import ctypes
 import functools
 import platform
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
-from tinydist.codegen.compiler import HostCompiler
-from tinydist.runtime.cpu.loader import native_loader
 
 _FUTEX_SYSCALLS = {"x86_64": 202, "aarch64": 98}  # SYS_futex per Linux architecture
 _FUTEX_WAIT_PRIVATE, _FUTEX_WAKE_PRIVATE = 128, 129
@@ -55,24 +51,20 @@ def _libc_addresses() -> tuple[int, int]:
             ctypes.cast(libc.clock_gettime, ctypes.c_void_p).value or 0)
 
 
-def native_address(fn: object) -> int | None:
-    """The entry address of a ctypes foreign function (a kernel's cfunc, ctypes.memmove), else None."""
-    if not isinstance(fn, ctypes._CFuncPtr):  # type: ignore[attr-defined]
-        return None
-    return ctypes.cast(fn, ctypes.c_void_p).value
-
-
-class ControlBlock:
-    """The int64 words a capture's streams share: per stream two cache lines [progress, sleepers,
-    replays run, status, unit, peer, target, seen, calls made], then the abort word."""
+class ControlLayout:
+    """Where the int64 words a capture's streams share are: per stream two cache lines [progress,
+    sleepers, replays run, status, unit, peer, target, seen, calls made], then the abort word.
+    The memory itself is the runtime's (`tinydist.runtime.cpu.stream_control.ControlBlock`)."""
 
     LINE = 16
     PROGRESS, SLEEPERS, REPLAYS, STATUS, UNIT, PEER, TARGET, SEEN, CALLS = range(9)
 
-    def __init__(self, streams: int) -> None:
-        self.streams = streams
-        self.words = np.zeros(self.LINE * (streams + 1), np.int64)
-        self._base = self.words.ctypes.data
+    def __init__(self, base: int, streams: int) -> None:
+        self._base, self.streams = base, streams
+
+    @classmethod
+    def words_for(cls, streams: int) -> int:
+        return cls.LINE * (streams + 1)
 
     def address(self, stream: int, field: int) -> int:
         return self._base + 8 * (self.LINE * stream + field)
@@ -80,21 +72,6 @@ class ControlBlock:
     @property
     def abort_address(self) -> int:
         return self._base + 8 * self.LINE * self.streams
-
-    def word(self, stream: int, field: int) -> int:
-        return int(self.words[self.LINE * stream + field])
-
-    @property
-    def aborted(self) -> bool:
-        return bool(self.words[self.LINE * self.streams])
-
-    def abort(self) -> None:
-        """Make every wait of every stream give up (within one sleep slice)."""
-        self.words[self.LINE * self.streams] = 1
-
-    def device_failed(self, error: BaseException) -> None:
-        """A device of the capture failed: its streams' parts will never run."""
-        self.abort()
 
 
 @dataclass(frozen=True)
@@ -117,7 +94,7 @@ class Part:
     commands: tuple[tuple[int, tuple[int | Slot, ...]], ...]   # (native entry address, arguments)
 
 
-def step_function_ir(name: str, block: ControlBlock, stream: int, parts: Sequence[Part], parts_per_stream: Sequence[int],
+def step_function_ir(name: str, block: ControlLayout, stream: int, parts: Sequence[Part], parts_per_stream: Sequence[int],
                      slots: int, ring: int, row_words: int, ready: int, timeout_ns: int, chain_ns: int) -> str:
     """LLVM IR of `void name()`: stream `stream`'s parts of a replay, in order, each after its waits
     and followed by a signal. `slots` is the address of the ring of per-replay argument rows
@@ -305,17 +282,3 @@ def step_function_ir(name: str, block: ControlBlock, stream: int, parts: Sequenc
         "",
     ]
     return "\n".join(out)
-
-
-@functools.cache
-def _publisher() -> Callable[[int, int], None]:
-    ir = ("define void @td_stream_publish(ptr %word, i64 %value) {\nentry:\n"
-          "  store atomic i64 %value, ptr %word release, align 8\n  ret void\n}\n")
-    address = native_loader.load(HostCompiler(opt_level=1).compile(ir), "td_stream_publish", ["i64", "i64"]).address
-    return ctypes.PYFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64)(address)  # a store: keeps the GIL
-
-
-def publish(address: int, value: int) -> None:
-    """Store `value` at `address` after every store before it (a release store): a replay's row of
-    addresses is visible to a step function that sees the replay's ready word."""
-    _publisher()(address, value)

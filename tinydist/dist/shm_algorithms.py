@@ -36,7 +36,7 @@ import numpy as np
 from tinydist.codegen.reduce import supported
 from tinydist.dist.algorithms import Ufunc, split_bounds
 from tinydist.dist.errors import RankFailed
-from tinydist.realize import programs
+from tinydist.runtime.compiler import host_reduce
 from transports import cma
 from transports.shm_group import ShmGroup
 
@@ -109,7 +109,7 @@ def _reduce_into(ufunc: Ufunc, dsts: Sequence[np.ndarray], sources: Sequence[np.
     if (len(dsts) > 1 or len(sources) > 2) and dst.nbytes >= COMPILED_MIN_BYTES:   # cheap tests first: small calls
         op = _COMPILED_OPS.get(ufunc)
         if op is not None and supported(op, dst.dtype):
-            kernel = programs.host_reduce(op, dst.dtype, len(sources), len(dsts)).cfunc
+            kernel = host_reduce(op, dst.dtype, len(sources), len(dsts)).cfunc
             kernel(*[a.ctypes.data for a in dsts], *[a.ctypes.data for a in sources], dst.size)
             return
     ufunc(sources[0], sources[1], out=dst)

@@ -23,7 +23,7 @@ import numpy as np
 from tinydist import dtypes
 from tinydist.dtypes import DType
 from tinydist.multi.allreduce import allreduce
-from tinydist.realize import realize
+from tinydist.engine.realize import realize
 from tinydist.runtime.registry import canonical_name
 from tinydist.tensor import Tensor, _normalize_axes, _normalize_axis, cat
 

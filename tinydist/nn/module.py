@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from tinydist.autograd import no_grad
-from tinydist.realize import realize
+from tinydist.engine.realize import realize
 from tinydist.tensor import Tensor
 
 

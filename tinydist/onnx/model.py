@@ -22,7 +22,7 @@ import numpy as np
 from tinydist import dtypes
 from tinydist.onnx.errors import UnsupportedModelError
 from tinydist.onnx.ops import FOLDS, OPS, SUPPORTED_NP
-from tinydist.realize import realize
+from tinydist.engine.realize import realize
 from tinydist.runtime.engine import get_engine
 from tinydist.jit import JitError, TinyJit
 from tinydist.tensor import Tensor

@@ -30,6 +30,7 @@ from tinydist.logs import get_logger
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime import command_queue as _hooks
 from tinydist.runtime.command_queue import Command, CommandQueue
+from tinydist.runtime.compiler import DeviceCompiler
 from tinydist.runtime.dependencies import AccessLog
 from tinydist.runtime.timeline import Timeline
 
@@ -83,8 +84,13 @@ class Device(ABC):
     # Set by the registry from the back end: devices of one group take each other's buffers as
     # kernel arguments (no copy); None reads only its own memory.
     peer_group: str | None = None
+    # Whether the device's programs are host object code loaded into this process: a native
+    # function may call them (a capture links them into one entry point, a stream's step function
+    # calls them between its waits).
+    native_code: bool = False
 
     def __init__(self, name: str) -> None:
+        self._compiler: DeviceCompiler | None = None
         self.name = name
         self.state = DeviceState.UNOPENED
         self.failure: DeviceFailed | None = None
@@ -99,6 +105,18 @@ class Device(ABC):
         return f"{type(self).__name__}({self.name!r}, {self.state.value})"
 
     # ---- back-end hooks ----------------------------------------------------------------------
+
+    @property
+    def compiler(self) -> DeviceCompiler:
+        """This device's programs, each compiled once (see `tinydist.runtime.compiler`)."""
+        if self._compiler is None:
+            self._compiler = self._make_compiler()
+        return self._compiler
+
+    def _make_compiler(self) -> DeviceCompiler:
+        """Kernel IR lowered to LLVM IR and handed to `load_ir`; back ends with a code generator
+        of their own override this."""
+        return DeviceCompiler(self)
 
     @property
     @abstractmethod

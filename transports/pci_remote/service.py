@@ -616,16 +616,9 @@ def _classify(exc: Exception) -> tuple[grpc.StatusCode, str]:
     return Code.INTERNAL, "internal error"
 
 
-_compiler: Callable[[str], bytes] | None = None
-
-
 def _default_compiler() -> Callable[[str], bytes]:
-    global _compiler
-    if _compiler is None:
-        from tinydist.codegen.compile_cache import CompileCache
-        from tinydist.codegen.compiler import HostCompiler
-        _compiler = CompileCache(HostCompiler()).compile
-    return _compiler
+    from tinydist.codegen.compile_cache import compile_kernel
+    return compile_kernel
 
 
 # Bulk data goes through wire.py: write-stream chunks decode to views of the received message, and

@@ -20,6 +20,8 @@ _memmove = ctypes.memmove
 
 
 class CPUDevice(Device):
+    native_code = True
+
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self._allocator: CPUAllocator | None = None

@@ -34,10 +34,13 @@ import numpy as np
 
 from tinydist.codegen import ptx
 from tinydist.codegen.kernel import KernelAST
+from tinydist.codegen.matmul import StridedOperand
 from tinydist.config import settings
+from tinydist.dtypes import DType
 from tinydist.errors import CompileError, DeviceError, DeviceUnavailable
 from tinydist.runtime.allocator import Allocator
 from tinydist.runtime.cuda import driver as cu
+from tinydist.runtime.compiler import DeviceCompiler
 from tinydist.runtime.device import Batch, Device
 from tinydist.runtime.program import Program, check_signature
 
@@ -323,19 +326,11 @@ class CUDADevice(Device):
     # ---- programs ----------------------------------------------------------------------------
 
     def load_program(self, object_code: bytes, entry: str, signature: Sequence[str]) -> Program:
-        raise DeviceError(f"{self.name} runs PTX kernels with launch geometry: use load_kernel(ast) / load_matmul(dtype) "
+        raise DeviceError(f"{self.name} runs PTX kernels with launch geometry: use dev.compiler.kernel(ast) / dev.compiler.matmul(dtype) "
                           "(host object code cannot run on a GPU)")
 
     def load_ir(self, ir_text: str, entry: str, signature: Sequence[str], compile: Callable[[str], bytes]) -> Program:
-        raise DeviceError(f"{self.name} cannot run host LLVM IR ({entry}); kernels reach it as kernel ASTs through load_kernel")
-
-    def load_kernel(self, ast: KernelAST) -> Program:
-        """A scheduled kernel, lowered to PTX for this device's architecture and loaded (cached)."""
-        return self._cached(ast, lambda: ptx.lower_kernel(ast))
-
-    def load_matmul(self, dtype_name: str) -> Program:
-        """The tiled matmul, same arguments as the CPU one (`codegen.matmul.SIGNATURE`)."""
-        return self._cached(("matmul", dtype_name), lambda: ptx.matmul_kernel(dtype_name))
+        raise DeviceError(f"{self.name} cannot run host LLVM IR ({entry}); kernels reach it as kernel ASTs through dev.compiler.kernel")
 
     def _cached(self, key: Any, make: Callable[[], ptx.PTXKernel]) -> Program:
         program = self._programs.get(key)
@@ -369,6 +364,9 @@ class CUDADevice(Device):
         self.log.debug("kernel loaded", kernel=kernel.name, arch=self.arch, jit_log=info.value.decode(errors="replace"))
         return Program(kernel.name, signature, _Launch(self, function, kernel), function)
 
+    def _make_compiler(self) -> DeviceCompiler:
+        return CUDACompiler(self)
+
     def link_launches(self, launches: Sequence[tuple[Program, Sequence[Any]]]) -> Program:
         """JIT capture: (program, arguments as addresses/scalars) in order → one callable that
         enqueues them all (run inside one batch: a single submission and one synchronize)."""
@@ -379,6 +377,31 @@ class CUDADevice(Device):
                 raise DeviceError(f"{self.name}: {program.name} is not a kernel loaded on this device")
             prepared.append((launcher, launcher.prepare(args)))
         return Program(f"cuda_replay_{len(prepared)}", (), _Replay(prepared), 0)
+
+
+class CUDACompiler(DeviceCompiler):
+    """Kernels lowered to PTX for the device's architecture; linked launches enqueue in order."""
+
+    device: CUDADevice
+
+    @property
+    def links(self) -> bool:
+        return True
+
+    def kernel(self, ast: KernelAST) -> Program:
+        return self.device._cached(ast, lambda: ptx.lower_kernel(ast))
+
+    def matmul(self, dtype: DType, strided: StridedOperand | None = None) -> Program:
+        """The tiled matmul, same arguments as the CPU one (`codegen.matmul.SIGNATURE`)."""
+        if strided is not None:
+            raise DeviceError(f"{self.device.name} reads matmul operands contiguous only; the schedule gave a strided one")
+        return self.device._cached(("matmul", dtype.name), lambda: ptx.matmul_kernel(dtype.name))
+
+    def stream_copy(self) -> Program:
+        raise DeviceError(f"{self.device.name} copies through its driver; it has no streaming host copy")
+
+    def link(self, launches: Sequence[tuple[Program, Sequence[int]]]) -> Program:
+        return self.device.link_launches(launches)
 
 
 def discover() -> list[tuple[str, bool, str]]:

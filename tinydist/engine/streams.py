@@ -1,6 +1,6 @@
 """A captured step over several host devices, replayed as one native call per queue.
 
-`td.jit` binds a multi-device step into runs of calls, one device and queue each. Replayed as a
+A capture binds a multi-device step into runs of calls, one device and queue each. Replayed as a
 batch per run, every replay costs the feeding thread a batch, its tracked accesses and a
 submission per run, and each queue's worker the GIL at every run boundary and every cross-queue
 wait — on a 2-core machine, CPU taken from the devices at every step.
@@ -10,7 +10,7 @@ copies in, runs, output copies out) are grouped by queue ("stream"), every pair 
 different streams that touch the same memory in a conflicting way becomes a wait — on the same
 replay's part when it comes first in the step, else on the previous replay's — and each stream's
 parts are linked with their waits and signals into one native function
-(`tinydist.codegen.stream_sync`). A replay writes the addresses that change (the caller's
+(`tinydist.codegen.stream_sync`, its memory in `tinydist.runtime.cpu.stream_control`). A replay writes the addresses that change (the caller's
 arguments, the fresh outputs) into its row of a ring, and submits one batch per stream whose
 only command is that function. The runtime's access logs still order the step against the rest
 of the program through the memory the caller sees (arguments, weights, outputs); waits on the
@@ -32,14 +32,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from tinydist.codegen.compile_cache import CompileCache
-from tinydist.codegen.compiler import HostCompiler
-from tinydist.codegen.stream_sync import (ABORTED, OK, ControlBlock, Part, Slot, Wait, futex_syscall, native_address,
-                                          publish, step_function_ir)
+from tinydist.codegen.compile_cache import compile_glue
+from tinydist.codegen.stream_sync import ABORTED, OK, Part, Slot, Wait, futex_syscall, step_function_ir
 from tinydist.config import settings
 from tinydist.errors import DeviceFailed, DeviceHang
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.command_queue import CommandQueue
+from tinydist.runtime.cpu.stream_control import ControlBlock, native_address, publish
 from tinydist.runtime.dependencies import StandingAccess
 from tinydist.runtime.device import Completion, Device
 
@@ -104,7 +103,7 @@ class NativeStreams:
               shared: Sequence[Buffer]) -> NativeStreams | None:
         """None when a part is not host code taking integer arguments, or the machine has no futex
         (such a step replays in runs)."""
-        if futex_syscall() is None or any(not d.host_visible or hasattr(d, "link_launches") for d in cls._devices(runs, arguments, outputs)):
+        if futex_syscall() is None or any(not d.native_code for d in cls._devices(runs, arguments, outputs)):
             return None
         for run in runs:
             for fn, args in run.commands:
@@ -173,13 +172,12 @@ class NativeStreams:
         self.ready = np.zeros(RING, np.int64)  # word r % RING is r + 1 once replay r may run back to back
         self.timeout = settings.TIMELINE_TIMEOUT
         counts = [len(s.units) for s in self.streams]
-        compiler = CompileCache(HostCompiler(opt_level=1), enabled=False)
         for s, st in enumerate(self.streams):
             name = f"jit_stream_{next(_names)}_{id(self):x}_{s}"
             parts = [Part(tuple(waits[id(u)]), tuple(u.commands)) for u in st.units]
             ir_text = step_function_ir(name, self.block, s, parts, counts, self.rows.ctypes.data, RING,
                                        self.rows.shape[1], self.ready.ctypes.data, int(self.timeout * 1e9), CHAIN_NS)
-            program = st.device.load_program(compiler.compile(ir_text), name, [])
+            program = st.device.load_program(compile_glue(ir_text), name, [])
             st.step = _StepCommand(self, s, program.cfunc)
             st.standing = [StandingAccess(buffer, write) for buffer, write in st.shared.values()]
             st.device.failure_listeners.add(self.block)
@@ -193,8 +191,9 @@ class NativeStreams:
                  outputs: Sequence[tuple[Buffer, Device]]) -> set[Device]:
         return {run.device for run in runs} | {b.device for _, b in arguments} | {d for _, d in outputs}
 
-    def replay(self, args: Sequence[Any]) -> tuple[list[Buffer], list[Completion]]:
-        """Queue one replay; returns its fresh output buffers and each stream's completion."""
+    def replay(self, args: Sequence[Buffer]) -> tuple[list[Buffer], list[Completion]]:
+        """Queue one replay of the caller's argument buffers (by argument position); returns its
+        fresh output buffers and each stream's completion."""
         block = self.block
         if block.aborted:
             raise DeviceFailed(f"this captured step stopped after a failure ({self._failed_devices() or 'its replay was cut short'}); "
@@ -202,9 +201,9 @@ class NativeStreams:
         if len(self.inflight) == RING:  # the row this replay writes is the one RING replays ago read
             for completion in self.inflight.popleft():
                 completion.wait_blocking()
-        sources = [args[position].node.buffer for position in self.arg_positions]
+        sources = [args[position] for position in self.arg_positions]
         outputs = [device.allocator.alloc(nbytes) for device, nbytes in self.output_sizes]
-        written = [args[position].node.buffer for position in self.written_positions]
+        written = [args[position] for position in self.written_positions]
         row = self.rows[self.replays % RING]
         for k, buffer in enumerate([*sources, *outputs, *written]):
             row[k] = buffer.address

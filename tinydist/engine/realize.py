@@ -1,0 +1,89 @@
+"""Running a schedule: bind buffers, compile what is new, submit, hand results to the graph.
+
+Targets get buffers of their own (the user holds them); intermediates are views into one arena
+per device and lane, laid out by the memory plan (`tinydist.engine.binding`). Consecutive calls
+on the same device and queue go into one batch (one worker hand-off); cross-queue and
+cross-device order comes from the runtime's access logs, so a batch is submitted before another
+batch that reads its outputs is built. The arena is freed right after submission — the runtime
+gives its memory back only once the last kernel using it has completed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tinydist.engine.binding import Bound, bind
+from tinydist.engine.commands import issue, lower_call
+from tinydist.lazy import LazyNode, Op
+from tinydist.logs import get_logger
+from tinydist.runtime.buffer import Buffer
+from tinydist.runtime.device import Batch, Completion
+from tinydist.runtime.engine import get_engine
+from tinydist.schedule import create_schedule
+
+log = get_logger(layer="realize")
+
+
+def _with_readers_of_overwritten(targets: list[LazyNode]) -> list[LazyNode]:
+    """Add the live, unrealized readers of every buffer an assign in this graph overwrites, so they
+    are computed from the old value in the same schedule (before the overwrite: WAR)."""
+    result = list(targets)
+    while True:
+        in_graph: set[int] = set()
+        assigns: list[LazyNode] = []
+        stack = list(result)
+        while stack:
+            node = stack.pop()
+            if id(node) in in_graph or node.realized:
+                continue
+            in_graph.add(id(node))
+            if node.op is Op.ASSIGN:
+                assigns.append(node)
+            stack.extend(node.srcs)
+        extra = [reader for a in assigns for reader in a.srcs[0].live_readers()
+                 if id(reader) not in in_graph and reader is not a]
+        if not extra:
+            return result
+        result.extend(dict.fromkeys(extra))
+
+
+def realize(targets: Sequence[LazyNode]) -> list[Completion]:
+    """Compute every unrealized target and set its `buffer`; returns the submissions' completions."""
+    pending = list(dict.fromkeys(t for t in targets if not t.realized))
+    if not pending:
+        return []
+    pending = _with_readers_of_overwritten(pending)
+    schedule, inputs = create_schedule(pending)
+    bound = bind(schedule, inputs)
+    try:
+        completions = submit(bound)
+    finally:
+        bound.release_arenas()
+    for node, number in zip(pending, schedule.targets):
+        node.buffer = bound.buffers[schedule.aliases.get(number, number)]
+        if not node.requires_grad or node.op in (Op.BUFFER, Op.ASSIGN):  # autograd hook: backward() walks srcs
+            node.srcs = ()  # the graph below is no longer needed: let it be collected
+    return completions
+
+
+def submit(bound: Bound) -> list[Completion]:
+    """Every call of the bound schedule, one batch per consecutive run on a device and queue."""
+    engine = get_engine()
+    completions: list[Completion] = []
+    batch: Batch | None = None
+    views: list[Buffer] = []
+    for call in bound.schedule.linear:
+        device = engine.device(call.device)
+        if batch is None or batch.device is not device or batch.queue.kind != call.queue:
+            if batch is not None and len(batch):
+                completions.append(batch.submit())
+            batch = device.batch(call.queue)
+        for command in lower_call(call, bound.buffers, device, views):
+            issue(batch, command)
+        for view in views:
+            view.release()  # the batch keeps the address and the access record, not the view
+        views.clear()
+    if batch is not None and len(batch):
+        completions.append(batch.submit())
+    log.debug("realized", calls=len(bound.schedule.linear), batches=len(completions))
+    return completions

@@ -1,0 +1,383 @@
+"""How a capture replays: four strategies behind one small protocol.
+
+    entry    one device whose compiler links: every call in ONE native entry point, one batch
+             [copy arguments in, call the entry, copy outputs out]
+    streams  several host devices: one native call per device and queue, the ordering between
+             them baked at capture (`tinydist.engine.streams`)
+    runs     anything else (copies, a remote device, no futex): one batch per run of calls on a
+             device and queue, ordered by the runtime's access logs as a realize is
+    frame    the numpy frame loop over an `entry` replay on host memory: the caller's arrays are
+             copied straight into the capture's buffers, no buffers or batches made at all
+
+`choose` takes the first of entry → streams → runs that applies (streams only while
+TINYDIST_JIT_NATIVE_STREAMS is on), or the one a caller forces, and logs which and why. Each
+strategy is built from the capture's bound buffers and the one lowering of schedule items
+(`tinydist.engine.commands`), so the way a call runs is written once for all of them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import numpy as np
+
+from tinydist.config import settings
+from tinydist.engine.commands import Launch, lower_call
+from tinydist.engine.streams import NativeStreams, overlap, span
+from tinydist.errors import TinydistError
+from tinydist.logs import get_logger
+from tinydist.runtime.buffer import Buffer
+from tinydist.runtime.device import Completion, Device
+from tinydist.runtime.engine import get_engine
+from tinydist.schedule.items import Call, KernelCall, MatmulCall
+
+if TYPE_CHECKING:
+    from tinydist.engine.capture import Capture
+
+log = get_logger(layer="replay")
+
+# the calls an entry point links; copies, gathers and slice kernels replay as commands
+_LINKABLE = (KernelCall, MatmulCall)
+
+
+class ReplayUnfit(TinydistError, ValueError):
+    """A strategy that was forced does not apply to this capture (the message says why)."""
+
+
+class Replay(Protocol):
+    """One way of replaying a capture."""
+    name: ClassVar[str]
+
+    def replay(self, args: Sequence[Buffer], inline: bool) -> tuple[list[Buffer], list[Completion]]:
+        """Queue one replay of the caller's argument buffers (by argument position): its fresh
+        output buffers and the completions to wait for."""
+        ...
+
+
+def _link(device: Device, capture: Capture, calls: Sequence[Call]) -> Any:
+    """One program running `calls` in order on `device`, every buffer bound."""
+    launches = []
+    for call in calls:
+        for command in lower_call(call, capture.buffers, device, []):
+            assert isinstance(command, Launch), command
+            launches.append((command.program, command.bound(device)[1]))
+    return device.compiler.link(launches)
+
+
+class EntryReplay:
+    """One device, kernels and matmuls only, linked into one native entry point."""
+    name: ClassVar[str] = "entry"
+
+    @staticmethod
+    def unfit(capture: Capture) -> str | None:
+        devices = capture.devices
+        kinds = sorted({type(c).__name__ for c in capture.schedule.linear if not isinstance(c, _LINKABLE)})
+        if len(devices) != 1:
+            return f"it runs on {len(devices)} devices ({', '.join(sorted(devices))})"
+        if kinds:
+            return f"it has calls an entry point cannot link ({', '.join(kinds)})"
+        device = get_engine().device(next(iter(devices)))
+        if not device.compiler.links:
+            return f"{device.name}'s compiler does not link launches (it runs no host code of this process)"
+        return None
+
+    def __init__(self, capture: Capture) -> None:
+        self.capture = capture
+        self.device = get_engine().device(next(iter(capture.devices)))
+        self.entry = _link(self.device, capture, capture.schedule.linear)
+        b = capture.buffers
+        self.arg_copies = [(position, b[number].address, b[number].nbytes) for position, number in capture.arg_slots]
+        self.output_copies = [(b[n].address, b[n].nbytes) for n in capture.output_numbers]
+        self.written_copies = [(position, b[number].address, b[number].nbytes) for position, number in capture.written_args]
+
+    def replay(self, args: Sequence[Buffer], inline: bool) -> tuple[list[Buffer], list[Completion]]:
+        device = self.device
+        out_buffers = [device.allocator.alloc(nbytes) for nbytes in self.capture.output_bytes]
+        batch = device.batch("compute")
+        copy = device.host_copy()
+        for position, address, nbytes in self.arg_copies:
+            batch.command(copy, (address, batch.track(args[position], False), nbytes))
+        for buffer, write in self.capture.accesses:
+            batch.track(buffer, write)
+        batch.command(self.entry.cfunc, ())
+        for out, (address, nbytes) in zip(out_buffers, self.output_copies):
+            batch.command(copy, (batch.track(out, True), address, nbytes))
+        for position, address, nbytes in self.written_copies:
+            batch.command(copy, (batch.track(args[position], True), address, nbytes))
+        return out_buffers, [batch.submit(inline=inline)]
+
+
+class HostFrame:
+    """numpy arrays in, numpy arrays out, over an entry replay on host memory: the caller's
+    arrays are copied straight into the capture's buffers, the entry point runs, the outputs are
+    copied into new arrays — one submission, run inline when the queue is idle, no buffers or
+    Tensors made. The arrays stay referenced here until the work is done: `run` waits for it.
+    An argument the function assigns to is not written back into the caller's array, as an
+    array given to `Tensor(...)` is not: the array is input only."""
+    name: ClassVar[str] = "frame"
+
+    @staticmethod
+    def unfit(capture: Capture) -> str | None:
+        if not isinstance(capture.strategy, EntryReplay):
+            return f"it replays by {capture.strategy.name}, not one entry point"
+        if not capture.strategy.device.host_visible:
+            return f"{capture.strategy.device.name}'s memory is not the host's"
+        return None
+
+    def __init__(self, entry: EntryReplay) -> None:
+        self.entry = entry
+        self.device = entry.device
+        self.copy = self.device.host_copy()
+        self.queue = self.device.queues["compute"]
+        self.accesses = entry.capture.accesses
+        self.output_specs = [(shape, dtype.np) for shape, dtype, _ in entry.capture.output_specs]
+
+    def run(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        copy, entry = self.copy, self.entry
+        outputs = [np.empty(shape, dtype) for shape, dtype in self.output_specs]
+        commands = [(copy, (address, arrays[position].ctypes.data, nbytes)) for position, address, nbytes in entry.arg_copies]
+        commands.append((entry.entry.cfunc, ()))
+        commands.extend((copy, (out.ctypes.data, address, nbytes)) for out, (address, nbytes) in zip(outputs, entry.output_copies))
+        if any(buffer.accesses.conflicts(buffer.offset, buffer.offset + buffer.nbytes, write) for buffer, write in self.accesses):
+            batch = self.device.batch("compute")  # shared weights are busy elsewhere: order after that work
+            for buffer, write in self.accesses:
+                batch.track(buffer, write)
+            for fn, args in commands:
+                batch.command(fn, args)
+            completion = batch.submit(inline=True)
+            timeline, value = completion.timeline, completion.value
+        else:
+            timeline, value = self.queue.timeline, self.queue.submit(commands, inline=True)
+            if not timeline.reached(value):  # queued behind busy work: let other queues order after it
+                for buffer, write in self.accesses:
+                    buffer.accesses.record(buffer.offset, buffer.offset + buffer.nbytes, write, timeline, value)
+        if not timeline.reached(value):
+            timeline.wait_blocking(value)
+        return outputs
+
+
+class _Run:
+    """Consecutive calls of a captured graph on one device and queue, replayed as one batch."""
+
+    def __init__(self, device: Device, queue: str) -> None:
+        self.device, self.queue = device, queue
+        self.calls: list[Call] = []
+        self.commands: list[tuple[Any, tuple[Any, ...]]] = []
+        self._touched: dict[int, tuple[Buffer, bool]] = {}
+
+    def add(self, fn: Any, args: tuple[int, ...], accesses: list[tuple[Buffer, bool]]) -> None:
+        """One command, `fn(*args)`, touching `accesses`."""
+        for buffer, write in accesses:
+            seen = self._touched.get(id(buffer))
+            self._touched[id(buffer)] = (buffer, write or (seen is not None and seen[1]))
+        self.commands.append((fn, args))
+
+    @property
+    def accesses(self) -> list[tuple[Buffer, bool]]:
+        return list(self._touched.values())
+
+    def keep(self, tracked: Callable[[Buffer, bool], bool]) -> None:
+        """Track only the accesses `tracked(buffer, write)` accepts."""
+        self._touched = {key: (buffer, write) for key, (buffer, write) in self._touched.items() if tracked(buffer, write)}
+
+
+def _bind_runs(capture: Capture) -> list[_Run]:
+    """The schedule as runs of calls on one device and queue, every argument bound once, each
+    command native and every buffer it touches tracked."""
+    engine = get_engine()
+    runs: list[_Run] = []
+    # a run ends after a call whose output another device or queue reads: a run's completion is
+    # the only signal other queues wait for, so the reader starts then, not at the end of a longer run
+    read_on: dict[int, set[tuple[str, str]]] = {}
+    for call in capture.schedule.linear:
+        for number in call.reads:
+            read_on.setdefault(number, set()).add((call.device, call.queue))
+    ends_run = False
+    views: list[Buffer] = []  # kept: the commands replay their addresses as long as the capture lives
+    for call in capture.schedule.linear:
+        device = engine.device(call.device)
+        if ends_run or not runs or runs[-1].device is not device or runs[-1].queue != call.queue:
+            runs.append(_Run(device, call.queue))
+        ends_run = any(read_on.get(n, set()) - {(call.device, call.queue)} for n in call.writes)
+        runs[-1].calls.append(call)
+        for command in lower_call(call, capture.buffers, device, views):
+            runs[-1].add(*command.bound(device))
+    capture.keep_alive.extend(views)
+    return runs
+
+
+class StreamsReplay:
+    """Several host devices, one native call per device and queue (`tinydist.engine.streams`)."""
+    name: ClassVar[str] = "streams"
+
+    def __init__(self, capture: Capture, streams: NativeStreams) -> None:
+        self.capture, self.streams = capture, streams
+
+    @classmethod
+    def build(cls, capture: Capture) -> StreamsReplay | str:
+        """The replay, or why there is none: a part that is not native code, or no futex."""
+        engine, b = get_engine(), capture.buffers
+        streams = NativeStreams.build(
+            _bind_runs(capture), [(position, b[number]) for position, number in capture.arg_slots],
+            [(b[n], engine.device(device)) for n, (_, _, device) in zip(capture.output_numbers, capture.output_specs)],
+            [(position, b[number]) for position, number in capture.written_args],
+            [buffer for buffer, _ in capture.accesses])
+        if streams is None:
+            return "it needs host devices whose calls are native code, on a machine with a futex"
+        return cls(capture, streams)
+
+    def replay(self, args: Sequence[Buffer], inline: bool) -> tuple[list[Buffer], list[Completion]]:
+        return self.streams.replay(args)
+
+
+class RunsReplay:
+    """One batch per run of calls on a device and queue; the runtime's access logs order the runs
+    across queues and devices exactly as they order a realize."""
+    name: ClassVar[str] = "runs"
+
+    def __init__(self, capture: Capture) -> None:
+        self.capture = capture
+        runs = _bind_runs(capture)
+        # the argument copies made at the start of run k, the outputs copied out at its end; the
+        # rest get batches of their own (see _place_copies)
+        self.args_into: dict[int | None, list[tuple[int, int]]] = {}
+        self.outputs_from: dict[int | None, list[int]] = {}
+        self._place_copies(runs)
+        self._track_only_shared(runs)
+        for run in runs:
+            # a run of kernels is linked into one native call: the queue's worker takes the GIL
+            # once per run instead of after every kernel (another thread feeding the devices holds it)
+            if len(run.calls) > 1 and all(isinstance(call, _LINKABLE) for call in run.calls) and run.device.compiler.links:
+                run.commands = [(_link(run.device, capture, run.calls).cfunc, ())]
+        self.runs = runs
+
+    def _track_only_shared(self, runs: list[_Run]) -> None:
+        """Keep in each run's tracked accesses only those the runtime's access logs must order:
+        memory another queue of this capture also touches (in a conflicting way), and buffers the
+        caller sees (arguments, weights, outputs). The rest are ordered by their own queue's FIFO,
+        across replays too — and each tracked access costs a scan of its base's pending records
+        at every replay, on the thread that feeds the devices."""
+        capture = self.capture
+        b = capture.buffers
+        # by memory, not by object: a gather or a slice kernel writes views of the caller's outputs
+        private = {number for _, number in capture.arg_slots}
+        seen = [span(b[n]) for n in range(capture.schedule.n_inputs) if b[n] is not None and n not in private]  # type: ignore[arg-type]
+        touched = [(span(buffer), write, (run.device.name, run.queue)) for run in runs for buffer, write in run.accesses]
+        # the capture's own argument and output buffers: written by the copy in, read by the copy out,
+        # on their device's compute queue (in a run there or in a batch of their own)
+        touched += [(span(b[n]), True, (b[n].device.name, "compute")) for _, n in capture.arg_slots]  # type: ignore[union-attr,arg-type]
+        touched += [(span(b[n]), False, (b[n].device.name, "compute")) for n in capture.output_numbers]  # type: ignore[union-attr,arg-type]
+
+        def tracked(buffer: Buffer, write: bool, stream: tuple[str, str]) -> bool:
+            memory = span(buffer)
+            if any(overlap(memory, other) for other in seen):
+                return True
+            return any(other != stream and (write or w) and overlap(memory, where) for where, w, other in touched)
+        for run in runs:
+            stream = (run.device.name, run.queue)
+            run.keep(lambda buffer, write: tracked(buffer, write, stream))
+
+    def _place_copies(self, runs: list[_Run]) -> None:
+        """Copy each argument in at the start of the first run on its buffer's compute queue, when
+        no earlier run touches it; copy each output out at the end of the last run on its
+        device's compute queue, when no later run writes it. A batch of its own would cost the
+        feeding thread a submission and the queue's worker a wake-up, every replay. Arguments
+        the function assigns to keep their own batches (their copy back reads the same buffer),
+        and so do arguments a run on another queue reads: a run signals only when all of it is
+        done, and that reader (a data-parallel replica's half of the batch) would wait for it."""
+        capture = self.capture
+        streams = [(run.device.name, run.queue) for run in runs]
+        assigned = {number for _, number in capture.written_args}
+        memory = capture.schedule.aliases
+
+        def touching(number: int) -> list[int]:
+            return [k for k, run in enumerate(runs)
+                    if any(memory.get(n, n) == number for call in run.calls for n in (*call.reads, *call.writes))]
+        for position, number in capture.arg_slots:
+            stream = (capture.buffer(number).device.name, "compute")
+            users = touching(number)
+            first = streams.index(stream) if stream in streams and number not in assigned else None
+            if first is not None and users and (users[0] < first or any(streams[k] != stream for k in users)):
+                first = None
+            self.args_into.setdefault(first, []).append((position, number))
+        for i, number in enumerate(capture.output_numbers):
+            stream = (capture.output_specs[i][2], "compute")
+            last = len(streams) - 1 - streams[::-1].index(stream) if stream in streams else None
+            writers = [k for k in touching(number) if any(memory.get(n, n) == number for call in runs[k].calls for n in call.writes)]
+            if last is not None and writers and writers[-1] > last:
+                last = None
+            self.outputs_from.setdefault(last, []).append(i)
+
+    def replay(self, args: Sequence[Buffer], inline: bool) -> tuple[list[Buffer], list[Completion]]:
+        capture = self.capture
+        engine = get_engine()
+        completions = []
+        outputs: list[Buffer] = [None] * len(capture.output_numbers)  # type: ignore[list-item]
+
+        def copy_out(batch: Any, i: int) -> None:
+            shape, dtype, name = capture.output_specs[i]
+            out = outputs[i] = engine.device(name).allocator.alloc(math.prod(shape) * dtype.itemsize)
+            batch.copy(out, capture.buffer(capture.output_numbers[i]))
+        own: dict[Device, Any] = {}  # the argument copies that are not part of a run: one batch per device
+        for position, number in self.args_into.get(None, ()):
+            target = capture.buffer(number)
+            if target.device not in own:
+                own[target.device] = target.device.batch("compute")
+            own[target.device].copy(target, args[position])
+        completions.extend(batch.submit() for batch in own.values())
+        for k, run in enumerate(self.runs):
+            batch = run.device.batch(run.queue)
+            for position, number in self.args_into.get(k, ()):
+                batch.copy(capture.buffer(number), args[position])
+            for buffer, write in run.accesses:
+                batch.track(buffer, write)
+            for fn, call_args in run.commands:
+                batch.command(fn, call_args)
+            for i in self.outputs_from.get(k, ()):
+                copy_out(batch, i)
+            completions.append(batch.submit())
+        for i in self.outputs_from.get(None, ()):
+            with engine.device(capture.output_specs[i][2]).batch("compute") as batch:
+                copy_out(batch, i)
+            completions.append(batch.completion)
+        for position, number in capture.written_args:
+            caller = args[position]
+            with caller.device.batch("compute") as batch:
+                batch.copy(caller, capture.buffer(number))
+            completions.append(batch.completion)
+        return outputs, completions  # type: ignore[return-value]
+
+
+REPLAYS = ("auto", EntryReplay.name, StreamsReplay.name, RunsReplay.name)
+
+
+def choose(capture: Capture, forced: str = "auto") -> Replay:
+    """The replay of `capture`: the first of entry → streams → runs that applies (streams only
+    while TINYDIST_JIT_NATIVE_STREAMS is on), or the one `forced` names; logged with the reasons."""
+    if forced not in REPLAYS:
+        raise ValueError(f"replay must be one of {', '.join(REPLAYS)}, got {forced!r}")
+    passed: list[str] = []
+    if forced in ("auto", EntryReplay.name):
+        why = EntryReplay.unfit(capture)
+        if why is None:
+            return _chosen(EntryReplay(capture), forced, passed)
+        if forced != "auto":
+            raise ReplayUnfit(f"replay='entry' does not apply: {why}")
+        passed.append(f"not entry: {why}")
+    if forced == StreamsReplay.name or (forced == "auto" and settings.JIT_NATIVE_STREAMS == "on"):
+        found = StreamsReplay.build(capture)
+        if not isinstance(found, str):
+            return _chosen(found, forced, passed)
+        if forced != "auto":
+            raise ReplayUnfit(f"replay='streams' does not apply: {found}")
+        passed.append(f"not streams: {found}")
+    elif forced == "auto":
+        passed.append("not streams: TINYDIST_JIT_NATIVE_STREAMS=off")
+    return _chosen(RunsReplay(capture), forced, passed)
+
+
+def _chosen(replay: Replay, forced: str, passed: list[str]) -> Replay:
+    log.debug("replay chosen", strategy=replay.name, forced=forced != "auto", reasons=passed)
+    return replay

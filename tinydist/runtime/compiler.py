@@ -1,0 +1,114 @@
+"""A device's programs: every kernel, matmul and copy it runs, compiled once.
+
+Each device owns one compiler (`Device.compiler`), so the engine never asks what a device can
+do: it asks its compiler for a program. The default lowers kernel IR to LLVM IR and hands it to
+the device's `load_ir` — a local device compiles it through the on-disk cache and loads the
+object code, a remote device ships the IR to its node. A back end with a code generator of its
+own (CUDA: PTX) brings a compiler of its own.
+
+`links` is the one capability the engine reads: whether a list of launches can become one
+program. On a device that runs host code in this process (`Device.native_code`), that program
+is a native function calling each kernel with its addresses baked in (a capture's entry point);
+elsewhere (a remote node, which runs no client binaries) there is nothing to link.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import threading
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from tinydist.codegen.compile_cache import compile_glue, compile_kernel
+from tinydist.codegen.copy import SIGNATURE as STREAM_COPY_SIGNATURE
+from tinydist.codegen.copy import stream_copy_ir
+from tinydist.codegen.kernel import KernelAST
+from tinydist.codegen.lowering import lower
+from tinydist.codegen.matmul import SIGNATURE as MATMUL_SIGNATURE
+from tinydist.codegen.matmul import StridedOperand, matmul_ir
+from tinydist.codegen.reduce import reduce_ir
+from tinydist.codegen.reduce import signature as reduce_signature
+from tinydist.dtypes import DType
+from tinydist.errors import DeviceError
+from tinydist.runtime.cpu.loader import native_loader
+from tinydist.runtime.program import Program
+
+if TYPE_CHECKING:
+    from tinydist.runtime.device import Device
+
+# (program, arguments in its signature order: addresses and integer scalars)
+Launch = tuple[Program, Sequence[int]]
+
+_entry_ids = itertools.count()
+
+
+class DeviceCompiler:
+    """Programs for one device, each built once; see the module docstring."""
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self._lock = threading.Lock()
+        self._programs: dict[Hashable, Program] = {}
+
+    @property
+    def links(self) -> bool:
+        """Whether `link` can turn launches into one program on this device."""
+        return self.device.native_code
+
+    def _cached(self, key: Hashable, build: Callable[[], Program]) -> Program:
+        program = self._programs.get(key)
+        if program is None:
+            with self._lock:
+                program = self._programs.get(key)
+                if program is None:
+                    program = self._programs[key] = build()
+        return program
+
+    def kernel(self, ast: KernelAST) -> Program:
+        def build() -> Program:
+            name, ir_text = lower(ast)
+            return self.device.load_ir(ir_text, name, ["w"] * ast.outputs + ["r"] * len(ast.slot_dtypes), compile_kernel)
+        return self._cached(ast, build)
+
+    def matmul(self, dtype: DType, strided: StridedOperand | None = None) -> Program:
+        """The matmul kernel; with `strided`, one specialised to read that operand through its view."""
+        def build() -> Program:
+            name = f"tinydist_matmul_{dtype.name}"
+            if strided is not None:
+                name += "_strided_" + hashlib.sha256(repr(strided).encode()).hexdigest()[:16]
+            return self.device.load_ir(matmul_ir(name, dtype.name, strided=strided), name, MATMUL_SIGNATURE, compile_kernel)
+        return self._cached(("matmul", dtype.name, strided), build)
+
+    def stream_copy(self) -> Program:
+        """A copy with non-temporal stores, for copies bigger than the last-level cache."""
+        def build() -> Program:
+            name = "tinydist_stream_copy"
+            return self.device.load_ir(stream_copy_ir(name), name, STREAM_COPY_SIGNATURE, compile_kernel)
+        return self._cached(("stream_copy",), build)
+
+    def link(self, launches: Sequence[Launch]) -> Program:
+        """One program running `launches` in order, every argument bound."""
+        if not self.links:
+            raise DeviceError(f"{self.device.name} cannot link launches into one program (it runs no host code "
+                              "of this process); replay its calls one by one")
+        lines = []
+        for program, args in launches:
+            operands = [f"ptr inttoptr (i64 {value} to ptr)" if kind in ("r", "w", "rw") else f"i64 {value}"
+                        for kind, value in zip(program.signature, args, strict=True)]
+            lines.append(f"  call void inttoptr (i64 {program.address} to ptr)({', '.join(operands)})")
+        name = f"tinydist_entry_{next(_entry_ids)}"
+        ir_text = f"define void @{name}() {{\nentry:\n" + "\n".join(lines) + "\n  ret void\n}\n"
+        return self.device.load_program(compile_glue(ir_text), name, [])
+
+
+@functools.cache
+def host_reduce(op: str, dtype: np.dtype, sources: int, outputs: int) -> Program:
+    """The fused reduction of `tinydist.codegen.reduce` for host memory: the process-group
+    collectives call it on their shared segment, outside any device queue."""
+    name = f"tinydist_reduce_{op}_{dtype.str[1:]}_{sources}_{outputs}"
+    return native_loader.load(compile_kernel(reduce_ir(name, op, dtype, sources, outputs)), name,
+                              reduce_signature(sources, outputs))
