@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test bench install clean env-doc
+.PHONY: demo test bench install clean env-doc process-replay process-replay-update
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The schedules and LLVM IR of a fixed graph corpus, against the goldens in tests/schedule/process_replay/.
+process-replay: $(STAMP)
+	$(BIN)/python -m pytest -q tests/schedule/test_process_replay.py
+
+# Rewrite every golden (after a change meant to alter schedules or IR): review and commit the diff.
+process-replay-update: $(STAMP)
+	$(BIN)/python -m tests.schedule.process_replay_update
 
 bench: $(STAMP)
 	$(BIN)/python bench/runtime.py
