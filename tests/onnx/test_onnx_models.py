@@ -233,3 +233,18 @@ def test_frames_replay_through_the_jit_and_equal_onnxruntime(make_model, referen
             np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-5, err_msg=name)
     (jitted,) = loaded._jits.values()
     assert jitted is not None and jitted.captured is not None and jitted.calls == 5
+
+
+def test_model_on_another_device(make_model, reference, rng):
+    """The device is opened at load, and run_tensors takes its inputs there (not on the default device)."""
+    x = w(rng, 2, 3)
+    model = make_model([N("Relu", ["x"], ["r"]), N("Add", ["r", "b"], ["y"])], {"x": x}, ["y"], {"b": w(rng, 3)})
+    loaded = tdo.load(model, device="cpu:1")
+    assert loaded.device == "CPU:1"
+    (y,) = loaded.run_tensors({"x": td.Tensor(x, "CPU:1")})
+    assert y.device == "CPU:1"
+    np.testing.assert_allclose(y.numpy(), reference(model, {"x": x})[0], rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"input 'x' is on CPU:0, the model on CPU:1: move it with .to\('CPU:1'\)"):
+        loaded.run_tensors({"x": td.Tensor(x)})
+    with pytest.raises(td.errors.DeviceNotFound, match="no device CPU:999; available devices: CPU:0"):
+        tdo.load(make_model([N("Relu", ["x"], ["y"])], {"x": x}, ["y"], shapes={"x": [None, 3]}), device="CPU:999")
