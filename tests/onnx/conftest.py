@@ -48,12 +48,12 @@ def reference(model, feeds):
     return session.run(None, feeds)
 
 
-def check(nodes, feeds, outputs=("y",), inits=None, opset=17, rtol=1e-5, atol=1e-5, shapes=None):
-    """Run the one model on tinydist and onnxruntime; outputs must agree in name, dtype, shape and value."""
+def check(nodes, feeds, outputs=("y",), inits=None, opset=17, rtol=1e-5, atol=1e-5, shapes=None, device="CPU"):
+    """Run the one model on tinydist (on `device`) and onnxruntime; outputs must agree in name, dtype, shape and value."""
     model = make_model(nodes, feeds, list(outputs), inits, opset, shapes)
     outputs = [name[0] if isinstance(name, tuple) else name for name in outputs]
     expected = reference(model, feeds)
-    got = tdo.load(model)(feeds)
+    got = tdo.load(model, device=device)(feeds)
     assert list(got) == list(outputs)
     for name, want in zip(outputs, expected):
         have = got[name]
