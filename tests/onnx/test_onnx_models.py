@@ -204,7 +204,7 @@ def test_bad_feeds(make_model, rng):
 
 # ---- CLI -----------------------------------------------------------------------------------
 
-def test_cli_infer(make_model, tmp_path, capsys, rng):
+def test_cli_infer(make_model, reference, tmp_path, capsys, restore_logging, rng):
     x = w(rng, 1, 8)
     model = make_model([N("Relu", ["x"], ["y"]), N("ArgMax", ["x"], ["k"], axis=1)], {"x": x}, ["y", "k"])
     path = tmp_path / "m.onnx"
@@ -213,12 +213,27 @@ def test_cli_infer(make_model, tmp_path, capsys, rng):
     parser = cli.build_parser()
     if "infer" not in parser._subparsers._group_actions[0].choices:  # registered by tinydist.cli
         pytest.skip("the infer command is not registered in tinydist.cli yet")
-    assert cli.main(["infer", str(path), "--input", f"x={tmp_path / 'x.npy'}", "--bench", "20"]) == 0
+    args = ["infer", str(path), "--input", f"x={tmp_path / 'x.npy'}", "--bench", "20", "--save-outputs", str(tmp_path / "out")]
+    assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "y  shape (1, 8)  float32" in out and "k  shape (1, 1)  int64" in out
     assert "p50" in out and "p99" in out
+    for name, want in zip("yk", reference(model, {"x": x})):
+        np.testing.assert_array_equal(np.load(tmp_path / "out" / f"{name}.npy"), want)
     with pytest.raises(SystemExit):
         cli.main(["infer", str(path)])
+
+
+@pytest.mark.parametrize("device,message", [("CPU:999", "--device CPU:999: no device CPU:999; available devices: CPU:0"),
+                                            ("GPU::1", "malformed device name 'GPU::1'")])
+def test_cli_infer_rejects_a_device_it_cannot_use(make_model, tmp_path, capsys, restore_logging, device, message):
+    """A malformed or absent --device is a usage error that lists the devices that do open, not a traceback."""
+    path = tmp_path / "m.onnx"
+    onnx.save(make_model([N("Relu", ["x"], ["y"])], {"x": w(np.random.default_rng(0), 1, 8)}, ["y"]), str(path))
+    with pytest.raises(SystemExit) as info:
+        cli.main(["infer", str(path), "--device", device])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_frames_replay_through_the_jit_and_equal_onnxruntime(make_model, reference, rng):
