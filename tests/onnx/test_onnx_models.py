@@ -250,6 +250,18 @@ def test_frames_replay_through_the_jit_and_equal_onnxruntime(make_model, referen
     assert jitted is not None and jitted.captured is not None and jitted.calls == 5
 
 
+@pytest.mark.parametrize("device", ["CPU", "CPU:1"])
+def test_frames_whose_inputs_are_read_out_of_order_or_not_at_all(make_model, reference, rng, device):
+    """Inputs a, b, c of one shape: the graph reads c before a and never reads b. Each replay must
+    still copy every array into its own input (by argument, not by the order the capture met them)."""
+    feeds = {k: w(rng, 2, 3) for k in "abc"}
+    model = make_model([N("Sub", ["c", "a"], ["d"]), N("MatMul", ["d", "m"], ["y"])], feeds, ["y"], {"m": w(rng, 3, 4)})
+    loaded = tdo.load(model, device=device)
+    for call in range(1, 6):
+        frame = {k: w(rng, 2, 3) for k in "abc"}
+        np.testing.assert_allclose(loaded(frame)["y"], reference(model, frame)[0], rtol=1e-5, atol=1e-5, err_msg=f"call {call}")
+
+
 def test_model_on_another_device(make_model, reference, rng):
     """The device is opened at load, and run_tensors takes its inputs there (not on the default device)."""
     x = w(rng, 2, 3)
