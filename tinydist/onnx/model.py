@@ -388,7 +388,9 @@ class OnnxModel:
         """Run on numpy inputs; returns {output name: numpy array} in the graph's output order.
 
         Each input shape's graph is captured with td.jit (on its second call) and replayed per
-        frame afterwards: numpy in, one native entry point, numpy out."""
+        frame afterwards: numpy in, one native entry point, numpy out. The arrays are passed in
+        the graph's declared input order, whatever order its nodes reach them in, and uploaded to
+        the model's device (the weights' device) for the calls before the capture."""
         self._check_feed(feed)
         arrays = []
         for name, shape, dtype in self.inputs:
@@ -405,7 +407,7 @@ class OnnxModel:
         jitted = self._jits[shapes]
         if jitted is not None:
             try:
-                values = iter(jitted.call_numpy(*arrays))
+                values = iter(jitted.call_numpy(*arrays, device=self.device))
             except JitError:  # e.g. every output is an input or a constant: nothing to capture
                 self._jits[shapes] = None
             else:
