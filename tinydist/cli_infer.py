@@ -1,4 +1,5 @@
-"""`tinydist infer MODEL.onnx --input NAME=FILE.npy [--bench N]`: run an ONNX model once (and time it).
+"""`tinydist infer MODEL.onnx --input NAME=FILE.npy [--device DEV] [--save-outputs DIR] [--bench N]`: run an
+ONNX model once (and time it).
 
 Registered in `tinydist.cli.build_parser` by `add_commands(commands)`. Needs the optional
 `onnx` extra (pip install 'tinydist[onnx]')."""
@@ -6,7 +7,9 @@ Registered in `tinydist.cli.build_parser` by `add_commands(commands)`. Needs the
 from __future__ import annotations
 
 import argparse
+import re
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,10 +22,27 @@ def _parse_input(text: str) -> tuple[str, str]:
     return name, path
 
 
+def _parse_device(text: str) -> str:
+    from tinydist.runtime.registry import canonical_name
+    try:
+        return canonical_name(text)
+    except ValueError as e:  # malformed: a usage error, not a traceback
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _output_file(directory: Path, name: str) -> Path:
+    """DIR/NAME.npy, with the characters exporters put in names ('/', ':') that a path cannot hold replaced."""
+    return directory / (re.sub(r"[^\w.-]", "_", name) + ".npy")
+
+
 def _infer(args: argparse.Namespace) -> int:
+    from tinydist.errors import DeviceNotFound, DeviceUnavailable
     from tinydist.onnx import load
 
-    model = load(args.model, device=args.device)
+    try:
+        model = load(args.model, device=args.device)
+    except (DeviceNotFound, DeviceUnavailable) as e:  # the message lists the devices that do open
+        args.parser.error(f"--device {args.device}: {e}")
     feed: dict[str, Any] = {}
     for name, path in args.input or []:
         feed[name] = np.load(path, allow_pickle=False)
@@ -31,6 +51,13 @@ def _infer(args: argparse.Namespace) -> int:
         expected = ", ".join(f"{n}={d.name}{list('?' if s is None else s for s in shape)}" for n, shape, d in model.inputs)
         args.parser.error(f"missing --input for {missing}; the model expects {expected}")
     outputs = model(feed)
+    if args.save_outputs is not None:
+        files = {name: _output_file(args.save_outputs, name) for name in outputs}
+        if len(set(files.values())) < len(files):
+            args.parser.error(f"--save-outputs: output names {list(files)} collide as file names")
+        args.save_outputs.mkdir(parents=True, exist_ok=True)
+        for name, value in outputs.items():
+            np.save(files[name], value, allow_pickle=False)
     for name, value in outputs.items():
         print(f"{name}  shape {value.shape}  {value.dtype}")
     if args.bench:
@@ -54,6 +81,8 @@ def add_commands(subparsers: Any) -> argparse.ArgumentParser:
                         help="a graph input from a .npy file (repeat for each input)")
     parser.add_argument("--bench", type=int, default=0, metavar="N", help="also time N frames: p50/p90/p99 latency")
     parser.add_argument("--warmup", type=int, default=10, metavar="N", help="untimed frames before --bench (default 10)")
-    parser.add_argument("--device", default="CPU", help="device to run on (default CPU)")
+    parser.add_argument("--device", default="CPU", type=_parse_device, help="device to run on, e.g. CPU:1 (default CPU)")
+    parser.add_argument("--save-outputs", type=Path, metavar="DIR",
+                        help="write each output of the first frame to DIR/NAME.npy")
     parser.set_defaults(run=_infer, parser=parser)
     return parser

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import structlog
 
 pytest.importorskip("onnx.helper")  # not just `onnx`: tests/onnx itself could pass as a namespace package
 pytest.importorskip("onnxruntime")
@@ -15,6 +16,7 @@ import onnxruntime as ort  # noqa: E402
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 import tinydist.onnx as tdo  # noqa: E402
+from tinydist import logs  # noqa: E402
 
 NP_TO_ELEM = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float64): TensorProto.DOUBLE,
               np.dtype(np.int32): TensorProto.INT32, np.dtype(np.int64): TensorProto.INT64,
@@ -48,12 +50,12 @@ def reference(model, feeds):
     return session.run(None, feeds)
 
 
-def check(nodes, feeds, outputs=("y",), inits=None, opset=17, rtol=1e-5, atol=1e-5, shapes=None):
-    """Run the one model on tinydist and onnxruntime; outputs must agree in name, dtype, shape and value."""
+def check(nodes, feeds, outputs=("y",), inits=None, opset=17, rtol=1e-5, atol=1e-5, shapes=None, device="CPU"):
+    """Run the one model on tinydist (on `device`) and onnxruntime; outputs must agree in name, dtype, shape and value."""
     model = make_model(nodes, feeds, list(outputs), inits, opset, shapes)
     outputs = [name[0] if isinstance(name, tuple) else name for name in outputs]
     expected = reference(model, feeds)
-    got = tdo.load(model)(feeds)
+    got = tdo.load(model, device=device)(feeds)
     assert list(got) == list(outputs)
     for name, want in zip(outputs, expected):
         have = got[name]
@@ -84,3 +86,12 @@ def make_model_fixture():
 @pytest.fixture(name="reference")
 def reference_fixture():
     return reference
+
+
+@pytest.fixture
+def restore_logging():
+    """`cli.main` reconfigures logging onto the captured stream; put the old configuration back."""
+    saved, configured = structlog.get_config(), logs._configured
+    yield
+    structlog.configure(**saved)
+    logs._configured = configured

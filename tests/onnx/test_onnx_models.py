@@ -204,7 +204,7 @@ def test_bad_feeds(make_model, rng):
 
 # ---- CLI -----------------------------------------------------------------------------------
 
-def test_cli_infer(make_model, tmp_path, capsys, rng):
+def test_cli_infer(make_model, reference, tmp_path, capsys, restore_logging, rng):
     x = w(rng, 1, 8)
     model = make_model([N("Relu", ["x"], ["y"]), N("ArgMax", ["x"], ["k"], axis=1)], {"x": x}, ["y", "k"])
     path = tmp_path / "m.onnx"
@@ -213,12 +213,27 @@ def test_cli_infer(make_model, tmp_path, capsys, rng):
     parser = cli.build_parser()
     if "infer" not in parser._subparsers._group_actions[0].choices:  # registered by tinydist.cli
         pytest.skip("the infer command is not registered in tinydist.cli yet")
-    assert cli.main(["infer", str(path), "--input", f"x={tmp_path / 'x.npy'}", "--bench", "20"]) == 0
+    args = ["infer", str(path), "--input", f"x={tmp_path / 'x.npy'}", "--bench", "20", "--save-outputs", str(tmp_path / "out")]
+    assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "y  shape (1, 8)  float32" in out and "k  shape (1, 1)  int64" in out
     assert "p50" in out and "p99" in out
+    for name, want in zip("yk", reference(model, {"x": x})):
+        np.testing.assert_array_equal(np.load(tmp_path / "out" / f"{name}.npy"), want)
     with pytest.raises(SystemExit):
         cli.main(["infer", str(path)])
+
+
+@pytest.mark.parametrize("device,message", [("CPU:999", "--device CPU:999: no device CPU:999; available devices: CPU:0"),
+                                            ("GPU::1", "malformed device name 'GPU::1'")])
+def test_cli_infer_rejects_a_device_it_cannot_use(make_model, tmp_path, capsys, restore_logging, device, message):
+    """A malformed or absent --device is a usage error that lists the devices that do open, not a traceback."""
+    path = tmp_path / "m.onnx"
+    onnx.save(make_model([N("Relu", ["x"], ["y"])], {"x": w(np.random.default_rng(0), 1, 8)}, ["y"]), str(path))
+    with pytest.raises(SystemExit) as info:
+        cli.main(["infer", str(path), "--device", device])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_frames_replay_through_the_jit_and_equal_onnxruntime(make_model, reference, rng):
@@ -233,3 +248,30 @@ def test_frames_replay_through_the_jit_and_equal_onnxruntime(make_model, referen
             np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-5, err_msg=name)
     (jitted,) = loaded._jits.values()
     assert jitted is not None and jitted.captured is not None and jitted.calls == 5
+
+
+@pytest.mark.parametrize("device", ["CPU", "CPU:1"])
+def test_frames_whose_inputs_are_read_out_of_order_or_not_at_all(make_model, reference, rng, device):
+    """Inputs a, b, c of one shape: the graph reads c before a and never reads b. Each replay must
+    still copy every array into its own input (by argument, not by the order the capture met them)."""
+    feeds = {k: w(rng, 2, 3) for k in "abc"}
+    model = make_model([N("Sub", ["c", "a"], ["d"]), N("MatMul", ["d", "m"], ["y"])], feeds, ["y"], {"m": w(rng, 3, 4)})
+    loaded = tdo.load(model, device=device)
+    for call in range(1, 6):
+        frame = {k: w(rng, 2, 3) for k in "abc"}
+        np.testing.assert_allclose(loaded(frame)["y"], reference(model, frame)[0], rtol=1e-5, atol=1e-5, err_msg=f"call {call}")
+
+
+def test_model_on_another_device(make_model, reference, rng):
+    """The device is opened at load, and run_tensors takes its inputs there (not on the default device)."""
+    x = w(rng, 2, 3)
+    model = make_model([N("Relu", ["x"], ["r"]), N("Add", ["r", "b"], ["y"])], {"x": x}, ["y"], {"b": w(rng, 3)})
+    loaded = tdo.load(model, device="cpu:1")
+    assert loaded.device == "CPU:1"
+    (y,) = loaded.run_tensors({"x": td.Tensor(x, "CPU:1")})
+    assert y.device == "CPU:1"
+    np.testing.assert_allclose(y.numpy(), reference(model, {"x": x})[0], rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"input 'x' is on CPU:0, the model on CPU:1: move it with .to\('CPU:1'\)"):
+        loaded.run_tensors({"x": td.Tensor(x)})
+    with pytest.raises(td.errors.DeviceNotFound, match="no device CPU:999; available devices: CPU:0"):
+        tdo.load(make_model([N("Relu", ["x"], ["y"])], {"x": x}, ["y"], shapes={"x": [None, 3]}), device="CPU:999")

@@ -313,6 +313,14 @@ def test_slice(check, rng, starts, ends, axes, steps):
     check([N("Slice", names, ["y"])], {"x": x}, inits=inits, opset=13)
 
 
+def test_empty_slice_on_another_device(check, rng):
+    """An empty slice is a new constant, not a view of x: made on the default device, it failed
+    the load of a model on CPU:1 where it meets x ("cat(): tensors are on different devices")."""
+    inits = {"st": np.array([2], np.int64), "en": np.array([2], np.int64), "w": f(rng, 5, 3)}
+    nodes = [N("Slice", ["x", "st", "en"], ["e"]), N("Concat", ["e", "x"], ["c"], axis=0), N("MatMul", ["c", "w"], ["y"])]
+    check(nodes, {"x": f(rng, 4, 5)}, inits=inits, opset=13, device="CPU:1")
+
+
 @pytest.mark.parametrize("axis", [0, 1, -1])
 def test_gather_constant_indices(check, rng, axis):
     x = f(rng, 4, 5, 3)

@@ -24,6 +24,7 @@ from tinydist.onnx.errors import UnsupportedModelError
 from tinydist.onnx.ops import FOLDS, OPS, SUPPORTED_NP
 from tinydist.engine.realize import realize
 from tinydist.runtime.engine import get_engine
+from tinydist.runtime.registry import canonical_name
 from tinydist.jit import JitError, TinyJit
 from tinydist.tensor import Tensor
 
@@ -148,7 +149,10 @@ class OnnxModel:
     def __init__(self, proto: Any, device: str = "CPU") -> None:
         from onnx import helper, numpy_helper  # the optional extra: imported only when a model is loaded
 
-        self.device = device
+        # canonical ("cpu:1" -> "CPU:1"), as every Tensor names its device: compared with the feed's
+        # devices, and opened now so that a device this machine lacks fails the load, not a frame
+        self.device = canonical_name(device)
+        get_engine().device(self.device)
         graph = proto.graph
         opsets = {imp.domain or "ai.onnx": imp.version for imp in proto.opset_import}
         self.opset = opsets.get("ai.onnx", opsets.get("", 0))
@@ -206,7 +210,7 @@ class OnnxModel:
             if len(inputs) < spec.min_inputs:
                 raise UnsupportedModelError(f"{ctx_name}: needs at least {spec.min_inputs} inputs, has {len(inputs)}")
             outputs = list(node.output)
-            ctx = NodeCtx(name, node.op_type, self.opset, attrs, len(outputs), [o in used for o in outputs], device)
+            ctx = NodeCtx(name, node.op_type, self.opset, attrs, len(outputs), [o in used for o in outputs], self.device)
             self._nodes.append(_Node(spec, ctx, inputs, outputs))
         self._plans: dict[tuple[tuple[int, ...], ...], _Plan] = {}
         # per input shapes: the graph captured once and replayed per frame (None: nothing to capture)
@@ -360,7 +364,11 @@ class OnnxModel:
         return [env[slot] if slot >= 0 else const for slot, const in plan.outputs]
 
     def run_tensors(self, feed: Mapping[str, Tensor]) -> list[Tensor]:
-        """The outputs as lazy Tensors (graph output order), built from input Tensors; nothing is realized."""
+        """The outputs as lazy Tensors (graph output order), built from input Tensors; nothing is realized.
+
+        The inputs must live on the model's device: one elsewhere would either meet the weights
+        in an op that names no input ("operands are on different devices") or, in a graph that
+        reaches no weight, quietly compute on its own device."""
         self._check_feed(feed)
         tensors = []
         for name, shape, dtype in self.inputs:
@@ -368,6 +376,9 @@ class OnnxModel:
             if not isinstance(t, Tensor):
                 raise TypeError(f"input {name!r}: run_tensors takes td.Tensor values, got {type(t).__name__}")
             self._check_value(name, shape, dtype, t.shape, t.dtype.np)
+            if t.device != self.device:
+                raise ValueError(f"input {name!r} is on {t.device}, the model on {self.device}: "
+                                 f"move it with .to({self.device!r}), or load the model on {t.device}")
             tensors.append(t)
         results = self._run(tensors)
         return [r if isinstance(r, Tensor) else self._lift_value(_GraphCtx("output"), "\0out" + str(i), r)
@@ -377,7 +388,9 @@ class OnnxModel:
         """Run on numpy inputs; returns {output name: numpy array} in the graph's output order.
 
         Each input shape's graph is captured with td.jit (on its second call) and replayed per
-        frame afterwards: numpy in, one native entry point, numpy out."""
+        frame afterwards: numpy in, one native entry point, numpy out. The arrays are passed in
+        the graph's declared input order, whatever order its nodes reach them in, and uploaded to
+        the model's device (the weights' device) for the calls before the capture."""
         self._check_feed(feed)
         arrays = []
         for name, shape, dtype in self.inputs:
@@ -394,7 +407,7 @@ class OnnxModel:
         jitted = self._jits[shapes]
         if jitted is not None:
             try:
-                values = iter(jitted.call_numpy(*arrays))
+                values = iter(jitted.call_numpy(*arrays, device=self.device))
             except JitError:  # e.g. every output is an input or a constant: nothing to capture
                 self._jits[shapes] = None
             else:

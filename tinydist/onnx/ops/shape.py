@@ -201,7 +201,7 @@ def op_slice(ctx: Any, x: Tensor, starts: Value, ends: Value, axes: Value = None
     plan = slice_plan(ctx, x.shape, starts, ends, axes, steps)
     out_shape = tuple(c for _, _, c in plan)
     if 0 in out_shape:
-        return Tensor.full(out_shape, 0, x.dtype)
+        return Tensor.full(out_shape, 0, x.dtype, x.device)  # on x's device: it meets x's neighbours
     if all(step > 0 for _, step, _ in plan):
         index = tuple(slice(start, start + step * (count - 1) + 1, step) for start, step, count in plan)
         return x[index]
