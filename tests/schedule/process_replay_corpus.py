@@ -18,11 +18,9 @@ realizing. Buffer contents never enter a schedule or its IR; only shapes, dtypes
 scalars in the graph do, so the nn layers' initial weights come from the process-wide generator
 as usual (the corpus does not reseed it, which would change what later tests draw).
 
-Each program is recorded as `Programs` in tinydist/realize.py compiles it: a KernelCall's or
-SliceCall's AST through `lower` (its name is the hash of its IR), a MatmulCall's `matmul_ir`
-under the name realize gives it. That name (`matmul_program`) is the one piece of the engine
-mirrored here: a refactor that moves it must keep this copy in step, or the goldens would check
-the old name.
+Each program is recorded as a device's compiler (`tinydist.runtime.compiler`) compiles it: a
+KernelCall's or SliceCall's AST through `lower` (its name is the hash of its IR), a MatmulCall's
+`matmul_ir` under `codegen.matmul.program_name`.
 
 Nothing recorded depends on node ids, addresses, hash order or what ran before: at f3618e4 every
 golden rendered the same alone in a fresh process, after the whole corpus, in shuffled orders,
@@ -44,7 +42,6 @@ wrote the goldens, so a failure caused by another llvmlite says so.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
@@ -53,7 +50,7 @@ import numpy as np
 
 import tinydist as td
 from tinydist.codegen.lowering import lower
-from tinydist.codegen.matmul import StridedOperand, matmul_ir
+from tinydist.codegen.matmul import matmul_ir, program_name
 from tinydist.dtypes import DType
 from tinydist.lazy import LazyNode
 from tinydist.multi import MultiTensor
@@ -416,20 +413,12 @@ def cnn_adam_step() -> list[LazyNode]:
 
 # ---- rendering ----------------------------------------------------------------------------------------
 
-def matmul_program(dtype: DType, strided: StridedOperand | None) -> str:
-    """The name `Programs.matmul` (tinydist/realize.py) gives the matmul kernel it compiles."""
-    name = f"tinydist_matmul_{dtype.name}"
-    if strided is not None:
-        name += "_strided_" + hashlib.sha256(repr(strided).encode()).hexdigest()[:16]
-    return name
-
-
 def program(call: Call) -> tuple[str, str] | None:
     """(name, LLVM IR) of the program `call` launches; None for copies (see the module docstring)."""
     if isinstance(call, (KernelCall, SliceCall)):
         return lower(call.ast)
     if isinstance(call, MatmulCall):
-        name = matmul_program(call.dtype, call.strided)
+        name = program_name(call.dtype.name, call.strided)
         return name, matmul_ir(name, call.dtype.name, strided=call.strided)
     return None
 

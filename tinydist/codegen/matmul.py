@@ -38,6 +38,7 @@ ordinary rounding error (worst case O(K·eps) relative), not bitwise.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from contextlib import ExitStack, contextmanager
 from collections.abc import Iterator
@@ -512,6 +513,14 @@ class _Generator:
                                         b.call(kernel, [kc, a_panel, b_panel, tile, tile_ld, ir.Constant(ir.IntType(1), 1)])
                                         self.copy_tile(b, c_tile, N, tile, tile_ld, mr, nr)
         b.ret_void()
+
+
+def program_name(dtype: str, strided: StridedOperand | None = None) -> str:
+    """The matmul kernel's name: one per dtype, and one per view a strided operand is read through."""
+    name = f"tinydist_matmul_{dtype}"
+    if strided is not None:
+        name += "_strided_" + hashlib.sha256(repr(strided).encode()).hexdigest()[:16]
+    return name
 
 
 def matmul_ir(name: str, dtype: str = "float32", tiling: Tiling | None = None,

@@ -15,7 +15,6 @@ elsewhere (a remote node, which runs no client binaries) there is nothing to lin
 from __future__ import annotations
 
 import functools
-import hashlib
 import itertools
 import threading
 from collections.abc import Callable, Hashable, Sequence
@@ -29,7 +28,7 @@ from tinydist.codegen.copy import stream_copy_ir
 from tinydist.codegen.kernel import KernelAST
 from tinydist.codegen.lowering import lower
 from tinydist.codegen.matmul import SIGNATURE as MATMUL_SIGNATURE
-from tinydist.codegen.matmul import StridedOperand, matmul_ir
+from tinydist.codegen.matmul import StridedOperand, matmul_ir, program_name
 from tinydist.codegen.reduce import reduce_ir
 from tinydist.codegen.reduce import signature as reduce_signature
 from tinydist.dtypes import DType
@@ -77,9 +76,7 @@ class DeviceCompiler:
     def matmul(self, dtype: DType, strided: StridedOperand | None = None) -> Program:
         """The matmul kernel; with `strided`, one specialised to read that operand through its view."""
         def build() -> Program:
-            name = f"tinydist_matmul_{dtype.name}"
-            if strided is not None:
-                name += "_strided_" + hashlib.sha256(repr(strided).encode()).hexdigest()[:16]
+            name = program_name(dtype.name, strided)
             return self.device.load_ir(matmul_ir(name, dtype.name, strided=strided), name, MATMUL_SIGNATURE, compile_kernel)
         return self._cached(("matmul", dtype.name, strided), build)
 
