@@ -233,6 +233,15 @@ class Tensor:
         node = self.node
         return Tensor(LazyNode(Op.CONTIGUOUS, (node,), None, node.dtype, node.shape, node.device))
 
+    def _pending_assign_of_this_scope(self) -> bool:
+        """Whether this tensor's node is an assign not yet run that a new assign may follow in
+        the same graph: it names memory already. Inside a capture (`observe_assigns`) only an
+        assign the captured function made qualifies — one made before belongs to no step and
+        is run first, or every replay would repeat it (AdamW's decay, then its update)."""
+        if self.node.op is not Op.ASSIGN:
+            return False
+        return not _assign_observers or any(node is self.node for node in _assign_observers[-1])
+
     def assign(self, value: Tensor | Scalar | np.ndarray) -> Tensor:
         """Overwrite this tensor's memory with `value` (broadcast and cast to its shape and dtype).
 
@@ -243,7 +252,7 @@ class Tensor:
         if value.device != self.device:
             raise ValueError(f"assign across devices: target on {self.device}, value on {value.device}; use value.to({self.device!r})")
         value = value.cast(self.dtype)._broadcast_to(self.shape)
-        if not self.node.realized:
+        if not self.node.realized and not self._pending_assign_of_this_scope():
             self.realize()
         old = self.node
         self.node = LazyNode(Op.ASSIGN, (self.node, value.node), None, self.dtype, self.shape, self.device)

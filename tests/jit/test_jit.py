@@ -424,3 +424,41 @@ def test_an_argument_the_step_assigns_to_gets_its_new_value_and_keeps_its_own_me
     for _ in range(4):
         step(same, td.Tensor(np.ones(3, np.float32)))
     np.testing.assert_array_equal(same.numpy(), np.full(3, 4, np.float32))
+
+
+def test_a_step_assigning_a_tensor_twice_replays_both_assigns_like_eager() -> None:
+    # AdamW decays a weight and then updates it: two assigns to one tensor in one step. The
+    # second used to realize the first at capture, so every replay skipped the decay.
+    def train(jitted: bool) -> np.ndarray:
+        td.manual_seed(0)
+        model = td.nn.Linear(4, 3)
+        opt = td.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+        x = td.Tensor(np.random.default_rng(1).standard_normal((8, 4)).astype(np.float32))
+
+        def step(x: td.Tensor) -> td.Tensor:
+            loss = (model(x) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return loss
+        run = td.jit(step) if jitted else step
+        for _ in range(5):
+            run(x).numpy()
+        return model.weight.numpy()
+    np.testing.assert_allclose(train(jitted=True), train(jitted=False), rtol=1e-6, atol=1e-7)
+
+    state = td.Tensor(np.zeros(3, np.float32))
+    state.assign(state + 100)  # pending before any capture: runs once, never part of a replay
+
+    @td.jit
+    def twice(x: td.Tensor) -> td.Tensor:
+        state.assign(state * 2)
+        state.assign(state + x)
+        return x * 1
+
+    for _ in range(4):
+        twice(td.Tensor(np.ones(3, np.float32)))
+    expected = 100.0
+    for _ in range(4):
+        expected = expected * 2 + 1
+    np.testing.assert_array_equal(state.numpy(), np.full(3, expected, np.float32))
