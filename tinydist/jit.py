@@ -315,6 +315,8 @@ def _same_value(a: Any, b: Any) -> bool:
 def jit(fn: Callable[..., Any] | None = None, *, replay: str = "auto") -> Any:
     """Capture `fn` on its second call and replay it afterwards; see the module docstring.
     `@td.jit(replay="runs")` forces a replay strategy (one of REPLAYS) instead of choosing one."""
+    if replay not in REPLAYS:
+        raise ValueError(f"replay must be one of {', '.join(REPLAYS)}, got {replay!r}")
     if fn is None:
         return lambda f: TinyJit(f, replay)
     return TinyJit(fn, replay)
