@@ -71,7 +71,7 @@ class _ArgSpec:
     device: str = ""
     value: Any = None
 
-    @property
+    @functools.cached_property
     def np_dtype(self) -> np.dtype:
         return np.dtype(self.dtype)
 
@@ -98,8 +98,10 @@ class _Captured:
     """A capture and what the frontend adds: which outputs are computed, which are returned
     unchanged (an argument, by position, or a weight), and how to rebuild the result."""
 
-    def __init__(self, capture: Capture, returned: list[tuple[str, Any]], rebuild: Callable[[list[Any]], Any]) -> None:
+    def __init__(self, capture: Capture, returned: list[tuple[str, Any]], rebuild: Callable[[list[Any]], Any],
+                 all_tensors: bool) -> None:
         self.capture, self.returned, self.rebuild = capture, returned, rebuild
+        self.all_tensors = all_tensors  # every argument a Tensor: call_numpy may take arrays for them all
         self.computed = [(shape, dtype, device) for shape, dtype, device in capture.output_specs]
 
     @property
@@ -137,9 +139,18 @@ class TinyJit:
         self.queued = 0  # replays since the caller last waited for the devices to catch up
         self.captured: _Captured | None = None
         self.specs: tuple[_ArgSpec, ...] = ()
+        # the parameter names, when every parameter is plain positional without a default: a call
+        # passing exactly those binds by position (inspect's binding costs microseconds a call)
+        plain = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        parameters = list(self.signature.parameters.values())
+        simple = all(p.kind in plain and p.default is inspect.Parameter.empty for p in parameters)
+        self._positional: tuple[str, ...] | None = tuple(p.name for p in parameters) if simple else None
         functools.update_wrapper(self, fn)
 
     def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, Any]]:
+        names = self._positional
+        if names is not None and not kwargs and len(args) == len(names):  # the per-frame call: nothing to bind
+            return list(zip(names, args))
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as exc:
@@ -192,7 +203,7 @@ class TinyJit:
         becomes a Tensor on `device` (default: the default device); after it, on the device its
         argument was captured on, which `device`, when given, must name."""
         captured = self.captured
-        if captured is not None and len(arrays) == len(self.specs) and all(spec.kind == "tensor" for spec in self.specs):
+        if captured is not None and len(arrays) == len(self.specs) and captured.all_tensors:
             if device is not None and any(spec.device != canonical_name(device) for spec in self.specs):
                 raise JitError(f"{self.fn.__name__} was captured with arguments on "
                                f"{', '.join(sorted({s.device for s in self.specs}))}; call_numpy(device={device!r}) names another")
@@ -266,7 +277,7 @@ class TinyJit:
             capture = Capture(schedule, inputs, arguments, computed, self.replay)
         except ReplayUnfit as exc:
             raise JitError(f"{self.fn.__name__}: {exc}") from None
-        self.captured = _Captured(capture, returned, rebuild)
+        self.captured = _Captured(capture, returned, rebuild, all(spec.kind == "tensor" for spec in self.specs))
         # An assigned weight now lives in the JIT's memory. An assigned argument keeps the caller's
         # buffer, which the replay below reads (the value before the call) and then writes back,
         # as every later replay does: it must not alias memory that later replays reuse.

@@ -177,7 +177,8 @@ class Tensor:
 
     def realize(self) -> Tensor:
         """Compute the value and keep it on the device; returns self."""
-        realize([self.node])
+        if self.node.buffer is None:
+            realize([self.node])
         return self
 
     def numpy(self) -> np.ndarray:
@@ -186,8 +187,12 @@ class Tensor:
         if out.size == 0:
             return out
         self.realize()
-        batch = get_engine().device(self.device).batch("copy")
-        batch.read_to_host(out.reshape(-1).view(np.uint8), self.node.buffer)
+        buffer = self.node.buffer
+        flat = out.reshape(-1).view(np.uint8)
+        if buffer.device.read_now(flat, buffer):
+            return out
+        batch = buffer.device.batch("copy")
+        batch.read_to_host(flat, buffer)
         batch.submit(inline=True).wait_blocking()
         return out
 
@@ -702,9 +707,11 @@ def _upload(array: np.ndarray, dtype: DType, device: str) -> LazyNode:
         return Tensor.full(array.shape, 0, dtype, device).node
     dev = get_engine().device(device)
     buffer = dev.allocator.alloc(array.nbytes)
-    batch = dev.batch("copy")
-    batch.write_from_host(buffer, array.reshape(-1).view(np.uint8))
-    batch.submit(inline=True).wait_blocking()
+    flat = array.reshape(-1).view(np.uint8)
+    if not dev.write_now(buffer, flat):
+        batch = dev.batch("copy")
+        batch.write_from_host(buffer, flat)
+        batch.submit(inline=True).wait_blocking()
     return buffer_node(buffer, dtype, array.shape, device)
 
 

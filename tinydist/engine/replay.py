@@ -18,6 +18,7 @@ strategy is built from the capture's bound buffers and the one lowering of sched
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -40,6 +41,8 @@ log = get_logger(layer="replay")
 
 # the calls an entry point links; copies, gathers and slice kernels replay as commands
 _LINKABLE = (KernelCall, MatmulCall)
+# output buffers an entry replay keeps for reuse, per output: a frame loop needs one or two
+OUTPUT_POOL = 4
 
 
 class ReplayUnfit(TinydistError, ValueError):
@@ -91,29 +94,73 @@ class EntryReplay:
         self.arg_copies = [(position, b[number].address, b[number].nbytes) for position, number in capture.arg_slots]
         self.output_copies = [(b[n].address, b[n].nbytes) for n in capture.output_numbers]
         self.written_copies = [(position, b[number].address, b[number].nbytes) for position, number in capture.written_args]
+        self.copy = self.device.host_copy()
+        self.queue = self.device.queues["compute"]
+        self.pools: list[list[Buffer]] = [[] for _ in capture.output_bytes]
+
+    def _outputs(self) -> list[Buffer]:
+        """A buffer per output: one from its pool that nothing else references any more (the
+        caller dropped the Tensor it was returned in), else a new one, kept for reuse while the
+        pool is small. A frame loop then allocates nothing; its buffers were freed and
+        allocated again at every replay before — the better part of a replay's cost."""
+        outputs = []
+        for pool, nbytes in zip(self.pools, self.capture.output_bytes):
+            for buffer in pool:
+                # referenced by the pool, this loop and getrefcount's argument only
+                if sys.getrefcount(buffer) <= 3:
+                    break
+            else:
+                buffer = self.device.allocator.alloc(nbytes)
+                if len(pool) < OUTPUT_POOL:
+                    pool.append(buffer)
+            outputs.append(buffer)
+        return outputs
 
     def replay(self, args: Sequence[Buffer], inline: bool) -> tuple[list[Buffer], list[Completion]]:
-        device = self.device
-        out_buffers = [device.allocator.alloc(nbytes) for nbytes in self.capture.output_bytes]
-        batch = device.batch("compute")
-        copy = device.host_copy()
-        for position, address, nbytes in self.arg_copies:
-            batch.command(copy, (address, batch.track(args[position], False), nbytes))
-        for buffer, write in self.capture.accesses:
+        device, copy = self.device, self.copy
+        device.check_usable()
+        outputs = self._outputs()
+        accesses = [(args[position], False) for position, _, _ in self.arg_copies]
+        accesses += self.capture.accesses
+        accesses += [(out, True) for out in outputs]
+        accesses += [(args[position], True) for position, _, _ in self.written_copies]
+        if any(buffer.accesses.conflicts(buffer.offset, buffer.offset + buffer.nbytes, write) for buffer, write in accesses):
+            return outputs, [self._replay_ordered(args, outputs, accesses, inline)]
+        # nothing unfinished touches what this replay touches: queue it as it is (what a batch
+        # would do after finding nothing to wait for), and record its accesses if it is still running
+        commands = [(copy, (address, args[position].address, nbytes)) for position, address, nbytes in self.arg_copies]
+        commands.append((self.entry.cfunc, ()))
+        commands.extend((copy, (out.address, address, nbytes)) for out, (address, nbytes) in zip(outputs, self.output_copies))
+        commands.extend((copy, (args[position].address, address, nbytes)) for position, address, nbytes in self.written_copies)
+        timeline = self.queue.timeline
+        value = self.queue.submit(commands, inline=inline)
+        if not timeline.reached(value):
+            for buffer, write in accesses:
+                buffer.accesses.record(buffer.offset, buffer.offset + buffer.nbytes, write, timeline, value)
+        return outputs, [Completion(timeline, value)]
+
+    def _replay_ordered(self, args: Sequence[Buffer], outputs: list[Buffer], accesses: list[tuple[Buffer, bool]],
+                        inline: bool) -> Completion:
+        """The replay as a batch: ordered after the unfinished work on what it touches."""
+        batch = self.device.batch("compute")
+        for buffer, write in accesses:
             batch.track(buffer, write)
+        copy = self.copy
+        for position, address, nbytes in self.arg_copies:
+            batch.command(copy, (address, args[position].address, nbytes))
         batch.command(self.entry.cfunc, ())
-        for out, (address, nbytes) in zip(out_buffers, self.output_copies):
-            batch.command(copy, (batch.track(out, True), address, nbytes))
+        for out, (address, nbytes) in zip(outputs, self.output_copies):
+            batch.command(copy, (out.address, address, nbytes))
         for position, address, nbytes in self.written_copies:
-            batch.command(copy, (batch.track(args[position], True), address, nbytes))
-        return out_buffers, [batch.submit(inline=inline)]
+            batch.command(copy, (args[position].address, address, nbytes))
+        return batch.submit(inline=inline)
 
 
 class HostFrame:
-    """numpy arrays in, numpy arrays out, over an entry replay on host memory: the caller's
-    arrays are copied straight into the capture's buffers, the entry point runs, the outputs are
-    copied into new arrays — one submission, run inline when the queue is idle, no buffers or
-    Tensors made. The arrays stay referenced here until the work is done: `run` waits for it.
+    """numpy arrays in, numpy arrays out, over an entry replay on host memory: one native function
+    (`DeviceCompiler.link_frame`) copies the caller's arrays straight into the capture's buffers,
+    calls the entry point and copies the outputs into new arrays — one command in one
+    submission, run inline when the queue is idle, no buffers or Tensors made. The arrays stay referenced here until the work is done: `run` waits for it.
     An argument the function assigns to is not written back into the caller's array, as an
     array given to `Tensor(...)` is not: the array is input only."""
     name: ClassVar[str] = "frame"
@@ -127,25 +174,25 @@ class HostFrame:
         return None
 
     def __init__(self, entry: EntryReplay) -> None:
-        self.entry = entry
         self.device = entry.device
-        self.copy = self.device.host_copy()
         self.queue = self.device.queues["compute"]
         self.accesses = entry.capture.accesses
         self.output_specs = [(shape, dtype.np) for shape, dtype, _ in entry.capture.output_specs]
+        self.positions = [position for position, _, _ in entry.arg_copies]
+        self.frame = self.device.compiler.link_frame(entry.entry, [(address, nbytes) for _, address, nbytes in entry.arg_copies],
+                                                     entry.output_copies).cfunc
 
     def run(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
-        copy, entry = self.copy, self.entry
         outputs = [np.empty(shape, dtype) for shape, dtype in self.output_specs]
-        commands = [(copy, (address, arrays[position].ctypes.data, nbytes)) for position, address, nbytes in entry.arg_copies]
-        commands.append((entry.entry.cfunc, ()))
-        commands.extend((copy, (out.ctypes.data, address, nbytes)) for out, (address, nbytes) in zip(outputs, entry.output_copies))
+        # the arrays' addresses: `ctypes.data` builds an object per array, the interface a dict
+        addresses = [arrays[position].__array_interface__["data"][0] for position in self.positions]
+        addresses += [out.__array_interface__["data"][0] for out in outputs]
+        commands = [(self.frame, tuple(addresses))]
         if any(buffer.accesses.conflicts(buffer.offset, buffer.offset + buffer.nbytes, write) for buffer, write in self.accesses):
             batch = self.device.batch("compute")  # shared weights are busy elsewhere: order after that work
             for buffer, write in self.accesses:
                 batch.track(buffer, write)
-            for fn, args in commands:
-                batch.command(fn, args)
+            batch.command(*commands[0])
             completion = batch.submit(inline=True)
             timeline, value = completion.timeline, completion.value
         else:

@@ -74,35 +74,57 @@ class Allocator(ABC):
     # ---- public ------------------------------------------------------------------------------
 
     def alloc(self, nbytes: int) -> Buffer:
-        if not isinstance(nbytes, int) or isinstance(nbytes, bool):
+        if type(nbytes) is not int:
             raise TypeError(f"{self.device.name}: allocation size must be an int, got {type(nbytes).__name__}")
         if nbytes <= 0:
             raise ValueError(f"{self.device.name}: allocation size must be positive, got {nbytes}")
         self.device.check_usable()
-        undo: list[Callable[[], None]] = []  # the inverse of each step taken so far, run in reverse on failure
+        # Each step taken is undone in reverse on failure. Written out rather than as a list of
+        # undo closures: this is on every realize's and every replay's path (a cached block is
+        # one lock section: reserve, take, register).
+        reserved = mapped = registered = False
+        cached = 0
         try:
-            self._reserve(nbytes)
-            undo.append(lambda: self._unreserve(nbytes))
+            faults.check("alloc.reserve")
             faults.check("alloc.map")
-            address = self._take_cached(nbytes)
-            if address is None:
-                address = self._map(nbytes)
-                undo.append(lambda: self._unmap(address, nbytes))
-            else:
-                undo.append(lambda: self._put_cached(address, nbytes))
+            with self._lock:
+                if self._reserved + nbytes > self.limit_bytes:
+                    raise AllocationError(
+                        f"{self.device.name}: out of memory allocating {nbytes} bytes: "
+                        f"{self._reserved} of {self.limit_bytes} bytes in use; free buffers or raise TINYDIST_CPU_MEMORY_LIMIT")
+                self._reserved += nbytes
+                reserved = True
+                if self._reserved > self._peak:
+                    self._peak = self._reserved
+                blocks = self._cache.get(nbytes)
+                if blocks:
+                    cached = blocks.pop()
+                    self._cached_bytes -= nbytes
+            address = cached or self._map(nbytes)
+            mapped = not cached
             faults.check("alloc.register")
-            self._register(address, nbytes)
-            undo.append(lambda: self._unregister(address))
+            with self._lock:
+                self._ledger[address] = nbytes
+                registered = True
             buffer = Buffer(self.device, nbytes, address, functools.partial(self._free, address, nbytes))
             self._bases.add(buffer)
         except Exception as exc:
-            for step in reversed(undo):
-                step()
+            if registered:
+                self._unregister(address)
+            if cached:
+                self._put_cached(cached, nbytes)
+            elif mapped:
+                self._unmap(address, nbytes)
+            if reserved:
+                self._unreserve(nbytes)
             if isinstance(exc, AllocationError):
                 raise
             raise AllocationError(
                 f"{self.device.name}: allocating {nbytes} bytes failed ({exc}); "
                 f"in use: {self._reserved} of {self.limit_bytes} bytes; nothing was kept") from exc
+        finally:
+            if self._released:
+                self._apply_releases()
         return buffer
 
     def alloc_many(self, sizes: Sequence[int]) -> list[Buffer]:
@@ -159,35 +181,13 @@ class Allocator(ABC):
 
     # ---- steps and their undos ---------------------------------------------------------------
 
-    def _reserve(self, nbytes: int) -> None:
-        faults.check("alloc.reserve")
-        with self._locked():
-            if self._reserved + nbytes > self.limit_bytes:
-                raise AllocationError(
-                    f"{self.device.name}: out of memory allocating {nbytes} bytes: "
-                    f"{self._reserved} of {self.limit_bytes} bytes in use; free buffers or raise TINYDIST_CPU_MEMORY_LIMIT")
-            self._reserved += nbytes
-            self._peak = max(self._peak, self._reserved)
-
     def _unreserve(self, nbytes: int) -> None:
         with self._locked():
             self._reserved -= nbytes
 
-    def _register(self, address: int, nbytes: int) -> None:
-        with self._locked():
-            self._ledger[address] = nbytes
-
     def _unregister(self, address: int) -> None:
         with self._locked():
             del self._ledger[address]
-
-    def _take_cached(self, nbytes: int) -> int | None:
-        with self._locked():
-            blocks = self._cache.get(nbytes)
-            if not blocks:
-                return None
-            self._cached_bytes -= nbytes
-            return blocks.pop()
 
     def _cache_block(self, address: int, nbytes: int) -> bool:
         """Keep a freed block for reuse if the cache has room (lock held); False: unmap it."""

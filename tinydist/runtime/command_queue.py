@@ -97,6 +97,11 @@ class CommandQueue:
                 self._inbox.put((commands, value))
         return value
 
+    def count_copied(self, nbytes: int) -> None:
+        """Count a copy of this queue's device made outside any batch (`Device.read_now`)."""
+        with self._submit_lock:
+            self.bytes_copied += nbytes
+
     @property
     def worker(self) -> threading.Thread | None:
         """The thread running this queue's batches (None before start)."""

@@ -101,6 +101,24 @@ class DeviceCompiler:
         ir_text = f"define void @{name}() {{\nentry:\n" + "\n".join(lines) + "\n  ret void\n}\n"
         return self.device.load_program(compile_glue(ir_text), name, [])
 
+    def link_frame(self, entry: Program, copies_in: Sequence[tuple[int, int]], copies_out: Sequence[tuple[int, int]]) -> Program:
+        """One program taking a frame's host addresses — a source per `copies_in` (destination
+        address, bytes), then a destination per `copies_out` (source address, bytes) — that copies
+        them in, calls `entry`, and copies the results out: a numpy frame is one native call."""
+        if not self.links or not self.device.host_visible:
+            raise DeviceError(f"{self.device.name} cannot link a host frame (its memory is not the host's, "
+                              "or it runs no host code of this process)")
+        params = [f"ptr %in{i}" for i in range(len(copies_in))] + [f"ptr %out{i}" for i in range(len(copies_out))]
+        lines = [f"  call void @llvm.memcpy.p0.p0.i64(ptr inttoptr (i64 {address} to ptr), ptr %in{i}, i64 {nbytes}, i1 false)"
+                 for i, (address, nbytes) in enumerate(copies_in)]
+        lines.append(f"  call void inttoptr (i64 {entry.address} to ptr)()")
+        lines += [f"  call void @llvm.memcpy.p0.p0.i64(ptr %out{i}, ptr inttoptr (i64 {address} to ptr), i64 {nbytes}, i1 false)"
+                  for i, (address, nbytes) in enumerate(copies_out)]
+        name = f"tinydist_frame_{next(_entry_ids)}"
+        ir_text = ("declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)\n"
+                   f"define void @{name}({', '.join(params)}) {{\nentry:\n" + "\n".join(lines) + "\n  ret void\n}\n")
+        return self.device.load_program(compile_glue(ir_text), name, ["r"] * len(copies_in) + ["w"] * len(copies_out))
+
 
 @functools.cache
 def host_reduce(op: str, dtype: np.dtype, sources: int, outputs: int) -> Program:

@@ -96,8 +96,10 @@ class AccessLog:
         if not self._records:  # the common case, without the lock: nothing recorded, nothing to conflict
             return False
         with self._lock:
-            return any((write or r.write) and r.start < end and start < r.end and r.timeline.value < r.value
-                       for r in self._records)
+            unfinished = [r for r in self._records if r.timeline.value < r.value]
+            if len(unfinished) < len(self._records):  # as waits_for does: the next look needs no lock
+                self._records = unfinished
+            return any((write or r.write) and r.start < end and start < r.end for r in unfinished)
 
     def pending(self) -> dict[Timeline, int]:
         """The latest unfinished value per timeline that touches this base (any range, any mode)."""

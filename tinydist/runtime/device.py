@@ -14,6 +14,7 @@ failed device refuses new work with the error that failed it until it is closed.
 from __future__ import annotations
 
 import collections
+import ctypes
 import enum
 import threading
 import weakref
@@ -260,6 +261,33 @@ class Device(ABC):
         with self.batch("copy") as batch:
             batch.write_from_host(buffer, data)
         return batch.completion
+
+    def read_now(self, out: np.ndarray, src: Buffer) -> bool:
+        """Copy `src` into the host array `out` on this thread when this device's memory is the
+        host's and no unfinished work writes `src`; False, with nothing done, otherwise (read it
+        through a batch). A frame loop's read then costs a memcpy, not a submission and a wait."""
+        if not self.host_visible or src.accesses.conflicts(src.offset, src.offset + src.nbytes, False):
+            return False
+        self.check_usable()
+        host = _host_view(out, writable=True)
+        if host.nbytes != src.nbytes:
+            raise OutOfBounds(f"copyout size mismatch: host array has {host.nbytes} bytes, {src!r} has {src.nbytes}")
+        ctypes.memmove(host.ctypes.data, src.address, src.nbytes)
+        self.queues["copy"].count_copied(src.nbytes)
+        return True
+
+    def write_now(self, dst: Buffer, data: np.ndarray) -> bool:
+        """Copy host `data` into `dst` on this thread when this device's memory is the host's and
+        no unfinished work touches `dst`; False, with nothing done, otherwise (see `read_now`)."""
+        if not self.host_visible or dst.accesses.conflicts(dst.offset, dst.offset + dst.nbytes, True):
+            return False
+        self.check_usable()
+        host = _host_view(data, writable=False)
+        if host.nbytes != dst.nbytes:
+            raise OutOfBounds(f"copyin size mismatch: host data has {host.nbytes} bytes, {dst!r} has {dst.nbytes}")
+        ctypes.memmove(dst.address, host.ctypes.data, dst.nbytes)
+        self.queues["copy"].count_copied(dst.nbytes)
+        return True
 
     async def copyout(self, buffer: Buffer, out: np.ndarray | None = None, timeout: float | None = None) -> np.ndarray:
         """Read `buffer` back to host memory (a synchronisation point); returns uint8 bytes or `out`."""

@@ -124,6 +124,8 @@ class Timeline:
             self._value = value
             self._retired = max(self._retired, value)
             self._progress_at = self._clock()
+            if not (self._waiters or self._blocked or self._callbacks):
+                return  # nobody to wake, nothing due: the common case of a synchronous frame loop
             ready = [w for w in self._waiters if w.target <= value]
             if ready:
                 self._waiters = [w for w in self._waiters if w.target > value]
