@@ -109,7 +109,7 @@ class _Captured:
         return self.capture.strategy
 
     def replay(self, args: list[Tensor], inline: bool) -> tuple[Any, list[Completion]]:
-        buffers, completions = self.capture.replay([t.node.buffer for t in args], inline)
+        buffers, completions = self.capture.replay([t.node.buffer for t in args], inline)  # type: ignore[misc]
         computed = iter(Tensor(buffer_node(buffer, dtype, shape, device))
                         for buffer, (shape, dtype, device) in zip(buffers, self.computed))
         return self.rebuild(self._outputs(computed, args)), completions
@@ -245,7 +245,7 @@ class TinyJit:
         substitutes: dict[int, Tensor] = {}  # id of a repeated Tensor argument -> the Tensor the function gets
         for position, tensor in enumerate(tensors):
             if id(tensor.node) in seen:
-                substitute = Tensor(buffer_node(tensor.node.buffer, tensor.dtype, tensor.shape, tensor.device))
+                substitute = Tensor(buffer_node(tensor.node.buffer, tensor.dtype, tensor.shape, tensor.device))  # type: ignore[arg-type]
                 substitutes[position] = substitute
                 given[position] = substitute.node
             seen.add(id(tensor.node))

@@ -90,10 +90,10 @@ class EntryReplay:
         self.capture = capture
         self.device = get_engine().device(next(iter(capture.devices)))
         self.entry = _link(self.device, capture, capture.schedule.linear)
-        b = capture.buffers
-        self.arg_copies = [(position, b[number].address, b[number].nbytes) for position, number in capture.arg_slots]
-        self.output_copies = [(b[n].address, b[n].nbytes) for n in capture.output_numbers]
-        self.written_copies = [(position, b[number].address, b[number].nbytes) for position, number in capture.written_args]
+        b = capture.buffer
+        self.arg_copies = [(position, b(number).address, b(number).nbytes) for position, number in capture.arg_slots]
+        self.output_copies = [(b(n).address, b(n).nbytes) for n in capture.output_numbers]
+        self.written_copies = [(position, b(number).address, b(number).nbytes) for position, number in capture.written_args]
         self.copy = self.device.host_copy()
         self.queue = self.device.queues["compute"]
         self.pools: list[list[Buffer]] = [[] for _ in capture.output_bytes]
@@ -128,7 +128,8 @@ class EntryReplay:
             return outputs, [self._replay_ordered(args, outputs, accesses, inline)]
         # nothing unfinished touches what this replay touches: queue it as it is (what a batch
         # would do after finding nothing to wait for), and record its accesses if it is still running
-        commands = [(copy, (address, args[position].address, nbytes)) for position, address, nbytes in self.arg_copies]
+        commands: list[tuple[Any, tuple[int, ...]]] = [(copy, (address, args[position].address, nbytes))
+                                                       for position, address, nbytes in self.arg_copies]
         commands.append((self.entry.cfunc, ()))
         commands.extend((copy, (out.address, address, nbytes)) for out, (address, nbytes) in zip(outputs, self.output_copies))
         commands.extend((copy, (args[position].address, address, nbytes)) for position, address, nbytes in self.written_copies)
@@ -265,11 +266,11 @@ class StreamsReplay:
     @classmethod
     def build(cls, capture: Capture) -> StreamsReplay | str:
         """The replay, or why there is none: a part that is not native code, or no futex."""
-        engine, b = get_engine(), capture.buffers
+        engine, b = get_engine(), capture.buffer
         streams = NativeStreams.build(
-            _bind_runs(capture), [(position, b[number]) for position, number in capture.arg_slots],
-            [(b[n], engine.device(device)) for n, (_, _, device) in zip(capture.output_numbers, capture.output_specs)],
-            [(position, b[number]) for position, number in capture.written_args],
+            _bind_runs(capture), [(position, b(number)) for position, number in capture.arg_slots],
+            [(b(n), engine.device(device)) for n, (_, _, device) in zip(capture.output_numbers, capture.output_specs)],
+            [(position, b(number)) for position, number in capture.written_args],
             [buffer for buffer, _ in capture.accesses])
         if streams is None:
             return "it needs host devices whose calls are native code, on a machine with a futex"
@@ -360,7 +361,7 @@ class RunsReplay:
     def replay(self, args: Sequence[Buffer], inline: bool) -> tuple[list[Buffer], list[Completion]]:
         capture = self.capture
         engine = get_engine()
-        completions = []
+        completions: list[Completion] = []
         outputs: list[Buffer] = [None] * len(capture.output_numbers)  # type: ignore[list-item]
 
         def copy_out(batch: Any, i: int) -> None:
@@ -386,15 +387,15 @@ class RunsReplay:
                 copy_out(batch, i)
             completions.append(batch.submit())
         for i in self.outputs_from.get(None, ()):
-            with engine.device(capture.output_specs[i][2]).batch("compute") as batch:
-                copy_out(batch, i)
-            completions.append(batch.completion)
+            batch = engine.device(capture.output_specs[i][2]).batch("compute")
+            copy_out(batch, i)
+            completions.append(batch.submit())
         for position, number in capture.written_args:
             caller = args[position]
-            with caller.device.batch("compute") as batch:
-                batch.copy(caller, capture.buffer(number))
-            completions.append(batch.completion)
-        return outputs, completions  # type: ignore[return-value]
+            batch = caller.device.batch("compute")
+            batch.copy(caller, capture.buffer(number))
+            completions.append(batch.submit())
+        return outputs, completions
 
 
 REPLAYS = ("auto", EntryReplay.name, StreamsReplay.name, RunsReplay.name)
