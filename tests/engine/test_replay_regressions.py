@@ -95,3 +95,32 @@ def test_a_forced_strategy_that_does_not_apply_says_why() -> None:
         f(x)
     with pytest.raises(ValueError, match="replay must be one of"):
         td.jit(replay="fast")
+
+
+def test_the_chosen_strategy_and_the_reasons_for_it_are_logged(monkeypatch: pytest.MonkeyPatch) -> None:
+    import structlog
+    import structlog.testing
+
+    from tinydist import logs as td_logs
+    from tinydist.engine import replay
+
+    @td.jit
+    def f(x: td.Tensor) -> td.Tensor:
+        return (x.to("CPU:1") * 2).to("CPU:0") + x
+
+    x = td.Tensor(np.ones(3, np.float32))
+    f(x)
+    saved, configured = structlog.get_config(), td_logs._configured
+    td_logs.configure(level="debug")
+    try:
+        with structlog.testing.capture_logs() as logs:
+            # module loggers take the level in force when they are made: make the engine's anew
+            monkeypatch.setattr(replay, "log", td_logs.get_logger(layer="replay"))
+            f(x)
+    finally:
+        structlog.configure(**saved)
+        td_logs._configured = configured
+    chosen = [entry for entry in logs if entry["event"] == "replay chosen"]
+    assert len(chosen) == 1 and chosen[0]["strategy"] == f.captured.strategy.name
+    assert chosen[0]["forced"] is False
+    assert any(reason.startswith("not entry: it runs on 2 devices") for reason in chosen[0]["reasons"])
