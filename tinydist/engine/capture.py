@@ -18,7 +18,7 @@ from tinydist.engine.binding import bind
 from tinydist.engine.replay import HostFrame, Replay, choose
 from tinydist.lazy import LazyNode
 from tinydist.runtime.buffer import Buffer
-from tinydist.runtime.device import Completion
+from tinydist.runtime.device import Batch, Completion
 from tinydist.runtime.engine import get_engine
 from tinydist.schedule import Schedule
 from tinydist.shape import Shape
@@ -75,23 +75,28 @@ class Capture:
         if self.frame is not None:
             return self.frame.run(arrays)
         engine = get_engine()
-        uploads: dict[str, object] = {}
+        uploads: dict[str, Batch] = {}
         args: list[Buffer] = []
         for array, name in zip(arrays, devices):
             device = engine.device(name)
             buffer = device.allocator.alloc(array.nbytes)
-            batch = uploads.get(name) or uploads.setdefault(name, device.batch("copy"))
-            batch.write_from_host(buffer, array)  # type: ignore[attr-defined]
+            if not device.write_now(buffer, array):
+                if name not in uploads:
+                    uploads[name] = device.batch("copy")
+                uploads[name].write_from_host(buffer, array)
             args.append(buffer)
         for batch in uploads.values():
-            batch.submit()  # type: ignore[attr-defined]
+            batch.submit()
         outputs, completions = self.replay(args, inline=True)
         results = [np.empty(shape, dtype.np) for shape, dtype, _ in self.output_specs]
         reads = []
+        for completion in completions:
+            completion.wait_blocking()
         for result, buffer in zip(results, outputs):
-            batch = buffer.device.batch("copy")
-            batch.read_to_host(result, buffer)
-            reads.append(batch.submit())
-        for completion in (*completions, *reads):
+            if not buffer.device.read_now(result, buffer):
+                batch = buffer.device.batch("copy")
+                batch.read_to_host(result, buffer)
+                reads.append(batch.submit())
+        for completion in reads:
             completion.wait_blocking()
         return results
