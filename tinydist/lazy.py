@@ -27,6 +27,7 @@ from tinydist import dtypes
 from tinydist.dtypes import DType
 from tinydist.runtime.buffer import Buffer
 from tinydist.shape import Shape, ShapeTracker, prod
+from tinydist.walk import Step, drive
 
 
 class Op(enum.Enum):
@@ -169,8 +170,26 @@ _PUSHABLE = frozenset({"reshape", "permute", "shrink", "step"})
 
 def view(node: LazyNode, movement: str, arg: Any) -> LazyNode:
     """Apply a movement op (`reshape`, `permute`, `expand`, `shrink`, `pad`, `step`, `as_strided`)."""
-    if node.buffer is None and node.op in ELEMENTWISE and movement in _PUSHABLE:
-        return elementwise(node.op, tuple(view(src, movement, arg) for src in node.srcs), node.dtype, node.arg)
+    if movement in _PUSHABLE and _pushable(node):
+        return drive(_push(node, movement, arg))
+    return _view_of(node, movement, arg)
+
+
+def _pushable(node: LazyNode) -> bool:
+    return node.buffer is None and node.op in ELEMENTWISE
+
+
+def _push(node: LazyNode, movement: str, arg: Any) -> Step[LazyNode]:
+    """`node`'s op over its sources' views. A Step (tinydist.walk): the chain may be deep. Not
+    memoized: a source read twice is pushed twice (two nodes), and fusion decides on each."""
+    srcs = []
+    for src in node.srcs:
+        srcs.append((yield _push(src, movement, arg)) if _pushable(src) else _view_of(src, movement, arg))
+    return elementwise(node.op, tuple(srcs), node.dtype, node.arg)
+
+
+def _view_of(node: LazyNode, movement: str, arg: Any) -> LazyNode:
+    """The movement as a VIEW node over `node`'s memory (the base of a view: views never stack)."""
     if node.buffer is None and node.op is Op.VIEW:
         base, tracker = node.srcs[0], node.arg
     else:  # realized memory (of any op) is contiguous in its own shape
