@@ -167,16 +167,39 @@ def elementwise(op: Op, srcs: tuple[LazyNode, ...], dtype: DType, arg: Any = Non
 
 _PUSHABLE = frozenset({"reshape", "permute", "shrink", "step"})
 
+# The most elementwise ops one kernel inlines: fusion cuts a longer chain into kernels of this
+# many, and a view is pushed through at most this many nodes (beyond, it reads the value from
+# memory, as an expand does). Lowering and compiling cost about 0.5 ms per op (a kernel of a
+# 40,000-op chain took 20 s; kernels of 256 alike ops compile once). Pushing a view into a deep
+# chain copies the chain: a residual stream (x + f(x) per layer, reshaped by each layer's matmul)
+# is copied once per layer, quadratic in depth below the cap (a 2,000-layer residual MLP's
+# forward: 6 s at 256, 20 s at 512). Normal graphs stay far below: the largest kernel and the
+# deepest push over tests/{schedule,tensor,jit,train,onnx,multi} have 98 ops (an ONNX model),
+# the next largest 38, so the cap changes no schedule of theirs.
+MAX_FUSED_OPS = 256
+
 
 def view(node: LazyNode, movement: str, arg: Any) -> LazyNode:
     """Apply a movement op (`reshape`, `permute`, `expand`, `shrink`, `pad`, `step`, `as_strided`)."""
-    if movement in _PUSHABLE and _pushable(node):
+    if movement in _PUSHABLE and _pushable(node) and _push_size(node, MAX_FUSED_OPS) <= MAX_FUSED_OPS:
         return drive(_push(node, movement, arg))
     return _view_of(node, movement, arg)
 
 
 def _pushable(node: LazyNode) -> bool:
     return node.buffer is None and node.op in ELEMENTWISE
+
+
+def _push_size(node: LazyNode, limit: int) -> int:
+    """How many nodes pushing a view into `node` rebuilds (a source read twice, twice), counted
+    up to `limit + 1`."""
+    count, pending = 0, [node]
+    while pending and count <= limit:
+        node = pending.pop()
+        if _pushable(node):
+            count += 1
+            pending.extend(node.srcs)
+    return count
 
 
 def _push(node: LazyNode, movement: str, arg: Any) -> Step[LazyNode]:

@@ -15,7 +15,8 @@ Rules, in the order they are applied:
      packs it straight from the view's base, unless something else needs the copy first.
   3. Everything else — chains of elementwise ops, the reduce they feed, and elementwise ops
      applied to that reduce's result — is inlined into the kernel that computes the
-     materialized node that uses it.
+     materialized node that uses it, up to `lazy.MAX_FUSED_OPS` elementwise ops per kernel: the
+     elementwise node met past that (depth first, sources in order) is materialized instead.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from tinydist.codegen import kernel as K
 from tinydist.codegen.kernel import KernelAST, KNode
 from tinydist.codegen.lowering import STREAMING_STORE_BYTES, VECTOR_BYTES
 from tinydist.codegen.matmul import StridedOperand, workspace_bytes
-from tinydist.lazy import ELEMENTWISE, TRANSCENDENTAL, LazyNode, Op
+from tinydist.lazy import ELEMENTWISE, MAX_FUSED_OPS, TRANSCENDENTAL, LazyNode, Op
 from tinydist.runtime.registry import peer_group
 from tinydist.schedule.items import BufferSpec, Call, CopyCall, GatherCall, KernelCall, MatmulCall, SliceCall
 from tinydist.shape import ShapeTracker, prod
@@ -166,6 +167,7 @@ class _Fuser:
         slots: dict[int, int] = {}     # buffer number -> slot
         reduce_info: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # (input shape, axes)
         reshaped: list[tuple[int, ...]] = []  # the reduce's own shape, when reached through a reshape
+        inlined = 0                           # elementwise ops in this kernel so far (at most MAX_FUSED_OPS)
 
         def slot(number: int) -> int:
             return slots.setdefault(number, len(slots))
@@ -176,6 +178,7 @@ class _Fuser:
             return K.load(slot((yield self.buffer_of(base))), tracker, base.dtype)
 
         def build(n: LazyNode, top: bool) -> Step[KNode]:
+            nonlocal inlined
             if n.realized or (n is not node and (id(n) in self.graph.number or self._should_materialize(n))):
                 return (yield load_of(n, ShapeTracker.contiguous(n.shape)))
             if n.op is Op.VIEW:
@@ -208,6 +211,9 @@ class _Fuser:
                 reduce_info.append((n.srcs[0].shape, axes))
                 return KNode("reduce", ((yield build(n.srcs[0], False)),), reduce_op, n.dtype)
             if n.op in ELEMENTWISE:
+                if inlined == MAX_FUSED_OPS:  # a longer chain is cut: the rest is computed by kernels of its own
+                    return (yield load_of(n, ShapeTracker.contiguous(n.shape)))
+                inlined += 1
                 srcs = []
                 for s in n.srcs:
                     srcs.append((yield build(s, top)))
