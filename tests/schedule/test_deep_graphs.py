@@ -19,9 +19,53 @@ from tinydist.lazy import ELEMENTWISE, MAX_FUSED_OPS
 from tinydist.realize import realize
 from tinydist.schedule import create_schedule
 from tinydist.schedule.items import KernelCall
+from tinydist.walk import Step, drive, postorder
 
 rng = np.random.default_rng(11)
 ELEMENTWISE_NAMES = frozenset(op.value for op in ELEMENTWISE)
+
+
+def test_postorder_is_the_order_of_the_recursive_walk_it_replaces() -> None:
+    """Kernel numbering, input order and emitted code depend on visit order: it must not change."""
+    for trial in range(200):
+        size = int(rng.integers(1, 40))
+        srcs = [[int(j) for j in rng.integers(0, i, int(rng.integers(0, 4)))] if i else [] for i in range(size)]
+        roots = [int(r) for r in rng.integers(0, size, int(rng.integers(1, 4)))]
+        expected: list[int] = []
+
+        def visit(i: int) -> None:
+            if i not in expected:
+                for j in srcs[i]:
+                    visit(j)
+                expected.append(i)
+        for root in roots:
+            visit(root)
+        nodes = [object() for _ in range(size)]
+        index = {id(node): i for i, node in enumerate(nodes)}
+        got = postorder([nodes[r] for r in roots], lambda node: [nodes[j] for j in srcs[index[id(node)]]])
+        assert [index[id(node)] for node in got] == expected, trial
+
+
+def test_drive_runs_steps_in_call_order_and_raises_into_the_caller() -> None:
+    log: list[str] = []
+
+    def count(n: int) -> Step[int]:
+        log.append(f"enter {n}")
+        if n == 3:
+            raise KeyError(n)
+        total = n
+        if n < 10_000:
+            try:
+                total += yield count(n + 1)
+            except KeyError:
+                log.append(f"caught at {n}")
+                total = -1
+        return total
+
+    assert drive(count(4)) == sum(range(4, 10_001))   # 10,000 steps deep, on the default stack
+    assert log[:2] == ["enter 4", "enter 5"] and len(log) == 9_997
+    log.clear()
+    assert drive(count(2)) == -1 and log == ["enter 2", "enter 3", "caught at 2"]
 
 
 def _contraction() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
