@@ -27,6 +27,7 @@ from tinydist import dtypes
 from tinydist.dtypes import DType
 from tinydist.runtime.buffer import Buffer
 from tinydist.shape import Shape, ShapeTracker, prod
+from tinydist.walk import Step, drive
 
 
 class Op(enum.Enum):
@@ -166,11 +167,52 @@ def elementwise(op: Op, srcs: tuple[LazyNode, ...], dtype: DType, arg: Any = Non
 
 _PUSHABLE = frozenset({"reshape", "permute", "shrink", "step"})
 
+# The most elementwise ops one kernel inlines: fusion cuts a longer chain into kernels of this
+# many, and a view is pushed through at most this many nodes (beyond, it reads the value from
+# memory, as an expand does). Lowering and compiling cost about 0.5 ms per op (a kernel of a
+# 40,000-op chain took 20 s; kernels of 256 alike ops compile once). Pushing a view into a deep
+# chain copies the chain: a residual stream (x + f(x) per layer, reshaped by each layer's matmul)
+# is copied once per layer, quadratic in depth below the cap (a 2,000-layer residual MLP's
+# forward: 6 s at 256, 20 s at 512). Normal graphs stay far below: the largest kernel and the
+# deepest push over tests/{schedule,tensor,jit,train,onnx,multi} have 98 ops (an ONNX model),
+# the next largest 38, so the cap changes no schedule of theirs.
+MAX_FUSED_OPS = 256
+
 
 def view(node: LazyNode, movement: str, arg: Any) -> LazyNode:
     """Apply a movement op (`reshape`, `permute`, `expand`, `shrink`, `pad`, `step`, `as_strided`)."""
-    if node.buffer is None and node.op in ELEMENTWISE and movement in _PUSHABLE:
-        return elementwise(node.op, tuple(view(src, movement, arg) for src in node.srcs), node.dtype, node.arg)
+    if movement in _PUSHABLE and _pushable(node) and _push_size(node, MAX_FUSED_OPS) <= MAX_FUSED_OPS:
+        return drive(_push(node, movement, arg))
+    return _view_of(node, movement, arg)
+
+
+def _pushable(node: LazyNode) -> bool:
+    return node.buffer is None and node.op in ELEMENTWISE
+
+
+def _push_size(node: LazyNode, limit: int) -> int:
+    """How many nodes pushing a view into `node` rebuilds (a source read twice, twice), counted
+    up to `limit + 1`."""
+    count, pending = 0, [node]
+    while pending and count <= limit:
+        node = pending.pop()
+        if _pushable(node):
+            count += 1
+            pending.extend(node.srcs)
+    return count
+
+
+def _push(node: LazyNode, movement: str, arg: Any) -> Step[LazyNode]:
+    """`node`'s op over its sources' views. A Step (tinydist.walk): the chain may be deep. Not
+    memoized: a source read twice is pushed twice (two nodes), and fusion decides on each."""
+    srcs = []
+    for src in node.srcs:
+        srcs.append((yield _push(src, movement, arg)) if _pushable(src) else _view_of(src, movement, arg))
+    return elementwise(node.op, tuple(srcs), node.dtype, node.arg)
+
+
+def _view_of(node: LazyNode, movement: str, arg: Any) -> LazyNode:
+    """The movement as a VIEW node over `node`'s memory (the base of a view: views never stack)."""
     if node.buffer is None and node.op is Op.VIEW:
         base, tracker = node.srcs[0], node.arg
     else:  # realized memory (of any op) is contiguous in its own shape

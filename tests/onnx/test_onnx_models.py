@@ -48,6 +48,18 @@ def test_small_mlp(check, rng):
     check(nodes, {"x": rng.standard_normal((4, 64)).astype(F32)}, inits=inits, opset=11)
 
 
+def test_a_1000_node_model_runs_at_the_default_recursion_limit(check, rng):
+    """As deep as torchvision's densenet121 exported to ONNX (its schedule and kernels used to be
+    walked recursively: about 100 layers were enough to fail): 333 blocks of MatMul, Add, Relu."""
+    nodes, inits = [], {}
+    for i in range(333):
+        x, out = f"h{i}" if i else "x", "y" if i == 332 else f"h{i + 1}"
+        nodes += [N("MatMul", [x, f"w{i}"], [f"m{i}"]), N("Add", [f"m{i}", f"b{i}"], [f"a{i}"]), N("Relu", [f"a{i}"], [out])]
+        inits[f"w{i}"], inits[f"b{i}"] = w(rng, 8, 8, scale=0.5), w(rng, 8, scale=0.05)  # He scale: no vanishing
+    got = check(nodes, {"x": rng.standard_normal((2, 8)).astype(F32)}, inits=inits, opset=13, rtol=1e-4, atol=1e-5)
+    assert np.abs(got["y"]).max() > 1e-3
+
+
 def transformer_block(d=16, heads=2, seq=5, vocab=11, opset=17):
     rng = np.random.default_rng(1)
     dh = d // heads

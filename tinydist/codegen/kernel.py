@@ -14,9 +14,10 @@ from typing import Any
 
 from tinydist.dtypes import DType
 from tinydist.shape import Shape, ShapeTracker
+from tinydist.walk import postorder
 
 
-@dataclass(frozen=True, eq=True)
+@dataclass(frozen=True, eq=False)
 class KNode:
     op: str                      # "load", "const", "reduce", or an elementwise op name ("add", "exp", "cast" …)
     srcs: tuple[KNode, ...]
@@ -30,19 +31,27 @@ class KNode:
     def __hash__(self) -> int:
         return self._hash
 
-    def walk(self) -> list[KNode]:
-        """Every node once, sources before users."""
-        seen: dict[int, KNode] = {}
+    def __eq__(self, other: object) -> bool:
+        """Structural equality, as a dataclass's (fields compared as in a tuple: identity, then
+        ==), but iterative: a fused chain of 100,000 ops is a tree that deep. Pairs already found
+        equal are not compared again, so shared subtrees cost once."""
+        if not isinstance(other, KNode):
+            return NotImplemented
+        pending, equal = [(self, other)], set()
+        while pending:
+            a, b = pending.pop()
+            if a is b or (id(a), id(b)) in equal:
+                continue
+            if (a._hash != b._hash or len(a.srcs) != len(b.srcs)
+                    or not all(x is y or x == y for x, y in ((a.op, b.op), (a.arg, b.arg), (a.dtype, b.dtype)))):
+                return False
+            equal.add((id(a), id(b)))  # provisional: any unequal pair below ends the whole comparison
+            pending.extend(zip(a.srcs, b.srcs))
+        return True
 
-        def visit(node: KNode) -> None:
-            if id(node) in seen:
-                return
-            for src in node.srcs:
-                visit(src)
-            seen[id(node)] = node
-        visit(self)
-        del visit  # break the recursive closure's reference cycle
-        return list(seen.values())
+    def walk(self) -> list[KNode]:
+        """Every node once, sources before users (depth-first post-order)."""
+        return postorder((self,), lambda node: node.srcs)
 
 
 def load(slot: int, tracker: ShapeTracker, dtype: DType) -> KNode:

@@ -31,6 +31,7 @@ from tinydist.codegen import transcendental
 from tinydist.codegen.kernel import KernelAST, KNode
 from tinydist.dtypes import DType
 from tinydist.shape import ShapeTracker, View, prod
+from tinydist.walk import postorder
 
 I1, I8, I32, I64 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64)
 F32, F64 = ir.FloatType(), ir.DoubleType()
@@ -270,10 +271,14 @@ class _Lowerer:
     # -- expressions --
 
     def evaluate(self, root: KNode, index: list[ir.Value], cache: dict[int, ir.Value], reduced: ir.Value | None = None) -> ir.Value:
-        def visit(node: KNode) -> ir.Value:
-            key = id(node)
-            if key in cache:
-                return cache[key]
+        """The value of `root` at `index`, emitting each node's code once (sources first, left to
+        right); `reduced` stands for the reduce's result. Iterative: a fused chain can be very deep."""
+        def sources(node: KNode) -> tuple[KNode, ...]:
+            return () if node.op in ("reduce", "load", "const") or id(node) in cache else node.srcs
+
+        for node in postorder((root,), sources):
+            if id(node) in cache:
+                continue
             if node.op == "reduce":
                 assert reduced is not None, "a reduce below another reduce is split by the scheduler"
                 value = reduced
@@ -282,10 +287,9 @@ class _Lowerer:
             elif node.op == "const":
                 value = constant(node.dtype, node.arg, self.width)
             else:
-                value = self.alu(node, [visit(src) for src in node.srcs])
-            cache[key] = value
-            return value
-        return visit(root)
+                value = self.alu(node, [cache[id(src)] for src in node.srcs])
+            cache[id(node)] = value
+        return cache[id(root)]
 
     def alu(self, node: KNode, args: list[ir.Value]) -> ir.Value:
         return ALU_RULES[node.op](self, node, args)

@@ -18,6 +18,7 @@ from tinydist.schedule.fusion import fuse
 from tinydist.schedule.items import BufferSpec, Call
 from tinydist.schedule.linear import ScheduleCycleError, linearize
 from tinydist.schedule.memory import MemoryPlan, plan_memory
+from tinydist.walk import postorder
 
 __all__ = ["Schedule", "ScheduleCycleError", "create_schedule", "schedule_cache"]
 
@@ -40,26 +41,21 @@ class Schedule:
 
 
 def _canonical_walk(targets: list[LazyNode]) -> tuple[Hashable, list[LazyNode]]:
+    """The graph's structure as a flat key (nodes numbered in post-order, sources by number) and
+    its realized inputs, in the same order; realized nodes are leaves. Iterative: any depth."""
     index: dict[int, int] = {}
     parts: list[Any] = []
     inputs: list[LazyNode] = []
-
-    def visit(node: LazyNode) -> int:
-        key = id(node)
-        if key in index:
-            return index[key]
+    for node in postorder(targets, lambda node: () if node.realized else node.srcs):
         if node.realized:
             inputs.append(node)
             parts.append(("in", node.dtype.name, node.shape, node.device))
         else:
-            srcs = tuple(visit(src) for src in node.srcs)
+            srcs = tuple(index[id(src)] for src in node.srcs)
             arg = (type(node.arg).__name__, node.arg) if node.op is Op.CONST else node.arg
             parts.append((node.op, arg, node.dtype.name, node.shape, node.device, srcs))
-        index[key] = len(index)
-        return index[key]
-
-    roots = tuple(visit(t) for t in targets)
-    del visit  # a recursive closure is a reference cycle: break it, or the graph outlives this call
+        index[id(node)] = len(index)
+    roots = tuple(index[id(t)] for t in targets)
     return (tuple(parts), roots), inputs
 
 

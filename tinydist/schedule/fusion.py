@@ -15,7 +15,8 @@ Rules, in the order they are applied:
      packs it straight from the view's base, unless something else needs the copy first.
   3. Everything else — chains of elementwise ops, the reduce they feed, and elementwise ops
      applied to that reduce's result — is inlined into the kernel that computes the
-     materialized node that uses it.
+     materialized node that uses it, up to `lazy.MAX_FUSED_OPS` elementwise ops per kernel: the
+     elementwise node met past that (depth first, sources in order) is materialized instead.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ from tinydist.codegen import kernel as K
 from tinydist.codegen.kernel import KernelAST, KNode
 from tinydist.codegen.lowering import STREAMING_STORE_BYTES, VECTOR_BYTES
 from tinydist.codegen.matmul import StridedOperand, workspace_bytes
-from tinydist.lazy import ELEMENTWISE, TRANSCENDENTAL, LazyNode, Op
+from tinydist.lazy import ELEMENTWISE, MAX_FUSED_OPS, TRANSCENDENTAL, LazyNode, Op
 from tinydist.runtime.registry import peer_group
 from tinydist.schedule.items import BufferSpec, Call, CopyCall, GatherCall, KernelCall, MatmulCall, SliceCall
 from tinydist.shape import ShapeTracker, prod
+from tinydist.walk import Step, drive, postorder
 
 CHEAP_RECOMPUTE_OPS = 3
 
@@ -71,13 +73,19 @@ def _consumers(targets: list[LazyNode]) -> tuple[Counter[int], AllreduceGroups]:
 
 
 def _inline_cost(node: LazyNode, limit: int) -> int:
-    """Ops an inlined copy of `node` would recompute; a transcendental, a reduce or anything that
-    is not elementwise counts as more than `limit` (always worth a buffer)."""
-    if node.realized or node.op not in ELEMENTWISE:
-        return 0 if node.realized or node.op in (Op.CONST, Op.VIEW) else limit + 1
-    if node.op in TRANSCENDENTAL:
-        return limit + 1
-    return 1 + sum(_inline_cost(src, limit) for src in node.srcs)
+    """Ops an inlined copy of `node` would recompute (a source used twice, twice), up to `limit + 1`;
+    a transcendental, a reduce or anything that is not elementwise counts as more than `limit`
+    (always worth a buffer). The count stops once over the limit: a long chain costs only that."""
+    cost, pending = 0, [node]
+    while pending:
+        node = pending.pop()
+        if node.realized or node.op in (Op.CONST, Op.VIEW):
+            continue
+        if node.op not in ELEMENTWISE or node.op in TRANSCENDENTAL or cost == limit:
+            return limit + 1
+        cost += 1
+        pending.extend(node.srcs)
+    return cost
 
 
 class _Fuser:
@@ -91,12 +99,16 @@ class _Fuser:
 
     def run(self) -> FusedGraph:
         for target in self.targets:
-            self.materialize(target)
+            drive(self.materialize(target))
         return self.graph
 
-    def buffer_of(self, node: LazyNode) -> int:
+    # The methods below that may materialize another node are Steps (tinydist.walk): each call of
+    # one is `(yield self.method(...))`, so that chains of thousands of kernels, each inlining
+    # thousands of ops, stack up in `drive` and not on the interpreter's stack.
+
+    def buffer_of(self, node: LazyNode) -> Step[int]:
         """The buffer number holding `node`'s value (materializing it if needed)."""
-        return self.graph.number[id(node)] if node.realized else self.materialize(node)
+        return self.graph.number[id(node)] if node.realized else (yield self.materialize(node))
 
     def _new_buffer(self, node: LazyNode | None, spec: BufferSpec) -> int:
         number = len(self.graph.specs)
@@ -105,7 +117,7 @@ class _Fuser:
             self.graph.number[id(node)] = number
         return number
 
-    def materialize(self, node: LazyNode) -> int:
+    def materialize(self, node: LazyNode) -> Step[int]:
         if id(node) in self.graph.number:
             return self.graph.number[id(node)]
         if node.numel == 0:  # nothing to compute: an empty buffer, no call
@@ -114,27 +126,27 @@ class _Fuser:
         if base is not None and node.arg.is_reshape_of(base.shape) and base.op is not Op.CONST:
             # a reshape of contiguous memory (a reduce dropping its size-1 axes, a weight matrix
             # viewed with a batch axis) is the same bytes: both nodes name one buffer, no copy
-            number = self.buffer_of(base)
+            number = yield self.buffer_of(base)
             self.graph.number[id(node)] = number
             return number
         if node.op is Op.MATMUL:
-            return self._matmul(node)
+            return (yield self._matmul(node))
         if node.op is Op.COPY:
-            src = self.buffer_of(node.srcs[0])
+            src = yield self.buffer_of(node.srcs[0])
             out = self._new_buffer(node, BufferSpec(node.nbytes, node.dtype, node.shape, node.device, lane="copy"))
             self.graph.calls.append(CopyCall(out, src, node.nbytes, node.device))
             return out
         if node.op is Op.ASSIGN:
-            return self._assign(node)
+            return (yield self._assign(node))
         if node.op is Op.ALLREDUCE:
-            self._allreduce(node)
+            yield self._allreduce(node)
             return self.graph.number[id(node)]
         pieces = _cat_pieces(node)
         if pieces is not None:
-            return self._gather(node, pieces)
-        return self._kernel(node, out=None)
+            return (yield self._gather(node, pieces))
+        return (yield self._kernel(node, out=None))
 
-    def _gather(self, node: LazyNode, pieces: list[tuple[LazyNode, int]]) -> int:
+    def _gather(self, node: LazyNode, pieces: list[tuple[LazyNode, int]]) -> Step[int]:
         """`node` (a `cat`) as its pieces' buffers copied into their ranges of its buffer."""
         srcs, offsets = [], []
         for piece, start in pieces:
@@ -143,30 +155,32 @@ class _Fuser:
             if piece.op is Op.COPY and self._peer_copy(piece) and id(piece) not in self.graph.number \
                     and not self._should_materialize(piece):
                 piece = piece.srcs[0]  # the gather's copy reads the peer's memory itself
-            srcs.append(self.buffer_of(piece))
+            srcs.append((yield self.buffer_of(piece)))
             offsets.append(start * node.dtype.itemsize)
         out = self._new_buffer(node, BufferSpec(node.nbytes, node.dtype, node.shape, node.device, lane="copy"))
         self.graph.calls.append(GatherCall(out, tuple(srcs), tuple(offsets), node.nbytes, node.device))
         return out
 
-    def _kernel(self, node: LazyNode, out: int | None, aliased: int | None = None) -> int:
+    def _kernel(self, node: LazyNode, out: int | None, aliased: int | None = None) -> Step[int]:
         """A kernel computing `node` into a new buffer, or into `out` (an assign; `aliased` is the
         buffer number of the memory being overwritten, which the kernel may also read)."""
         slots: dict[int, int] = {}     # buffer number -> slot
         reduce_info: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # (input shape, axes)
         reshaped: list[tuple[int, ...]] = []  # the reduce's own shape, when reached through a reshape
+        inlined = 0                           # elementwise ops in this kernel so far (at most MAX_FUSED_OPS)
 
         def slot(number: int) -> int:
             return slots.setdefault(number, len(slots))
 
-        def load_of(base: LazyNode, tracker: ShapeTracker) -> KNode:
+        def load_of(base: LazyNode, tracker: ShapeTracker) -> Step[KNode]:
             if base.op is Op.CONST and not base.realized and all(v.mask is None for v in tracker.views):
                 return K.const(base.arg, base.dtype)
-            return K.load(slot(self.buffer_of(base)), tracker, base.dtype)
+            return K.load(slot((yield self.buffer_of(base))), tracker, base.dtype)
 
-        def build(n: LazyNode, top: bool) -> KNode:
+        def build(n: LazyNode, top: bool) -> Step[KNode]:
+            nonlocal inlined
             if n.realized or (n is not node and (id(n) in self.graph.number or self._should_materialize(n))):
-                return load_of(n, ShapeTracker.contiguous(n.shape))
+                return (yield load_of(n, ShapeTracker.contiguous(n.shape)))
             if n.op is Op.VIEW:
                 base = n.srcs[0]
                 if (top and not reduce_info and base.op is Op.REDUCE and not base.realized
@@ -177,31 +191,36 @@ class _Fuser:
                     # Only for a view with one consumer: views are never materialized for sharing,
                     # so inlining a shared one would recompute the reduction in every consumer.
                     reshaped.append(base.shape)
-                    return build(base, top)
+                    return (yield build(base, top))
                 if (base.op is Op.COPY and not base.realized and id(base) not in self.graph.number
                         and not self._should_materialize(base)):
-                    return self._peer_load(base, n.arg, load_of)  # e.g. a pad of a peer's chunk (cat)
+                    return (yield self._peer_load(base, n.arg, load_of))  # e.g. a pad of a peer's chunk (cat)
                 if not (base.realized or base.op is Op.CONST):
-                    self.materialize(base)
-                return load_of(base, n.arg)
+                    yield self.materialize(base)
+                return (yield load_of(base, n.arg))
             if n.op is Op.CONST:
                 return K.const(n.arg, n.dtype)
             if n.op is Op.COPY and self._peer_copy(n):
-                return self._peer_load(n, ShapeTracker.contiguous(n.shape), load_of)
+                return (yield self._peer_load(n, ShapeTracker.contiguous(n.shape), load_of))
             if n.op is Op.CONTIGUOUS:
-                return build(n.srcs[0], top)
+                return (yield build(n.srcs[0], top))
             if n.op is Op.REDUCE:
                 reduce_op, axes = n.arg
                 if reduce_info or not top:  # one reduce per kernel: a nested one gets its own kernel
-                    return load_of(n, ShapeTracker.contiguous(n.shape))
+                    return (yield load_of(n, ShapeTracker.contiguous(n.shape)))
                 reduce_info.append((n.srcs[0].shape, axes))
-                return KNode("reduce", (build(n.srcs[0], False),), reduce_op, n.dtype)
+                return KNode("reduce", ((yield build(n.srcs[0], False)),), reduce_op, n.dtype)
             if n.op in ELEMENTWISE:
-                srcs = tuple(build(s, top) for s in n.srcs)
-                return KNode(n.op.value, srcs, n.arg, n.dtype)
-            return load_of(n, ShapeTracker.contiguous(n.shape))  # matmul / copy / assign results
+                if inlined == MAX_FUSED_OPS:  # a longer chain is cut: the rest is computed by kernels of its own
+                    return (yield load_of(n, ShapeTracker.contiguous(n.shape)))
+                inlined += 1
+                srcs = []
+                for s in n.srcs:
+                    srcs.append((yield build(s, top)))
+                return KNode(n.op.value, tuple(srcs), n.arg, n.dtype)
+            return (yield load_of(n, ShapeTracker.contiguous(n.shape)))  # matmul / copy / assign results
 
-        root = build(node, True)
+        root = yield build(node, True)
         del build  # a recursive closure is a reference cycle: break it, or the graph outlives this call
         if reshaped and reshaped[0] != node.shape:
             root = _in_shape_above_reduce(root, reshaped[0])
@@ -231,7 +250,7 @@ class _Fuser:
         return group is not None and peer_group(node.srcs[0].device) == group
 
     def _peer_load(self, copy: LazyNode, tracker: ShapeTracker,
-                   load_of: Callable[[LazyNode, ShapeTracker], KNode]) -> KNode:
+                   load_of: Callable[[LazyNode, ShapeTracker], Step[KNode]]) -> Step[KNode]:
         """A load through `tracker` (over the peer copy's shape) of the copy's source, from its own
         device's memory. The source is computed there (materialized on its device, never inlined
         into the reader's kernel, so the work stays where the graph put it); a view of a buffer
@@ -242,15 +261,15 @@ class _Fuser:
                 and src.srcs[0].op is Op.VIEW):
             src = src.srcs[0]
         if src.op is not Op.VIEW or src.realized:
-            return load_of(src, tracker)
+            return (yield load_of(src, tracker))
         base = src.srcs[0]
         if not (base.realized or base.op is Op.CONST):
-            self.materialize(base)
+            yield self.materialize(base)
         # `tracker` indexes contiguous memory of the view's shape: stack it on the view's tracker
         inner = src.arg
-        return load_of(base, inner.reshape(tracker.shape) if tracker.contiguous_base else ShapeTracker(inner.views + tracker.views))
+        return (yield load_of(base, inner.reshape(tracker.shape) if tracker.contiguous_base else ShapeTracker(inner.views + tracker.views)))
 
-    def _matmul(self, node: LazyNode) -> int:
+    def _matmul(self, node: LazyNode) -> Step[int]:
         a_node, b_node = node.srcs
         (ba, m, k), (bb, _, n) = a_node.shape, b_node.shape
         # One operand at most is read strided (host devices only: the LLVM matmul gathers), the
@@ -262,8 +281,8 @@ class _Fuser:
         strided: StridedOperand | None = None
         if found:
             base, strided = max(found, key=lambda pair: pair[0])[1]
-        a = self.buffer_of(base) if strided is not None and strided.operand == "a" else self.buffer_of(a_node)
-        b = self.buffer_of(base) if strided is not None and strided.operand == "b" else self.buffer_of(b_node)
+        a = yield self.buffer_of(base if strided is not None and strided.operand == "a" else a_node)
+        b = yield self.buffer_of(base if strided is not None and strided.operand == "b" else b_node)
         batch = max(ba, bb)
         workspace = self._new_buffer(None, BufferSpec(workspace_bytes(m, n, k, node.dtype.name, strided=strided),
                                                       dtypes.bool_, (), node.device))
@@ -299,14 +318,17 @@ class _Fuser:
             return None
         return base, StridedOperand(which, axes[:split], axes[split:], inner.offset)
 
-    def _allreduce(self, node: LazyNode) -> None:
+    def _allreduce(self, node: LazyNode) -> Step[None]:
         """`node`'s whole group (every output of one allreduce in this graph) as one SliceCall per
         input device: device d reduces range d of all inputs, reading its peers' memory in place,
         and writes the result into range d of every output — each input byte read once, each
         output byte written once."""
         op, _ = node.arg
         members = self.allreduces[(op, tuple(id(src) for src in node.srcs))]
-        inputs = tuple(self.buffer_of(src) for src in node.srcs)
+        numbers = []
+        for src in node.srcs:
+            numbers.append((yield self.buffer_of(src)))
+        inputs = tuple(numbers)
         outs = []
         for index in sorted(members):
             first, *same = members[index]
@@ -335,20 +357,21 @@ class _Fuser:
     def _memory_of(self, number: int) -> int:
         return self.graph.aliases.get(number, number)
 
-    def _assign(self, node: LazyNode) -> int:
+    def _assign(self, node: LazyNode) -> Step[int]:
         target, value = node.srcs
-        old = self.buffer_of(target)
+        old = yield self.buffer_of(target)
         out = self._new_buffer(node, self.graph.specs[old])
         self.graph.aliases[out] = self._memory_of(old)
         self.graph.overwrites[out] = old
         if value.numel:
-            self._kernel(value, out=out, aliased=old)
+            yield self._kernel(value, out=out, aliased=old)
             call = self.graph.calls[-1]
+            assert isinstance(call, KernelCall), call
             if not _reads_aliased_in_place(call):
                 # the kernel would read elements it has already overwritten: compute the value
                 # into a buffer of its own, then copy it over the target
                 self.graph.calls.pop()
-                computed = self._kernel(value, out=None)
+                computed = yield self._kernel(value, out=None)
                 copy = KernelAST(value.shape, (), K.load(0, ShapeTracker.contiguous(value.shape), value.dtype), (value.dtype,), value.dtype)
                 self.graph.calls.append(KernelCall(copy, out, (computed,), node.device))
         return out
@@ -409,21 +432,15 @@ def _in_shape_above_reduce(root: KNode, shape: tuple[int, ...]) -> KNode:
     """The expression with every load above its reduce reading in `shape` (the reduce's keep-dims
     shape) instead of the reshaped one the graph used; same elements, same order."""
     memo: dict[int, KNode] = {}
-
-    def lift(k: KNode) -> KNode:
-        if id(k) not in memo:
-            if k.op == "reduce" or (not k.srcs and k.op != "load"):
-                memo[id(k)] = k
-            elif k.op == "load":
-                slot, tracker = k.arg
-                memo[id(k)] = K.load(slot, tracker.reshape(shape), k.dtype)
-            else:
-                memo[id(k)] = KNode(k.op, tuple(lift(src) for src in k.srcs), k.arg, k.dtype)
-        return memo[id(k)]
-
-    result = lift(root)
-    del lift  # break the recursive closure's reference cycle
-    return result
+    for k in postorder((root,), lambda k: () if k.op == "reduce" else k.srcs):
+        if k.op == "reduce" or (not k.srcs and k.op != "load"):
+            memo[id(k)] = k
+        elif k.op == "load":
+            slot, tracker = k.arg
+            memo[id(k)] = K.load(slot, tracker.reshape(shape), k.dtype)
+        else:
+            memo[id(k)] = KNode(k.op, tuple(memo[id(src)] for src in k.srcs), k.arg, k.dtype)
+    return memo[id(root)]
 
 
 def _reads_aliased_in_place(call: KernelCall) -> bool:

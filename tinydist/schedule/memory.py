@@ -11,6 +11,7 @@ queues).
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -59,20 +60,71 @@ def plan_memory(linear: Sequence[Call], specs: Sequence[BufferSpec], planned: It
         spec = specs[number]
         by_arena.setdefault((spec.device, spec.lane), []).append(number)
     for arena, numbers in by_arena.items():
-        placed: list[tuple[int, int, int, int, bool]] = []  # (offset, end, first, last, shared)
+        placed = _Placed(len(linear))
         numbers.sort(key=lambda n: (-_round(specs[n].nbytes), plan.lifetimes[n][0]))
         for number in numbers:
             size, (first, last) = _round(specs[number].nbytes), plan.lifetimes[number]
             alone = number in shared
-            clashes = sorted((o, e) for o, e, f, l, s in placed if alone or s or (f <= last and first <= l))
             offset = 0
-            for start, end in clashes:
+            for start, end in sorted(placed.all() if alone else placed.clashing(first, last)):
                 if offset + size <= start:
                     break
                 offset = max(offset, end)
-            placed.append((offset, offset + size, first, last, alone))
+            placed.add(offset, offset + size, first, last, alone)
             plan.offsets[number] = offset
             plan.arena_of[number] = arena
             plan.planned_bytes += specs[number].nbytes
-        plan.arena_bytes[arena] = max((end for _, end, _, _, _ in placed), default=0)
+        plan.arena_bytes[arena] = max((end for _, end in placed.all()), default=0)
     return plan
+
+
+class _Placed:
+    """The byte ranges placed in one arena, found by lifetime in time proportional to what is found.
+
+    A schedule of a deep graph has tens of thousands of short-lived buffers: comparing each with
+    every one placed before it took minutes. Lifetimes are call-index ranges within [0, calls).
+    Those meeting [first, last] are the ones alive at `first` (a stabbing query on a segment tree
+    over call indices: each range is stored at the O(log calls) nodes that tile it) and the ones
+    starting in (first, last] (a list sorted by first call)."""
+
+    def __init__(self, calls: int) -> None:
+        self._leaves = 1 << max(calls - 1, 0).bit_length()
+        self._tree: dict[int, list[tuple[int, int]]] = {}   # segment-tree node -> ranges tiled by it
+        self._starts: list[tuple[int, int, int]] = []       # (first call, offset, end), sorted
+        self._everywhere: list[tuple[int, int]] = []        # ranges of buffers several streams touch
+        self._ranges: list[tuple[int, int]] = []
+
+    def add(self, offset: int, end: int, first: int, last: int, everywhere: bool) -> None:
+        self._ranges.append((offset, end))
+        if everywhere:  # clashes with every buffer placed after it
+            self._everywhere.append((offset, end))
+            return
+        bisect.insort(self._starts, (first, offset, end))
+        lo, hi = first + self._leaves, last + self._leaves + 1
+        while lo < hi:
+            if lo & 1:
+                self._tree.setdefault(lo, []).append((offset, end))
+                lo += 1
+            if hi & 1:
+                hi -= 1
+                self._tree.setdefault(hi, []).append((offset, end))
+            lo, hi = lo >> 1, hi >> 1
+
+    def all(self) -> list[tuple[int, int]]:
+        return self._ranges
+
+    def clashing(self, first: int, last: int) -> list[tuple[int, int]]:
+        """The ranges of placed buffers alive at some call in [first, last], and of those several
+        streams touch (each once: the same ranges as a scan over every placed buffer)."""
+        found = list(self._everywhere)
+        node = first + self._leaves
+        while node:
+            found += self._tree.get(node, ())
+            node >>= 1
+        lo = bisect.bisect_right(self._starts, (first, _AFTER, _AFTER))
+        hi = bisect.bisect_right(self._starts, (last, _AFTER, _AFTER))
+        found += ((offset, end) for _, offset, end in self._starts[lo:hi])
+        return found
+
+
+_AFTER = 1 << 62  # sorts after every offset: (call, _AFTER, _AFTER) follows every entry of that call
