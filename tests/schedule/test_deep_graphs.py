@@ -16,7 +16,7 @@ import numpy as np
 
 import tinydist as td
 from tinydist.lazy import ELEMENTWISE, MAX_FUSED_OPS
-from tinydist.realize import realize
+from tinydist.engine.realize import realize
 from tinydist.schedule import create_schedule
 from tinydist.schedule.items import KernelCall
 from tinydist.walk import Step, drive, postorder
