@@ -124,3 +124,36 @@ def test_the_chosen_strategy_and_the_reasons_for_it_are_logged(monkeypatch: pyte
     assert len(chosen) == 1 and chosen[0]["strategy"] == f.captured.strategy.name
     assert chosen[0]["forced"] is False
     assert any(reason.startswith("not entry: it runs on 2 devices") for reason in chosen[0]["reasons"])
+
+
+@pytest.mark.parametrize("jitted", [False, True])
+def test_a_reshape_taken_before_an_assign_keeps_the_old_value(jitted: bool) -> None:
+    # A target that was a reshape of realized memory shared that memory, so the assign (or one
+    # run later) changed it: eagerly when the assign was read first, in every replay always.
+    def f(t: td.Tensor) -> tuple[td.Tensor, td.Tensor]:
+        view = t.reshape(3, 1)
+        t.assign(t + t)
+        return view, t * 1
+
+    run = td.jit(f) if jitted else f
+    for i in range(5):
+        t = td.Tensor(np.full(3, i + 1, np.float32))
+        view, doubled = run(t)
+        np.testing.assert_array_equal(doubled.numpy(), np.full(3, 2 * (i + 1)))   # the assign read first
+        np.testing.assert_array_equal(view.numpy(), np.full((3, 1), i + 1))
+        np.testing.assert_array_equal(t.numpy(), np.full(3, 2 * (i + 1)))
+
+
+@pytest.mark.parametrize("jitted", [False, True])
+def test_an_assign_the_result_reads_runs_once(jitted: bool) -> None:
+    # Realizing `t + t` after `t.assign(t + t)` ran the assign in its schedule but left it
+    # unrealized, so reading `t` afterwards ran it again (t doubled twice).
+    def f(t: td.Tensor) -> td.Tensor:
+        t.assign(t + t)
+        return t + t
+
+    run = td.jit(f) if jitted else f
+    for i in range(5):
+        t = td.Tensor(np.full(3, i + 1, np.float32))
+        np.testing.assert_array_equal(run(t).numpy(), np.full(3, 4 * (i + 1)))
+        np.testing.assert_array_equal(t.numpy(), np.full(3, 2 * (i + 1)))

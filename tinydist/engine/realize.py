@@ -25,8 +25,10 @@ log = get_logger(layer="realize")
 
 
 def _with_readers_of_overwritten(targets: list[LazyNode]) -> list[LazyNode]:
-    """Add the live, unrealized readers of every buffer an assign in this graph overwrites, so they
-    are computed from the old value in the same schedule (before the overwrite: WAR)."""
+    """Add every assign in this graph, and the live, unrealized readers of every buffer one
+    overwrites, so they are computed from the old value in the same schedule (before the
+    overwrite: WAR). An assign the graph reads is a target too: it runs here, and is then
+    realized — else the tensor assigned to would run it a second time when it is read."""
     result = list(targets)
     while True:
         in_graph: set[int] = set()
@@ -40,8 +42,10 @@ def _with_readers_of_overwritten(targets: list[LazyNode]) -> list[LazyNode]:
             if node.op is Op.ASSIGN:
                 assigns.append(node)
             stack.extend(node.srcs)
-        extra = [reader for a in assigns for reader in a.srcs[0].live_readers()
-                 if id(reader) not in in_graph and reader is not a]
+        targeted = {id(node) for node in result}
+        extra = [a for a in assigns if id(a) not in targeted]
+        extra += [reader for a in assigns for reader in a.srcs[0].live_readers()
+                  if id(reader) not in in_graph and reader is not a]
         if not extra:
             return result
         result.extend(dict.fromkeys(extra))

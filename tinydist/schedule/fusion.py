@@ -95,7 +95,8 @@ class _Fuser:
         for node in inputs:
             self._new_buffer(node, BufferSpec(node.nbytes, node.dtype, node.shape, node.device))
         self.consumers, self.allreduces = _consumers(targets)
-        self.must_materialize: set[int] = {id(t) for t in targets}
+        self.target_ids = {id(t) for t in targets}
+        self.must_materialize: set[int] = set(self.target_ids)
 
     def run(self) -> FusedGraph:
         for target in self.targets:
@@ -117,13 +118,19 @@ class _Fuser:
             self.graph.number[id(node)] = number
         return number
 
+    def _holds_apart(self, node: LazyNode, base: LazyNode) -> bool:
+        """Whether target `node` must not share `base`'s memory: the caller holds both as values
+        of their own (an input, or another target), and an assign to one must not change the
+        other — an assign makes a new version, readers built before it keep the old value."""
+        return id(node) in self.target_ids and (base.realized or id(base) in self.target_ids)
+
     def materialize(self, node: LazyNode) -> Step[int]:
         if id(node) in self.graph.number:
             return self.graph.number[id(node)]
         if node.numel == 0:  # nothing to compute: an empty buffer, no call
             return self._new_buffer(node, BufferSpec(0, node.dtype, node.shape, node.device))
         base = node.srcs[0] if node.op is Op.VIEW else None
-        if base is not None and node.arg.is_reshape_of(base.shape) and base.op is not Op.CONST:
+        if base is not None and node.arg.is_reshape_of(base.shape) and base.op is not Op.CONST and not self._holds_apart(node, base):
             # a reshape of contiguous memory (a reduce dropping its size-1 axes, a weight matrix
             # viewed with a batch axis) is the same bytes: both nodes name one buffer, no copy
             number = yield self.buffer_of(base)
