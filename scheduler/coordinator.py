@@ -19,9 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
-import threading
 from pathlib import Path
-from typing import Any
 
 import grpc
 
@@ -216,44 +214,6 @@ class Coordinator:
                 await self._sweeper
         if self.server is not None:
             await self.server.stop(grace)
-
-
-class ThreadedCoordinator:
-    """A coordinator on its own event loop thread, e.g. inside a job's rank-0 process."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self.coordinator: Coordinator | None = None
-        self._thread = threading.Thread(target=self._run, args=(kwargs,), name="tinydist-coordinator", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(30):
-            raise TimeoutError("the coordinator did not start within 30 s")
-        if self._error is not None:
-            raise self._error
-
-    def _run(self, kwargs: dict[str, Any]) -> None:
-        asyncio.set_event_loop(self._loop)
-        try:
-            self.coordinator = self._loop.run_until_complete(Coordinator.start(**kwargs))
-        except BaseException as exc:  # handed to the constructor
-            self._error = exc
-            self._ready.set()
-            return
-        self._ready.set()
-        self._loop.run_forever()
-        self._loop.run_until_complete(self.coordinator.stop())
-        self._loop.close()
-
-    @property
-    def address(self) -> str:
-        return self.coordinator.address if self.coordinator else ""
-
-    def stop(self) -> None:
-        if self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
 
 
 async def serve(listen: str, pki: Path | None, insecure_loopback_only: bool, heartbeat_interval: float, miss_limit: int,

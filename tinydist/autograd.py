@@ -38,7 +38,6 @@ import math
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from tinydist.lazy import ELEMENTWISE, LazyNode, Op, grad_mode
 from tinydist.shape import ShapeTracker, View, prod
@@ -479,7 +478,3 @@ def _place(t: Tensor, sizes: list[int], strides: list[int], offset: int, size: i
     if offset or size - offset - length:
         t = t.pad(((offset, size - offset - length),))
     return t
-
-
-def grad_enabled_scope(enabled: bool) -> Any:
-    return enable_grad() if enabled else no_grad()

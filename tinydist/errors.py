@@ -71,6 +71,3 @@ class AllocationError(TinydistError, MemoryError):
 class CompileError(TinydistError):
     """LLVM rejected a kernel."""
 
-
-class InternalError(TinydistError):
-    """A state tinydist believed impossible; please report it with the traceback."""

@@ -64,10 +64,6 @@ def add_transport_bytes(transport: str, direction: str, nbytes: int, messages: i
         TRANSPORT_MESSAGES.labels(transport, direction).inc(messages)
 
 
-def observe_collective(collective: str, algorithm: str, seconds: float) -> None:
-    COLLECTIVE_SECONDS.labels(collective, algorithm).observe(seconds)
-
-
 @contextlib.contextmanager
 def time_collective(collective: str, algorithm: str = "") -> Iterator[None]:
     """Observe the block's duration in tinydist_collective_seconds; count it in
