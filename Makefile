@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test bench install clean env-doc
+.PHONY: demo test bench install clean env-doc differential-long
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The JIT differential test with thousands of fresh random programs instead of CI's fixed set
+# (tests/jit/test_differential.py); a failure prints its program and a @reproduce_failure blob.
+differential-long: $(STAMP)
+	HYPOTHESIS_PROFILE=long $(BIN)/python -m pytest -q -o timeout=0 tests/jit/test_differential.py -k every_replay
 
 bench: $(STAMP)
 	$(BIN)/python bench/runtime.py
