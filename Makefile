@@ -24,7 +24,7 @@ test: $(STAMP)
 # The JIT differential test with thousands of fresh random programs instead of CI's fixed set
 # (tests/jit/test_differential.py); a failure prints its program and a @reproduce_failure blob.
 differential-long: $(STAMP)
-	HYPOTHESIS_PROFILE=long $(BIN)/python -m pytest -q -o timeout=0 tests/jit/test_differential.py -k every_replay
+	HYPOTHESIS_PROFILE=long $(BIN)/python -m pytest -q -o timeout=0 -o faulthandler_timeout=0 tests/jit/test_differential.py -k every_replay
 
 bench: $(STAMP)
 	$(BIN)/python bench/runtime.py

@@ -87,8 +87,9 @@ def _draw_calls(program: Program, seed: int) -> list[tuple[list[np.ndarray], Ref
                 break
             except NearTie:
                 continue
-        else:
-            reject()  # a comparison of values that are equal by construction, e.g. (a + b) == (b + a)
+        else:  # a comparison of values that are equal by construction, e.g. (a + b) == (b + a)
+            event("rejected: a comparison within rounding error of a tie, whatever the arguments")
+            reject()
     return calls
 
 
