@@ -3,10 +3,11 @@
 Each example is a random program (`tests/jit/programs.py`) jitted once per replay strategy in
 `tinydist.jit.REPLAYS` and called 12 times with fresh arguments, through one entry: `f(*tensors)`,
 `f.call_numpy(*arrays)` or `await f.acall(*tensors)`. Call 1 runs the function, call 2 captures,
-calls 3-12 replay. Every call's outputs must equal, bit for bit, the same function run eagerly on
-the same arguments, and a float64 numpy interpretation of the program within its error bound; an
-argument the program assigns to must hold its new value afterwards (a Tensor) or be left alone (an
-ndarray given to `call_numpy`, which the function only ever sees a copy of).
+calls 3-12 replay. Every call's outputs must equal the same function run eagerly on the same
+arguments and a float64 numpy interpretation of the program: exactly for ints and bools, within
+the error bound the generator derives for each float value (see programs.py). An argument the
+program assigns to must hold its new value afterwards (a Tensor) or be left alone (an ndarray
+given to `call_numpy`, which the function only ever sees a copy of).
 
 A strategy that does not apply to a graph refuses it at capture with a JitError ("entry" needs one
 device of kernels only; "streams" needs host devices): that combination is skipped. "auto" and
@@ -158,14 +159,16 @@ def _check(program: Program, replay: str, entry: str, k: int, got: Observed, eag
         meta = program.metas[number]
         assert out.dtype == np.dtype(meta.dtype) and out.shape == meta.shape, \
             f"output {i}: {out.dtype}{list(out.shape)}, want {meta.describe()}\n{context}"
-        assert matches(out, eager.outputs[i], 0.0), f"output {i} differs from eager: {describe_mismatch(out, eager.outputs[i], 0.0)}\n{context}"
+        # eager and a replay may round differently (one Tensor passed twice is one buffer eagerly, two
+        # in a capture): both are within the error bound of the exact value
         allowed = TOLERANCE * meta.err
+        assert matches(out, eager.outputs[i], allowed), f"output {i} differs from eager: {describe_mismatch(out, eager.outputs[i], allowed)}\n{context}"
         assert matches(out, ref, allowed), f"output {i} differs from numpy: {describe_mismatch(out, ref, allowed)}\n{context}"
     for p, (arg, before) in enumerate(zip(got.arguments, eager.arguments)):
         # eager.arguments: the argument after the eager call, or (call_numpy) the untouched array
-        assert matches(arg, before, 0.0), f"argument p{p} afterwards: {describe_mismatch(arg, before, 0.0)}\n{context}"
+        allowed = TOLERANCE * program.metas[program.final_value(p)].err if entry != "call_numpy" else 0.0
+        assert matches(arg, before, allowed), f"argument p{p} afterwards: {describe_mismatch(arg, before, allowed)}\n{context}"
         if entry != "call_numpy":
-            allowed = TOLERANCE * program.metas[program.final_value(p)].err
             assert matches(arg, want.arguments[p], allowed), \
                 f"argument p{p} afterwards, against numpy: {describe_mismatch(arg, want.arguments[p], allowed)}\n{context}"
 
