@@ -268,6 +268,7 @@ def draw_arguments(program: Program, rng: np.random.Generator) -> list[np.ndarra
         if program.shared[i] != i:
             arrays.append(arrays[program.shared[i]])
             continue
+        value: np.ndarray
         if meta.dtype == "bool":
             value = rng.random(meta.shape) < 0.5
         elif meta.dtype == "int64":
@@ -543,7 +544,7 @@ def _reshapes(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     """Every shape of up to 3 axes with the same number of elements, other than `shape` itself."""
     n = math.prod(shape)
     divisors = [d for d in range(1, n + 1) if n % d == 0]
-    found = {(n,)} | {(d, n // d) for d in divisors} | {(d, e, n // (d * e)) for d in divisors for e in divisors if n % (d * e) == 0}
+    found: set[tuple[int, ...]] = {(n,)} | {(d, n // d) for d in divisors} | {(d, e, n // (d * e)) for d in divisors for e in divisors if n % (d * e) == 0}
     if n == 1:
         found.add(())
     return sorted(found - {shape})

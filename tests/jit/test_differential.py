@@ -24,7 +24,7 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import numpy as np
@@ -219,35 +219,41 @@ def test_every_replay_equals_eager_and_numpy(entry: str, data: st.DataObject) ->
     _differential(program, entry, seed, read_each)
 
 
+class _Known(NamedTuple):
+    entries: tuple[str, ...]     # the entries that show the bug
+    raises: type[Exception]      # how it shows
+    bug: str
+
+
 # Shapes of program the engine gets wrong at this commit: each is kept out of the test above and
 # forced here, through the entries that show it. The fix that makes one pass turns its xfail into
-# an error (strict), and the marker goes with the fix. (shape: entries, what it raises, the bug)
+# an error (strict): then its entry here goes, and the shape joins _ALLOWED.
 _KNOWN = {
-    RETURN_ARGUMENT: (ENTRIES, JitError,
-                      "a function returning an argument unchanged next to a computed output raises JitError "
-                      "'nothing to capture' at call 2; eager and numpy return the argument"),
-    ASSIGN_TWICE: (ENTRIES, AssertionError,
-                   "assigning to one Tensor twice realizes the first assign at the second (Tensor.assign realizes an "
-                   "unrealized target): eagerly, a value built before both then reads the first assign's result; in a "
-                   "capture, the first assign runs once, at capture, and never in a replay"),
-    ASSIGN_CYCLE: (ENTRIES, td.ScheduleCycleError,
-                     "ScheduleCycleError where numpy has none: a kernel reading an argument both before and after an "
-                     "assign to it (old = t + t; t.assign(u); old + t), or two assigns each reading what the other "
-                     "overwrites (old = a + a; a.assign(b); b.assign(old)); buffering the old value would break the cycle"),
-    READ_ASSIGNED: (("call", "acall"), AssertionError,
-                    "realizing a value that reads an assign's result applies the assign without marking its node "
-                    "realized: reading the assigned Tensor afterwards applies it again (a call 1, or eager code)"),
-    STALE_VIEW: (ENTRIES, AssertionError,
-                 "a view of an argument taken before an assign to it (v = t.reshape(...); t.assign(t + t); return v) "
-                 "shows the new value when the assign is realized first or with it: a view has no kernel to order "
-                 "before the overwrite, and nothing copies it"),
+    RETURN_ARGUMENT: _Known(ENTRIES, JitError, (
+        "a function returning an argument unchanged next to a computed output raises JitError 'nothing to capture' at "
+        "call 2; eager and numpy return the argument")),
+    ASSIGN_TWICE: _Known(ENTRIES, AssertionError, (
+        "assigning to one Tensor twice realizes the first assign at the second (Tensor.assign realizes an unrealized "
+        "target): eagerly, a value built before both then reads the first assign's result; in a capture, the first "
+        "assign runs once, at capture, and never in a replay")),
+    ASSIGN_CYCLE: _Known(ENTRIES, td.ScheduleCycleError, (
+        "ScheduleCycleError where numpy has none: a kernel reading an argument both before and after an assign to it "
+        "(old = t + t; t.assign(u); old + t), or two assigns each reading what the other overwrites (old = a + a; "
+        "a.assign(b); b.assign(old)); buffering the old value would break the cycle")),
+    READ_ASSIGNED: _Known(("call", "acall"), AssertionError, (
+        "realizing a value that reads an assign's result applies the assign without marking its node realized: "
+        "reading the assigned Tensor afterwards applies it again (in a call 1, or in eager code)")),
+    STALE_VIEW: _Known(ENTRIES, AssertionError, (
+        "a view of an argument taken before an assign to it (v = t.reshape(...); t.assign(t + t); return v) shows the "
+        "new value when the assign is realized first or with it: a view has no kernel to order before the overwrite, "
+        "and nothing copies it")),
 }
 
 
 def _known_failures() -> list[Any]:
     return [pytest.param(shape, entry, id=f"{shape}-{entry}",
-                         marks=pytest.mark.xfail(strict=True, raises=raises, reason=f"engine: {reason}"))
-            for shape, (entries, raises, reason) in _KNOWN.items() for entry in entries]
+                         marks=pytest.mark.xfail(strict=True, raises=known.raises, reason=f"engine: {known.bug}"))
+            for shape, known in _KNOWN.items() for entry in known.entries]
 
 
 @pytest.mark.parametrize(("shape", "entry"), _known_failures())
