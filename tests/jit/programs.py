@@ -34,6 +34,9 @@ TRANSCENDENTAL_ULPS = 8
 FLOAT_LIMIT = 1e5       # no value may grow past this: float32 keeps ~2 significant digits of headroom in sums
 INT_LIMIT = 2.0 ** 40   # int64 products stay exact and far from wrapping
 MAX_ELEMENTS = 96
+# tinydist and the reference may each be off by a value's error bound: results are compared, and
+# comparisons called near ties, within this many bounds
+TOLERANCE = 4.0
 NUMPY_OF = {"float32": np.float64, "float64": np.float64, "int64": np.int64, "bool": np.bool_}  # reference storage
 
 
@@ -230,7 +233,7 @@ def _numpy_step(step: Step, xs: list[np.ndarray], ms: list[Meta], out: Meta) -> 
     if op in ("lt", "eq", "ge"):
         common = _common(*ms)
         a, b = (_cast_numpy(x, common) for x in xs)
-        margin = 4 * (ms[0].err + ms[1].err)
+        margin = TOLERANCE * (ms[0].err + ms[1].err)
         # the same value on both sides compares exactly in tinydist too: only distinct values can flip
         if margin and step.args[0] != step.args[1] and np.any(np.abs(a - b) <= margin):
             raise NearTie(f"{op} of operands within {margin:.3g} of each other")

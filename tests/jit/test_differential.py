@@ -36,15 +36,13 @@ import tinydist as td
 from tinydist.jit import REPLAYS, JitError, TinyJit
 from tinydist.tensor import realize  # one realize of several tensors: the one Tensor.realize calls
 
-from .programs import (ASSIGN_CYCLE, ASSIGN_TWICE, READ_ASSIGNED, RETURN_ARGUMENT, STALE_VIEW, NearTie, Program, Reference, as_function,
-                       describe_mismatch, draw_arguments, matches, outputs_of, programs, run_numpy)
+from .programs import (ASSIGN_CYCLE, ASSIGN_TWICE, READ_ASSIGNED, RETURN_ARGUMENT, STALE_VIEW, TOLERANCE, NearTie, Program,
+                       Reference, as_function, describe_mismatch, draw_arguments, matches, outputs_of, programs, run_numpy)
 
 CALLS = 12
 ENTRIES = ("call", "call_numpy", "acall")
 # the strategies that may refuse a graph at capture, and how they say so; any other JitError fails
 NOT_APPLICABLE = {name: re.compile(rf"replay='{name}' (needs|does not apply)") for name in ("entry", "streams")}
-# a float result may differ from the exact value by its own error bound, and the reference by as much again
-TOLERANCE = 4.0
 
 _HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large]
 settings.register_profile("differential-ci", max_examples=50, derandomize=True, deadline=None, database=None,
