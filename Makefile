@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test bench install clean env-doc process-replay process-replay-update
+.PHONY: demo test bench install clean env-doc process-replay process-replay-update differential-long
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ process-replay: $(STAMP)
 # Rewrite every golden (after a change meant to alter schedules or IR): review and commit the diff.
 process-replay-update: $(STAMP)
 	$(BIN)/python -m tests.schedule.process_replay_update
+
+# The JIT differential test with thousands of fresh random programs instead of CI's fixed set
+# (tests/jit/test_differential.py); a failure prints its program and a @reproduce_failure blob.
+differential-long: $(STAMP)
+	HYPOTHESIS_PROFILE=long $(BIN)/python -m pytest -q -o timeout=0 -o faulthandler_timeout=0 tests/jit/test_differential.py -k every_replay
 
 bench: $(STAMP)
 	$(BIN)/python bench/runtime.py
