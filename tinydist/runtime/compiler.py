@@ -14,6 +14,7 @@ elsewhere (a remote node, which runs no client binaries) there is nothing to lin
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import itertools
 import threading
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 Launch = tuple[Program, Sequence[int]]
 
 _entry_ids = itertools.count()
+_MEMMOVE = ctypes.cast(ctypes.memmove, ctypes.c_void_p).value
 
 
 class DeviceCompiler:
@@ -109,14 +111,17 @@ class DeviceCompiler:
             raise DeviceError(f"{self.device.name} cannot link a host frame (its memory is not the host's, "
                               "or it runs no host code of this process)")
         params = [f"ptr %in{i}" for i in range(len(copies_in))] + [f"ptr %out{i}" for i in range(len(copies_out))]
-        lines = [f"  call void @llvm.memcpy.p0.p0.i64(ptr inttoptr (i64 {address} to ptr), ptr %in{i}, i64 {nbytes}, i1 false)"
+        # memmove by its address, not the memcpy intrinsic: a copy LLVM does not inline becomes a
+        # call to an external symbol, whose 32-bit relocation the in-process loader cannot always
+        # reach from JIT memory (it aborts the process); the streams' glue calls libc the same way
+        copy = f"call ptr inttoptr (i64 {_MEMMOVE} to ptr)"
+        lines = [f"  {copy}(ptr inttoptr (i64 {address} to ptr), ptr %in{i}, i64 {nbytes})"
                  for i, (address, nbytes) in enumerate(copies_in)]
         lines.append(f"  call void inttoptr (i64 {entry.address} to ptr)()")
-        lines += [f"  call void @llvm.memcpy.p0.p0.i64(ptr %out{i}, ptr inttoptr (i64 {address} to ptr), i64 {nbytes}, i1 false)"
+        lines += [f"  {copy}(ptr %out{i}, ptr inttoptr (i64 {address} to ptr), i64 {nbytes})"
                   for i, (address, nbytes) in enumerate(copies_out)]
         name = f"tinydist_frame_{next(_entry_ids)}"
-        ir_text = ("declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)\n"
-                   f"define void @{name}({', '.join(params)}) {{\nentry:\n" + "\n".join(lines) + "\n  ret void\n}\n")
+        ir_text = f"define void @{name}({', '.join(params)}) {{\nentry:\n" + "\n".join(lines) + "\n  ret void\n}\n"
         return self.device.load_program(compile_glue(ir_text), name, ["r"] * len(copies_in) + ["w"] * len(copies_out))
 
 
