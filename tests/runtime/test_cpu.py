@@ -245,3 +245,21 @@ def test_loader_errors() -> None:
         loader.load(code, "rt_absent", ["w"])
     with pytest.raises(ValueError, match="unknown argument kind"):
         loader.load(code, "rt_present", ["ptr"])
+
+
+def test_kernel_calls_into_libm_take_a_64_bit_address() -> None:
+    # A float `%` lowers to a call of fmodf. As `call fmodf@PLT` (a 32-bit PC-relative reference)
+    # the in-process loader aborted the whole process once JIT memory landed over 2 GiB from libm
+    # (it did, with torch's libraries mapped): every symbol must be reached by its full address.
+    import re
+
+    import tinydist as td
+    from tinydist.codegen.lowering import lower
+    from tinydist.schedule import create_schedule
+
+    a = td.Tensor(np.arange(1, 9, dtype=np.float32))
+    schedule, _ = create_schedule([(a % 3.0).node])
+    assembly = HostCompiler().assembly(lower(schedule.linear[0].ast)[1])
+    assert "fmodf" in assembly
+    assert not re.search(r"\w+@PLT", assembly)
+    np.testing.assert_array_equal((a % 3.0).numpy(), np.arange(1, 9) % 3.0)

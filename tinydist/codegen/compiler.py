@@ -40,7 +40,7 @@ class HostTarget:
     llvmlite_version: str
 
     def cache_key_parts(self) -> tuple[str, ...]:
-        return (self.triple, self.cpu, self.features, self.llvm_version, self.llvmlite_version)
+        return (self.triple, self.cpu, self.features, self.llvm_version, self.llvmlite_version, RELOCATION, CODE_MODEL)
 
 
 @functools.cache
@@ -55,6 +55,14 @@ def host_target() -> HostTarget:
     )
 
 
+# Object code is loaded into this process at whatever address the loader's memory lands, which
+# may be more than 2 GiB from the C library: a call LLVM leaves to a libm function (a float `%`
+# becomes fmodf) must then not be a 32-bit PC-relative reference (`call fmodf@PLT`), or
+# relocating it overflows and the loader aborts the process — seen once torch's libraries were
+# mapped into the same process. The JIT code model takes every symbol's 64-bit address.
+RELOCATION, CODE_MODEL = "static", "jitdefault"
+
+
 class HostCompiler:
     """Compiles LLVM IR for this machine's CPU. Thread-safe (one lock: LLVM contexts are not)."""
 
@@ -66,7 +74,7 @@ class HostCompiler:
         self.target = host_target()
         self._lock = threading.Lock()
         self._machine = llvm.Target.from_triple(self.target.triple).create_target_machine(
-            cpu=self.target.cpu, features=self.target.features, opt=opt_level, reloc="pic", codemodel="default")
+            cpu=self.target.cpu, features=self.target.features, opt=opt_level, reloc=RELOCATION, codemodel=CODE_MODEL)
 
     def optimise(self, ir_text: str) -> llvm.ModuleRef:
         """Parse, verify and run the O<n> pipeline with the host target machine."""
