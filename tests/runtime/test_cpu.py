@@ -251,8 +251,6 @@ def test_kernel_calls_into_libm_take_a_64_bit_address() -> None:
     # A float `%` lowers to a call of fmodf. As `call fmodf@PLT` (a 32-bit PC-relative reference)
     # the in-process loader aborted the whole process once JIT memory landed over 2 GiB from libm
     # (it did, with torch's libraries mapped): every symbol must be reached by its full address.
-    import re
-
     import tinydist as td
     from tinydist.codegen.lowering import lower
     from tinydist.schedule import create_schedule
