@@ -143,6 +143,20 @@ def test_a_standing_access_whose_record_was_pruned_records_again(queues) -> None
     assert len(log) == 1 and log.waits_for(0, 4, True, b) == {a: 2}
 
 
+def test_a_hold_keeps_the_memory_until_reached_and_orders_nothing(queues) -> None:
+    """One queue's own work on memory (intermediates in its FIFO order) holds it without ranges:
+    nothing waits for it, but the memory is given back only once that work is done."""
+    a, b = queues
+    log = AccessLog()
+    log.hold(a, 3)
+    assert log.waits_for(0, 1 << 20, True, b) == {} and not log.conflicts(0, 1 << 20, True)
+    assert log.pending() == {a: 3}
+    log.record(0, 8, True, b, 1)
+    assert log.pending() == {a: 3, b: 1}
+    a.signal(3)
+    assert log.pending() == {b: 1}
+
+
 # ---- end to end through Batch ------------------------------------------------------------------
 
 def _waits(batch: Batch) -> list[tuple[str, int]]:
@@ -277,6 +291,23 @@ async def test_order_after_waits_for_other_work_without_recording_and_ordering_c
         left.track(x, False)
     assert _waits(left) == []
     assert x.accesses.pending() == {cpu.queues["copy"].timeline: 2, cpu.queues["compute"].timeline: 2}
+    stall.open()
+
+
+@pytest.mark.anyio
+async def test_track_range_orders_and_records_bytes_of_a_buffer_as_a_view_of_them_would(cpu: Device, gate) -> None:
+    x = cpu.allocator.alloc(64)
+    stall = gate()
+    _stall(cpu, "copy", stall)
+    cpu.copyin(x.view(0, 16), np.ones(4, np.float32))  # the copy queue writes bytes [0, 16)
+    with cpu.batch() as disjoint:
+        disjoint.track_range(x, 16, 16, False)
+    assert _waits(disjoint) == []
+    with cpu.batch() as overlapping:
+        overlapping.track_range(x, 8, 16, True)
+        overlapping.track_range(x, 8, 16, False)     # the same range again: ordered once
+    assert _waits(overlapping) == [(f"{cpu.name}/copy", 2)]
+    assert x.accesses.waits_for(20, 24, False, cpu.queues["copy"].timeline) == {cpu.queues["compute"].timeline: 2}
     stall.open()
 
 

@@ -69,6 +69,12 @@ class AccessLog:
         with self._lock:
             self._add(new)
 
+    def hold(self, timeline: Timeline, value: int) -> None:
+        """The memory is in use until `timeline` reaches `value`, by work whose accesses to it
+        need no ordering (one queue's own, in its FIFO order): a record over no bytes, which
+        conflicts with nothing but keeps the memory from being given back before then."""
+        self.record(0, 0, False, timeline, value)
+
     def _add(self, new: Access) -> None:
         kept = [new]
         for r in self._records:

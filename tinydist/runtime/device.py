@@ -345,6 +345,13 @@ class Batch:
         address — for `command`s whose buffers are not passed as Buffer arguments."""
         return self._access(buffer, write)
 
+    def track_range(self, buffer: Buffer, offset: int, nbytes: int, write: bool) -> None:
+        """`track` for bytes [offset, offset + nbytes) of `buffer` (the caller keeps them inside
+        it), without making a view of them: for a submitter that lays out its own addresses."""
+        buffer.check_alive()
+        start = buffer.offset + offset
+        self._order(buffer.accesses, start, start + nbytes, write)
+
     def order_after(self, buffer: Buffer, write: bool) -> None:
         """Order the batch after conflicting work on `buffer` without recording the access: for a
         submitter that records it itself (a `StandingAccess`)."""
@@ -368,20 +375,27 @@ class Batch:
         queues may also touch (memory private to one queue needs no tracking: FIFO orders it)."""
         self._commands.append((fn, args))
 
+    def extend(self, commands: Sequence[Command], copied: int = 0) -> None:
+        """Append raw commands, as `command` does, of which copies move `copied` bytes."""
+        self._commands.extend(commands)
+        self._copied += copied
+
     def _access(self, buffer: Buffer, write: bool) -> int:
         """Order this access after conflicting work on other queues; returns the buffer's address."""
         address = buffer.address  # checks the buffer is alive
         start = buffer.offset
-        log = buffer.accesses
-        key = (log, start, start + buffer.nbytes)
+        self._order(buffer.accesses, start, start + buffer.nbytes, write)
+        return address
+
+    def _order(self, log: AccessLog, start: int, end: int, write: bool) -> None:
+        key = (log, start, end)
         seen = self._accesses.get(key)
         if seen is None or (write and not seen):
             # Earlier commands of this batch with the same range already waited for what a read needs.
-            waits = log.waits_for(start, key[2], write, self.queue.timeline)
+            waits = log.waits_for(start, end, write, self.queue.timeline)
             if waits:
                 self._wait_for(waits)
             self._accesses[key] = write or bool(seen)
-        return address
 
     def _wait_for(self, waits: dict[Timeline, int]) -> None:
         """Make the batch's next commands wait until each timeline reaches its value."""
