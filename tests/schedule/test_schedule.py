@@ -316,6 +316,19 @@ def test_schedule_cache_hit_on_structurally_equal_graph():
     assert schedule_cache.misses > misses
 
 
+def test_schedule_cache_tells_apart_graphs_whose_keys_hash_alike():
+    """The key is compared, not only hashed: in CPython hash(-1) == hash(-2), and an int 1 and a
+    float 1.0 are equal; a view's strides or a shared source are structure too."""
+    x = td.Tensor(A)
+    for c in (-1, -2, 1, 1.0, -1):
+        np.testing.assert_array_equal((x * c).numpy(), A * c)
+    np.testing.assert_array_equal((x.T + 0).numpy(), A.T)
+    np.testing.assert_array_equal((x.reshape(4, 3) + 0).numpy(), A.reshape(4, 3))  # the same shape as x.T
+    y = td.Tensor(A + 1)
+    np.testing.assert_array_equal((x + x).numpy(), A + A)      # one input read twice
+    np.testing.assert_array_equal((x + y).numpy(), A + A + 1)  # two inputs
+
+
 # ---- memory planner -----------------------------------------------------------------------------
 
 def random_graph(rng: random.Random):

@@ -19,7 +19,7 @@ from tinydist.logs import get_logger
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.device import Batch, Completion
 from tinydist.runtime.engine import get_engine
-from tinydist.schedule import create_schedule
+from tinydist.schedule import Walk, canonical_walk, create_schedule
 
 log = get_logger(layer="realize")
 
@@ -51,13 +51,32 @@ def _with_readers_of_overwritten(targets: list[LazyNode]) -> list[LazyNode]:
         result.extend(dict.fromkeys(extra))
 
 
+def _adds_targets(walk: Walk, targets: list[LazyNode]) -> bool:
+    """Whether `_with_readers_of_overwritten` would add to `targets`: an assign of the walked
+    graph that is not a target, or a live, unrealized node outside the graph that still reads a
+    buffer one overwrites. From the walk made for the schedule's key: no second walk when not."""
+    if not walk.assigns:
+        return False
+    targeted = {id(node) for node in targets}
+    for assign in walk.assigns:
+        if id(assign) not in targeted:
+            return True
+        for reader in assign.srcs[0].live_readers():
+            if reader not in walk.nodes and reader is not assign:
+                return True
+    return False
+
+
 def realize(targets: Sequence[LazyNode]) -> list[Completion]:
     """Compute every unrealized target and set its `buffer`; returns the submissions' completions."""
     pending = list(dict.fromkeys(t for t in targets if not t.realized))
     if not pending:
         return []
-    pending = _with_readers_of_overwritten(pending)
-    schedule, inputs = create_schedule(pending)
+    walk = canonical_walk(pending)  # the schedule's key, and the assigns the WAR check needs: one walk
+    if _adds_targets(walk, pending):
+        pending = _with_readers_of_overwritten(pending)
+        walk = canonical_walk(pending)
+    schedule, inputs = create_schedule(pending, walk)
     bound = bind(schedule, inputs)
     try:
         completions = submit(bound)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Any, Hashable, NamedTuple
 
 from tinydist.lazy import LazyNode, Op
 from tinydist.logs import get_logger
@@ -18,9 +18,8 @@ from tinydist.schedule.fusion import fuse
 from tinydist.schedule.items import BufferSpec, Call
 from tinydist.schedule.linear import ScheduleCycleError, linearize
 from tinydist.schedule.memory import MemoryPlan, plan_memory
-from tinydist.walk import postorder
 
-__all__ = ["Schedule", "ScheduleCycleError", "create_schedule", "schedule_cache"]
+__all__ = ["Schedule", "ScheduleCycleError", "Walk", "canonical_walk", "create_schedule", "schedule_cache"]
 
 log = get_logger(layer="schedule")
 
@@ -40,29 +39,112 @@ class Schedule:
         return [call.describe() for call in self.linear]
 
 
-def _canonical_walk(targets: list[LazyNode]) -> tuple[Hashable, list[LazyNode]]:
-    """The graph's structure as a flat key (nodes numbered in post-order, sources by number) and
-    its realized inputs, in the same order; realized nodes are leaves. Iterative: any depth."""
-    index: dict[int, int] = {}
+class Walk(NamedTuple):
+    """One walk of an unrealized graph: its structural key, the realized inputs (in walk order),
+    the assigns it makes, and every node it met (realized ones too)."""
+    key: Hashable
+    inputs: list[LazyNode]
+    assigns: list[LazyNode]
+    nodes: dict[LazyNode, int]
+
+
+class _Key:
+    """A graph's structure as one tuple of per-node tuples, its hash computed once: the cache's
+    lookup and its move to the end would hash the whole graph twice otherwise."""
+
+    __slots__ = ("parts", "hash")
+
+    def __init__(self, parts: tuple[Any, ...]) -> None:
+        self.parts = parts
+        self.hash = hash(parts)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Key) and self.hash == other.hash and self.parts == other.parts
+
+
+_VIEW, _CONST, _ASSIGN = Op.VIEW, Op.CONST, Op.ASSIGN
+
+
+def canonical_walk(targets: list[LazyNode]) -> Walk:
+    """The graph's structure as a flat key — nodes numbered in post-order (`tinydist.walk`'s
+    order), each unrealized node's part its op's name, arg, dtype, shape, device and its sources'
+    numbers, a realized one's ("in", dtype, shape, device) — and its realized inputs in the same
+    order. Every part is plain tuples of strings and numbers (a view's ShapeTracker as its views'
+    fields): hashing and comparing the key run no Python code. Iterative, for any depth; written
+    out rather than over `walk.postorder`, since it runs once per node of every realize: a node
+    is numbered when it is on top of the stack with every source numbered (unnumbered sources go
+    on the stack, the leftmost on top, and the node is looked at again when they are done)."""
+    index: dict[LazyNode, int] = {}
     parts: list[Any] = []
     inputs: list[LazyNode] = []
-    for node in postorder(targets, lambda node: () if node.realized else node.srcs):
-        if node.realized:
-            inputs.append(node)
-            parts.append(("in", node.dtype.name, node.shape, node.device))
-        else:
-            srcs = tuple(index[id(src)] for src in node.srcs)
-            arg = (type(node.arg).__name__, node.arg) if node.op is Op.CONST else node.arg
-            parts.append((node.op, arg, node.dtype.name, node.shape, node.device, srcs))
-        index[id(node)] = len(index)
-    roots = tuple(index[id(t)] for t in targets)
-    return (tuple(parts), roots), inputs
+    assigns: list[LazyNode] = []
+    known, add = index.get, parts.append
+    for root in targets:
+        if root in index:
+            continue
+        stack = [root]
+        push, pop = stack.append, stack.pop
+        while stack:
+            node = stack[-1]
+            if node in index:  # on the stack twice: numbered below its first place
+                pop()
+                continue
+            if node.buffer is not None:
+                inputs.append(node)
+                add(("in", node.dtype.name, node.shape, node.device))
+            else:
+                srcs = node.srcs
+                if len(srcs) == 1:
+                    first = known(srcs[0])
+                    if first is None:
+                        push(srcs[0])
+                        continue
+                    numbers: tuple[int, ...] = (first,)
+                elif len(srcs) == 2:
+                    first, second = known(srcs[0]), known(srcs[1])
+                    if first is None or second is None:
+                        if second is None:
+                            push(srcs[1])
+                        if first is None:
+                            push(srcs[0])
+                        continue
+                    numbers = (first, second)
+                else:
+                    missing = [src for src in srcs if src not in index]
+                    if missing:
+                        stack.extend(reversed(missing))
+                        continue
+                    numbers = tuple([index[src] for src in srcs])
+                op = node.op
+                if op is _VIEW:
+                    views = node.arg.views
+                    if len(views) == 1:
+                        v = views[0]
+                        arg: Any = ((v.shape, v.strides, v.offset, v.mask),)
+                    else:
+                        arg = tuple([(v.shape, v.strides, v.offset, v.mask) for v in views])
+                else:
+                    arg = node.arg
+                    if op is _CONST:
+                        arg = (type(arg).__name__, arg)
+                    elif op is _ASSIGN:
+                        assigns.append(node)
+                add((op._name_, arg, node.dtype.name, node.shape, node.device, numbers))
+            index[node] = len(index)
+            pop()
+    roots = tuple([index[t] for t in targets])
+    return Walk(_Key((tuple(parts), roots)), inputs, assigns, index)
 
 
 class ScheduleCache:
     def __init__(self, capacity: int = 512) -> None:
         self._lock = threading.Lock()
-        self._entries: OrderedDict[Hashable, Schedule] = OrderedDict()
+        # each entry keeps the key it was stored under: moving it to the end by that very object
+        # finds it by identity, not by comparing the whole graph's key a second time
+        self._entries: OrderedDict[Hashable, tuple[Hashable, Schedule]] = OrderedDict()
         self.capacity = capacity
         self.hits = 0
         self.misses = 0
@@ -71,15 +153,15 @@ class ScheduleCache:
         with self._lock:
             found = self._entries.get(key)
             if found is not None:
-                self._entries.move_to_end(key)
+                self._entries.move_to_end(found[0])
                 self.hits += 1
-            else:
-                self.misses += 1
-            return found
+                return found[1]
+            self.misses += 1
+            return None
 
     def put(self, key: Hashable, schedule: Schedule) -> None:
         with self._lock:
-            self._entries[key] = schedule
+            self._entries[key] = (key, schedule)
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
 
@@ -91,9 +173,10 @@ class ScheduleCache:
 schedule_cache = ScheduleCache()
 
 
-def create_schedule(targets: list[LazyNode]) -> tuple[Schedule, list[LazyNode]]:
-    """The schedule computing `targets`, and the realized input nodes it reads (numbered 0..)."""
-    key, inputs = _canonical_walk(targets)
+def create_schedule(targets: list[LazyNode], walk: Walk | None = None) -> tuple[Schedule, list[LazyNode]]:
+    """The schedule computing `targets`, and the realized input nodes it reads (numbered 0..);
+    `walk` is `canonical_walk(targets)` when the caller has already made it."""
+    key, inputs, _, _ = canonical_walk(targets) if walk is None else walk
     schedule = schedule_cache.get(key)
     if schedule is None:
         schedule = _build(targets, inputs)
