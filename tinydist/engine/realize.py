@@ -6,6 +6,10 @@ on the same device and queue go into one batch (one worker hand-off); cross-queu
 cross-device order comes from the runtime's access logs, so a batch is submitted before another
 batch that reads its outputs is built. The arena is freed right after submission — the runtime
 gives its memory back only once the last kernel using it has completed.
+
+One walk of the graph gives the schedule cache its key and the WAR check its assigns. A schedule
+is lowered once (`tinydist.engine.lowered`) and every realize of it runs that lowering with fresh
+memory; where it does not apply, the calls are bound and issued one by one (`submit`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections.abc import Sequence
 
 from tinydist.engine.binding import Bound, bind
 from tinydist.engine.commands import issue, lower_call
+from tinydist.engine.lowered import lower
 from tinydist.lazy import LazyNode, Op
 from tinydist.logs import get_logger
 from tinydist.runtime.buffer import Buffer
@@ -22,6 +27,8 @@ from tinydist.runtime.engine import get_engine
 from tinydist.schedule import Walk, canonical_walk, create_schedule
 
 log = get_logger(layer="realize")
+
+_CALL_BY_CALL = "call by call"  # a schedule `lower` does not apply to
 
 
 def _with_readers_of_overwritten(targets: list[LazyNode]) -> list[LazyNode]:
@@ -77,13 +84,23 @@ def realize(targets: Sequence[LazyNode]) -> list[Completion]:
         pending = _with_readers_of_overwritten(pending)
         walk = canonical_walk(pending)
     schedule, inputs = create_schedule(pending, walk)
-    bound = bind(schedule, inputs)
-    try:
-        completions = submit(bound)
-    finally:
-        bound.release_arenas()
-    for node, number in zip(pending, schedule.targets):
-        node.buffer = bound.buffers[schedule.aliases.get(number, number)]
+    engine = get_engine()
+    lowered = schedule.derived.get("realize")
+    if lowered is None or (lowered is not _CALL_BY_CALL and not lowered.current()):
+        lowered = schedule.derived["realize"] = lower(schedule, inputs, engine) or _CALL_BY_CALL
+    ran = None if lowered is _CALL_BY_CALL else lowered.run(inputs)
+    if ran is not None:
+        completions, buffers = ran
+    else:
+        bound = bind(schedule, inputs)
+        try:
+            completions = submit(bound)
+        finally:
+            bound.release_arenas()
+        buffers = [bound.buffers[schedule.aliases.get(number, number)] for number in schedule.targets]
+    log.debug("realized", calls=len(schedule.linear), batches=len(completions), lowered=ran is not None)
+    for node, buffer in zip(pending, buffers):
+        node.buffer = buffer
         if not node.requires_grad or node.op in (Op.BUFFER, Op.ASSIGN):  # autograd hook: backward() walks srcs
             node.srcs = ()  # the graph below is no longer needed: let it be collected
     return completions
@@ -108,5 +125,4 @@ def submit(bound: Bound) -> list[Completion]:
         views.clear()
     if batch is not None and len(batch):
         completions.append(batch.submit())
-    log.debug("realized", calls=len(bound.schedule.linear), batches=len(completions))
     return completions

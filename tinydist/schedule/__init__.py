@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Hashable, NamedTuple
 
 from tinydist.lazy import LazyNode, Op
@@ -34,6 +34,8 @@ class Schedule:
     targets: tuple[int, ...]           # buffer number of each target, in the caller's order
     aliases: dict[int, int]            # assign versions -> the buffer number whose memory they use
     plan: MemoryPlan
+    # what the engine derives from the plan once and keeps with it (realize's lowering): no part of the plan
+    derived: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def describe(self) -> list[str]:
         return [call.describe() for call in self.linear]
