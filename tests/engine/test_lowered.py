@@ -1,6 +1,7 @@
-"""A realize of a cached schedule runs its lowering (`tinydist.engine.lowered`). Every test runs
-its graph a few times over new values, against queues held up by gates: what another queue,
-device or the caller sees must stay ordered exactly as a call-by-call realize orders it."""
+"""A realize runs its schedule's lowering (`tinydist.engine.lowered`): stretches of kernels as
+one command of the native interpreter (command by command while tracing). Every test runs its
+graph a few times over new values, against queues held up by gates: what another queue, device
+or the caller sees must stay ordered exactly as a call-by-call realize orders it."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tinydist.schedule import Schedule, create_schedule, schedule_cache
 from tinydist.schedule.items import KernelCall
 from tests.runtime.helpers import Gate
 
-ROUNDS = 3
+ROUNDS = 3  # lowered, then from the schedule cache
 rng = np.random.default_rng(11)
 
 
@@ -68,7 +69,7 @@ class Gates:
             gate.open()
 
 
-def test_a_cached_schedule_is_lowered_once(path: str) -> None:
+def test_a_schedule_is_lowered_once_its_kernels_one_interpreter_command(path: str) -> None:
     if path != "lowered":
         pytest.skip("about the lowering")
     queue = td.get_engine().device("CPU:0").queues["compute"]
@@ -76,15 +77,40 @@ def test_a_cached_schedule_is_lowered_once(path: str) -> None:
         x = rng.standard_normal((6, 5)).astype(np.float32)
         t = chain(td.Tensor(x))
         schedule = create_schedule([t.node])[0]
-        kernels = sum(isinstance(c, KernelCall) for c in schedule.linear)
-        if round == 0:
-            schedule.derived.clear()  # as if never realized before
         t.realize()
         td.synchronize()
         assert round == 0 or lowered(schedule) is first
         first = lowered(schedule)
-        assert queue.timings[-1].commands == kernels
+        assert queue.timings[-1].commands == 1
         np.testing.assert_allclose(t.numpy(), chain_np(x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_interpreter_passes_every_argument_count_and_integers() -> None:
+    """Kernels of 2 to 41 buffers (a sum of n inputs; past MAX_ARGUMENTS a command of their own),
+    and a matmul's integer arguments."""
+    for n in (1, 2, 3, 7, 31, 32, 40):
+        xs = [rng.standard_normal(9).astype(np.float32) for _ in range(n)]
+        total = td.Tensor(xs[0]) * 1
+        for x in xs[1:]:
+            total = total + td.Tensor(x)
+        want = sum(xs)
+        np.testing.assert_allclose((total - total.max()).numpy(), want - want.max(), rtol=1e-5, atol=1e-5)  # 3 kernels
+    a, b = rng.standard_normal((2, 33, 17)).astype(np.float32), rng.standard_normal((2, 17, 9)).astype(np.float32)
+    for _ in range(2):
+        out = ((td.Tensor(a) + 1) @ td.Tensor(b)).exp() * 0.5
+        np.testing.assert_allclose(out.numpy(), np.exp((a + 1) @ b) * 0.5, rtol=1e-4, atol=1e-5)
+
+
+def test_tracing_sees_each_kernel_of_a_realize() -> None:
+    x = td.Tensor(rng.standard_normal((6, 5)).astype(np.float32))
+    chain(x).realize()
+    td.synchronize()
+    t = chain(x)
+    kernels = sum(isinstance(c, KernelCall) for c in create_schedule([t.node])[0].linear)
+    with td.trace() as tracer:
+        t.realize()
+    traced = [e for e in tracer.chrome()["traceEvents"] if e.get("cat") == "kernel"]
+    assert len(traced) == kernels
 
 
 def test_intermediates_are_held_not_recorded_and_given_back_when_done() -> None:
@@ -93,8 +119,7 @@ def test_intermediates_are_held_not_recorded_and_given_back_when_done() -> None:
     engine = td.get_engine()
     device = engine.device("CPU:0")
     x = td.Tensor(rng.standard_normal((6, 5)).astype(np.float32)).realize()
-    for _ in range(2):
-        chain(x).realize()
+    chain(x).realize()
     td.synchronize()
     t = chain(x)
     arena = sum(create_schedule([t.node])[0].plan.arena_bytes.values())

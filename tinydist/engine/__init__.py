@@ -8,7 +8,7 @@ the strategy that fits. Both lower each schedule item to runtime commands in one
     commands   schedule item → runtime commands (Launch, Copy), the one lowering
     binding    schedule + inputs + owned arguments → bound buffers, rolled back on failure
     realize    run a schedule: bind, submit batches, hand results to the graph
-    lowered    a cached schedule lowered once: realize fills in addresses
+    lowered    a cached schedule lowered once: realize fills in addresses, kernels linked per batch
     capture    a captured graph: bound once, replayed by a strategy
     replay     the strategies: entry point, native streams, runs, host frame
     streams    native streams: one native call per queue, cross-queue waits baked at capture

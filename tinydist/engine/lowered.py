@@ -6,7 +6,12 @@ keeps its commands as a native callable and where each argument comes from: an i
 or a buffer of the schedule's own, at an offset, or an integer. A realize takes memory (inputs
 where they live, one arena per device and lane, a buffer per target), makes the table of
 addresses, and each command's arguments are one C-level lookup into it — no lowering, no program
-looked up by its kernel's AST, no views, no checks of memory this module allocated itself.
+looked up by its kernel's AST, no views, no checks of memory this module allocated itself. On a
+device running host code of this process, each stretch of kernels between two points where the
+batch may have to wait is one command of a native interpreter over the stretch's code (each
+kernel's address and its arguments as memory number and offset, made once): the queue's worker
+makes one call, the host fills a table of a few base addresses, however many kernels (not while
+tracing, which shows the kernels one by one).
 
 The access logs see only what another queue, another device or the caller can see: the inputs,
 the schedule's own buffers (the targets: the caller gets them) and the arena bytes that a call on
@@ -26,26 +31,33 @@ and issues call by call as it always has, which also raises the errors a bad cal
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import platform
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
 
+from tinydist.codegen.compile_cache import compile_glue
 from tinydist.engine.commands import Launch, lower_call
 from tinydist.lazy import LazyNode
 from tinydist.logs import get_logger
+from tinydist.runtime import command_queue
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.device import Completion, Device, DeviceState
 from tinydist.runtime.engine import Engine
 from tinydist.runtime.faults import faults
+from tinydist.runtime.program import Program
 from tinydist.schedule import Schedule
 
 log = get_logger(layer="lowered")
 
 # (memory number, byte offset in it, bytes, writes?)
 Access = tuple[int, int, int, bool]
-# the arguments of one command, from the address table
-Getter = Callable[[Sequence[int]], tuple[int, ...]]
+# the arguments of one command: made from the address table, or (for the interpreter) where its
+# stretch starts in the run's code and how many kernels it has
+Getter = Callable[[Sequence[int]], tuple[int, ...]] | tuple[int, int]
 
 
 class _Unfit(Exception):
@@ -72,6 +84,7 @@ class _Place:
 class _Command:
     fn: Any                  # the native callable
     args: tuple[Any, ...]    # _Place or int, in its signature's order
+    program: Program | None  # the kernel the interpreter calls (None: a copy, which stays a command)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +107,7 @@ class _Run:
     tracked: tuple[tuple[int, tuple[Access, ...]], ...]
     holds: tuple[int, ...]
     copied: int
+    code: Any = None  # the interpreter's code for the run's stretches (an int64 array), if any
 
 
 @dataclass(frozen=True)
@@ -105,8 +119,10 @@ class Lowered:
     arenas: tuple[tuple[Device, int], ...]
     owned: tuple[tuple[Device, int], ...]     # the targets' buffers (and any other unplanned one)
     places: tuple[tuple[int, int], ...]       # the address table: (memory, offset)
-    runs: tuple[_Run, ...]
+    runs: tuple[_Run, ...]                    # command by command
     results: tuple[int | None, ...]           # the memory each target is (None: no bytes)
+    linked: tuple[_Run, ...]                  # the runs, stretches of kernels one interpreter command each
+    linked_table: bool                        # whether a command of the linked runs reads the address table
 
     def current(self) -> bool:
         """Whether the devices this was lowered for are still the engine's: still open (the
@@ -147,11 +163,21 @@ class Lowered:
     def _submit(self, memory: list[Buffer]) -> list[Completion]:
         bases = [buffer.address for buffer in memory]  # checks the inputs are alive
         bases.append(0)
-        table = [bases[m] + offset for m, offset in self.places]
+        runs = self.runs if command_queue.TRACER is not None else self.linked
+        table = [bases[m] + offset for m, offset in self.places] if runs is self.runs or self.linked_table else ()
+        array: Any = None
         completions = []
-        for run in self.runs:
+        for run in runs:
             batch = run.device.batch(run.queue)
-            commands = [(fn, args(table)) for fn, args in run.commands]
+            if run.code is None:
+                commands = [(fn, args(table)) for fn, args in run.commands]  # type: ignore[operator]
+            else:
+                if array is None:
+                    array = (ctypes.c_int64 * len(bases))(*bases)
+                batch.keep_alive(array, run.code)  # read by the interpreter when the batch runs
+                at, code = ctypes.addressof(array), ctypes.addressof(run.code)
+                commands = [(fn, (at, code + 8 * args[0], args[1]) if type(args) is tuple else args(table))
+                            for fn, args in run.commands]
             start = 0
             for index, accesses in run.tracked:
                 if index > start:
@@ -237,7 +263,7 @@ def _lower(schedule: Schedule, inputs: Sequence[LazyNode], engine: Engine) -> Lo
                 dst, src = command.dst, command.src
                 if dst.nbytes != src.nbytes:
                     raise _Unfit("a copy between sizes")
-                commands.append(_Command(on.copy_command("d2d", src.device), (dst, src, dst.nbytes)))
+                commands.append(_Command(on.copy_command("d2d", src.device), (dst, src, dst.nbytes), None))
                 accesses.append([(src, False), (dst, True)])
                 copied += dst.nbytes
                 runs[-1] = (on, queue, commands, accesses, copied)
@@ -255,7 +281,7 @@ def _lower(schedule: Schedule, inputs: Sequence[LazyNode], engine: Engine) -> Lo
                         raise _Unfit(f"{program.name} argument {i} is not a buffer {on.name} reads")
                 elif type(arg) is not int or kind != "i64":
                     raise _Unfit(f"{program.name} argument {i} is a {kind} {type(arg).__name__}")
-            commands.append(_Command(program.cfunc, tuple(args)))
+            commands.append(_Command(program.cfunc, tuple(args), program))
             accesses.append([(args[i], write) for i, write in program.buffer_args])
 
     results = []
@@ -276,8 +302,10 @@ def _lower(schedule: Schedule, inputs: Sequence[LazyNode], engine: Engine) -> Lo
                   in zip(runs, _tracked(runs, lambda m: m < len(inputs), first_owned)))
     python = tuple(_Run(p.device, p.queue, tuple((c.fn, _getter(tuple(slot(a) for a in c.args))) for c in p.commands),
                         p.tracked, p.holds, p.copied) for p in plans)
+    linked = tuple(_link(plan, run) for plan, run in zip(plans, python))
+    table = any(type(args) is not tuple for run in linked for _, args in run.commands)
     return Lowered(tuple(devices.items()), tuple(input_memory), tuple(arenas), tuple(owned), tuple(slots), python,
-                   tuple(results))
+                   tuple(results), linked, table)
 
 
 def _tracked(runs: Sequence[tuple[Device, str, Any, list[list[tuple[_Place, bool]]], int]], is_input: Callable[[int], bool],
@@ -326,3 +354,117 @@ def _tracked(runs: Sequence[tuple[Device, str, Any, list[list[tuple[_Place, bool
                 seen[key] = write or bool(before)
         result.append((tuple((index, tuple(due[index])) for index in sorted(due)), tuple(holds)))
     return result
+
+
+def _link(plan: _Plan, run: _Run) -> _Run:
+    """`run` with each stretch of two or more kernels between the points where the batch may wait
+    one command of the interpreter, on a device whose kernels are code of this process."""
+    if not (plan.device.compiler.links and _CALLING_CONVENTION_FITS):
+        return run
+    stops = {index for index, _ in plan.tracked}
+    fits = [command.program is not None and len(command.args) <= MAX_ARGUMENTS for command in plan.commands]
+    groups: list[list[int]] = []
+    for index in range(len(plan.commands)):
+        if not fits[index] or index in stops or not groups or not fits[groups[-1][-1]]:
+            groups.append([index])
+        else:
+            groups[-1].append(index)
+    if all(len(group) == 1 for group in groups):
+        return run
+    interpreter = plan.device.load_program(_interpreter(), _INTERPRETER, ["r", "r", "i64"]).cfunc
+    code: list[int] = []
+    commands: list[tuple[Any, Getter]] = []
+    moved: dict[int, int] = {}
+    for group in groups:
+        moved[group[0]] = len(commands)
+        if len(group) == 1:
+            commands.append(run.commands[group[0]])
+            continue
+        commands.append((interpreter, (len(code), len(group))))
+        for index in group:
+            command = plan.commands[index]
+            assert command.program is not None
+            code += [command.program.address, len(command.args)]
+            for arg in command.args:
+                code += [arg.memory, arg.offset] if isinstance(arg, _Place) else [-1, arg]
+    tracked = tuple((moved[index], accesses) for index, accesses in plan.tracked)
+    return _Run(plan.device, plan.queue, tuple(commands), tracked, plan.holds, plan.copied, (ctypes.c_int64 * len(code))(*code))
+
+
+# The command interpreter: `tinydist_commands(bases, code, count)` calls `count` kernels, each
+# encoded in `code` (int64s) as its address, its argument count n, then n (memory, offset) pairs:
+# the argument is bases[memory] + offset, or offset itself where memory is -1 (an integer). On
+# x86-64 and AArch64 a pointer and an int64 are passed alike (integer registers, then 8-byte
+# stack slots), so a call with n int64 arguments calls any kernel of n pointer and int64
+# arguments. Compiled once per process: the commands of a schedule are data, not code.
+_INTERPRETER = "tinydist_commands"
+MAX_ARGUMENTS = 32
+_CALLING_CONVENTION_FITS = platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64")
+
+
+@functools.cache
+def _interpreter() -> bytes:
+    cases = " ".join(f"i64 {n}, label %call{n}" for n in range(1, MAX_ARGUMENTS + 1))
+    calls = []
+    for n in range(1, MAX_ARGUMENTS + 1):
+        loads = [f"  %c{n}.a{k}.at = getelementptr i64, ptr %args, i64 {k}\n  %c{n}.a{k} = load i64, ptr %c{n}.a{k}.at"
+                 for k in range(n)]
+        operands = ", ".join(f"i64 %c{n}.a{k}" for k in range(n))
+        calls.append(f"call{n}:\n" + "\n".join(loads) + f"\n  call void %fn({operands})\n  br label %next")
+    ir = f"""define void @{_INTERPRETER}(ptr %bases, ptr %code, i64 %count) {{
+entry:
+  %args = alloca [{MAX_ARGUMENTS} x i64]
+  br label %head
+head:
+  %i = phi i64 [0, %entry], [%i.next, %next]
+  %pos = phi i64 [0, %entry], [%pos.next, %next]
+  %more = icmp ult i64 %i, %count
+  br i1 %more, label %command, label %exit
+command:
+  %fn.at = getelementptr i64, ptr %code, i64 %pos
+  %fn.int = load i64, ptr %fn.at
+  %fn = inttoptr i64 %fn.int to ptr
+  %n.pos = add i64 %pos, 1
+  %n.at = getelementptr i64, ptr %code, i64 %n.pos
+  %n = load i64, ptr %n.at
+  br label %arg
+arg:
+  %j = phi i64 [0, %command], [%j.next, %value]
+  %more.args = icmp ult i64 %j, %n
+  br i1 %more.args, label %fetch, label %dispatch
+fetch:
+  %twice = shl i64 %j, 1
+  %m.pos0 = add i64 %pos, 2
+  %m.pos = add i64 %m.pos0, %twice
+  %m.at = getelementptr i64, ptr %code, i64 %m.pos
+  %m = load i64, ptr %m.at
+  %o.pos = add i64 %m.pos, 1
+  %o.at = getelementptr i64, ptr %code, i64 %o.pos
+  %o = load i64, ptr %o.at
+  %scalar = icmp slt i64 %m, 0
+  br i1 %scalar, label %value, label %based
+based:
+  %b.at = getelementptr i64, ptr %bases, i64 %m
+  %b = load i64, ptr %b.at
+  %sum = add i64 %b, %o
+  br label %value
+value:
+  %v = phi i64 [%o, %fetch], [%sum, %based]
+  %slot = getelementptr i64, ptr %args, i64 %j
+  store i64 %v, ptr %slot
+  %j.next = add i64 %j, 1
+  br label %arg
+dispatch:
+  switch i64 %n, label %next [ {cases} ]
+{chr(10).join(calls)}
+next:
+  %twice.n = shl i64 %n, 1
+  %size = add i64 %twice.n, 2
+  %pos.next = add i64 %pos, %size
+  %i.next = add i64 %i, 1
+  br label %head
+exit:
+  ret void
+}}
+"""
+    return compile_glue(ir)
