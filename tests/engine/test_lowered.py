@@ -12,6 +12,7 @@ import pytest
 
 import tinydist as td
 from tinydist.engine.lowered import Lowered
+from tinydist.engine.realize import realize
 from tinydist.multi import ALGORITHMS
 from tinydist.schedule import Schedule, create_schedule, schedule_cache
 from tinydist.schedule.items import KernelCall
@@ -99,6 +100,23 @@ def test_the_interpreter_passes_every_argument_count_and_integers() -> None:
     for _ in range(2):
         out = ((td.Tensor(a) + 1) @ td.Tensor(b)).exp() * 0.5
         np.testing.assert_allclose(out.numpy(), np.exp((a + 1) @ b) * 0.5, rtol=1e-4, atol=1e-5)
+
+
+def test_a_small_realize_runs_on_the_calling_thread_only_when_its_queue_is_idle(path: str) -> None:
+    if path != "lowered":
+        pytest.skip("about the lowering")
+    x = td.Tensor(rng.standard_normal((6, 5)).astype(np.float32)).realize()
+    td.synchronize()
+    done = [c.done() for c in realize([chain(x).node])]
+    assert done == [True]  # 10 kernels over 6x5: less work than a hand-off to the worker
+    gates = Gates(["CPU:0"])
+    try:
+        held = realize([chain(x).node])
+        assert not any(c.done() for c in held)  # queued behind the gate, in order
+    finally:
+        gates.open()
+    td.synchronize()
+    assert all(c.done() for c in held)
 
 
 def test_tracing_sees_each_kernel_of_a_realize() -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import platform
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ from tinydist.runtime.engine import Engine
 from tinydist.runtime.faults import faults
 from tinydist.runtime.program import Program
 from tinydist.schedule import Schedule
+from tinydist.schedule.items import Call, KernelCall, MatmulCall
 
 log = get_logger(layer="lowered")
 
@@ -96,6 +98,7 @@ class _Plan:
     tracked: tuple[tuple[int, tuple[Access, ...]], ...]  # (command index, the accesses ordered before it)
     holds: tuple[int, ...]                               # the arenas its commands touch
     copied: int                                          # bytes its copies move
+    small: bool                                          # little work: see INLINE_WORK
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +110,7 @@ class _Run:
     tracked: tuple[tuple[int, tuple[Access, ...]], ...]
     holds: tuple[int, ...]
     copied: int
+    small: bool
     code: Any = None  # the interpreter's code for the run's stretches (an int64 array), if any
 
 
@@ -188,7 +192,8 @@ class Lowered:
             batch.extend(commands[start:] if start else commands, run.copied)
             if not len(batch):
                 continue
-            completion = batch.submit()
+            # a small batch that waits for nothing runs on this thread if its queue is idle
+            completion = batch.submit(inline=run.small and not batch.waits)
             completions.append(completion)
             if run.holds and not completion.done():
                 for m in run.holds:
@@ -252,21 +257,20 @@ def _lower(schedule: Schedule, inputs: Sequence[LazyNode], engine: Engine) -> Lo
     zero = first_owned + len(owned)
 
     # every call's commands, checked as `Batch.launch` and `Batch.copy` check them
-    runs: list[tuple[Device, str, list[_Command], list[list[tuple[_Place, bool]]], int]] = []
+    runs: list[_Building] = []
     for call in schedule.linear:
         on = device(call.device)
-        if not runs or runs[-1][0] is not on or runs[-1][1] != call.queue:
-            runs.append((on, call.queue, [], [], 0))
-        _, queue, commands, accesses, copied = runs[-1]
+        if not runs or runs[-1].device is not on or runs[-1].queue != call.queue:
+            runs.append(_Building(on, call.queue))
+        run = runs[-1]
+        run.work += _work(call)
         for command in lower_call(call, where, on, []):
             if not isinstance(command, Launch) and not command.streaming:
                 dst, src = command.dst, command.src
                 if dst.nbytes != src.nbytes:
                     raise _Unfit("a copy between sizes")
-                commands.append(_Command(on.copy_command("d2d", src.device), (dst, src, dst.nbytes), None))
-                accesses.append([(src, False), (dst, True)])
-                copied += dst.nbytes
-                runs[-1] = (on, queue, commands, accesses, copied)
+                run.add(_Command(on.copy_command("d2d", src.device), (dst, src, dst.nbytes), None), [(src, False), (dst, True)])
+                run.copied += dst.nbytes
                 continue
             if isinstance(command, Launch):
                 program, args = command.program, command.args
@@ -281,8 +285,7 @@ def _lower(schedule: Schedule, inputs: Sequence[LazyNode], engine: Engine) -> Lo
                         raise _Unfit(f"{program.name} argument {i} is not a buffer {on.name} reads")
                 elif type(arg) is not int or kind != "i64":
                     raise _Unfit(f"{program.name} argument {i} is a {kind} {type(arg).__name__}")
-            commands.append(_Command(program.cfunc, tuple(args), program))
-            accesses.append([(args[i], write) for i, write in program.buffer_args])
+            run.add(_Command(program.cfunc, tuple(args), program), [(args[i], write) for i, write in program.buffer_args])
 
     results = []
     for number in schedule.targets:
@@ -297,18 +300,43 @@ def _lower(schedule: Schedule, inputs: Sequence[LazyNode], engine: Engine) -> Lo
         key = (arg.memory, arg.offset) if isinstance(arg, _Place) else (zero, arg)
         return slots.setdefault(key, len(slots))
 
-    plans = tuple(_Plan(on, queue, tuple(commands), tracked, holds, copied)
-                  for (on, queue, commands, _, copied), (tracked, holds)
-                  in zip(runs, _tracked(runs, lambda m: m < len(inputs), first_owned)))
+    plans = tuple(_Plan(run.device, run.queue, tuple(run.commands), tracked, holds, run.copied, run.work <= INLINE_WORK)
+                  for run, (tracked, holds) in zip(runs, _tracked(runs, lambda m: m < len(inputs), first_owned)))
     python = tuple(_Run(p.device, p.queue, tuple((c.fn, _getter(tuple(slot(a) for a in c.args))) for c in p.commands),
-                        p.tracked, p.holds, p.copied) for p in plans)
+                        p.tracked, p.holds, p.copied, p.small) for p in plans)
     linked = tuple(_link(plan, run) for plan, run in zip(plans, python))
     table = any(type(args) is not tuple for run in linked for _, args in run.commands)
     return Lowered(tuple(devices.items()), tuple(input_memory), tuple(arenas), tuple(owned), tuple(slots), python,
                    tuple(results), linked, table)
 
 
-def _tracked(runs: Sequence[tuple[Device, str, Any, list[list[tuple[_Place, bool]]], int]], is_input: Callable[[int], bool],
+class _Building:
+    """A run being lowered: its commands, what each touches, the bytes its copies move and its work."""
+
+    def __init__(self, device: Device, queue: str) -> None:
+        self.device, self.queue = device, queue
+        self.commands: list[_Command] = []
+        self.accesses: list[list[tuple[_Place, bool]]] = []
+        self.copied = 0
+        self.work = 0
+
+    def add(self, command: _Command, accesses: list[tuple[_Place, bool]]) -> None:
+        self.commands.append(command)
+        self.accesses.append(accesses)
+
+
+def _work(call: Call) -> float:
+    """Roughly how long `call` runs, in iterations of its innermost loop: a kernel's iteration
+    space, a matmul's multiply-adds; copies and slice kernels are taken as long (they are a copy
+    lane's or an allreduce's work, which a batch of its own overlaps)."""
+    if isinstance(call, KernelCall):
+        return math.prod(call.ast.shape)
+    if isinstance(call, MatmulCall):
+        return call.batch * call.m * call.n * call.k
+    return math.inf
+
+
+def _tracked(runs: Sequence[_Building], is_input: Callable[[int], bool],
              first_owned: int) -> list[tuple[tuple[tuple[int, tuple[Access, ...]], ...], tuple[int, ...]]]:
     """For each run: the accesses the access logs order, by the index of the command they come
     before (each range once per batch, as `Batch` orders it: again only when a write follows
@@ -316,11 +344,11 @@ def _tracked(runs: Sequence[tuple[Device, str, Any, list[list[tuple[_Place, bool
     a call on another stream touches the same bytes too, one of the two writing; arena bytes
     only then. The schedule's own buffers are recorded in any case, from the batch's start when
     no other stream touches them (nothing else is recorded on them: nothing to wait for)."""
-    streams = [(on.name, queue) for on, queue, _, _, _ in runs]
+    streams = [(run.device.name, run.queue) for run in runs]
     # memory -> stream -> the byte ranges it touches there, and whether it writes them
     touched: dict[int, dict[tuple[str, str], list[tuple[int, int, bool]]]] = {}
-    for (_, _, _, accesses, _), stream in zip(runs, streams):
-        for command in accesses:
+    for run, stream in zip(runs, streams):
+        for command in run.accesses:
             for place, write in command:
                 by_stream = touched.setdefault(place.memory, {})
                 by_stream.setdefault(stream, []).append((place.offset, place.offset + place.nbytes, write))
@@ -331,11 +359,11 @@ def _tracked(runs: Sequence[tuple[Device, str, Any, list[list[tuple[_Place, bool
                    for other, ranges in touched[place.memory].items() if other != stream for s, e, w in ranges)
 
     result = []
-    for (_, _, _, accesses, _), stream in zip(runs, streams):
+    for run, stream in zip(runs, streams):
         seen: dict[tuple[int, int, int], bool] = {}
         due: dict[int, list[Access]] = {}
         holds: dict[int, None] = {}
-        for index, command in enumerate(accesses):
+        for index, command in enumerate(run.accesses):
             for place, write in command:
                 m = place.memory
                 if is_input(m) or shared(place, write, stream):
@@ -388,7 +416,16 @@ def _link(plan: _Plan, run: _Run) -> _Run:
             for arg in command.args:
                 code += [arg.memory, arg.offset] if isinstance(arg, _Place) else [-1, arg]
     tracked = tuple((moved[index], accesses) for index, accesses in plan.tracked)
-    return _Run(plan.device, plan.queue, tuple(commands), tracked, plan.holds, plan.copied, (ctypes.c_int64 * len(code))(*code))
+    return _Run(plan.device, plan.queue, tuple(commands), tracked, plan.holds, plan.copied, plan.small,
+                (ctypes.c_int64 * len(code))(*code))
+
+
+# A batch of kernels iterating this often in all takes less time than handing it to the queue's
+# worker (waking it, and the caller on completion: tens of microseconds on one core): it runs on
+# the calling thread when its queue is idle and it waits for nothing (`CommandQueue.submit`'s
+# inline). 2**14 iterations are ~5 us of elementwise float32 work, ~80 us at worst (scalar
+# transcendentals). A realize of the graph in bench/tensor.py (97 kernels over 8x8) is 6208.
+INLINE_WORK = 1 << 14
 
 
 # The command interpreter: `tinydist_commands(bases, code, count)` calls `count` kernels, each

@@ -340,6 +340,11 @@ class Batch:
     def __len__(self) -> int:
         return len(self._commands)
 
+    @property
+    def waits(self) -> bool:
+        """Whether the batch waits for work on another queue."""
+        return bool(self._waited)
+
     def track(self, buffer: Buffer, write: bool) -> int:
         """Order the batch after conflicting work on `buffer`, record the access, and return its
         address — for `command`s whose buffers are not passed as Buffer arguments."""
