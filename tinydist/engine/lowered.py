@@ -300,7 +300,8 @@ def _lower(schedule: Schedule, inputs: Sequence[LazyNode], engine: Engine) -> Lo
         key = (arg.memory, arg.offset) if isinstance(arg, _Place) else (zero, arg)
         return slots.setdefault(key, len(slots))
 
-    plans = tuple(_Plan(run.device, run.queue, tuple(run.commands), tracked, holds, run.copied, run.work <= INLINE_WORK)
+    plans = tuple(_Plan(run.device, run.queue, tuple(run.commands), tracked, holds, run.copied,
+                        run.device.native_code and run.work <= INLINE_WORK)
                   for run, (tracked, holds) in zip(runs, _tracked(runs, lambda m: m < len(inputs), first_owned)))
     python = tuple(_Run(p.device, p.queue, tuple((c.fn, _getter(tuple(slot(a) for a in c.args))) for c in p.commands),
                         p.tracked, p.holds, p.copied, p.small) for p in plans)
@@ -421,9 +422,9 @@ def _link(plan: _Plan, run: _Run) -> _Run:
 
 
 # A batch of kernels iterating this often in all takes less time than handing it to the queue's
-# worker (waking it, and the caller on completion: tens of microseconds on one core): it runs on
-# the calling thread when its queue is idle and it waits for nothing (`CommandQueue.submit`'s
-# inline). 2**14 iterations are ~5 us of elementwise float32 work, ~80 us at worst (scalar
+# worker (waking it, and the caller on completion: tens of microseconds on one core): on a device
+# whose kernels are code of this process (not a remote node's), it runs on the calling thread when
+# its queue is idle and it waits for nothing (`CommandQueue.submit`'s inline). 2**14 iterations are ~5 us of elementwise float32 work, ~80 us at worst (scalar
 # transcendentals). A realize of the graph in bench/tensor.py (97 kernels over 8x8) is 6208.
 INLINE_WORK = 1 << 14
 
