@@ -23,6 +23,8 @@ may have to wait: inputs, and bytes another stream of the schedule touches; a bu
 schedule's own that no other stream touches has nothing recorded but this queue's own work, so
 its access is recorded from the batch's start. Each batch holds the arenas it uses
 (`AccessLog.hold`), so their memory goes back only after the last of those batches is done.
+A batch of little work (`INLINE_WORK`) that waits for nothing runs on the calling thread when its
+queue is idle: cheaper than waking the queue's worker and being woken by it.
 
 `lower` returns None where this does not apply (a buffer of no bytes in a call, an input on a
 device the engine knows by another object, anything `lower_call` refuses): realize then binds
