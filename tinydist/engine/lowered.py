@@ -40,7 +40,7 @@ import platform
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import Any
+from typing import Any, cast
 
 from tinydist.codegen.compile_cache import compile_glue
 from tinydist.engine.commands import Launch, lower_call
@@ -182,7 +182,7 @@ class Lowered:
                     array = (ctypes.c_int64 * len(bases))(*bases)
                 batch.keep_alive(array, run.code)  # read by the interpreter when the batch runs
                 at, code = ctypes.addressof(array), ctypes.addressof(run.code)
-                commands = [(fn, (at, code + 8 * args[0], args[1]) if type(args) is tuple else args(table))
+                commands = [(fn, (at, code + 8 * args[0], args[1]) if isinstance(args, tuple) else args(table))
                             for fn, args in run.commands]
             start = 0
             for index, accesses in run.tracked:
@@ -239,7 +239,7 @@ def _lower(schedule: Schedule, inputs: Sequence[LazyNode], engine: Engine) -> Lo
             raise _Unfit(f"input {number} is not on {on.name}")
         where[number] = _Place(number, 0, buffer.nbytes, on)
         input_memory.append((on, buffer.nbytes))
-    arenas = []
+    arenas: list[tuple[Device, int]] = []
     for (name, lane), size in plan.arena_bytes.items():
         if size:
             memory = len(inputs) + len(arenas)
@@ -248,7 +248,7 @@ def _lower(schedule: Schedule, inputs: Sequence[LazyNode], engine: Engine) -> Lo
                 if at == (name, lane):
                     where[number] = _Place(memory, plan.offsets[number], specs[number].nbytes, device(name))
     first_owned = len(inputs) + len(arenas)
-    owned = []
+    owned: list[tuple[Device, int]] = []
     for number in range(schedule.n_inputs, len(specs)):
         spec = specs[number]
         if where[number] is None and number not in schedule.aliases and spec.nbytes:
@@ -266,9 +266,9 @@ def _lower(schedule: Schedule, inputs: Sequence[LazyNode], engine: Engine) -> Lo
             runs.append(_Building(on, call.queue))
         run = runs[-1]
         run.work += _work(call)
-        for command in lower_call(call, where, on, []):
+        for command in lower_call(call, cast(list[Any], where), on, []):  # a _Place stands in for each buffer
             if not isinstance(command, Launch) and not command.streaming:
-                dst, src = command.dst, command.src
+                dst, src = cast(_Place, command.dst), cast(_Place, command.src)
                 if dst.nbytes != src.nbytes:
                     raise _Unfit("a copy between sizes")
                 run.add(_Command(on.copy_command("d2d", src.device), (dst, src, dst.nbytes), None), [(src, False), (dst, True)])
@@ -321,7 +321,7 @@ class _Building:
         self.commands: list[_Command] = []
         self.accesses: list[list[tuple[_Place, bool]]] = []
         self.copied = 0
-        self.work = 0
+        self.work: float = 0
 
     def add(self, command: _Command, accesses: list[tuple[_Place, bool]]) -> None:
         self.commands.append(command)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from tinydist.engine.binding import Bound, bind
 from tinydist.engine.commands import issue, lower_call
-from tinydist.engine.lowered import lower
+from tinydist.engine.lowered import Lowered, lower
 from tinydist.lazy import LazyNode, Op
 from tinydist.logs import get_logger
 from tinydist.runtime.buffer import Buffer
@@ -84,11 +84,10 @@ def realize(targets: Sequence[LazyNode]) -> list[Completion]:
         pending = _with_readers_of_overwritten(pending)
         walk = canonical_walk(pending)
     schedule, inputs = create_schedule(pending, walk)
-    engine = get_engine()
     lowered = schedule.derived.get("realize")
-    if lowered is None or (lowered is not _CALL_BY_CALL and not lowered.current()):
-        lowered = schedule.derived["realize"] = lower(schedule, inputs, engine) or _CALL_BY_CALL
-    ran = None if lowered is _CALL_BY_CALL else lowered.run(inputs)
+    if lowered is None or (isinstance(lowered, Lowered) and not lowered.current()):
+        lowered = schedule.derived["realize"] = lower(schedule, inputs, get_engine()) or _CALL_BY_CALL
+    ran = lowered.run(inputs) if isinstance(lowered, Lowered) else None
     if ran is not None:
         completions, buffers = ran
     else:
