@@ -329,6 +329,29 @@ def test_schedule_cache_tells_apart_graphs_whose_keys_hash_alike():
     np.testing.assert_array_equal((x + y).numpy(), A + A + 1)  # two inputs
 
 
+def test_the_key_walk_recursing_and_on_its_own_stack_numbers_alike_in_walk_postorders_order():
+    """canonical_walk recurses and walks again on a stack of its own past the recursion limit:
+    both must number nodes as walk.postorder does (input order and buffer numbers follow it)."""
+    from tinydist.schedule import _deep_walk, canonical_walk
+    from tinydist.walk import postorder
+    g = random.Random(5)
+    for trial in range(40):
+        pool = [td.Tensor(np.full((2, 3), i, np.float32)) for i in range(3)]
+        for _ in range(g.randint(1, 25)):
+            a, b, c = (g.choice(pool) for _ in range(3))
+            pool.append(g.choice([lambda: a + b, lambda: a * b.T.T, lambda: td.where(a > b, b, c), lambda: a - a.max(1, keepdim=True),
+                                  lambda: (a * 2).exp()])())
+        targets = list(dict.fromkeys(t.node for t in g.sample(pool[3:] or pool, min(3, len(pool) - 3) or 1)))
+        walked, deep = canonical_walk(targets), _deep_walk(targets)
+        assert walked.key == deep.key and walked.inputs == deep.inputs and walked.assigns == deep.assigns, trial
+        order = postorder(targets, lambda node: () if node.realized else node.srcs)
+        assert list(walked.nodes) == order, trial
+    x = td.Tensor(np.ones(3, np.float32))
+    for i in range(3000):  # past the recursion limit: walked on its own stack
+        x = x * 1.5 if i % 2 else x - 1
+    assert canonical_walk([x.node]).key == _deep_walk([x.node]).key
+
+
 # ---- memory planner -----------------------------------------------------------------------------
 
 def random_graph(rng: random.Random):
