@@ -120,6 +120,25 @@ def test_a_small_realize_runs_on_the_calling_thread_only_when_its_queue_is_idle(
     assert all(c.done() for c in held)
 
 
+def test_a_device_error_while_lowering_is_not_kept_with_the_schedule(path: str, monkeypatch) -> None:
+    """The realize goes call by call; the next one lowers (the device may have been reopened)."""
+    if path != "lowered":
+        pytest.skip("about the lowering")
+    import tinydist.engine.lowered as module
+    from tinydist.errors import DeviceFailed
+    x = td.Tensor(rng.standard_normal((6, 5)).astype(np.float32))
+    t = chain(x)
+    schedule = create_schedule([t.node])[0]
+    schedule.derived.clear()
+    real = module._lower
+    monkeypatch.setattr(module, "_lower", lambda *args: (_ for _ in ()).throw(DeviceFailed("lost for a moment")))
+    np.testing.assert_allclose(t.numpy(), chain_np(x.numpy()), rtol=1e-5, atol=1e-5)
+    assert "realize" not in schedule.derived
+    monkeypatch.setattr(module, "_lower", real)
+    chain(x).realize()
+    assert isinstance(schedule.derived["realize"], Lowered)
+
+
 def test_tracing_sees_each_kernel_of_a_realize() -> None:
     x = td.Tensor(rng.standard_normal((6, 5)).astype(np.float32))
     chain(x).realize()

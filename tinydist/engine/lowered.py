@@ -26,9 +26,9 @@ its access is recorded from the batch's start. Each batch holds the arenas it us
 A batch of little work (`INLINE_WORK`) that waits for nothing runs on the calling thread when its
 queue is idle: cheaper than waking the queue's worker and being woken by it.
 
-`lower` returns None where this does not apply (a buffer of no bytes in a call, an input on a
-device the engine knows by another object, anything `lower_call` refuses): realize then binds
-and issues call by call as it always has, which also raises the errors a bad call deserves.
+Where this does not apply (a buffer of no bytes in a call, anything `lower_call` refuses; for
+one realize: an input on a device the engine knows by another object, a device error) realize
+binds and issues call by call as it always has, which also raises the errors a bad call deserves.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from typing import Any, cast
 from tinydist.codegen.compile_cache import compile_glue
 from tinydist.engine.commands import Launch, lower_call
 from tinydist.lazy import LazyNode
+from tinydist.errors import DeviceError
 from tinydist.logs import get_logger
 from tinydist.runtime import command_queue
 from tinydist.runtime.buffer import Buffer
@@ -66,6 +67,10 @@ Getter = Callable[[Sequence[int]], tuple[int, ...]] | tuple[int, int]
 
 class _Unfit(Exception):
     """This schedule is realized call by call (the message says why)."""
+
+
+class _NotNow(Exception):
+    """This realize goes call by call; the next may be lowered (the message says why)."""
 
 
 class _Place:
@@ -203,13 +208,18 @@ class Lowered:
         return completions
 
 
-def lower(schedule: Schedule, inputs: Sequence[LazyNode], engine: Engine) -> Lowered | None:
-    """`schedule` lowered for the engine's devices, or None where realize must go call by call."""
+def lower(schedule: Schedule, inputs: Sequence[LazyNode], engine: Engine) -> Lowered | str | None:
+    """`schedule` lowered for the engine's devices; or why realize goes call by call for it, a
+    reason to keep with the schedule; or None where it does only this time (a device error —
+    the device may be reopened — or inputs unlike the schedule's usual ones)."""
     try:
         return _lower(schedule, inputs, engine)
+    except (DeviceError, _NotNow) as exc:
+        log.debug("realized call by call this time", reason=f"{type(exc).__name__}: {exc}")
+        return None
     except Exception as exc:  # noqa: BLE001 - the call-by-call path raises what deserves raising
         log.debug("realized call by call", reason=f"{type(exc).__name__}: {exc}")
-        return None
+        return f"{type(exc).__name__}: {exc}"
 
 
 def _getter(slots: tuple[int, ...]) -> Getter:
@@ -236,7 +246,7 @@ def _lower(schedule: Schedule, inputs: Sequence[LazyNode], engine: Engine) -> Lo
     for number, node in enumerate(inputs):
         buffer, on = node.buffer, device(node.device)
         if buffer is None or buffer.device is not on:
-            raise _Unfit(f"input {number} is not on {on.name}")
+            raise _NotNow(f"input {number} is not on {on.name}")
         where[number] = _Place(number, 0, buffer.nbytes, on)
         input_memory.append((on, buffer.nbytes))
     arenas: list[tuple[Device, int]] = []

@@ -28,8 +28,6 @@ from tinydist.schedule import Walk, canonical_walk, create_schedule
 
 log = get_logger(layer="realize")
 
-_CALL_BY_CALL = "call by call"  # a schedule `lower` does not apply to
-
 
 def _with_readers_of_overwritten(targets: list[LazyNode]) -> list[LazyNode]:
     """Add every assign in this graph, and the live, unrealized readers of every buffer one
@@ -84,9 +82,11 @@ def realize(targets: Sequence[LazyNode]) -> list[Completion]:
         pending = _with_readers_of_overwritten(pending)
         walk = canonical_walk(pending)
     schedule, inputs = create_schedule(pending, walk)
-    lowered = schedule.derived.get("realize")
+    lowered = schedule.derived.get("realize")  # its lowering, or why it goes call by call
     if lowered is None or (isinstance(lowered, Lowered) and not lowered.current()):
-        lowered = schedule.derived["realize"] = lower(schedule, inputs, get_engine()) or _CALL_BY_CALL
+        lowered = lower(schedule, inputs, get_engine())
+        if lowered is not None:
+            schedule.derived["realize"] = lowered
     ran = lowered.run(inputs) if isinstance(lowered, Lowered) else None
     if ran is not None:
         completions, buffers = ran
