@@ -102,7 +102,6 @@ class _Captured:
                  all_tensors: bool) -> None:
         self.capture, self.returned, self.rebuild = capture, returned, rebuild
         self.all_tensors = all_tensors  # every argument a Tensor: call_numpy may take arrays for them all
-        self.computed = [(shape, dtype, device) for shape, dtype, device in capture.output_specs]
 
     @property
     def strategy(self) -> Replay:
@@ -111,7 +110,7 @@ class _Captured:
     def replay(self, args: list[Tensor], inline: bool) -> tuple[Any, list[Completion]]:
         buffers, completions = self.capture.replay([t.node.buffer for t in args], inline)  # type: ignore[misc]
         computed = iter(Tensor(buffer_node(buffer, dtype, shape, device))
-                        for buffer, (shape, dtype, device) in zip(buffers, self.computed))
+                        for buffer, (shape, dtype, device) in zip(buffers, self.capture.output_specs))
         return self.rebuild(self._outputs(computed, args)), completions
 
     def replay_arrays(self, arrays: list[np.ndarray], devices: list[str]) -> Any:

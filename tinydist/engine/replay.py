@@ -95,7 +95,6 @@ class EntryReplay:
         self.output_copies = [(b(n).address, b(n).nbytes) for n in capture.output_numbers]
         self.written_copies = [(position, b(number).address, b(number).nbytes) for position, number in capture.written_args]
         self.copy = self.device.host_copy()
-        self.queue = self.device.queues["compute"]
         self.pools: list[list[Buffer]] = [[] for _ in capture.output_bytes]
 
     def _outputs(self) -> list[Buffer]:
@@ -117,51 +116,26 @@ class EntryReplay:
         return outputs
 
     def replay(self, args: Sequence[Buffer], inline: bool) -> tuple[list[Buffer], list[Completion]]:
-        device, copy = self.device, self.copy
-        device.check_usable()
+        copy = self.copy
         outputs = self._outputs()
         accesses = [(args[position], False) for position, _, _ in self.arg_copies]
         accesses += self.capture.accesses
         accesses += [(out, True) for out in outputs]
         accesses += [(args[position], True) for position, _, _ in self.written_copies]
-        if any(buffer.accesses.conflicts(buffer.offset, buffer.offset + buffer.nbytes, write) for buffer, write in accesses):
-            return outputs, [self._replay_ordered(args, outputs, accesses, inline)]
-        # nothing unfinished touches what this replay touches: queue it as it is (what a batch
-        # would do after finding nothing to wait for), and record its accesses if it is still running
         commands: list[tuple[Any, tuple[int, ...]]] = [(copy, (address, args[position].address, nbytes))
                                                        for position, address, nbytes in self.arg_copies]
         commands.append((self.entry.cfunc, ()))
         commands.extend((copy, (out.address, address, nbytes)) for out, (address, nbytes) in zip(outputs, self.output_copies))
         commands.extend((copy, (args[position].address, address, nbytes)) for position, address, nbytes in self.written_copies)
-        timeline = self.queue.timeline
-        value = self.queue.submit(commands, inline=inline)
-        if not timeline.reached(value):
-            for buffer, write in accesses:
-                buffer.accesses.record(buffer.offset, buffer.offset + buffer.nbytes, write, timeline, value)
-        return outputs, [Completion(timeline, value)]
-
-    def _replay_ordered(self, args: Sequence[Buffer], outputs: list[Buffer], accesses: list[tuple[Buffer, bool]],
-                        inline: bool) -> Completion:
-        """The replay as a batch: ordered after the unfinished work on what it touches."""
-        batch = self.device.batch("compute")
-        for buffer, write in accesses:
-            batch.track(buffer, write)
-        copy = self.copy
-        for position, address, nbytes in self.arg_copies:
-            batch.command(copy, (address, args[position].address, nbytes))
-        batch.command(self.entry.cfunc, ())
-        for out, (address, nbytes) in zip(outputs, self.output_copies):
-            batch.command(copy, (out.address, address, nbytes))
-        for position, address, nbytes in self.written_copies:
-            batch.command(copy, (args[position].address, address, nbytes))
-        return batch.submit(inline=inline)
+        return outputs, [self.device.submit_commands("compute", commands, accesses, inline)]
 
 
 class HostFrame:
     """numpy arrays in, numpy arrays out, over an entry replay on host memory: one native function
     (`DeviceCompiler.link_frame`) copies the caller's arrays straight into the capture's buffers,
     calls the entry point and copies the outputs into new arrays — one command in one
-    submission, run inline when the queue is idle, no buffers or Tensors made. The arrays stay referenced here until the work is done: `run` waits for it.
+    submission, run inline when the queue is idle, no buffers or Tensors made. The arrays stay
+    referenced here until the work is done: `run` waits for it.
     An argument the function assigns to is not written back into the caller's array, as an
     array given to `Tensor(...)` is not: the array is input only."""
     name: ClassVar[str] = "frame"
@@ -176,7 +150,6 @@ class HostFrame:
 
     def __init__(self, entry: EntryReplay) -> None:
         self.device = entry.device
-        self.queue = self.device.queues["compute"]
         self.accesses = entry.capture.accesses
         self.output_specs = [(shape, dtype.np) for shape, dtype, _ in entry.capture.output_specs]
         self.positions = [position for position, _, _ in entry.arg_copies]
@@ -188,21 +161,9 @@ class HostFrame:
         # the arrays' addresses: `ctypes.data` builds an object per array, the interface a dict
         addresses = [arrays[position].__array_interface__["data"][0] for position in self.positions]
         addresses += [out.__array_interface__["data"][0] for out in outputs]
-        commands = [(self.frame, tuple(addresses))]
-        if any(buffer.accesses.conflicts(buffer.offset, buffer.offset + buffer.nbytes, write) for buffer, write in self.accesses):
-            batch = self.device.batch("compute")  # shared weights are busy elsewhere: order after that work
-            for buffer, write in self.accesses:
-                batch.track(buffer, write)
-            batch.command(*commands[0])
-            completion = batch.submit(inline=True)
-            timeline, value = completion.timeline, completion.value
-        else:
-            timeline, value = self.queue.timeline, self.queue.submit(commands, inline=True)
-            if not timeline.reached(value):  # queued behind busy work: let other queues order after it
-                for buffer, write in self.accesses:
-                    buffer.accesses.record(buffer.offset, buffer.offset + buffer.nbytes, write, timeline, value)
-        if not timeline.reached(value):
-            timeline.wait_blocking(value)
+        completion = self.device.submit_commands("compute", [(self.frame, tuple(addresses))], self.accesses, inline=True)
+        if not completion.done():
+            completion.wait_blocking()
         return outputs
 
 

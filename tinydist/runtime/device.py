@@ -251,6 +251,27 @@ class Device(ABC):
         except KeyError:
             raise ValueError(f"{self.name} has no queue {queue!r}; queues: {', '.join(self.queues)}") from None
 
+    def submit_commands(self, queue: str, commands: list[Command], accesses: Sequence[tuple[Buffer, bool]],
+                        inline: bool = False) -> Completion:
+        """Submit raw `commands` that touch `accesses` ((buffer, written?) pairs), as a batch
+        tracking them would — without the batch when no unfinished work conflicts with any of
+        them: nothing to wait for, so the commands go to the queue as they are and the accesses
+        are recorded only if they are still running. A captured replay's per-frame path."""
+        if any(b.accesses.conflicts(b.offset, b.offset + b.nbytes, write) for b, write in accesses):
+            batch = self.batch(queue)
+            for buffer, write in accesses:
+                batch.track(buffer, write)
+            batch.extend(commands)
+            return batch.submit(inline=inline)
+        self.check_usable()
+        target = self.queues[queue]
+        timeline = target.timeline
+        value = target.submit(commands, inline=inline)
+        if not timeline.reached(value):
+            for buffer, write in accesses:
+                buffer.accesses.record(buffer.offset, buffer.offset + buffer.nbytes, write, timeline, value)
+        return Completion(timeline, value)
+
     async def synchronize(self, timeout: float | None = None) -> None:
         """Wait until everything submitted so far on every queue has completed."""
         for q in self.queues.values():
