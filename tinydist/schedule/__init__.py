@@ -226,7 +226,7 @@ def create_schedule(targets: list[LazyNode], walk: Walk | None = None) -> tuple[
 def _build(targets: list[LazyNode], inputs: list[LazyNode]) -> Schedule:
     graph = fuse(targets, inputs)
     target_numbers = tuple(graph.number[id(t)] for t in targets)
-    linear = linearize(graph.calls, graph.overwrites)
+    linear = linearize(graph.calls, graph.overwrites, graph.specs)
     held = set(range(len(inputs))) | set(target_numbers) | set(graph.aliases) | set(graph.aliases.values())
     planned = [n for n in range(len(graph.specs)) if n not in held and graph.specs[n].nbytes > 0]
     plan = plan_memory(linear, graph.specs, planned)
