@@ -114,6 +114,8 @@ for _setting in (
             "Where compiled kernels (object code) are cached on disk."),
     Setting("COMPILE_CACHE", _choice("1", "0"), lambda: "1",
             "Set to 0 to bypass the on-disk compile cache."),
+    Setting("COMPILE_CACHE_MAX_MB", _positive_int, lambda: 512,
+            "Cap on the on-disk compile cache, in MiB; past it the least recently used entries are deleted."),
     Setting("TIMELINE_TIMEOUT", _positive_float, lambda: 30.0,
             "Seconds a timeline may stand still under a waiter before its device is declared hung."),
     Setting("JIT_RUN_AHEAD", _positive_int, lambda: 64,
