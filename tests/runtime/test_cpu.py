@@ -205,7 +205,7 @@ def test_disabled_cache_always_compiles(tmp_path, monkeypatch) -> None:
     a, b = cache.compile(SCALE_IR), cache.compile(SCALE_IR)
     assert a == b and len(calls) == 2
     assert (cache.statistics.hits, cache.statistics.misses) == (0, 2)
-    assert not (tmp_path / "kernels").exists()
+    assert not (tmp_path / "kernels-v2").exists()
 
 
 def test_cache_setting_disables_it(tmp_path) -> None:
@@ -261,7 +261,7 @@ def test_a_process_loading_a_corrupted_entry_still_runs_its_kernel(tmp_path) -> 
     env = {**os.environ, "TINYDIST_CACHE_DIR": str(tmp_path), "TINYDIST_COMPILE_CACHE": "1"}
     first = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert first.returncode == 0, first.stderr
-    entries = sorted((tmp_path / "kernels").glob("*/*.o"))
+    entries = sorted((tmp_path / "kernels-v2").glob("*/*.o"))
     assert entries
     for index, entry in enumerate(entries):
         entry.write_bytes((_flipped if index % 2 else _truncated)(entry.read_bytes()))
@@ -279,7 +279,7 @@ def test_cache_stays_under_its_cap_evicting_the_least_recently_used(tmp_path) ->
         cache = CompileCache(compiler, directory=tmp_path, enabled=True)
         cache.compile(sources[0])
         # fill the directory to the cap with entries older than any: the next write must evict them
-        filler = tmp_path / "kernels" / "00"
+        filler = tmp_path / "kernels-v2" / "00"
         filler.mkdir(parents=True, exist_ok=True)
         for i in range(1024 * 1024 // 65536):
             old = filler / f"{i:064x}.o"
@@ -288,7 +288,7 @@ def test_cache_stays_under_its_cap_evicting_the_least_recently_used(tmp_path) ->
         fresh = CompileCache(compiler, directory=tmp_path, enabled=True)
         for source in sources[1:]:
             fresh.compile(source)
-        sizes = [p.stat().st_size for p in (tmp_path / "kernels").glob("*/*")]
+        sizes = [p.stat().st_size for p in (tmp_path / "kernels-v2").glob("*/*")]
         assert sum(sizes) <= 1024 * 1024
         assert fresh.statistics.evicted > 0
         assert all(fresh.path(source).exists() for source in sources)   # the recently used survive

@@ -62,7 +62,8 @@ def decode_entry(data: bytes) -> tuple[bytes | None, str]:
 class CompileCache:
     def __init__(self, compiler: HostCompiler, directory: Path | None = None, enabled: bool | None = None) -> None:
         self.compiler = compiler
-        self.directory = Path(directory if directory is not None else settings.CACHE_DIR) / "kernels"
+        # the entry format's version names the directory: older entries are never read as newer ones
+        self.directory = Path(directory if directory is not None else settings.CACHE_DIR) / "kernels-v2"
         self.enabled = settings.COMPILE_CACHE == "1" if enabled is None else enabled
         self.statistics = CacheStatistics()
         self._size: int | None = None  # bytes on disk, measured at this cache's first write

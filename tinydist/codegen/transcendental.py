@@ -257,7 +257,9 @@ def _exp2_parts(e: _Emitter, hi: ir.Value, lo: ir.Value | None = None) -> ir.Val
     n = e.call("rint", t)
     r = e.sub(t, n)
     if lo is not None:
-        r = e.add(r, lo)
+        # lo is tiny against 1 only while hi is in range: pow's y*log2|x| for y = 1e38 has a
+        # tail of ~1e22, which added to r gave 6**1e38 = -inf. Clamped, the result is 0 or inf.
+        r = e.add(r, e.sel(e.eq(t, hi), lo, e.c(0.0)))
     p = e.fma(r, e.horner(r, _COEFFS["exp2", e.fmt.bits]), e.c(1.0))
     return e.sel(e.isnan(hi), hi, e.ldexp(p, n))
 

@@ -122,6 +122,7 @@ class Embedding(Module):
     def forward(self, index: Any) -> Tensor:
         if not isinstance(index, Tensor):
             index = Tensor(np.asarray(index, dtype=np.int64), device=self.weight.device)
+        F.check_indices(index, self.num_embeddings, f"Embedding({self.num_embeddings}, {self.embedding_dim}): index")
         one_hot = F._one_hot(index.reshape(-1), self.num_embeddings, self.weight.dtype)
         return (one_hot @ self.weight).reshape(index.shape + (self.embedding_dim,))
 
