@@ -75,6 +75,9 @@ def _normalize_axes(axis: int | Sequence[int] | None, ndim: int) -> tuple[int, .
     return result
 
 
+MAX_ELEMENTS = 1 << 48   # past this a kernel's loop would run for days, or its int64 offsets overflow
+
+
 def _shape_arg(shape: Sequence[Any], infer: bool = True) -> tuple[int, ...]:
     """Dimensions given as `f(2, 3)` or `f((2, 3))`: integers, at least 0; `infer` allows one -1
     (reshape's "whatever is left")."""
@@ -87,6 +90,9 @@ def _shape_arg(shape: Sequence[Any], infer: bool = True) -> tuple[int, ...]:
     if any(s < 0 for s in result if not (infer and s == -1)):
         what = "negative dimensions are not allowed" + ("" if infer else " (-1 is reshape's, not a factory's)")
         raise ValueError(f"{what}: {result}")
+    if math.prod(abs(s) for s in result) > MAX_ELEMENTS:
+        raise ValueError(f"shape {result} has {math.prod(abs(s) for s in result):,} elements, more than the "
+                         f"{MAX_ELEMENTS:,} a kernel can index (2**48): split the work into smaller tensors")
     return result
 
 

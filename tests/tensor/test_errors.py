@@ -285,3 +285,12 @@ def test_out_of_range_indices_are_index_errors_as_in_torch():
     # in range, unchanged: torch's values
     index = np.array([[0, 3], [9, 1]])
     np.testing.assert_allclose(embedding(td.Tensor(index)).numpy(), embedding.weight.numpy()[index])
+
+
+def test_absurd_sizes_are_refused_when_built(no_schedule):
+    """Tensor.ones((1 << 62, 4)).sum() used to be built and run into the hang rule."""
+    with pytest.raises(ValueError, match=r"18,446,744,073,709,551,616 elements.*split the work"):
+        td.Tensor.ones((1 << 62, 4))
+    with pytest.raises(ValueError, match="elements, more than"):
+        td.Tensor.ones((1 << 40, 1)) + td.Tensor.ones((1, 1 << 20))
+    assert td.Tensor.ones((1 << 24, 1 << 24)).shape == (1 << 24, 1 << 24)   # 2**48: still allowed
