@@ -216,7 +216,7 @@ class DistributedDataParallel(Module):
         dist = self._dist
         state = self.module.state_dict()
         with no_grad():
-            for name, t in state.items():
+            for t in state.values():
                 value = dist.broadcast(t if dist.rank() == 0 else t, src=0)
                 t.assign(value.to(t.device))
         realize([t.node for t in state.values()])

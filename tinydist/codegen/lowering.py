@@ -35,6 +35,7 @@ from tinydist.walk import postorder
 
 I1, I8, I32, I64 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64)
 F32, F64 = ir.FloatType(), ir.DoubleType()
+PTR = ir.PointerType()  # opaque, address space 0: the CPU kernels' argument pointers
 VECTOR_BYTES = 64                  # one AVX-512 register, one cache line
 STREAMING_STORE_BYTES = 32 << 20   # bigger than this machine's last-level cache
 MAX_LOOP_PIECES = 128              # most copies of a loop body that index-set splitting may emit
@@ -107,7 +108,7 @@ def collapse(ast: KernelAST) -> tuple[tuple[int, ...], tuple[int, ...], dict[int
 # ---- IR building ------------------------------------------------------------------------------
 
 class _Lowerer:
-    def __init__(self, ast: KernelAST, module_name: str = "tinydist", pointer: ir.Type = ir.PointerType()) -> None:
+    def __init__(self, ast: KernelAST, module_name: str = "tinydist", pointer: ir.Type = PTR) -> None:
         self.ast = ast
         self.module = ir.Module(name=module_name)
         self.shape, self.reduce_axes, self.trackers = collapse(ast)

@@ -286,7 +286,7 @@ class RunsReplay:
             return any(other != stream and (write or w) and overlap(memory, where) for where, w, other in touched)
         for run in runs:
             stream = (run.device.name, run.queue)
-            run.keep(lambda buffer, write: tracked(buffer, write, stream))
+            run.keep(lambda buffer, write, stream=stream: tracked(buffer, write, stream))  # this run's stream, bound now
 
     def _place_copies(self, runs: list[_Run]) -> None:
         """Copy each argument in at the start of the first run on its buffer's compute queue, when

@@ -330,8 +330,8 @@ def op_constant_of_shape(ctx: Any, shape: Value) -> np.ndarray:
 
 
 def op_range(ctx: Any, start: Value, limit: Value, delta: Value) -> np.ndarray:
-    s, l, d = (static(ctx, v, n) for v, n in ((start, "start"), (limit, "limit"), (delta, "delta")))
-    count = max(int(math.ceil((l.item() - s.item()) / d.item())), 0)
+    s, lim, d = (static(ctx, v, n) for v, n in ((start, "start"), (limit, "limit"), (delta, "delta")))
+    count = max(int(math.ceil((lim.item() - s.item()) / d.item())), 0)
     return (s.item() + np.arange(count) * d.item()).astype(s.dtype)
 
 
