@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from llvmlite import ir
 
@@ -248,7 +248,7 @@ class _Lowerer:
             if tracker.views[0].strides[0] == 1:
                 value = self.b.load(pointer, typ=ir.VectorType(mem_type, self.width), align=node.dtype.itemsize)
             else:
-                value = self.broadcast(self.b.load(pointer, typ=mem_type))
+                value = self.broadcast(self.b.load(pointer, typ=mem_type), self.width)
             if node.dtype is dtypes.bool_:
                 value = self.b.icmp_unsigned("!=", value, splat(value.type, 0))
             return value
@@ -264,10 +264,10 @@ class _Lowerer:
             value = self.b.select(valid, value, ir.Constant(value.type, 0))
         return value
 
-    def broadcast(self, scalar: ir.Value) -> ir.Value:
-        vector_type = ir.VectorType(scalar.type, self.width)
+    def broadcast(self, scalar: ir.Value, width: int) -> ir.Value:
+        vector_type = ir.VectorType(scalar.type, width)
         first = self.b.insert_element(ir.Constant(vector_type, None), scalar, ir.Constant(I32, 0))
-        return self.b.shuffle_vector(first, ir.Constant(vector_type, None), ir.Constant(ir.VectorType(I32, self.width), [0] * self.width))
+        return self.b.shuffle_vector(first, ir.Constant(vector_type, None), ir.Constant(ir.VectorType(I32, width), [0] * width))
 
     # -- expressions --
 
@@ -455,7 +455,14 @@ def _contiguous(shape: list[int]) -> list[int]:
     return list(reversed(strides))
 
 
-def _entry_alloca(lowerer: _Lowerer, t: ir.Type) -> ir.Value:
+class _HasEntryBlock(Protocol):
+    """What _entry_alloca needs of a lowerer: its builder and its function's entry block."""
+
+    b: ir.IRBuilder
+    entry: ir.Block
+
+
+def _entry_alloca(lowerer: _HasEntryBlock, t: ir.Type) -> ir.Value:
     """A stack slot in the entry block, where LLVM's mem2reg turns it into a register."""
     with lowerer.b.goto_block(lowerer.entry):  # restores the builder's position on exit
         lowerer.b.position_at_start(lowerer.entry)
