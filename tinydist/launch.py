@@ -47,7 +47,7 @@ def _exit_code(rc: int) -> int:
 
 async def _pump(stream: asyncio.StreamReader, rank: int, out: object) -> None:
     prefix = f"[rank {rank}] ".encode()
-    buffer = out.buffer if hasattr(out, "buffer") else None  # type: ignore[attr-defined]
+    buffer = out.buffer if hasattr(out, "buffer") else None
     while True:
         line = await stream.readline()
         if not line:
@@ -172,7 +172,7 @@ async def launch(nproc: int, target: Sequence[str], module: bool = False, grace:
         reaper.close()
 
 
-async def _stop(procs: list[asyncio.subprocess.Process], pending: set[asyncio.Future[int]], grace: float) -> None:
+async def _stop(procs: list[asyncio.subprocess.Process], pending: set[asyncio.Task[int]], grace: float) -> None:
     for p in procs:
         if p.returncode is None:
             with contextlib.suppress(ProcessLookupError):

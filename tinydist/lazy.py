@@ -18,7 +18,7 @@ import enum
 import itertools
 import operator
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -95,7 +95,7 @@ class LazyNode:
         for src in srcs:
             src._add_reader(self)
             grad = grad or src.requires_grad
-        self.requires_grad = grad and grad_mode.enabled and op is not Op.ASSIGN and dtype.is_float  # autograd hook
+        self.requires_grad: bool = grad and grad_mode.enabled and op is not Op.ASSIGN and dtype.is_float  # autograd hook
 
     def _add_reader(self, reader: LazyNode) -> None:
         readers = self._readers
@@ -152,7 +152,7 @@ def const_node(value: Any, dtype: DType, device: str) -> LazyNode:
 # graph is inlined where it is read, except by another device, where it becomes a kernel and a
 # cross-device wait of its own (a loss's gradient seed 1/N, read by every data-parallel replica).
 # Only IEEE basic arithmetic on floats, which numpy rounds exactly as the kernels do.
-_FOLDABLE = {Op.ADD: operator.add, Op.SUB: operator.sub, Op.MUL: operator.mul, Op.DIV: operator.truediv, Op.NEG: operator.neg}
+_FOLDABLE: dict[Op, Callable[..., Any]] = {Op.ADD: operator.add, Op.SUB: operator.sub, Op.MUL: operator.mul, Op.DIV: operator.truediv, Op.NEG: operator.neg}
 
 
 def elementwise(op: Op, srcs: tuple[LazyNode, ...], dtype: DType, arg: Any = None) -> LazyNode:

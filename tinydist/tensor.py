@@ -204,6 +204,7 @@ class Tensor:
             return out
         self.realize()
         buffer = self.node.buffer
+        assert buffer is not None, "a realized node has its buffer"
         flat = out.reshape(-1).view(np.uint8)
         if buffer.device.read_now(flat, buffer):
             return out
@@ -287,7 +288,7 @@ class Tensor:
     # ---- factories ----------------------------------------------------------------------------
 
     @staticmethod
-    def full(shape: Sequence[int] | int, value: Scalar, dtype: Any = None, device: str | None = None) -> Tensor:
+    def full(shape: Sequence[int] | int, value: Scalar | np.number | np.bool_, dtype: Any = None, device: str | None = None) -> Tensor:
         shape = _shape_arg((shape,) if isinstance(shape, int) else shape, infer=False)
         dtype = to_dtype(dtype) if dtype is not None else dtypes.result_type(value)
         device = canonical_name(device or "CPU")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from llvmlite import ir
 
@@ -35,6 +35,7 @@ from tinydist.walk import postorder
 
 I1, I8, I32, I64 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64)
 F32, F64 = ir.FloatType(), ir.DoubleType()
+PTR = ir.PointerType()  # opaque, address space 0: the CPU kernels' argument pointers
 VECTOR_BYTES = 64                  # one AVX-512 register, one cache line
 STREAMING_STORE_BYTES = 32 << 20   # bigger than this machine's last-level cache
 MAX_LOOP_PIECES = 128              # most copies of a loop body that index-set splitting may emit
@@ -108,7 +109,7 @@ def collapse(ast: KernelAST) -> tuple[tuple[int, ...], tuple[int, ...], dict[int
 # ---- IR building ------------------------------------------------------------------------------
 
 class _Lowerer:
-    def __init__(self, ast: KernelAST, module_name: str = "tinydist", pointer: ir.Type = ir.PointerType()) -> None:
+    def __init__(self, ast: KernelAST, module_name: str = "tinydist", pointer: ir.Type = PTR) -> None:
         self.ast = ast
         self.module = ir.Module(name=module_name)
         self.shape, self.reduce_axes, self.trackers = collapse(ast)
@@ -248,7 +249,7 @@ class _Lowerer:
             if tracker.views[0].strides[0] == 1:
                 value = self.b.load(pointer, typ=ir.VectorType(mem_type, self.width), align=node.dtype.itemsize)
             else:
-                value = self.broadcast(self.b.load(pointer, typ=mem_type))
+                value = self.broadcast(self.b.load(pointer, typ=mem_type), self.width)
             if node.dtype is dtypes.bool_:
                 value = self.b.icmp_unsigned("!=", value, splat(value.type, 0))
             return value
@@ -264,10 +265,10 @@ class _Lowerer:
             value = self.b.select(valid, value, ir.Constant(value.type, 0))
         return value
 
-    def broadcast(self, scalar: ir.Value) -> ir.Value:
-        vector_type = ir.VectorType(scalar.type, self.width)
+    def broadcast(self, scalar: ir.Value, width: int) -> ir.Value:
+        vector_type = ir.VectorType(scalar.type, width)
         first = self.b.insert_element(ir.Constant(vector_type, None), scalar, ir.Constant(I32, 0))
-        return self.b.shuffle_vector(first, ir.Constant(vector_type, None), ir.Constant(ir.VectorType(I32, self.width), [0] * self.width))
+        return self.b.shuffle_vector(first, ir.Constant(vector_type, None), ir.Constant(ir.VectorType(I32, width), [0] * width))
 
     # -- expressions --
 
@@ -560,7 +561,14 @@ def _is_zero(value: ir.Value) -> bool:
     return isinstance(value, ir.Constant) and value.constant == 0
 
 
-def _entry_alloca(lowerer: _Lowerer, t: ir.Type) -> ir.Value:
+class _HasEntryBlock(Protocol):
+    """What _entry_alloca needs of a lowerer: its builder and its function's entry block."""
+
+    b: ir.IRBuilder
+    entry: ir.Block
+
+
+def _entry_alloca(lowerer: _HasEntryBlock, t: ir.Type) -> ir.Value:
     """A stack slot in the entry block, where LLVM's mem2reg turns it into a register."""
     with lowerer.b.goto_block(lowerer.entry):  # restores the builder's position on exit
         lowerer.b.position_at_start(lowerer.entry)

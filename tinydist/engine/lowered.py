@@ -227,7 +227,7 @@ def _getter(slots: tuple[int, ...]) -> Getter:
     if len(slots) == 1:
         (slot,) = slots
         return lambda table: (table[slot],)
-    return itemgetter(*slots)  # type: ignore[return-value]
+    return itemgetter(*slots)
 
 
 def _lower(schedule: Schedule, inputs: Sequence[LazyNode], engine: Engine) -> Lowered:

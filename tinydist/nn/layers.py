@@ -92,7 +92,7 @@ class BatchNorm2d(Module):
             y = centered / (var + self.eps).sqrt()
         else:
             y = (x - self.running_mean.reshape(shape)) / (self.running_var.reshape(shape) + self.eps).sqrt()
-        if self.weight is not None:
+        if self.weight is not None and self.bias is not None:  # both or neither: affine
             y = y * self.weight.reshape(shape) + self.bias.reshape(shape)
         return y
 

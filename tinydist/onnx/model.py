@@ -53,7 +53,8 @@ class NodeCtx:
     def __init__(self, name: str, op_type: str, opset: int, attrs: dict[str, Any], n_outputs: int,
                  outputs_used: list[bool], device: str) -> None:
         self.name, self.op_type, self.opset, self.attrs = name, op_type, opset, attrs
-        self.n_outputs, self.outputs_used, self._memo, self._device = n_outputs, outputs_used, {}, device
+        self.n_outputs, self.outputs_used, self._device = n_outputs, outputs_used, device
+        self._memo: dict[Any, Tensor] = {}
 
     def error(self, message: str) -> UnsupportedModelError:
         return UnsupportedModelError(f"node {self.name!r} ({self.op_type}, opset {self.opset}): {message}")
@@ -271,7 +272,7 @@ class OnnxModel:
                             consts[out] = value
                     continue
                 spec_args: list[tuple[int, Any]] = []
-                args = []
+                args: list[Any] = []
                 for pos, name in enumerate(node.inputs):
                     if not name:
                         spec_args.append((-1, None))
@@ -303,7 +304,7 @@ class OnnxModel:
             if any(s >= 0 for s in out_slots):
                 steps.append(_make_step(spec.fn, ctx, spec_args, out_slots, multi))
         outputs: list[tuple[int, Any]] = []
-        for name, shape, dtype in self.outputs:
+        for name, declared_shape, declared_dtype in self.outputs:
             gctx = _GraphCtx(f"graph output {name!r}")
             if name in slot_of:
                 value = dry[slot_of[name]]
@@ -315,10 +316,11 @@ class OnnxModel:
                 outputs.append((-1, value))
             else:
                 raise gctx.error("is not produced by any node")
-            if dtype is not None and got_dtype != dtype:
-                raise gctx.error(f"computes dtype {got_dtype}, the graph declares {dtype}")
-            if shape is not None and (len(shape) != len(got_shape) or any(d is not None and d != g for d, g in zip(shape, got_shape))):
-                raise gctx.error(f"computes shape {got_shape}, the graph declares {shape}")
+            if declared_dtype is not None and got_dtype != declared_dtype:
+                raise gctx.error(f"computes dtype {got_dtype}, the graph declares {declared_dtype}")
+            if declared_shape is not None and (len(declared_shape) != len(got_shape) or
+                                               any(d is not None and d != g for d, g in zip(declared_shape, got_shape))):
+                raise gctx.error(f"computes shape {got_shape}, the graph declares {declared_shape}")
         plan = _Plan(steps, len(dry), [slot_of[name] for name in self.input_names], outputs)
         self._plans[shapes] = plan
         return plan
@@ -347,7 +349,7 @@ class OnnxModel:
             parts = ([f"missing input(s) {missing}"] if missing else []) + ([f"unexpected input(s) {extra}"] if extra else [])
             raise ValueError(f"{'; '.join(parts)}; the model expects {expected}")
 
-    def _check_value(self, name: str, shape: tuple[int, ...], dtype: np.dtype, got_shape: tuple[int, ...], got_dtype: Any) -> None:
+    def _check_value(self, name: str, shape: tuple[int | None, ...], dtype: np.dtype, got_shape: tuple[int, ...], got_dtype: Any) -> None:
         if got_dtype != dtype:
             raise ValueError(f"input {name!r}: expected dtype {dtype}, got {got_dtype}")
         if len(got_shape) != len(shape) or any(d is not None and d != g for d, g in zip(shape, got_shape)):
@@ -442,10 +444,10 @@ class OnnxModel:
         completions = []
         for device_name, items in copies.items():
             device = engine.device(device_name)
-            with device.batch("copy") as batch:
-                for array, buffer in items:
-                    batch.read_to_host(array.reshape(-1).view(np.uint8), buffer)
-            completions.append(batch.completion)
+            batch = device.batch("copy")
+            for array, buffer in items:
+                batch.read_to_host(array.reshape(-1).view(np.uint8), buffer)
+            completions.append(batch.submit())
         for completion in completions:
             completion.wait_blocking()
         return out

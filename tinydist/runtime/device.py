@@ -279,9 +279,9 @@ class Device(ABC):
 
     def copyin(self, buffer: Buffer, data: Any) -> Completion:
         """Copy host data (numpy array or bytes-like) into `buffer` on the copy queue."""
-        with self.batch("copy") as batch:
-            batch.write_from_host(buffer, data)
-        return batch.completion
+        batch = self.batch("copy")
+        batch.write_from_host(buffer, data)
+        return batch.submit()
 
     def read_now(self, out: np.ndarray, src: Buffer) -> bool:
         """Copy `src` into the host array `out` on this thread when this device's memory is the
@@ -313,9 +313,9 @@ class Device(ABC):
     async def copyout(self, buffer: Buffer, out: np.ndarray | None = None, timeout: float | None = None) -> np.ndarray:
         """Read `buffer` back to host memory (a synchronisation point); returns uint8 bytes or `out`."""
         host = np.empty(buffer.nbytes, np.uint8) if out is None else out
-        with self.batch("copy") as batch:
-            batch.read_to_host(host, buffer)
-        await batch.completion.wait(timeout)
+        batch = self.batch("copy")
+        batch.read_to_host(host, buffer)
+        await batch.submit().wait(timeout)
         return host
 
 

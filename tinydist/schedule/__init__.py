@@ -114,11 +114,11 @@ def canonical_walk(targets: list[LazyNode]) -> Walk:
         else:
             srcs = node.srcs
             if len(srcs) == 1:
-                numbers: tuple[int, ...] = (visit(srcs[0]),)
+                numbers: tuple[int, ...] = (visit(srcs[0]),)  # noqa: F821 (ruff#7733, the del below)
             elif len(srcs) == 2:
-                numbers = (visit(srcs[0]), visit(srcs[1]))
+                numbers = (visit(srcs[0]), visit(srcs[1]))  # noqa: F821 (ruff#7733, the del below)
             else:
-                numbers = tuple([visit(src) for src in srcs])
+                numbers = tuple([visit(src) for src in srcs])  # noqa: F821 (ruff#7733, the del below)
             op = node.op  # _part, written out: this is the hot loop
             if op is _VIEW:
                 views = node.arg.views

@@ -301,7 +301,7 @@ def op_pad(ctx: Any, x: Tensor, pads: Value = None, value: Value = None, axes: V
             sources = list(range(before, 0, -1)) + list(range(size)) + list(range(size - 2, size - 2 - after, -1))
         else:
             sources = [(i - before) % size for i in range(size + before + after)]
-        pieces = []
+        pieces: list[tuple[int, int, int]] = []  # (start, stop, step) runs of consecutive sources
         for s in sources:
             if pieces and pieces[-1][1] == s and pieces[-1][2] == 1:
                 pieces[-1] = (pieces[-1][0], s + 1, 1)
@@ -330,8 +330,8 @@ def op_constant_of_shape(ctx: Any, shape: Value) -> np.ndarray:
 
 
 def op_range(ctx: Any, start: Value, limit: Value, delta: Value) -> np.ndarray:
-    s, l, d = (static(ctx, v, n) for v, n in ((start, "start"), (limit, "limit"), (delta, "delta")))
-    count = max(int(math.ceil((l.item() - s.item()) / d.item())), 0)
+    s, lim, d = (static(ctx, v, n) for v, n in ((start, "start"), (limit, "limit"), (delta, "delta")))
+    count = max(int(math.ceil((lim.item() - s.item()) / d.item())), 0)
     return (s.item() + np.arange(count) * d.item()).astype(s.dtype)
 
 
