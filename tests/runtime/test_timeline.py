@@ -9,6 +9,7 @@ import pytest
 
 from tinydist.errors import DeviceFailed, DeviceHang
 from tinydist.runtime.timeline import MAX_VALUE, Timeline
+from tinydist.testing import MockClock
 
 from .helpers import until
 
@@ -137,19 +138,12 @@ def test_a_signal_wakes_only_the_blocked_threads_whose_target_it_reached() -> No
     assert returned == [2, 5] and tl.statistics().blocked_threads == 0
 
 
-def test_an_interrupted_blocking_wait_leaves_no_registration(monkeypatch: pytest.MonkeyPatch) -> None:
-    import tinydist.runtime.timeline as timeline_module
+def test_an_interrupted_blocking_wait_leaves_no_registration() -> None:
+    class Interrupted(MockClock):
+        def wait(self, wakeup: object, deadline: float) -> bool:
+            raise KeyboardInterrupt  # what Ctrl-C raises in a main thread blocked there
 
-    class Interrupted:
-        def __init__(self, target: int) -> None:
-            self.target = target
-            self.wake = self
-
-        def acquire(self, timeout: float) -> bool:
-            raise KeyboardInterrupt  # what Ctrl-C raises in a main thread blocked here
-
-    tl = Timeline("t")
-    monkeypatch.setattr(timeline_module, "_BlockedThread", Interrupted)
+    tl = Timeline("t", clock=Interrupted())
     with pytest.raises(KeyboardInterrupt):
         tl.wait_blocking(5, timeout=30)
     assert tl.statistics().blocked_threads == 0

@@ -29,6 +29,7 @@ from tinydist.config import settings
 from tinydist.errors import ClosedResourceError, DeviceError, DeviceFailed, OutOfBounds
 from tinydist.logs import get_logger
 from tinydist.runtime.buffer import Buffer
+from tinydist.runtime.clock import SYSTEM_CLOCK, Clock
 from tinydist.runtime import command_queue as _hooks
 from tinydist.runtime.command_queue import Command, CommandQueue
 from tinydist.runtime.compiler import DeviceCompiler
@@ -96,6 +97,9 @@ class Device(ABC):
         self.state = DeviceState.UNOPENED
         self.failure: DeviceFailed | None = None
         self.queues: dict[str, CommandQueue] = {}
+        # what every queue's timeline measures its waits and the hang rule on; set by
+        # `open_device(name, clock=...)` before the device opens (a MockClock in tests)
+        self.clock: Clock = SYSTEM_CLOCK
         self._state_lock = threading.Lock()
         # told `device_failed(error)` when this device fails: work ordered outside the runtime's
         # timelines (a captured step's native waits) stops waiting for a device that will not run it
