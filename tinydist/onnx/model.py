@@ -28,7 +28,7 @@ from tinydist.runtime.registry import canonical_name
 from tinydist.jit import JitError, TinyJit
 from tinydist.tensor import Tensor
 
-MIN_OPSET, MAX_OPSET = 11, 21
+MIN_OPSET = 7  # the oldest default-domain opset onnxruntime runs; the newest is the installed onnx's
 _REQUIRED = object()
 
 # ONNX TensorProto element types that tinydist tensors can hold.
@@ -46,13 +46,16 @@ def np_dtype_of(ctx: Any, elem_type: int) -> np.dtype:
 
 
 class NodeCtx:
-    """What a handler knows about its node: attributes, opset, output use, and a per-node cache."""
+    """What a handler knows about its node: attributes, opset, output use, and a per-node cache.
 
-    __slots__ = ("name", "op_type", "opset", "attrs", "n_outputs", "outputs_used", "_memo", "_device")
+    `since` is the `since_version` of the op's schema at the model's opset: the version whose
+    semantics the handler implements (handlers branch on it, never on the opset)."""
 
-    def __init__(self, name: str, op_type: str, opset: int, attrs: dict[str, Any], n_outputs: int,
+    __slots__ = ("name", "op_type", "opset", "since", "attrs", "n_outputs", "outputs_used", "_memo", "_device")
+
+    def __init__(self, name: str, op_type: str, opset: int, since: int, attrs: dict[str, Any], n_outputs: int,
                  outputs_used: list[bool], device: str) -> None:
-        self.name, self.op_type, self.opset, self.attrs = name, op_type, opset, attrs
+        self.name, self.op_type, self.opset, self.since, self.attrs = name, op_type, opset, since, attrs
         self.n_outputs, self.outputs_used, self._memo, self._device = n_outputs, outputs_used, {}, device
 
     def error(self, message: str) -> UnsupportedModelError:
@@ -77,6 +80,14 @@ class NodeCtx:
         if found is None:
             found = self._memo[key] = lift(self, np.asarray(array), self._device)
         return found
+
+
+def _since_version(defs: Any, op_type: str, opset: int) -> int | None:
+    """The since_version of `op_type`'s default-domain schema at `opset` (None: no such op there)."""
+    try:
+        return int(defs.get_schema(op_type, opset, "").since_version)
+    except defs.SchemaError:
+        return None
 
 
 def lift(ctx: Any, array: np.ndarray, device: str) -> Tensor:
@@ -147,7 +158,8 @@ class OnnxModel:
     """A loaded model: `model(feed)` → dict of numpy outputs; `model.run_tensors(feed)` → Tensors."""
 
     def __init__(self, proto: Any, device: str = "CPU") -> None:
-        from onnx import helper, numpy_helper  # the optional extra: imported only when a model is loaded
+        import onnx  # the optional extra: imported only when a model is loaded
+        from onnx import defs, helper, numpy_helper
 
         # canonical ("cpu:1" -> "CPU:1"), as every Tensor names its device: compared with the feed's
         # devices, and opened now so that a device this machine lacks fails the load, not a frame
@@ -156,8 +168,10 @@ class OnnxModel:
         graph = proto.graph
         opsets = {imp.domain or "ai.onnx": imp.version for imp in proto.opset_import}
         self.opset = opsets.get("ai.onnx", opsets.get("", 0))
-        if not MIN_OPSET <= self.opset <= MAX_OPSET:
-            raise UnsupportedModelError(f"model opset {self.opset} is not supported (opsets {MIN_OPSET}–{MAX_OPSET})")
+        latest = defs.onnx_opset_version()
+        if not MIN_OPSET <= self.opset <= latest:
+            raise UnsupportedModelError(f"model opset {self.opset} is not supported (default-domain opsets "
+                                        f"{MIN_OPSET}–{latest}, the range of the installed onnx {onnx.__version__})")
         self.graph_name = graph.name
         self._consts: dict[str, np.ndarray] = {}
         for init in graph.initializer:
@@ -189,6 +203,13 @@ class OnnxModel:
             spec = OPS.get(node.op_type)
             if spec is None:
                 raise UnsupportedModelError(f"{ctx_name}: op type {node.op_type!r} is not supported")
+            since = _since_version(defs, node.op_type, self.opset)
+            if since is None:
+                raise UnsupportedModelError(f"{ctx_name}: op type {node.op_type!r} does not exist at opset {self.opset}")
+            if since not in spec.versions:
+                raise UnsupportedModelError(
+                    f"{ctx_name}: {node.op_type} (domain ai.onnx) version {since} (the version at opset {self.opset}) "
+                    f"is not implemented; implemented versions: {', '.join(map(str, sorted(spec.versions)))}")
             attrs: dict[str, Any] = {}
             for attr in node.attribute:
                 if attr.name not in spec.attrs:
@@ -210,7 +231,8 @@ class OnnxModel:
             if len(inputs) < spec.min_inputs:
                 raise UnsupportedModelError(f"{ctx_name}: needs at least {spec.min_inputs} inputs, has {len(inputs)}")
             outputs = list(node.output)
-            ctx = NodeCtx(name, node.op_type, self.opset, attrs, len(outputs), [o in used for o in outputs], self.device)
+            ctx = NodeCtx(name, node.op_type, self.opset, since, attrs, len(outputs), [o in used for o in outputs],
+                          self.device)
             self._nodes.append(_Node(spec, ctx, inputs, outputs))
         self._plans: dict[tuple[tuple[int, ...], ...], _Plan] = {}
         # per input shapes: the graph captured once and replayed per frame (None: nothing to capture)

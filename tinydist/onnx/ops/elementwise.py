@@ -51,6 +51,9 @@ def op_mean(ctx: Any, *xs: Tensor) -> Tensor:
 
 
 def op_clip(ctx: Any, x: Tensor, low: Value = None, high: Value = None) -> Tensor:
+    if ctx.since < 11:  # version 6: float attributes, absent meaning unbounded
+        low = np.array(ctx.attr("min"), x.dtype.np) if ctx.has_attr("min") else None
+        high = np.array(ctx.attr("max"), x.dtype.np) if ctx.has_attr("max") else None
     for bound, fn in ((low, Tensor.maximum), (high, Tensor.minimum)):
         if bound is None or (isinstance(bound, np.ndarray) and bound.size == 0):
             continue
@@ -107,8 +110,12 @@ def op_identity(ctx: Any, x: Tensor) -> Tensor:
 
 
 def op_dropout(ctx: Any, x: Tensor, ratio: Value = None, training: Value = None) -> Any:
+    """Inference: the identity. The mask as onnxruntime gives it: all zeros of x's dtype in version 7,
+    all false in 10, all true from 12 on (onnx's reference gives all true throughout)."""
     if training is not None and bool(static(ctx, training, "training_mode").reshape(-1)[0]):
         raise ctx.error("training_mode=True is not supported (inference only)")
     if ctx.n_outputs > 1:
+        if ctx.since < 12:
+            return x, np.zeros(x.shape, np.bool_ if ctx.since >= 10 else x.dtype.np)
         return x, np.ones(x.shape, np.bool_)
     return x
