@@ -192,13 +192,6 @@ def test_unsupported_opset_domain_and_dtype(rng):
         tdo.load(model_of([N("Relu", ["x"], ["y"])], elem=TensorProto.FLOAT16))
 
 
-def test_data_dependent_shape_is_rejected_at_load(make_model, rng):
-    model = make_model([N("Reshape", ["x", "s"], ["y"])], {"x": w(rng, 2, 3), "s": np.array([3, 2], np.int64)},
-                       [("y", TensorProto.FLOAT, ["a", "b"])])
-    with pytest.raises(tdo.UnsupportedModelError, match=r"\(Reshape, opset 17\): input 'shape' must be constant"):
-        tdo.load(model)
-
-
 def test_bad_feeds(make_model, rng):
     x = w(rng, 2, 3)
     model = tdo.load(make_model([N("Add", ["x", "z"], ["y"])], {"x": x, "z": x}, ["y"]))

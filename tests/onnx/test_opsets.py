@@ -107,9 +107,10 @@ def test_versions_table_covers_every_op():
             except onnx.defs.SchemaError:
                 pass
         # every listed version is one the schema has; and every version since opset 7 is listed
-        # unless it is a deliberate refusal (none today but Upsample's deprecation at 10)
+        # unless it is a deliberate refusal
         assert set(versions) <= at_opsets, (op, sorted(set(versions) - at_opsets))
-        assert at_opsets - set(versions) <= ({10} if op == "Upsample" else set()), (op, sorted(at_opsets - set(versions)))
+        deliberate = {"Upsample": {10}, "Scatter": {11}}.get(op, set())  # deprecated versions: refused
+        assert at_opsets - set(versions) <= deliberate, (op, sorted(at_opsets - set(versions)))
 
 
 def test_unimplemented_version_names_node_op_domain_and_versions(monkeypatch):

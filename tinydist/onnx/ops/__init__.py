@@ -24,7 +24,18 @@ from tinydist.onnx.ops.elementwise import (
     _variadic, op_cast, op_cast_like, op_clip, op_div, op_dropout, op_elu, op_gelu, op_hard_sigmoid,
     op_hard_swish, op_identity, op_leaky_relu, op_mean, op_pow, op_softplus,
 )
+from tinydist.onnx.ops.elementwise import (
+    ceil, op_celu, op_is_inf, op_is_nan, op_mish, op_mod, op_prelu, op_selu, op_shrink, op_sign, op_softsign,
+    op_swish, op_thresholded_relu, op_trig, round_half_even,
+)
 from tinydist.onnx.ops.folds import FOLDS
+from tinydist.onnx.ops.indexing import (
+    op_cumsum, op_gather_elements, op_gather_nd, op_one_hot, op_scatter_elements, op_scatter_nd, op_top_k, op_trilu,
+)
+from tinydist.onnx.ops.norm import (
+    op_depth_to_space, op_group_norm, op_instance_norm, op_lp_norm, op_lrn, op_mean_variance_norm, op_rms_norm,
+    op_space_to_depth,
+)
 from tinydist.onnx.ops.nn import (
     _softmax_like, op_average_pool, op_batch_norm, op_conv, op_conv_transpose, op_gemm,
     op_global_average_pool, op_global_max_pool, op_hardmax, op_layer_norm, op_matmul, op_max_pool, op_resize,
@@ -44,10 +55,14 @@ class OpSpec:
     """One op's handler, its param positions, the attributes it reads (of every version) and, set
     from `VERSIONS`, the schema since_versions whose semantics it implements."""
 
-    __slots__ = ("fn", "params", "attrs", "min_inputs", "versions")
+    __slots__ = ("fn", "params", "static", "attrs", "min_inputs", "versions")
 
-    def __init__(self, fn: Callable[..., Any], params: Sequence[int] = (), attrs: Sequence[str] = (), min_inputs: int = 1):
-        self.fn, self.params, self.attrs, self.min_inputs = fn, frozenset(params), frozenset(attrs), min_inputs
+    def __init__(self, fn: Callable[..., Any], params: Sequence[int] = (), attrs: Sequence[str] = (), min_inputs: int = 1,
+                 static: Sequence[int] = ()):
+        # static: params whose values the graph's shapes depend on; fed from graph inputs, they are
+        # read at call time and key the plan (see OnnxModel.value_inputs)
+        self.fn, self.params, self.static = fn, frozenset(params) | frozenset(static), frozenset(static)
+        self.attrs, self.min_inputs = frozenset(attrs), min_inputs
         self.versions: frozenset[int] = frozenset()
 
 
@@ -94,7 +109,7 @@ OPS: dict[str, OpSpec] = {
     "Cast": OpSpec(op_cast, attrs=("to", "saturate", "round_mode")),
     "CastLike": OpSpec(op_cast_like, params=(1,), attrs=("saturate", "round_mode"), min_inputs=2),
     "Identity": OpSpec(op_identity),
-    "Dropout": OpSpec(op_dropout, params=(1, 2), attrs=("ratio", "seed", "is_test")),
+    "Dropout": OpSpec(op_dropout, params=(1,), static=(2,), attrs=("ratio", "seed", "is_test")),
     "MatMul": OpSpec(op_matmul, params=(1,), min_inputs=2),
     "Gemm": OpSpec(op_gemm, params=(1, 2), attrs=("alpha", "beta", "transA", "transB"), min_inputs=2),
     "Conv": OpSpec(op_conv, params=(1, 2), attrs=("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides"), min_inputs=2),
@@ -109,37 +124,64 @@ OPS: dict[str, OpSpec] = {
     "Softmax": OpSpec(lambda ctx, x: _softmax_like(ctx, x, False), attrs=("axis",)),
     "LogSoftmax": OpSpec(lambda ctx, x: _softmax_like(ctx, x, True), attrs=("axis",)),
     "Hardmax": OpSpec(op_hardmax, attrs=("axis",)),
-    "ReduceSum": OpSpec(_reduce("sum", 13), params=(1,), attrs=_REDUCE),
-    "ReduceMean": OpSpec(_reduce("mean", 18), params=(1,), attrs=_REDUCE),
-    "ReduceMax": OpSpec(_reduce("max", 18), params=(1,), attrs=_REDUCE),
-    "ReduceMin": OpSpec(_reduce("min", 18), params=(1,), attrs=_REDUCE),
-    "ReduceProd": OpSpec(_reduce("prod", 18), params=(1,), attrs=_REDUCE),
-    "ReduceSumSquare": OpSpec(_reduce("sumsquare", 18), params=(1,), attrs=_REDUCE),
-    "ReduceL1": OpSpec(_reduce("l1", 18), params=(1,), attrs=_REDUCE),
-    "ReduceL2": OpSpec(_reduce("l2", 18), params=(1,), attrs=_REDUCE),
-    "ReduceLogSumExp": OpSpec(_reduce("logsumexp", 18), params=(1,), attrs=_REDUCE),
+    "ReduceSum": OpSpec(_reduce("sum", 13), static=(1,), attrs=_REDUCE),
+    "ReduceMean": OpSpec(_reduce("mean", 18), static=(1,), attrs=_REDUCE),
+    "ReduceMax": OpSpec(_reduce("max", 18), static=(1,), attrs=_REDUCE),
+    "ReduceMin": OpSpec(_reduce("min", 18), static=(1,), attrs=_REDUCE),
+    "ReduceProd": OpSpec(_reduce("prod", 18), static=(1,), attrs=_REDUCE),
+    "ReduceSumSquare": OpSpec(_reduce("sumsquare", 18), static=(1,), attrs=_REDUCE),
+    "ReduceL1": OpSpec(_reduce("l1", 18), static=(1,), attrs=_REDUCE),
+    "ReduceL2": OpSpec(_reduce("l2", 18), static=(1,), attrs=_REDUCE),
+    "ReduceLogSumExp": OpSpec(_reduce("logsumexp", 18), static=(1,), attrs=_REDUCE),
     "ArgMax": OpSpec(_arg("max"), attrs=("axis", "keepdims", "select_last_index")),
     "ArgMin": OpSpec(_arg("min"), attrs=("axis", "keepdims", "select_last_index")),
-    "Reshape": OpSpec(op_reshape, params=(1,), attrs=("allowzero",), min_inputs=2),
+    "Reshape": OpSpec(op_reshape, static=(1,), attrs=("allowzero",), min_inputs=2),
     "Flatten": OpSpec(op_flatten, attrs=("axis",)),
     "Transpose": OpSpec(op_transpose, attrs=("perm",)),
-    "Squeeze": OpSpec(op_squeeze, params=(1,), attrs=("axes",)),
-    "Unsqueeze": OpSpec(op_unsqueeze, params=(1,), attrs=("axes",)),
+    "Squeeze": OpSpec(op_squeeze, static=(1,), attrs=("axes",)),
+    "Unsqueeze": OpSpec(op_unsqueeze, static=(1,), attrs=("axes",)),
     "Concat": OpSpec(op_concat, attrs=("axis",)),
-    "Split": OpSpec(op_split, params=(1,), attrs=("axis", "split", "num_outputs")),
-    "Slice": OpSpec(op_slice, params=(1, 2, 3, 4), attrs=("starts", "ends", "axes")),
+    "Split": OpSpec(op_split, static=(1,), attrs=("axis", "split", "num_outputs")),
+    "Slice": OpSpec(op_slice, static=(1, 2, 3, 4), attrs=("starts", "ends", "axes")),
     "Gather": OpSpec(op_gather, params=(0, 1), attrs=("axis",), min_inputs=2),
-    "Expand": OpSpec(op_expand, params=(1,), min_inputs=2),
-    "Tile": OpSpec(op_tile, params=(1,), min_inputs=2),
-    "Pad": OpSpec(op_pad, params=(1, 2, 3), attrs=("mode", "pads", "value")),
-    "Resize": OpSpec(op_resize, params=(1, 2, 3), attrs=("antialias", "axes", "coordinate_transformation_mode", "cubic_coeff_a",
+    "Expand": OpSpec(op_expand, static=(1,), min_inputs=2),
+    "Tile": OpSpec(op_tile, static=(1,), min_inputs=2),
+    "Pad": OpSpec(op_pad, params=(2,), static=(1, 3), attrs=("mode", "pads", "value")),
+    "Resize": OpSpec(op_resize, static=(1, 2, 3), attrs=("antialias", "axes", "coordinate_transformation_mode", "cubic_coeff_a",
                                                          "exclude_outside", "extrapolation_value", "keep_aspect_ratio_policy",
                                                          "mode", "nearest_mode")),
-    "Upsample": OpSpec(op_upsample, params=(1,), attrs=("mode", "scales")),
+    "Upsample": OpSpec(op_upsample, static=(1,), attrs=("mode", "scales")),
     "Shape": OpSpec(op_shape, params=(0,), attrs=("start", "end")),
     "Size": OpSpec(op_size, params=(0,)),
-    "ConstantOfShape": OpSpec(op_constant_of_shape, params=(0,), attrs=("value",)),
-    "Range": OpSpec(op_range, params=(0, 1, 2), attrs=("stash_type",), min_inputs=3),
+    "ConstantOfShape": OpSpec(op_constant_of_shape, static=(0,), attrs=("value",)),
+    "Range": OpSpec(op_range, static=(0, 1, 2), attrs=("stash_type",), min_inputs=3),
+    "Ceil": OpSpec(_uf(ceil)), "Round": OpSpec(_uf(round_half_even)), "Sign": OpSpec(op_sign),
+    "Mod": OpSpec(op_mod, attrs=("fmod",), min_inputs=2),
+    **{op: OpSpec(op_trig(op.lower())) for op in ("Tan", "Asin", "Acos", "Atan", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh")},
+    "PRelu": OpSpec(op_prelu, params=(1,), min_inputs=2), "Selu": OpSpec(op_selu, attrs=("alpha", "gamma")),
+    "Celu": OpSpec(op_celu, attrs=("alpha",)), "Mish": OpSpec(op_mish), "Softsign": OpSpec(op_softsign),
+    "Shrink": OpSpec(op_shrink, attrs=("bias", "lambd")), "ThresholdedRelu": OpSpec(op_thresholded_relu, attrs=("alpha",)),
+    "Swish": OpSpec(op_swish, attrs=("alpha",)),
+    "IsInf": OpSpec(op_is_inf, attrs=("detect_negative", "detect_positive")), "IsNaN": OpSpec(op_is_nan),
+    "BitwiseAnd": OpSpec(_b(lambda a, b: a & b), min_inputs=2), "BitwiseOr": OpSpec(_b(lambda a, b: a | b), min_inputs=2),
+    "BitwiseXor": OpSpec(_b(lambda a, b: a ^ b), min_inputs=2), "BitwiseNot": OpSpec(_u(lambda x: ~x)),
+    "GatherElements": OpSpec(op_gather_elements, attrs=("axis",), min_inputs=2),
+    "GatherND": OpSpec(op_gather_nd, attrs=("batch_dims",), min_inputs=2),
+    "ScatterElements": OpSpec(op_scatter_elements, attrs=("axis", "reduction"), min_inputs=3),
+    "Scatter": OpSpec(op_scatter_elements, attrs=("axis",), min_inputs=3),
+    "ScatterND": OpSpec(op_scatter_nd, attrs=("reduction",), min_inputs=3),
+    "OneHot": OpSpec(op_one_hot, params=(2,), static=(1,), attrs=("axis",), min_inputs=3),
+    "Trilu": OpSpec(op_trilu, static=(1,), attrs=("upper",)),
+    "CumSum": OpSpec(op_cumsum, static=(1,), attrs=("exclusive", "reverse"), min_inputs=2),
+    "TopK": OpSpec(op_top_k, static=(1,), attrs=("axis", "largest", "sorted", "k")),
+    "InstanceNormalization": OpSpec(op_instance_norm, params=(1, 2), attrs=("epsilon",), min_inputs=3),
+    "GroupNormalization": OpSpec(op_group_norm, params=(1, 2), attrs=("epsilon", "num_groups", "stash_type"), min_inputs=3),
+    "RMSNormalization": OpSpec(op_rms_norm, params=(1,), attrs=("axis", "epsilon", "stash_type"), min_inputs=2),
+    "LpNormalization": OpSpec(op_lp_norm, attrs=("axis", "p")),
+    "MeanVarianceNormalization": OpSpec(op_mean_variance_norm, attrs=("axes",)),
+    "LRN": OpSpec(op_lrn, attrs=("alpha", "beta", "bias", "size")),
+    "DepthToSpace": OpSpec(op_depth_to_space, attrs=("blocksize", "mode")),
+    "SpaceToDepth": OpSpec(op_space_to_depth, attrs=("blocksize", "mode")),
     "Constant": OpSpec(op_constant, attrs=("value", "value_float", "value_floats", "value_int", "value_ints", "sparse_value",
                                            "value_string", "value_strings"), min_inputs=0),
 }
@@ -171,6 +213,16 @@ VERSIONS: dict[str, tuple[int, ...]] = {
     "Split": (2, 11, 13, 18), "Sqrt": (6, 13), "Squeeze": (1, 11, 13, 21, 23, 24, 25), "Sub": (7, 13, 14),
     "Sum": (6, 8, 13), "Tanh": (6, 13), "Tile": (6, 13), "Transpose": (1, 13, 21, 23, 24, 25),
     "Unsqueeze": (1, 11, 13, 21, 23, 24, 25), "Upsample": (7, 9), "Where": (9, 16), "Xor": (7,),
+    "Ceil": (6, 13), "Round": (11, 22), "Sign": (9, 13), "Mod": (10, 13, 28), "Tan": (7, 22), "Asin": (7, 22),
+    "Acos": (7, 22), "Atan": (7, 22), "Sinh": (9, 22), "Cosh": (9, 22), "Asinh": (9, 22), "Acosh": (9, 22),
+    "Atanh": (9, 22), "PRelu": (7, 9, 16), "Selu": (6, 22), "Celu": (12, 28), "Mish": (18, 22), "Softsign": (1, 22),
+    "Shrink": (9,), "ThresholdedRelu": (10, 22), "Swish": (24,), "IsInf": (10, 20), "IsNaN": (9, 13, 20),
+    "BitwiseAnd": (18,), "BitwiseOr": (18,), "BitwiseXor": (18,), "BitwiseNot": (18,),
+    "GatherElements": (11, 13), "GatherND": (11, 12, 13), "ScatterElements": (11, 13, 16, 18), "Scatter": (9,),
+    "ScatterND": (11, 13, 16, 18), "OneHot": (9, 11, 28), "Trilu": (14,), "CumSum": (11, 14), "TopK": (1, 10, 11, 24),
+    "InstanceNormalization": (6, 22), "GroupNormalization": (18, 21), "RMSNormalization": (23,),
+    "LpNormalization": (1, 22), "MeanVarianceNormalization": (9, 13), "LRN": (1, 13),
+    "DepthToSpace": (1, 11, 13, 28), "SpaceToDepth": (1, 13, 28),
 }
 for _name, _spec in OPS.items():
     _spec.versions = frozenset(VERSIONS.get(_name, ()))  # an op missing here is refused at every version

@@ -329,7 +329,7 @@ def _resize_coords(ctx: Any, mode: str, size: int, out: int, scale: float) -> np
         return (i + 0.5) / scale - 0.5
     if mode == "pytorch_half_pixel":
         return (i + 0.5) / scale - 0.5 if out > 1 else np.zeros(out)
-    if mode == "align_corners":
+    if mode == "align_corners":  # over the output length, as onnxruntime (onnx's reference: size·scale unrounded)
         return i * (size - 1) / (out - 1) if out > 1 else np.zeros(out)
     if mode == "asymmetric":
         return i / scale

@@ -299,7 +299,10 @@ def op_pad(ctx: Any, x: Tensor, pads: Value = None, value: Value = None, axes: V
         raise ctx.error("the pads input is required")
     pairs = pad_pairs(ctx, x.ndim, pads, axes)
     if mode == "constant":
-        v = 0 if value is None or static(ctx, value, "constant_value").size == 0 else static(ctx, value, "constant_value").reshape(-1)[0]
+        if isinstance(value, Tensor):  # a fill computed at run time: select it outside the input
+            inside = pad_value(Tensor.full(x.shape, True, dtypes.bool_, x.device), pairs, False)
+            return inside.where(pad_value(x, pairs, 0), value.reshape(()).cast(x.dtype))
+        v = 0 if value is None or value.size == 0 else value.reshape(-1)[0]
         return pad_value(x, pairs, scalar_like(x, v))
     if mode not in ("edge", "reflect", "wrap"):
         raise ctx.error(f"mode={mode!r} is not supported")
