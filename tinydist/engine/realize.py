@@ -15,6 +15,7 @@ memory; where it does not apply, the calls are bound and issued one by one (`sub
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from tinydist.engine.binding import Bound, bind
 from tinydist.engine.commands import issue, lower_call
@@ -24,7 +25,7 @@ from tinydist.logs import get_logger
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.device import Batch, Completion
 from tinydist.runtime.engine import get_engine
-from tinydist.schedule import Walk, canonical_walk, create_schedule
+from tinydist.schedule import Schedule, Walk, canonical_walk, create_schedule
 
 log = get_logger(layer="realize")
 
@@ -72,8 +73,17 @@ def _adds_targets(walk: Walk, targets: list[LazyNode]) -> bool:
     return False
 
 
-def realize(targets: Sequence[LazyNode]) -> list[Completion]:
-    """Compute every unrealized target and set its `buffer`; returns the submissions' completions."""
+class Realized(NamedTuple):
+    """What one realize ran: its schedule, the realized nodes it read (the schedule's inputs, in
+    order) and the nodes it computed (the targets asked for, then any the WAR check added)."""
+    schedule: Schedule
+    inputs: list[LazyNode]
+    targets: list[LazyNode]
+
+
+def realize(targets: Sequence[LazyNode], ran: list[Realized] | None = None) -> list[Completion]:
+    """Compute every unrealized target and set its `buffer`; returns the submissions' completions.
+    `ran`, if given, gets what was run appended (nothing when every target was realized)."""
     pending = list(dict.fromkeys(t for t in targets if not t.realized))
     if not pending:
         return []
@@ -82,6 +92,20 @@ def realize(targets: Sequence[LazyNode]) -> list[Completion]:
         pending = _with_readers_of_overwritten(pending)
         walk = canonical_walk(pending)
     schedule, inputs = create_schedule(pending, walk)
+    completions, buffers = run_schedule(schedule, inputs)
+    for node, buffer in zip(pending, buffers):
+        node.buffer = buffer
+        if not node.requires_grad or node.op in (Op.BUFFER, Op.ASSIGN):  # autograd hook: backward() walks srcs
+            node.srcs = ()  # the graph below is no longer needed: let it be collected
+    if ran is not None:
+        ran.append(Realized(schedule, inputs, pending))
+    return completions
+
+
+def run_schedule(schedule: Schedule, inputs: Sequence[LazyNode]) -> tuple[list[Completion], list[Buffer | None]]:
+    """Run `schedule` over the realized `inputs` (its input numbers, in order): the submissions'
+    completions and each target's buffer. A caller that keeps a schedule runs it again here with
+    other inputs of the same devices, dtypes and shapes, building and walking no graph."""
     lowered = schedule.derived.get("realize")  # its lowering, or why it goes call by call
     if lowered is None or (isinstance(lowered, Lowered) and not lowered.current()):
         lowered = lower(schedule, inputs, get_engine())
@@ -98,11 +122,7 @@ def realize(targets: Sequence[LazyNode]) -> list[Completion]:
             bound.release_arenas()
         buffers = [bound.buffers[schedule.aliases.get(number, number)] for number in schedule.targets]
     log.debug("realized", calls=len(schedule.linear), batches=len(completions), lowered=ran is not None)
-    for node, buffer in zip(pending, buffers):
-        node.buffer = buffer
-        if not node.requires_grad or node.op in (Op.BUFFER, Op.ASSIGN):  # autograd hook: backward() walks srcs
-            node.srcs = ()  # the graph below is no longer needed: let it be collected
-    return completions
+    return completions, buffers
 
 
 def submit(bound: Bound) -> list[Completion]:
