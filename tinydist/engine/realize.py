@@ -7,6 +7,15 @@ cross-device order comes from the runtime's access logs, so a batch is submitted
 batch that reads its outputs is built. The arena is freed right after submission — the runtime
 gives its memory back only once the last kernel using it has completed.
 
+Run-ahead is bounded: at most TINYDIST_REALIZE_RUN_AHEAD (4) realizes on devices that run host
+code may be unfinished; the next waits for the oldest first. An eager training loop builds a
+step faster than the device runs it (the small CNN: ~4 ms of host work against ~11 ms of
+kernels), and with nothing to stop it queued hundreds of steps, each holding an arena of its
+own: 540 MB of arenas for the CNN, each new one mapped and page-faulted by the kernels that
+first touch it. Bounded, the arenas freed by finished realizes are the ones the next reuse.
+Not on a thread running an event loop (it must never block), nor for devices whose work may
+need this process's help to finish (only host-code devices' queues are waited for).
+
 One walk of the graph gives the schedule cache its key and the WAR check its assigns. A schedule
 is lowered once (`tinydist.engine.lowered`) and every realize of it runs that lowering with fresh
 memory; where it does not apply, the calls are bound and issued one by one (`submit`).
@@ -14,13 +23,19 @@ memory; where it does not apply, the calls are bound and issued one by one (`sub
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from collections import deque
 from collections.abc import Sequence
 from typing import NamedTuple
+
+from tinydist.config import settings
 
 from tinydist.engine.binding import Bound, bind
 from tinydist.engine.commands import issue, lower_call
 from tinydist.engine.lowered import Lowered, lower
 from tinydist.lazy import LazyNode, Op
+from tinydist.errors import TinydistError
 from tinydist.logs import get_logger
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.device import Batch, Completion
@@ -106,6 +121,7 @@ def run_schedule(schedule: Schedule, inputs: Sequence[LazyNode]) -> tuple[list[C
     """Run `schedule` over the realized `inputs` (its input numbers, in order): the submissions'
     completions and each target's buffer. A caller that keeps a schedule runs it again here with
     other inputs of the same devices, dtypes and shapes, building and walking no graph."""
+    _bound_run_ahead()
     lowered = schedule.derived.get("realize")  # its lowering, or why it goes call by call
     if lowered is None or (isinstance(lowered, Lowered) and not lowered.current()):
         lowered = lower(schedule, inputs, get_engine())
@@ -122,7 +138,39 @@ def run_schedule(schedule: Schedule, inputs: Sequence[LazyNode]) -> tuple[list[C
             bound.release_arenas()
         buffers = [bound.buffers[schedule.aliases.get(number, number)] for number in schedule.targets]
     log.debug("realized", calls=len(schedule.linear), batches=len(completions), lowered=ran is not None)
+    _note_in_flight(completions)
     return completions, buffers
+
+
+# The unfinished completions of recent realizes on host-code devices, oldest first (module docstring)
+_in_flight: deque[list[Completion]] = deque()
+_in_flight_lock = threading.Lock()
+
+
+def _note_in_flight(completions: list[Completion]) -> None:
+    unfinished = [c for c in completions if not c.done() and c.timeline.device is not None and c.timeline.device.native_code]
+    if unfinished:
+        with _in_flight_lock:
+            _in_flight.append(unfinished)
+
+
+def _bound_run_ahead() -> None:
+    """Wait, oldest first, until fewer than REALIZE_RUN_AHEAD realizes are unfinished."""
+    if not _in_flight or asyncio._get_running_loop() is not None:
+        return
+    limit = settings.REALIZE_RUN_AHEAD
+    while True:
+        with _in_flight_lock:
+            while _in_flight and all(c.done() for c in _in_flight[0]):
+                _in_flight.popleft()
+            if len(_in_flight) < limit:
+                return
+            oldest = _in_flight.popleft()
+        for completion in oldest:
+            try:
+                completion.wait_blocking()
+            except TinydistError:  # a failed device: whoever reads its results, or submits to it, is told
+                pass
 
 
 def submit(bound: Bound) -> list[Completion]:
