@@ -234,13 +234,26 @@ def _scalar_tracker(shape: Shape) -> ShapeTracker:
     return tracker.reshape((1,) * len(shape)).expand(shape)
 
 
+_contiguous = functools.lru_cache(maxsize=4096)(ShapeTracker.contiguous)
+
+
+@functools.lru_cache(maxsize=8192)
+def _moved(tracker: ShapeTracker, movement: str, arg: Any) -> ShapeTracker:
+    """A movement of a tracker (a pure function of immutable values): cached, since a training
+    loop moves the same trackers the same way every step (a reshape's re-striding is ~5 µs)."""
+    return tracker.as_strided(*arg) if movement == "as_strided" else getattr(tracker, movement)(arg)
+
+
 def _view_of(node: LazyNode, movement: str, arg: Any) -> LazyNode:
     """The movement as a VIEW node over `node`'s memory (the base of a view: views never stack)."""
     if node.buffer is None and node.op is Op.VIEW:
         base, tracker = node.srcs[0], node.arg
     else:  # realized memory (of any op) is contiguous in its own shape
-        base, tracker = node, ShapeTracker.contiguous(node.shape)
-    new = tracker.as_strided(*arg) if movement == "as_strided" else getattr(tracker, movement)(arg)
+        base, tracker = node, _contiguous(node.shape)
+    try:
+        new = _moved(tracker, movement, arg)
+    except TypeError:  # an unhashable argument (a list): not cached
+        new = tracker.as_strided(*arg) if movement == "as_strided" else getattr(tracker, movement)(arg)
     if new.contiguous_base and new.shape == base.shape:
         return base
     return LazyNode(Op.VIEW, (base,), new, base.dtype, new.shape, base.device)
