@@ -7,14 +7,14 @@ cross-device order comes from the runtime's access logs, so a batch is submitted
 batch that reads its outputs is built. The arena is freed right after submission — the runtime
 gives its memory back only once the last kernel using it has completed.
 
-Run-ahead is bounded: at most TINYDIST_REALIZE_RUN_AHEAD (4) realizes on devices that run host
-code may be unfinished; the next waits for the oldest first. An eager training loop builds a
-step faster than the device runs it (the small CNN: ~4 ms of host work against ~11 ms of
-kernels), and with nothing to stop it queued hundreds of steps, each holding an arena of its
-own: 540 MB of arenas for the CNN, each new one mapped and page-faulted by the kernels that
-first touch it. Bounded, the arenas freed by finished realizes are the ones the next reuse.
-Not on a thread running an event loop (it must never block), nor for devices whose work may
-need this process's help to finish (only host-code devices' queues are waited for).
+Run-ahead is bounded: at most TINYDIST_REALIZE_RUN_AHEAD (4) realizes per queue of a device
+that runs host code may be unfinished; the next waits for the oldest first. An eager training
+loop can build steps faster than the device runs them (the small CNN, after the optimizer kept
+its update: ~6 ms of host work against ~10 ms of kernels), and with nothing to stop it queued
+hundreds of steps, each holding an arena of its own (the CNN: a 539 MB peak of arenas, each new
+one mapped and page-faulted by the kernels that first touch it; bounded: 21 MB). Bounded, the
+arenas freed by finished realizes are the ones the next reuse. Never on a thread running an
+event loop, and never for longer than HELD_S on a queue that finishes nothing meanwhile.
 
 One walk of the graph gives the schedule cache its key and the WAR check its assigns. A schedule
 is lowered once (`tinydist.engine.lowered`) and every realize of it runs that lowering with fresh
@@ -25,17 +25,16 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from typing import NamedTuple
 
 from tinydist.config import settings
-
 from tinydist.engine.binding import Bound, bind
 from tinydist.engine.commands import issue, lower_call
 from tinydist.engine.lowered import Lowered, lower
 from tinydist.lazy import LazyNode, Op
-from tinydist.errors import TinydistError
 from tinydist.logs import get_logger
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.device import Batch, Completion
@@ -121,7 +120,7 @@ def run_schedule(schedule: Schedule, inputs: Sequence[LazyNode]) -> tuple[list[C
     """Run `schedule` over the realized `inputs` (its input numbers, in order): the submissions'
     completions and each target's buffer. A caller that keeps a schedule runs it again here with
     other inputs of the same devices, dtypes and shapes, building and walking no graph."""
-    _bound_run_ahead()
+    _bound_run_ahead(schedule)
     lowered = schedule.derived.get("realize")  # its lowering, or why it goes call by call
     if lowered is None or (isinstance(lowered, Lowered) and not lowered.current()):
         lowered = lower(schedule, inputs, get_engine())
@@ -142,35 +141,56 @@ def run_schedule(schedule: Schedule, inputs: Sequence[LazyNode]) -> tuple[list[C
     return completions, buffers
 
 
-# The unfinished completions of recent realizes on host-code devices, oldest first (module docstring)
-_in_flight: deque[list[Completion]] = deque()
+# Per queue (its timeline's name, "CPU:0/compute"), the unfinished batches of recent realizes on
+# host-code devices, oldest first (module docstring)
+_in_flight: dict[str, deque[Completion]] = {}
 _in_flight_lock = threading.Lock()
+_POLL_S = 0.0002    # the wait sleeps (the GIL released: the worker can finish) in steps of this
+HELD_S = 1.0        # a queue that has not finished a realize in this long is left to run behind
 
 
 def _note_in_flight(completions: list[Completion]) -> None:
-    unfinished = [c for c in completions if not c.done() and c.timeline.device is not None and c.timeline.device.native_code]
-    if unfinished:
-        with _in_flight_lock:
-            _in_flight.append(unfinished)
+    with _in_flight_lock:
+        for completion in completions:
+            timeline = completion.timeline
+            if not completion.done() and timeline.device is not None and timeline.device.native_code:
+                _in_flight.setdefault(timeline.name, deque()).append(completion)
 
 
-def _bound_run_ahead() -> None:
-    """Wait, oldest first, until fewer than REALIZE_RUN_AHEAD realizes are unfinished."""
+def _bound_run_ahead(schedule: Schedule) -> None:
+    """Wait until each queue this schedule submits to has fewer than REALIZE_RUN_AHEAD realizes
+    unfinished. The wait is for work queued ahead of this realize's own on the same queue, so
+    it never delays the device; it gives up on a queue that finishes nothing for HELD_S (a
+    queue held by something this thread releases later must not deadlock it)."""
     if not _in_flight or asyncio._get_running_loop() is not None:
         return
+    streams = schedule.derived.get("streams")
+    if streams is None:
+        streams = schedule.derived["streams"] = tuple(dict.fromkeys(f"{call.device}/{call.queue}" for call in schedule.linear))
     limit = settings.REALIZE_RUN_AHEAD
-    while True:
-        with _in_flight_lock:
-            while _in_flight and all(c.done() for c in _in_flight[0]):
-                _in_flight.popleft()
-            if len(_in_flight) < limit:
-                return
-            oldest = _in_flight.popleft()
-        for completion in oldest:
-            try:
-                completion.wait_blocking()
-            except TinydistError:  # a failed device: whoever reads its results, or submits to it, is told
-                pass
+    for stream in streams:
+        while True:
+            with _in_flight_lock:
+                queued = _in_flight.get(stream)
+                while queued and queued[0].done():
+                    queued.popleft()
+                if not queued or len(queued) < limit:
+                    break
+                oldest = queued[0]
+            if not _await(oldest):
+                break
+
+
+def _await(completion: Completion) -> bool:
+    """Whether `completion` was reached within HELD_S (a failed device counts as finished)."""
+    deadline = time.monotonic() + HELD_S
+    while not completion.done():
+        if completion.timeline.failure is not None:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(_POLL_S)
+    return True
 
 
 def submit(bound: Bound) -> list[Completion]:
