@@ -21,7 +21,7 @@ import numpy as np
 
 from tinydist import dtypes
 from tinydist.dtypes import DType, to_dtype
-from tinydist.lazy import LazyNode, Op, buffer_node, const_node, elementwise, view
+from tinydist.lazy import LazyNode, Op, broadcast_scalar, buffer_node, const_node, elementwise, view
 from tinydist.engine.realize import realize
 from tinydist.runtime.engine import get_engine
 from tinydist.runtime.registry import canonical_name
@@ -103,12 +103,12 @@ class Tensor:
     def __init__(self, data: Any, device: str | None = None, dtype: Any = None, requires_grad: bool = False) -> None:
         self.grad: Tensor | None = None   # autograd: filled by backward() on leaves that require grad
         self._grad_hooks: list[Any] | None = None
-        device = canonical_name(device or "CPU")
-        if isinstance(data, LazyNode):
+        if type(data) is LazyNode:  # every op's result: the node knows its device
             self.node = data
             if requires_grad:
                 self.requires_grad_()
             return
+        device = canonical_name(device or "CPU")
         if isinstance(data, Tensor):
             data = data.numpy()
         array = np.asarray(data)
@@ -292,8 +292,8 @@ class Tensor:
         shape = _shape_arg((shape,) if isinstance(shape, int) else shape, infer=False)
         dtype = to_dtype(dtype) if dtype is not None else dtypes.result_type(value)
         device = canonical_name(device or "CPU")
-        scalar = Tensor(const_node(value, dtype, device))
-        return scalar.reshape((1,) * len(shape)).expand(shape) if shape else scalar
+        scalar = const_node(value, dtype, device)
+        return Tensor(broadcast_scalar(scalar, shape) if shape else scalar)
 
     @staticmethod
     def zeros(*shape: Any, dtype: Any = dtypes.float32, device: str | None = None) -> Tensor:
@@ -338,21 +338,27 @@ class Tensor:
     def _broadcast_to(self, shape: tuple[int, ...]) -> Tensor:
         if self.shape == shape:
             return self
+        node = self.node
+        if not node.shape and (node.op is not Op.VIEW or node.buffer is not None):  # a scalar operand's one view
+            return Tensor(broadcast_scalar(node, shape))
         padded = (1,) * (len(shape) - self.ndim) + self.shape
         return self.reshape(padded).expand(shape) if padded != self.shape else self.expand(shape)
 
     def _binary(self, other: Any, op: Op, reverse: bool = False, out_dtype: DType | None = None,
                 operand_dtype: DType | None = None) -> Tensor:
-        a, b = self, self._operand(other)
+        a, b = self, other if type(other) is Tensor else self._operand(other)
         if reverse:
             a, b = b, a
-        if a.device != b.device:
+        a_node, b_node = a.node, b.node
+        if a_node.device != b_node.device:
             raise ValueError(f"operands are on different devices: {a.device} and {b.device}; move one with .to()")
-        try:
-            shape = tuple(np.broadcast_shapes(a.shape, b.shape))
-        except ValueError:
-            raise ValueError(f"operands could not be broadcast together with shapes {a.shape} {b.shape}") from None
-        common = operand_dtype or _promote(a, b)
+        shape = a_node.shape
+        if b_node.shape != shape and b_node.shape:
+            try:
+                shape = tuple(np.broadcast_shapes(shape, b_node.shape))
+            except ValueError:
+                raise ValueError(f"operands could not be broadcast together with shapes {a.shape} {b.shape}") from None
+        common = operand_dtype or (a_node.dtype if a_node.dtype is b_node.dtype else _promote(a, b))
         if common.is_bool:  # numpy: bool + bool is or, bool * bool is and, bool - bool is refused
             if op is Op.SUB:
                 raise TypeError("boolean subtract (-) is not supported, as in numpy; use ^ (xor) or logical_not")
