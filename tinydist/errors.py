@@ -24,6 +24,10 @@ class TinydistError(Exception):
     """Base of every error tinydist raises on purpose."""
 
 
+class ClosedResourceError(TinydistError):
+    """The resource (a device, a link, a group's shared memory) was closed; open a new one."""
+
+
 class DeviceError(TinydistError):
     """An error about one device."""
 
@@ -44,8 +48,11 @@ class DeviceHang(DeviceFailed, TimeoutError):
     """A timeline did not move before its deadline; the device is marked failed."""
 
 
-class ClosedResourceError(DeviceError):
-    """The resource was closed; open a new one."""
+class DeviceClosed(DeviceError, ClosedResourceError):
+    """The device, one of its queues, or the engine holding the devices was closed; open a new one.
+
+    A DeviceError as well, so callers that treat any device error as "this time only, the device
+    may be reopened" (engine.lowered) keep doing so."""
 
 
 class BufferError_(TinydistError):

@@ -32,6 +32,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from tinydist.errors import TinydistError
+
 if TYPE_CHECKING:
     import grpc
 
@@ -40,7 +42,7 @@ TRUST_DOMAIN_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{0,250}$")
 DEFAULT_TRUST_DOMAIN = "tinydist.lab"
 
 
-class PKIError(Exception):
+class PKIError(TinydistError):
     """A certificate directory is missing something or holds something invalid."""
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from tinydist.errors import TinydistError
 
-class UnsupportedModelError(ValueError):
+
+class UnsupportedModelError(TinydistError, ValueError):
     """The model uses an op, dtype, opset or attribute value tinydist cannot run exactly.
 
     Raised at load time (or, for inputs with symbolic dimensions, on the first call with new

@@ -19,10 +19,12 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
+from tinydist.errors import TinydistError
+
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 
 
-class IdentityError(Exception):
+class IdentityError(TinydistError):
     """The peer certificate does not name exactly one acceptable identity."""
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tinydist.errors import TinydistError
 from tinydist.logs import get_logger
 
 ROLES = ("viewer", "operator", "admin")
@@ -36,7 +37,7 @@ DEFAULT_METHODS = {
 MAX_TOKEN_TTL = 60.0
 
 
-class PolicyError(ValueError):
+class PolicyError(TinydistError, ValueError):
     """The policy file is missing or invalid; the message names the key."""
 
 
