@@ -19,7 +19,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -35,6 +35,7 @@ from transports.rdma_bnxt.wait import poll
 
 PTE_VALID, PTE_LAST, PTE_NEXT_TO_LAST = 1, 2, 4
 VA_BASE = 0x7f00_0000_0000
+_E = TypeVar("_E", bound=RdmaError)
 
 
 @dataclasses.dataclass
@@ -604,7 +605,7 @@ class Qp:
         await self._until("receive", lambda: bool(self.recvs), timeout)
         return self.recvs.pop(0)
 
-    async def refine(self, err: RdmaError) -> RdmaError:
+    async def refine(self, err: _E) -> _E | LinkDown:
         """The most precise class for a QP error: exhausted retries while the port is down is LinkDown."""
         if isinstance(err, RetryExceeded):
             with contextlib.suppress(RdmaError):
