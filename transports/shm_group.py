@@ -123,7 +123,7 @@ class ShmGroup:
         except OSError as exc:
             raise TransportError(f"cannot reserve {size} bytes of shared memory for the group segment of {world} ranks "
                                  f"({exc.strerror or exc}): enlarge /dev/shm (docker --shm-size), lower "
-                                 f"TINYDIST_SHM_SLOT_BYTES ({slot_bytes} now), or set TINYDIST_TRANSPORT=tcp") from None
+                                 f"TINYDIST_SHM_SLOT_BYTES ({slot_bytes} now), or set TINYDIST_TRANSPORT=tcp") from exc
         return cls(mapping, rank, world, slot_bytes), name
 
     @classmethod

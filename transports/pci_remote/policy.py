@@ -95,7 +95,7 @@ def parse_policy(text: str, base_dir: Path) -> Policy:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise PolicyError(f"policy is not valid TOML: {exc}") from None
+        raise PolicyError(f"policy is not valid TOML: {exc}") from exc
     trust_domain = data.get("trust_domain")
     if not isinstance(trust_domain, str) or not trust_domain or "/" in trust_domain:
         raise PolicyError("policy needs trust_domain = \"<domain>\" (e.g. \"tinydist.lab\")")

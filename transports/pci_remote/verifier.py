@@ -96,7 +96,7 @@ def verify(ir_text: str, entry: str, signature: Sequence[str], kind: str = ENGIN
         module = llvm.parse_assembly(ir_text)
         module.verify()
     except RuntimeError as exc:
-        raise VerificationError(f"LLVM rejected the IR: {str(exc).strip()[:500]}") from None
+        raise VerificationError(f"LLVM rejected the IR: {str(exc).strip()[:500]}") from exc
     opcodes = _RAW_OPCODES if kind == RAW else _BASE_OPCODES
 
     defined = {}
