@@ -1,20 +1,17 @@
-"""The RDMA error taxonomy: every failure of the driver or the NIC ends in one of these classes.
+"""The RDMA error taxonomy: every failure of the driver or the NIC ends in one of these classes
+(drawn with the rest of the tree in tinydist/errors.py). Their fields, each a constructor argument
+so that type checkers see it:
 
-    RdmaError (a transports.base.TransportError)         .recovery, .hint, .retryable
-    ├─ Timeout              phase: HWRM | HWRM_VALID | RCFW | CQ_POLL, what, budget_s, qpn, note, fast_fail
-    ├─ FirmwareError        channel HWRM | RCFW, name, code, code_name, xid
-    │   └─ ProtocolViolation  what: resp_len_out_of_bounds | seq_mismatch | req_type_mismatch | bad_valid_byte | ...
-    ├─ CompletionError      qpn, side REQ | RES, status, status_name, wqe_index   (one subclass per completion status)
-    │   ├─ RemoteAccessError, RemoteInvalidRequest, LocalProtectionError, LocalLengthError, LocalQpOperation,
-    │   ├─ RetryExceeded, RnrRetryExceeded, BadResponse, MemoryOperationError, RemoteOperationError, Flushed
-    │   ├─ CQOverflow (CREQ 0xc1, .cq)   ├─ QpFatal (CREQ 0xc0, .req_reason, .res_reason)   ├─ LinkDown (port down)
-    │   └─ CqeProtocolViolation (a CQE of the wrong type, handle or slot)
-    ├─ TeardownError        errors, quarantined: every step failure of close(), raised after all steps were tried
-    └─ NicUnavailable       no usable NIC here; the link factory falls back to TCP
+    RdmaError           .recovery (what brings the rail back), .hint, .retryable
+    Timeout             .phase (HWRM | HWRM_VALID | RCFW | CQ_POLL), .what, .budget_s, .qpn, .note, .fast_fail
+    FirmwareError       .channel (HWRM | RCFW), .name, .code, .code_name, .xid
+    ProtocolViolation   those, and .what (resp_len_out_of_bounds | seq_mismatch | req_type_mismatch | ...), .detail
+    CompletionError     .qpn, .side (REQ | RES), .status, .status_name, .wqe_index; a subclass per status
+    CQOverflow          .cq (the CQ of CREQ 0xc1);  QpFatal: .req_reason, .res_reason (CREQ 0xc0)
+    TeardownError       .errors (every step failure of close(), raised after all steps were tried), .quarantined
 
-Every field is a declared constructor argument, so type checkers see them. The driver never uses
-`assert` for a runtime check: each check raises one of these, so the behaviour is the same under
-`python -O`.
+The driver never uses `assert` for a runtime check: each check raises one of these, so the
+behaviour is the same under `python -O`.
 """
 
 from __future__ import annotations
