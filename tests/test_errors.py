@@ -198,3 +198,30 @@ def test_pki_and_policy_files_map_their_parsers_errors(tmp_path: Path) -> None:
     with pytest.raises(PolicyError, match="not valid TOML") as policy:
         parse_policy("trust_domain = ", tmp_path)
     assert isinstance(policy.value.__cause__, tomllib.TOMLDecodeError)
+
+
+def test_a_checkpoint_that_does_not_decode_is_a_checkpoint_error_caused_by_the_decoder(tmp_path: Path) -> None:
+    import json
+    import struct
+
+    import numpy as np
+
+    import tinydist as td
+    from tinydist.serialization import CheckpointError
+
+    path = tmp_path / "ckpt.tdz"
+    td.save({"w": td.Tensor(np.arange(6, dtype=np.float32))}, path)
+    good = path.read_bytes()
+    (length,) = struct.unpack("<Q", good[:8])
+    header = json.loads(good[8:8 + length])
+    header["w"]["shape"] = [4, 2]   # 8 elements claimed, 6 stored
+    text = json.dumps(header, separators=(",", ":")).encode().ljust(length)
+    assert len(text) == length
+    path.write_bytes(good[:8] + text + good[8 + length:])
+    with pytest.raises(CheckpointError, match="ckpt.tdz: the header does not describe its tensors") as info:
+        td.load(path)
+    assert isinstance(info.value, ValueError) and isinstance(info.value.__cause__, ValueError)
+    path.write_bytes(good[:8] + b"{" * length + good[8 + length:])
+    with pytest.raises(CheckpointError) as info:
+        td.load(path)
+    assert isinstance(info.value.__cause__, json.JSONDecodeError)

@@ -27,6 +27,7 @@ never seen outside their module) are not drawn, but are TinydistErrors too.
     ├── JitError (ValueError) [tinydist.jit]        a replay's arguments differ from the captured signature
     ├── ReplayUnfit (ValueError) [tinydist.engine.replay]    a forced replay strategy does not fit the capture
     ├── ShardError (ValueError) [tinydist.multi.sharded]    elements would move between shards
+    ├── CheckpointError (ValueError) [tinydist.serialization]    not a checkpoint td.save wrote; names the file
     ├── UnsupportedModelError (ValueError) [tinydist.onnx.errors]    an op, dtype, opset or attribute not run exactly
     ├── ModelLoadError (ValueError) [tinydist.onnx.errors]    not an ONNX model at all; names the file
     ├── CollectiveError [tinydist.dist.errors]      a process-group collective failed, on every rank
