@@ -225,3 +225,28 @@ def test_a_checkpoint_that_does_not_decode_is_a_checkpoint_error_caused_by_the_d
     with pytest.raises(CheckpointError) as info:
         td.load(path)
     assert isinstance(info.value.__cause__, json.JSONDecodeError)
+
+
+def test_a_coordinator_that_answers_no_json_is_a_transport_error_caused_by_the_decoder() -> None:
+    import asyncio
+    import json
+
+    from tinydist.dist.rendezvous import register
+    from transports.base import TransportError
+
+    async def main() -> None:
+        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readline()
+            writer.write(b"HTTP/1.1 400 Bad Request\r\n")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        with pytest.raises(TransportError, match="not JSON") as info:
+            await register(("127.0.0.1", port), 1, 2, 5.0)
+        assert isinstance(info.value.__cause__, json.JSONDecodeError)
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(main())

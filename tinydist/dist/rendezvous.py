@@ -128,7 +128,12 @@ async def register(coordinator: tuple[str, int], rank: int, world: int, timeout:
         if not line:
             listener.close()
             raise TransportError(f"rank {rank}: the coordinator closed before the rendezvous completed")
-        table = json.loads(line)
+        try:
+            table = json.loads(line)
+        except ValueError as exc:
+            listener.close()
+            raise TransportError(f"rank {rank}: the coordinator at {coordinator[0]}:{coordinator[1]} answered "
+                                 f"{line[:80]!r}, not JSON ({exc}); is it a tinydist coordinator?") from exc
         if "error" in table:
             listener.close()
             raise ValueError(f"rendezvous failed: {table['error']}")
