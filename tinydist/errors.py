@@ -3,9 +3,9 @@ purpose is a `TinydistError`, so `except TinydistError` catches all of them and 
 
 The whole tree, every class under its first base. A class is defined in the module in brackets,
 else in its parent's; other bases in parentheses (a builtin base keeps `except LookupError` and
-the like working). tests/test_exception_tree.py imports every module and checks this drawing against the
-classes they define, both ways, so it cannot go stale; private signals (a leading underscore,
-never seen outside their module) are not drawn, but are TinydistErrors too.
+the like working). tests/test_exception_tree.py imports every module and checks this drawing
+against the classes they define, both ways, so it cannot go stale; private signals (a leading
+underscore, never seen outside their module) are not drawn, but are TinydistErrors too.
 
     TinydistError                                   [tinydist.errors]
     ├── DeviceError                                 something about one device
