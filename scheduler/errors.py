@@ -1,13 +1,6 @@
-"""Errors of the cluster scheduler.
-
-    TinydistError
-    ├── ClusterError
-    │   ├── MembershipError       a join/heartbeat the coordinator refuses (duplicate rank, superseded, ...)
-    │   ├── CoordinatorLost       the node could not reach the coordinator for N heartbeats
-    │   └── PlanError             no plan is possible (no live devices, links dead, ...)
-    └── CollectiveError (tinydist.dist)
-        └── NodeFailed            a node of the job died; `.node_id` and `.rank` name it
-"""
+"""Errors of the cluster scheduler (drawn with the rest of the tree in tinydist/errors.py): a
+ClusterError when the scheduler refuses or cannot do something, NodeFailed (a CollectiveError, so
+collective callers catch it) when a node of the job dies."""
 
 from __future__ import annotations
 

@@ -108,7 +108,7 @@ class NodeAgent:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + delay > deadline:
                     self.close()
                     raise MembershipError(f"node {self.node_id}: join at {self.coordinator} failed: "
-                                          f"{exc.code().name}: {exc.details()}") from None
+                                          f"{exc.code().name}: {exc.details()}") from exc
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
         self.rank, self.incarnation = reply.rank, reply.epoch
@@ -125,7 +125,7 @@ class NodeAgent:
             st = self.stub.WaitForMembers(pb.WaitRequest(node_id=self.node_id, world_size=world, timeout_s=timeout),
                                           timeout=timeout + 5)
         except grpc.RpcError as exc:
-            raise MembershipError(f"waiting for {world} nodes failed: {exc.code().name}: {exc.details()}") from None
+            raise MembershipError(f"waiting for {world} nodes failed: {exc.code().name}: {exc.details()}") from exc
         self.last_status = st
         members = [m for m in st.members if m.state == "alive" and m.node.rank < world]
         self.table = {m.node.node_id: m for m in members}

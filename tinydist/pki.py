@@ -32,6 +32,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from tinydist.errors import TinydistError
+
 if TYPE_CHECKING:
     import grpc
 
@@ -40,7 +42,7 @@ TRUST_DOMAIN_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{0,250}$")
 DEFAULT_TRUST_DOMAIN = "tinydist.lab"
 
 
-class PKIError(Exception):
+class PKIError(TinydistError):
     """A certificate directory is missing something or holds something invalid."""
 
 
@@ -65,7 +67,7 @@ class ClientCredentials:
             try:
                 found[what] = Path(path).read_bytes()
             except OSError as exc:
-                raise PKIError(f"cannot read the client {what} {path}: {exc.strerror}") from None
+                raise PKIError(f"cannot read the client {what} {path}: {exc.strerror}") from exc
         return cls(found["certificate"], found["key"], found["CA"])
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
@@ -117,7 +119,10 @@ def load_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateK
         cert = x509.load_pem_x509_certificate((directory / "ca.pem").read_bytes())
         key = serialization.load_pem_private_key((directory / "ca.key").read_bytes(), password=None)
     except FileNotFoundError as exc:
-        raise PKIError(f"{directory} has no CA ({exc.filename}); run `tinydist certs init {directory}` first") from None
+        raise PKIError(f"{directory} has no CA ({exc.filename}); run `tinydist certs init {directory}` first") from exc
+    except (ValueError, TypeError) as exc:   # cryptography: not PEM, or a key that wants a password
+        raise PKIError(f"{directory}: ca.pem / ca.key do not parse ({exc}); restore them, or "
+                       f"`tinydist certs init --force {directory}` (every issued certificate stops working)") from exc
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise PKIError(f"{directory / 'ca.key'} is not an EC private key")
     return cert, key

@@ -28,9 +28,15 @@ from typing import Any
 
 import numpy as np
 
+from tinydist.errors import TinydistError
 from tinydist.tensor import Tensor
 
-__all__ = ["load", "save"]
+__all__ = ["CheckpointError", "load", "save"]
+
+
+class CheckpointError(TinydistError, ValueError):
+    """The file is not a checkpoint `save` (or a safetensors writer) wrote completely; the message
+    names the file and what does not fit."""
 
 _DTYPES = {"float32": "F32", "float64": "F64", "int32": "I32", "int64": "I64", "bool": "BOOL"}
 _NUMPY = {"F32": "<f4", "F64": "<f8", "I32": "<i4", "I64": "<i8", "BOOL": "|b1"}
@@ -100,22 +106,28 @@ def _rebuild(tree: dict[str, Any], tensors: dict[str, np.ndarray], device: str |
 
 
 def load(path: str | os.PathLike[str], device: str | None = None) -> Any:
-    """Read what `save` wrote (or any safetensors file: a flat {name: Tensor} dict)."""
+    """Read what `save` wrote (or any safetensors file: a flat {name: Tensor} dict). A file that is
+    not one raises CheckpointError naming it; the decoder's own error (json, numpy) is its cause."""
     data = Path(path).read_bytes()
     if len(data) < 8:
-        raise ValueError(f"{path}: not a checkpoint (shorter than its 8-byte header length)")
+        raise CheckpointError(f"{path}: not a checkpoint (shorter than its 8-byte header length)")
     (length,) = struct.unpack("<Q", data[:8])
     if 8 + length > len(data):
-        raise ValueError(f"{path}: header length {length} runs past the end of the file ({len(data)} bytes)")
-    header = json.loads(data[8:8 + length])
-    body = memoryview(data)[8 + length:]
-    metadata = header.pop("__metadata__", None) or {}
-    tensors: dict[str, np.ndarray] = {}
-    for name, entry in header.items():
-        begin, end = entry["data_offsets"]
-        dtype = np.dtype(_NUMPY[entry["dtype"]])
-        array = np.frombuffer(body[begin:end], dtype=dtype).reshape(entry["shape"])
-        tensors[name] = array.astype(dtype.newbyteorder("="), copy=True)
-    if "tinydist.tree" in metadata:
-        return _rebuild(json.loads(metadata["tinydist.tree"]), tensors, device)
+        raise CheckpointError(f"{path}: header length {length} runs past the end of the file ({len(data)} bytes)")
+    try:
+        header = json.loads(data[8:8 + length])
+        body = memoryview(data)[8 + length:]
+        metadata = header.pop("__metadata__", None) or {}
+        tensors: dict[str, np.ndarray] = {}
+        for name, entry in header.items():
+            begin, end = entry["data_offsets"]
+            dtype = np.dtype(_NUMPY[entry["dtype"]])
+            array = np.frombuffer(body[begin:end], dtype=dtype).reshape(entry["shape"])
+            tensors[name] = array.astype(dtype.newbyteorder("="), copy=True)
+        tree = json.loads(metadata["tinydist.tree"]) if "tinydist.tree" in metadata else None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:   # json, numpy, or a header of another shape
+        raise CheckpointError(f"{path}: the header does not describe its tensors ({type(exc).__name__}: {exc}); "
+                              "was the file written completely, by td.save or a safetensors writer?") from exc
+    if tree is not None:
+        return _rebuild(tree, tensors, device)
     return {name: Tensor(array, device=device) for name, array in tensors.items()}

@@ -26,9 +26,15 @@ from typing import Any
 import anyio
 import numpy as np
 
+from tinydist.errors import ClosedResourceError, TinydistError
 
-class TransportError(Exception):
+
+class TransportError(TinydistError):
     """A link broke its protocol or could not be set up."""
+
+
+class LinkClosed(TransportError, ClosedResourceError):
+    """This side already closed the link (or the group's shared memory); open a new group."""
 
 
 class PeerFailed(TransportError):
@@ -92,7 +98,7 @@ class Link(abc.ABC):
         if self.failure is not None:
             raise self.failure
         if self.closing:
-            raise TransportError(f"link to rank {self.peer} is closed")
+            raise LinkClosed(f"link to rank {self.peer} is closed")
 
 
 def as_bytes(data: Any) -> memoryview:

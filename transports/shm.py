@@ -34,7 +34,7 @@ import _posixshmem
 import anyio
 import numpy as np
 
-from transports.base import FailureCallback, TransportError, as_bytes
+from transports.base import FailureCallback, LinkClosed, TransportError, as_bytes
 from transports.tcp import DATA, HEADER, SocketLink, recv_exactly
 
 SLOT, CREDIT, BEGIN = 10, 11, 12
@@ -176,7 +176,7 @@ class ShmLink(SocketLink):
     def _mapped(self, segment: np.ndarray | None) -> np.ndarray:
         """The mapped segment; after close() it is gone, and using the link is an error, not a crash."""
         if segment is None:
-            raise TransportError(f"shared-memory link to rank {self.peer} is closed")
+            raise LinkClosed(f"shared-memory link to rank {self.peer} is closed")
         return segment
 
     async def _send_frame(self, kind: int, aux: int = 0, payload: memoryview | None = None, nbytes: int | None = None) -> None:

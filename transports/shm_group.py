@@ -42,7 +42,7 @@ import anyio
 import numpy as np
 
 from transports import cma
-from transports.base import Link, TransportError
+from transports.base import Link, LinkClosed, TransportError
 from transports.shm import PREFIX, _attach, _create, _unlink
 
 CONTROL_BYTES = 16384
@@ -123,7 +123,7 @@ class ShmGroup:
         except OSError as exc:
             raise TransportError(f"cannot reserve {size} bytes of shared memory for the group segment of {world} ranks "
                                  f"({exc.strerror or exc}): enlarge /dev/shm (docker --shm-size), lower "
-                                 f"TINYDIST_SHM_SLOT_BYTES ({slot_bytes} now), or set TINYDIST_TRANSPORT=tcp") from None
+                                 f"TINYDIST_SHM_SLOT_BYTES ({slot_bytes} now), or set TINYDIST_TRANSPORT=tcp") from exc
         return cls(mapping, rank, world, slot_bytes), name
 
     @classmethod
@@ -170,7 +170,7 @@ class ShmGroup:
 
     def _raw(self) -> np.ndarray:
         if self.raw is None:
-            raise TransportError(f"the group's shared memory is closed (rank {self.rank})")
+            raise LinkClosed(f"the group's shared memory is closed (rank {self.rank})")
         return self.raw
 
     def negotiate_single_copy(self, deadline: float, check: Callable[[int], None], min_bytes: int | None) -> int | None:
@@ -210,7 +210,7 @@ class ShmGroup:
     def post(self) -> int:
         """Complete one step: publish it to the peers and wake those sleeping on it."""
         if self.steps is None:
-            raise TransportError(f"the group's shared memory is closed (rank {self.rank})")
+            raise LinkClosed(f"the group's shared memory is closed (rank {self.rank})")
         self.step += 1
         self.steps[self.rank] = self.step
         self._futex(self._words[self.rank], _FUTEX_WAKE, 0x7FFFFFFF, None)
@@ -224,7 +224,7 @@ class ShmGroup:
         """
         steps = self.steps
         if steps is None:
-            raise TransportError(f"the group's shared memory is closed (rank {self.rank})")
+            raise LinkClosed(f"the group's shared memory is closed (rank {self.rank})")
         for peer in self.peers if ranks is None else ranks:
             if steps[peer] >= step:
                 continue

@@ -13,9 +13,9 @@ import pytest
 
 from tests.rdma.helpers import FAST, assert_clean, close_pair, open_pair, run
 from transports.rdma_bnxt import hsi
-from transports.rdma_bnxt.errors import (CQOverflow, Flushed, LinkDown, LocalLengthError, LocalProtectionError, LocalQpOperation,
-                                         QpFatal, Recovery, RemoteAccessError, RemoteInvalidRequest, RetryExceeded, RnrRetryExceeded,
-                                         TransportError, completion_error)
+from transports.rdma_bnxt.errors import (CompletionError, CQOverflow, Flushed, LinkDown, LocalLengthError, LocalProtectionError,
+                                         LocalQpOperation, QpFatal, Recovery, RemoteAccessError, RemoteInvalidRequest, RetryExceeded,
+                                         RnrRetryExceeded, completion_error)
 from transports.rdma_bnxt.softbnxt import FaultPlan
 
 
@@ -292,7 +292,7 @@ def test_every_error_cqe_status_is_classified(status: int) -> None:
         a, b = await open_pair(plan_a=plan)
         await a.qp.wait_send(a.qp.post_write(a.mr, 0, 10, b.mr.va, b.mr.rkey), 3)
         i = a.qp.post_write(a.mr, 0, 10, b.mr.va, b.mr.rkey)
-        err = await _expect(a.qp.wait_send(i), TransportError)
+        err = await _expect(a.qp.wait_send(i), CompletionError)
         assert type(err) is type(completion_error("REQ", status, 0)), (status, err)
         assert err.status == status and err.hint
         await close_pair(a, b)
@@ -343,7 +343,7 @@ def test_dma_to_freed_page_is_an_iommu_fault() -> None:
         a, b = await open_pair()
         b.nic.mem.free(b.nic.mrs[b.mr.key].pages[:1].tolist())
         i = a.qp.post_write(a.mr, 0, 10, b.mr.va, b.mr.rkey)
-        with pytest.raises(TransportError):
+        with pytest.raises(CompletionError):
             await a.qp.wait_send(i, 2)
         assert b.nic.faults and "IOMMU" in b.nic.faults[0]
         await a.dev.close()

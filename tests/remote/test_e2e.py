@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 
 import anyio
+import grpc
 import numpy as np
 import pytest
 
@@ -60,8 +61,9 @@ def test_remote_device_refuses_object_code_and_needs_credentials(server, lab, mo
                 batch.copy(other, buf)
             out = (await dev.copyout(other, timeout=10)).view(np.float32)
             np.testing.assert_array_equal(out, np.arange(1024, dtype=np.float32))
-        with pytest.raises(DeviceUnavailable, match="refused or is unreachable"):
+        with pytest.raises(DeviceUnavailable, match="refused or is unreachable") as refused:
             await RemoteDevice(f"remote://127.0.0.1:{server.port}/CPU:0", lab.creds["mallory"]).open()
+        assert isinstance(refused.value.__cause__, grpc.RpcError)   # mapped where it entered, the original kept
 
     anyio.run(main)
 

@@ -1,11 +1,5 @@
-"""Errors of process-group collectives; every rank of a failed collective raises one of these.
-
-    TinydistError
-    └── CollectiveError
-        ├── CollectiveMismatch (ValueError)   ranks called different collectives / shapes / dtypes / ops
-        ├── RankFailed                        a rank died or left mid-job; `.rank` names it
-        └── CollectiveTimeout (TimeoutError)  TINYDIST_COLLECTIVE_TIMEOUT passed; names the ranks waited on
-"""
+"""Errors of process-group collectives; every rank of a failed collective raises one of these
+(drawn with the rest of the tree in tinydist/errors.py)."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from typing import Any
 import anyio
 
 from tinydist.logs import get_logger
-from transports.base import FailureCallback, Link
+from transports.base import FailureCallback, Link, TransportError
 from transports.shm import ShmLink
 from transports.tcp import TcpLink, recv_exactly
 
@@ -110,8 +110,8 @@ async def register(coordinator: tuple[str, int], rank: int, world: int, timeout:
             break
         except OSError as exc:
             if anyio.current_time() + delay > deadline:
-                raise ConnectionError(f"rank {rank}: no coordinator at {coordinator[0]}:{coordinator[1]} "
-                                      f"within {timeout:g} s ({exc})") from None
+                raise TransportError(f"rank {rank}: no coordinator at {coordinator[0]}:{coordinator[1]} within "
+                                     f"{timeout:g} s ({exc}); is rank 0 running, at TINYDIST_COORDINATOR?") from exc
             await anyio.sleep(delay)
             delay = min(delay * 2, 0.25)
     try:
@@ -127,8 +127,13 @@ async def register(coordinator: tuple[str, int], rank: int, world: int, timeout:
             line = await reader.readline()
         if not line:
             listener.close()
-            raise ConnectionError(f"rank {rank}: the coordinator closed before the rendezvous completed")
-        table = json.loads(line)
+            raise TransportError(f"rank {rank}: the coordinator closed before the rendezvous completed")
+        try:
+            table = json.loads(line)
+        except ValueError as exc:
+            listener.close()
+            raise TransportError(f"rank {rank}: the coordinator at {coordinator[0]}:{coordinator[1]} answered "
+                                 f"{line[:80]!r}, not JSON ({exc}); is it a tinydist coordinator?") from exc
         if "error" in table:
             listener.close()
             raise ValueError(f"rendezvous failed: {table['error']}")
@@ -162,10 +167,16 @@ async def connect_mesh(rank: int, world: int, table: dict[str, Any], listener: s
                     socks[peer] = sock
 
             async def connect(peer: int) -> None:
-                sock = socket.socket(socket.AF_INET6 if ":" in peers[peer]["addr"][0] else socket.AF_INET, socket.SOCK_STREAM)
+                address = tuple(peers[peer]["addr"])
+                sock = socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET, socket.SOCK_STREAM)
                 sock.setblocking(False)
-                await loop.sock_connect(sock, tuple(peers[peer]["addr"]))
-                await loop.sock_sendall(sock, HELLO.pack(MAGIC, rank, token))
+                try:
+                    await loop.sock_connect(sock, address)
+                    await loop.sock_sendall(sock, HELLO.pack(MAGIC, rank, token))
+                except OSError as exc:
+                    sock.close()
+                    raise TransportError(f"rank {rank} cannot connect to rank {peer} at {address[0]}:{address[1]} "
+                                         f"({exc.strerror or exc}); is rank {peer} alive and reachable?") from exc
                 socks[peer] = sock
 
             async with anyio.create_task_group() as tg:

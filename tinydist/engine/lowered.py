@@ -45,7 +45,7 @@ from typing import Any, cast
 from tinydist.codegen.compile_cache import compile_glue
 from tinydist.engine.commands import Launch, lower_call
 from tinydist.lazy import LazyNode
-from tinydist.errors import DeviceError
+from tinydist.errors import DeviceError, TinydistError
 from tinydist.logs import get_logger
 from tinydist.runtime import command_queue
 from tinydist.runtime.buffer import Buffer
@@ -65,11 +65,11 @@ Access = tuple[int, int, int, bool]
 Getter = Callable[[Sequence[int]], tuple[int, ...]] | tuple[int, int]
 
 
-class _Unfit(Exception):
+class _Unfit(TinydistError):
     """This schedule is realized call by call (the message says why)."""
 
 
-class _NotNow(Exception):
+class _NotNow(TinydistError):
     """This realize goes call by call; the next may be lowered (the message says why)."""
 
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from tinydist import dtypes
 from tinydist.dtypes import DType
+from tinydist.errors import TinydistError
 from tinydist.multi.allreduce import allreduce
 from tinydist.engine.realize import realize
 from tinydist.runtime.registry import canonical_name
@@ -34,7 +35,7 @@ def split_sizes(total: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
-class ShardError(ValueError):
+class ShardError(TinydistError, ValueError):
     """The operation would move elements between shards, or mixes incompatible shardings."""
 
 

@@ -12,7 +12,7 @@ Unsupported ops, dtypes and attribute values raise `UnsupportedModelError` at lo
 This package imports nothing from `onnx` until `load` is called.
 """
 
-from tinydist.onnx.errors import UnsupportedModelError
+from tinydist.onnx.errors import ModelLoadError, UnsupportedModelError
 from tinydist.onnx.model import OnnxModel, load
 
-__all__ = ["OnnxModel", "UnsupportedModelError", "load"]
+__all__ = ["ModelLoadError", "OnnxModel", "UnsupportedModelError", "load"]

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from tinydist import dtypes
-from tinydist.onnx.errors import UnsupportedModelError
+from tinydist.onnx.errors import ModelLoadError, UnsupportedModelError
 from tinydist.onnx.ops import FOLDS, OPS, SUPPORTED_NP
 from tinydist.engine.realize import realize
 from tinydist.runtime.engine import get_engine
@@ -535,18 +535,26 @@ def load(model: Any, device: str = "CPU") -> OnnxModel:
     """Load an ONNX model (a path, bytes, or an `onnx.ModelProto`) for inference on `device`.
 
     Raises `UnsupportedModelError` (a ValueError) naming the node, op type and opset for anything
-    tinydist cannot run exactly; needs the optional `onnx` package (pip install 'tinydist[onnx]')."""
+    tinydist cannot run exactly, and `ModelLoadError` naming the file for one that is no ONNX model
+    at all; needs the optional `onnx` package (pip install 'tinydist[onnx]')."""
     try:
         import onnx
         from onnx import helper, numpy_helper  # noqa: F401  (a bare namespace package named onnx is not enough)
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("tinydist.onnx needs the optional 'onnx' package: pip install 'tinydist[onnx]'") from e
-    if isinstance(model, (str, os.PathLike)):
-        proto = onnx.load(os.fspath(model))
-    elif isinstance(model, (bytes, bytearray)):
-        proto = onnx.load_from_string(bytes(model))
-    elif isinstance(model, onnx.ModelProto):
-        proto = model
-    else:
-        raise TypeError(f"load() takes a path, bytes or onnx.ModelProto, got {type(model).__name__}")
+    from google.protobuf.message import DecodeError
+
+    try:
+        if isinstance(model, (str, os.PathLike)):
+            proto = onnx.load(os.fspath(model))
+        elif isinstance(model, (bytes, bytearray)):
+            proto = onnx.load_from_string(bytes(model))
+        elif isinstance(model, onnx.ModelProto):
+            proto = model
+        else:
+            raise TypeError(f"load() takes a path, bytes or onnx.ModelProto, got {type(model).__name__}")
+    except DecodeError as exc:
+        source = repr(os.fspath(model)) if isinstance(model, (str, os.PathLike)) else f"the {len(model)} bytes given"
+        raise ModelLoadError(f"{source} is not an ONNX model ({exc}); check that it is a complete .onnx export, "
+                             "not truncated and not another format") from exc
     return OnnxModel(proto, device)

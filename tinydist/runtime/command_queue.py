@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tinydist.errors import ClosedResourceError, DeviceFailed
+from tinydist.errors import DeviceClosed, DeviceFailed
 from tinydist.logs import get_logger
 from tinydist.runtime.timeline import Timeline
 
@@ -83,7 +83,7 @@ class CommandQueue:
         saving the two thread wake-ups of a hand-off. Order and timeline are exactly as if the
         worker had run it; if the queue is busy, the batch is queued as usual."""
         if self._closed:
-            raise ClosedResourceError(f"queue {self.name} is closed")
+            raise DeviceClosed(f"queue {self.name} is closed")
         failure = self.timeline.failure
         if failure is not None:
             raise failure

@@ -26,7 +26,7 @@ import anyio
 import numpy as np
 
 from tinydist.config import settings
-from tinydist.errors import ClosedResourceError, DeviceError, DeviceFailed, OutOfBounds
+from tinydist.errors import DeviceClosed, DeviceError, DeviceFailed, OutOfBounds
 from tinydist.logs import get_logger
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.clock import SYSTEM_CLOCK, Clock
@@ -175,7 +175,7 @@ class Device(ABC):
             if self.state in (DeviceState.OPEN, DeviceState.FAILED):
                 return self
             if self.state is DeviceState.CLOSED:
-                raise ClosedResourceError(f"{self.name} was closed; open a new one with tinydist.open_device({self.name!r})")
+                raise DeviceClosed(f"{self.name} was closed; open a new one with tinydist.open_device({self.name!r})")
             self._open_backend()
             try:
                 self.queues = {kind: CommandQueue(self, kind) for kind in self.queue_kinds}
@@ -243,7 +243,7 @@ class Device(ABC):
         if self.failure is not None:
             raise self.failure
         if self.state is DeviceState.CLOSED:
-            raise ClosedResourceError(f"{self.name} is closed")
+            raise DeviceClosed(f"{self.name} is closed")
         raise DeviceError(f"{self.name} is not open; use `async with tinydist.open_device({self.name!r}) as dev`")
 
     # ---- work --------------------------------------------------------------------------------

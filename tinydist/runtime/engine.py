@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from tinydist.errors import ClosedResourceError
+from tinydist.errors import DeviceClosed
 from tinydist.runtime.device import Device
 from tinydist.runtime.registry import canonical_name, open_device
 
@@ -36,7 +36,7 @@ class Engine:
     def run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run `await fn(*args)` on the engine's loop; not callable from that loop itself."""
         if self._portal is None:
-            raise ClosedResourceError("the tinydist engine is closed")
+            raise DeviceClosed("the tinydist engine is closed (Engine.close ran); create a new Engine()")
         return self._portal.call(fn, *args)
 
     def device(self, name: str) -> Device:

@@ -107,13 +107,13 @@ class RemoteDevice(Device):
         try:
             return (call or getattr(self.session.stub, method))(request, timeout=self.session.timeout, metadata=metadata)
         except grpc.RpcError as exc:
-            raise DeviceError(f"{self.name}: {method} failed: {exc.code().name}: {exc.details()}") from None
+            raise DeviceError(f"{self.name}: {method} failed: {exc.code().name}: {exc.details()}") from exc
 
     def _open_backend(self) -> None:
         try:
             credentials = self._credentials or ClientCredentials.load()
         except PKIError as exc:
-            raise DeviceUnavailable(f"remote device {self.name}: {exc}") from None
+            raise DeviceUnavailable(f"remote device {self.name}: {exc}") from exc
         session = RemoteSession(self.target, credentials)
         try:
             try:
@@ -121,7 +121,7 @@ class RemoteDevice(Device):
                 session.open_lease()
             except grpc.RpcError as exc:
                 raise DeviceUnavailable(f"{self.name}: node {self.target} refused or is unreachable: "
-                                        f"{exc.code().name}: {exc.details()}") from None
+                                        f"{exc.code().name}: {exc.details()}") from exc
             names = [d.name for d in devices.devices]
             if self.remote_name not in names:
                 raise DeviceNotFound(f"{self.name}: node {self.target} exports no {self.remote_name}; it has {', '.join(names)}")
@@ -198,7 +198,7 @@ class RemoteDevice(Device):
                         wire.copy_into(dst + position, data)
                         position += size
                 except grpc.RpcError as exc:
-                    raise DeviceError(f"{self.name}: ReadStream failed: {exc.code().name}: {exc.details()}") from None
+                    raise DeviceError(f"{self.name}: ReadStream failed: {exc.code().name}: {exc.details()}") from exc
                 if position != nbytes:
                     raise DeviceError(f"{self.name}: the node sent {position} of {nbytes} bytes")
         else:

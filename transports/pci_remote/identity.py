@@ -20,10 +20,12 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
+from tinydist.errors import TinydistError
+
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 
 
-class IdentityError(Exception):
+class IdentityError(TinydistError):
     """The peer certificate does not name exactly one acceptable identity."""
 
 
@@ -37,15 +39,15 @@ class Peer:
 def _parse(pem: bytes, trust_domain: str) -> Peer:
     try:
         cert = x509.load_pem_x509_certificate(pem)
-    except ValueError:
-        raise IdentityError("peer certificate does not parse") from None
+    except ValueError as exc:
+        raise IdentityError("peer certificate does not parse") from exc
     now = dt.datetime.now(dt.timezone.utc)
     if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
         raise IdentityError("peer certificate is outside its validity period")
     try:
         eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
-    except x509.ExtensionNotFound:
-        raise IdentityError("peer certificate has no extended key usage; clientAuth is required") from None
+    except x509.ExtensionNotFound as exc:
+        raise IdentityError("peer certificate has no extended key usage; clientAuth is required") from exc
     if ExtendedKeyUsageOID.CLIENT_AUTH not in eku:
         raise IdentityError("peer certificate is not for client authentication (no clientAuth EKU)")
     try:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tinydist.errors import TinydistError
 from tinydist.logs import get_logger
 
 ROLES = ("viewer", "operator", "admin")
@@ -36,7 +37,7 @@ DEFAULT_METHODS = {
 MAX_TOKEN_TTL = 60.0
 
 
-class PolicyError(ValueError):
+class PolicyError(TinydistError, ValueError):
     """The policy file is missing or invalid; the message names the key."""
 
 
@@ -94,7 +95,7 @@ def parse_policy(text: str, base_dir: Path) -> Policy:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise PolicyError(f"policy is not valid TOML: {exc}") from None
+        raise PolicyError(f"policy is not valid TOML: {exc}") from exc
     trust_domain = data.get("trust_domain")
     if not isinstance(trust_domain, str) or not trust_domain or "/" in trust_domain:
         raise PolicyError("policy needs trust_domain = \"<domain>\" (e.g. \"tinydist.lab\")")

@@ -50,7 +50,9 @@ def _log():  # not at import: configuring logs then would bind the importer's st
     return get_logger(component="remote-server")
 
 
-class RpcError(Exception):
+class RpcError(TinydistError):
+    """A handler's refusal: the call ends with gRPC status `code` and `reason` as its details."""
+
     def __init__(self, code: grpc.StatusCode, reason: str) -> None:
         super().__init__(reason)
         self.code = code

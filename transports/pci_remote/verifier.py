@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import llvmlite.binding as llvm
 
 from tinydist.codegen.compiler import _initialise_llvm
+from tinydist.errors import TinydistError
 from tinydist.runtime.program import ARG_KINDS
 
 ENGINE = "engine"
@@ -55,7 +56,7 @@ _LOCAL = {llvm.Linkage.internal, llvm.Linkage.private}
 _MODULE_ASM = re.compile(r"^\s*module\s+asm\b", re.M)
 
 
-class VerificationError(ValueError):
+class VerificationError(TinydistError, ValueError):
     """The program is refused; the message says which rule it broke."""
 
 
@@ -95,7 +96,7 @@ def verify(ir_text: str, entry: str, signature: Sequence[str], kind: str = ENGIN
         module = llvm.parse_assembly(ir_text)
         module.verify()
     except RuntimeError as exc:
-        raise VerificationError(f"LLVM rejected the IR: {str(exc).strip()[:500]}") from None
+        raise VerificationError(f"LLVM rejected the IR: {str(exc).strip()[:500]}") from exc
     opcodes = _RAW_OPCODES if kind == RAW else _BASE_OPCODES
 
     defined = {}

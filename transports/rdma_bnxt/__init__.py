@@ -6,9 +6,9 @@ it. See docs/rdma.md.
 """
 
 from transports.rdma_bnxt.device import BnxtDevice, Cq, DriverConfig, Mr, Qp
-from transports.rdma_bnxt.errors import (CQOverflow, FirmwareError, Flushed, LinkDown, ProtocolViolation, QpFatal, RdmaError,
-                                         Recovery, RemoteAccessError, RetryExceeded, TeardownError, Timeout, TransportError)
+from transports.rdma_bnxt.errors import (CompletionError, CQOverflow, FirmwareError, Flushed, LinkDown, ProtocolViolation, QpFatal,
+                                         RdmaError, Recovery, RemoteAccessError, RetryExceeded, TeardownError, Timeout)
 
-__all__ = ["BnxtDevice", "CQOverflow", "Cq", "DriverConfig", "FirmwareError", "Flushed", "LinkDown", "Mr", "ProtocolViolation",
-           "QpFatal", "Qp", "RdmaError", "Recovery", "RemoteAccessError", "RetryExceeded", "TeardownError", "Timeout",
-           "TransportError"]
+__all__ = ["BnxtDevice", "CQOverflow", "CompletionError", "Cq", "DriverConfig", "FirmwareError", "Flushed", "LinkDown", "Mr",
+           "ProtocolViolation", "QpFatal", "Qp", "RdmaError", "Recovery", "RemoteAccessError", "RetryExceeded", "TeardownError",
+           "Timeout"]

@@ -19,14 +19,15 @@ import dataclasses
 import itertools
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from tinydist.logs import get_logger
 from transports.rdma_bnxt import hsi
-from transports.rdma_bnxt.errors import (CQOverflow, FirmwareError, Flushed, LinkDown, LocalQpOperation, ProtocolViolation, QpFatal,
-                                         RdmaError, RetryExceeded, TeardownError, Timeout, TransportError, completion_error)
+from transports.rdma_bnxt.errors import (CompletionError, CQOverflow, CqeProtocolViolation, FirmwareError, Flushed, LinkDown,
+                                         LocalQpOperation, ProtocolViolation, QpFatal, RdmaError, RetryExceeded, TeardownError,
+                                         Timeout, completion_error)
 from transports.rdma_bnxt.hwrm import Mailbox
 from transports.rdma_bnxt.ledger import PAGES, Entry, ResourceLedger
 from transports.rdma_bnxt.rcfw import Rcfw
@@ -34,6 +35,7 @@ from transports.rdma_bnxt.wait import poll
 
 PTE_VALID, PTE_LAST, PTE_NEXT_TO_LAST = 1, 2, 4
 VA_BASE = 0x7f00_0000_0000
+_E = TypeVar("_E", bound=RdmaError)
 
 
 @dataclasses.dataclass
@@ -292,8 +294,7 @@ class BnxtDevice:
     def on_qp_error(self, qpn: int, req_err: int, res_err: int) -> None:
         qp = self.qps.get(qpn)
         if qp is not None:
-            qp.set_error(QpFatal(f"firmware moved the QP to ERR (req reason 0x{req_err:x}, res reason 0x{res_err:x})",
-                                 qpn=qpn, req_reason=req_err, res_reason=res_err))
+            qp.set_error(QpFatal(qpn, req_reason=req_err, res_reason=res_err))
 
     def on_cq_error(self, cq_id: int) -> None:
         cq = self.cqs.get(cq_id)
@@ -302,8 +303,7 @@ class BnxtDevice:
         cq.overflowed = True
         for qp in self.qps.values():
             if qp.scq is cq or qp.rcq is cq:
-                qp.set_error(CQOverflow(f"CQ {cq_id} overflowed (CQ_ERROR_NOTIFICATION); completions were lost",
-                                        qpn=qp.qpn, cq=cq_id), strong=True)
+                qp.set_error(CQOverflow(qp.qpn, cq=cq_id), strong=True)
 
     async def port_up(self) -> bool:
         return (await self._hwrm("port_phy_qcfg", port_id=self.port_id))["link"] != 0
@@ -356,7 +356,7 @@ class BnxtDevice:
     async def _destroy_qp(self, qp: Qp) -> None:
         qp.closed = True
         if qp.state not in (hsi.QPS_ERR, hsi.QPS_RESET):
-            with contextlib.suppress(TransportError, FirmwareError):
+            with contextlib.suppress(CompletionError, FirmwareError):
                 await qp.modify(hsi.QPS_ERR, hsi.M_STATE)
             await poll(self.pci, lambda: qp.drained(), self.cfg.drain_timeout)
         self.qps.pop(qp.qpn, None)
@@ -442,7 +442,7 @@ class Qp:
         self.state = hsi.QPS_RESET
         self.sq_prod = self.sq_cons = self.rq_prod = self.rq_cons = 0
         self.psn = 0
-        self.error: TransportError | None = None
+        self.error: CompletionError | None = None
         self.error_reported = False
         self.closed = False
         self.recvs: list[tuple[int, int]] = []      # (rq index, length) completed, not yet taken
@@ -467,7 +467,7 @@ class Qp:
                           rnr_retry=cfg.rnr_retry, sq_psn=sq_psn, max_rd_atomic=4)
         self.psn = sq_psn
 
-    def set_error(self, err: TransportError, strong: bool = False) -> None:
+    def set_error(self, err: CompletionError, strong: bool = False) -> None:
         weak = (QpFatal, Flushed)
         if self.error is None or (isinstance(self.error, weak) and not isinstance(err, weak)) or \
                 (strong and not isinstance(self.error, CQOverflow)):
@@ -537,11 +537,11 @@ class Qp:
             moved = True
             qp_handle, cons_idx = hsi.CQE_REQ.unpack_from(raw, 0)
             if typ != hsi.CQE_TYPE_REQ or qp_handle != self.handle:
-                self.set_error(ProtocolViolationTE(f"unexpected CQE type {typ} / handle 0x{qp_handle:x} on the send CQ",
+                self.set_error(CqeProtocolViolation(f"unexpected CQE type {typ} / handle 0x{qp_handle:x} on the send CQ",
                                                    qpn=self.qpn, status=status))
                 continue
             if cons_idx != self.sq_cons % self.sq_size:
-                self.set_error(ProtocolViolationTE(f"send CQE for slot {cons_idx}, expected {self.sq_cons % self.sq_size}",
+                self.set_error(CqeProtocolViolation(f"send CQE for slot {cons_idx}, expected {self.sq_cons % self.sq_size}",
                                                    qpn=self.qpn, status=status))
                 continue
             if status != 0:
@@ -551,7 +551,7 @@ class Qp:
             moved = True
             length, _imm, qp_handle, _mr = hsi.CQE_RES.unpack_from(raw, 0)
             if typ != hsi.CQE_TYPE_RES_RC or qp_handle != self.handle:
-                self.set_error(ProtocolViolationTE(f"unexpected CQE type {typ} on the receive CQ", qpn=self.qpn, status=status))
+                self.set_error(CqeProtocolViolation(f"unexpected CQE type {typ} on the receive CQ", qpn=self.qpn, status=status))
                 continue
             if status != 0:
                 self.set_error(completion_error("RES", status, self.qpn, self.rq_cons))
@@ -605,7 +605,7 @@ class Qp:
         await self._until("receive", lambda: bool(self.recvs), timeout)
         return self.recvs.pop(0)
 
-    async def refine(self, err: RdmaError) -> RdmaError:
+    async def refine(self, err: _E) -> _E | LinkDown:
         """The most precise class for a QP error: exhausted retries while the port is down is LinkDown."""
         if isinstance(err, RetryExceeded):
             with contextlib.suppress(RdmaError):
@@ -623,8 +623,3 @@ class Qp:
         if self.error is not None and not self.error_reported:
             await self.refine(self.error)  # a refined error replaces self.error there
         self._raise_error()
-
-
-class ProtocolViolationTE(TransportError):
-    """A CQE that breaks the protocol (wrong type, handle or slot): the device is suspect."""
-    recovery = ProtocolViolation.recovery

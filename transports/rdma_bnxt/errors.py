@@ -1,14 +1,14 @@
-"""The RDMA error taxonomy: every failure of the driver or the NIC ends in one of these classes.
+"""The RDMA error taxonomy: every failure of the driver or the NIC ends in one of these classes
+(drawn with the rest of the tree in tinydist/errors.py). Their fields, each a constructor argument
+so that type checkers see it:
 
-    RdmaError (a transports.base.TransportError)         .recovery, .hint, .fields
-    ├─ Timeout              phase: HWRM | HWRM_VALID | RCFW | CQ_POLL | TEARDOWN
-    ├─ FirmwareError        channel HWRM | RCFW, opcode, code, code_name
-    │   └─ ProtocolViolation  what: resp_len_out_of_bounds | seq_mismatch | req_type_mismatch | bad_valid_byte | ...
-    ├─ TransportError       qpn, side REQ | RES, status, status_name   (one subclass per completion status)
-    │   ├─ RemoteAccessError, RemoteInvalidRequest, LocalProtectionError, LocalLengthError, LocalQpOperation,
-    │   ├─ RetryExceeded, RnrRetryExceeded, BadResponse, MemoryOperationError, RemoteOperationError, Flushed
-    │   ├─ CQOverflow (CREQ 0xc1)   ├─ QpFatal (CREQ 0xc0)   └─ LinkDown (port down)
-    └─ TeardownError        every step failure of close(), raised after all steps were tried
+    RdmaError           .recovery (what brings the rail back), .hint, .retryable
+    Timeout             .phase (HWRM | HWRM_VALID | RCFW | CQ_POLL), .what, .budget_s, .qpn, .note, .fast_fail
+    FirmwareError       .channel (HWRM | RCFW), .name, .code, .code_name, .xid
+    ProtocolViolation   those, and .what (resp_len_out_of_bounds | seq_mismatch | req_type_mismatch | ...), .detail
+    CompletionError     .qpn, .side (REQ | RES), .status, .status_name, .wqe_index; a subclass per status
+    CQOverflow          .cq (the CQ of CREQ 0xc1);  QpFatal: .req_reason, .res_reason (CREQ 0xc0)
+    TeardownError       .errors (every step failure of close(), raised after all steps were tried), .quarantined
 
 The driver never uses `assert` for a runtime check: each check raises one of these, so the
 behaviour is the same under `python -O`.
@@ -17,9 +17,8 @@ behaviour is the same under `python -O`.
 from __future__ import annotations
 
 import enum
-from typing import Any
 
-from transports.base import TransportError as LinkError
+from transports.base import TransportError
 
 
 class Recovery(str, enum.Enum):
@@ -39,15 +38,14 @@ HINTS = {
 }
 
 
-class RdmaError(LinkError):
+class RdmaError(TransportError):
+    """A failure of the RDMA driver or NIC; `recovery` says what brings the rail back."""
+
     recovery: Recovery = Recovery.NONE
 
-    def __init__(self, message: str, *, recovery: Recovery | None = None, **fields: Any) -> None:
+    def __init__(self, message: str, *, recovery: Recovery | None = None) -> None:
         if recovery is not None:
             self.recovery = recovery
-        self.fields = fields
-        for k, v in fields.items():
-            setattr(self, k, v)
         super().__init__(f"{message} [recovery: {self.recovery.value}]")
 
     @property
@@ -60,14 +58,16 @@ class RdmaError(LinkError):
 
 
 class Timeout(RdmaError):
-    """Firmware or a completion did not answer within its budget. `phase` says which wait."""
+    """Firmware or a completion did not answer within its budget. `phase` says which wait; `note`
+    what was seen; `fast_fail` that the command was refused at once, the firmware having stalled."""
 
-    phase: str  # set from the constructor's fields by RdmaError.__init__, like the fields below
-
-    def __init__(self, phase: str, what: str, budget_s: float, **fields: Any) -> None:
+    def __init__(self, phase: str, what: str, budget_s: float, *, qpn: int = -1, note: str = "",
+                 fast_fail: bool = False) -> None:
+        self.phase, self.what, self.budget_s = phase, what, budget_s
+        self.qpn, self.note, self.fast_fail = qpn, note, fast_fail
         rec = Recovery.RESET_DEVICE if phase in ("HWRM", "HWRM_VALID", "RCFW") else Recovery.RESET_QP
-        super().__init__(f"timeout in {phase}: {what} gave no answer within {budget_s:.3g} s", recovery=rec,
-                         phase=phase, what=what, budget_s=budget_s, **fields)
+        super().__init__(f"timeout in {phase}: {what} gave no answer within {budget_s:.3g} s"
+                         + (f" ({note})" if note else ""), recovery=rec)
 
 
 HWRM_CODES = {0: "SUCCESS", 1: "FAIL", 2: "INVALID_PARAMS", 3: "RESOURCE_ACCESS_DENIED", 4: "RESOURCE_ALLOC_ERROR",
@@ -78,82 +78,102 @@ HWRM_CODES = {0: "SUCCESS", 1: "FAIL", 2: "INVALID_PARAMS", 3: "RESOURCE_ACCESS_
 
 
 class FirmwareError(RdmaError):
-    """Firmware answered with a non-zero code (HWRM error_code, or RCFW CREQ status)."""
+    """Firmware answered with a non-zero code (HWRM error_code, or RCFW CREQ status; `xid` the RCFW
+    command's transaction id)."""
 
-    code: int
-
-    def __init__(self, channel: str, name: str, code: int, **fields: Any) -> None:
+    def __init__(self, channel: str, name: str, code: int, *, xid: int | None = None) -> None:
         code_name = HWRM_CODES.get(code, f"0x{code:x}") if channel == "HWRM" else f"status 0x{code:x}"
         rec = (Recovery.RETRY if code in (0x10, 0x11) else
                Recovery.RESET_DEVICE if code in (0xa, 0xb, 0xf, 0x12) else Recovery.NONE)
-        super().__init__(f"{channel} {name} failed: {code_name}", recovery=rec, channel=channel, name=name,
-                         code=code, code_name=code_name, **fields)
+        self.channel, self.name, self.code, self.code_name, self.xid = channel, name, code, code_name, xid
+        super().__init__(f"{channel} {name} failed: {code_name}", recovery=rec)
 
 
 class ProtocolViolation(FirmwareError):
     """Firmware (or the bus) produced something the protocol forbids. Never retried; the device is suspect."""
 
-    def __init__(self, channel: str, name: str, what: str, detail: str = "", **fields: Any) -> None:
+    def __init__(self, channel: str, name: str, what: str, detail: str = "") -> None:
+        self.channel, self.name, self.code, self.code_name, self.xid = channel, name, -1, "PROTOCOL_VIOLATION", None
+        self.what, self.detail = what, detail
         RdmaError.__init__(self, f"{channel} {name}: protocol violation {what}{': ' + detail if detail else ''}",
-                           recovery=Recovery.RESET_DEVICE, channel=channel, name=name, what=what, code=-1,
-                           code_name="PROTOCOL_VIOLATION", **fields)
+                           recovery=Recovery.RESET_DEVICE)
 
 
-class TransportError(RdmaError):
+class CompletionError(RdmaError):
     """A work request completed with an error status (or the QP/CQ/port failed under it)."""
 
-    qpn: int
-    side: str
-    status: int
-    status_name: str
-    wqe_index: int
-
     def __init__(self, message: str, *, qpn: int = -1, side: str = "REQ", status: int = -1, status_name: str = "",
-                 wqe_index: int = -1, recovery: Recovery | None = None, **fields: Any) -> None:
-        super().__init__(f"QP {qpn} {side}: {message}", recovery=recovery, qpn=qpn, side=side, status=status,
-                         status_name=status_name, wqe_index=wqe_index, **fields)
+                 wqe_index: int = -1, recovery: Recovery | None = None) -> None:
+        self.qpn, self.side, self.status, self.status_name, self.wqe_index = qpn, side, status, status_name, wqe_index
+        super().__init__(f"QP {qpn} {side}: {message}", recovery=recovery)
 
 
-class BadResponse(TransportError): recovery = Recovery.RESET_QP
-class LocalLengthError(TransportError): recovery = Recovery.NONE
-class LocalQpOperation(TransportError): recovery = Recovery.NONE
-class LocalProtectionError(TransportError): recovery = Recovery.NONE
-class MemoryOperationError(TransportError): recovery = Recovery.NONE
-class RemoteInvalidRequest(TransportError): recovery = Recovery.NONE
-class RemoteAccessError(TransportError): recovery = Recovery.NONE
-class RemoteOperationError(TransportError): recovery = Recovery.RESET_QP
-class RnrRetryExceeded(TransportError): recovery = Recovery.RESET_QP
-class RetryExceeded(TransportError): recovery = Recovery.RESET_QP
-class Flushed(TransportError): recovery = Recovery.RESET_QP     # secondary: the QP already failed
-class CQOverflow(TransportError): recovery = Recovery.RESET_QP
-class QpFatal(TransportError): recovery = Recovery.RESET_QP
-class LinkDown(TransportError): recovery = Recovery.RESTAGE
+class BadResponse(CompletionError): recovery = Recovery.RESET_QP
+class LocalLengthError(CompletionError): recovery = Recovery.NONE
+class LocalQpOperation(CompletionError): recovery = Recovery.NONE
+class LocalProtectionError(CompletionError): recovery = Recovery.NONE
+class MemoryOperationError(CompletionError): recovery = Recovery.NONE
+class RemoteInvalidRequest(CompletionError): recovery = Recovery.NONE
+class RemoteAccessError(CompletionError): recovery = Recovery.NONE
+class RemoteOperationError(CompletionError): recovery = Recovery.RESET_QP
+class RnrRetryExceeded(CompletionError): recovery = Recovery.RESET_QP
+class RetryExceeded(CompletionError): recovery = Recovery.RESET_QP
+class Flushed(CompletionError): recovery = Recovery.RESET_QP     # secondary: the QP already failed
+class LinkDown(CompletionError): recovery = Recovery.RESTAGE
 
 
-REQ_STATUS: dict[int, tuple[str, type[TransportError]]] = {
+class CQOverflow(CompletionError):
+    """CREQ CQ_ERROR_NOTIFICATION: completion queue `cq` overflowed, so completions were lost."""
+
+    recovery = Recovery.RESET_QP
+
+    def __init__(self, qpn: int, cq: int) -> None:
+        self.cq = cq
+        super().__init__(f"CQ {cq} overflowed (CQ_ERROR_NOTIFICATION); completions were lost", qpn=qpn)
+
+
+class QpFatal(CompletionError):
+    """CREQ QP_ERROR_NOTIFICATION: firmware moved the QP to ERR, for the reasons it gives."""
+
+    recovery = Recovery.RESET_QP
+
+    def __init__(self, qpn: int, req_reason: int, res_reason: int) -> None:
+        self.req_reason, self.res_reason = req_reason, res_reason
+        super().__init__(f"firmware moved the QP to ERR (req reason 0x{req_reason:x}, res reason 0x{res_reason:x})",
+                         qpn=qpn)
+
+
+class CqeProtocolViolation(CompletionError):
+    """A CQE that breaks the protocol (wrong type, handle or slot): the device is suspect."""
+
+    recovery = ProtocolViolation.recovery
+
+
+REQ_STATUS: dict[int, tuple[str, type[CompletionError]]] = {
     1: ("BAD_RESP", BadResponse), 2: ("LOC_LEN", LocalLengthError), 3: ("LOC_QP_OP", LocalQpOperation),
     4: ("PROT", LocalProtectionError), 5: ("MEM_OP", MemoryOperationError), 6: ("REM_INVAL", RemoteInvalidRequest),
     7: ("REM_ACC", RemoteAccessError), 8: ("REM_OP", RemoteOperationError), 9: ("RNR_NAK_XCED", RnrRetryExceeded),
     0xa: ("TRNSP_XCED", RetryExceeded), 0xb: ("WR_FLUSH", Flushed)}
-RES_STATUS: dict[int, tuple[str, type[TransportError]]] = {
+RES_STATUS: dict[int, tuple[str, type[CompletionError]]] = {
     1: ("LOC_ACC", LocalProtectionError), 2: ("LOC_LEN", LocalLengthError), 3: ("LOC_PROT", LocalProtectionError),
     4: ("LOC_QP_OP", LocalQpOperation), 5: ("MEM_OP", MemoryOperationError), 6: ("REM_INVAL", RemoteInvalidRequest),
     7: ("WR_FLUSH", Flushed), 8: ("HW_FLUSH", Flushed)}
 
 
-def completion_error(side: str, status: int, qpn: int, wqe_index: int = -1, **fields: Any) -> TransportError:
+def completion_error(side: str, status: int, qpn: int, wqe_index: int = -1) -> CompletionError:
     """The classified error for a CQE status (REQ or RES side); unknown statuses become BadResponse."""
     name, cls = (REQ_STATUS if side == "REQ" else RES_STATUS).get(status, (f"UNKNOWN_0x{status:x}", BadResponse))
     return cls(f"completion status {name} (0x{status:x}) on WQE {wqe_index}", qpn=qpn, side=side, status=status,
-               status_name=name, wqe_index=wqe_index, **fields)
+               status_name=name, wqe_index=wqe_index)
 
 
 class TeardownError(RdmaError):
     """close() tried every step; these failed. `errors` lists them; `quarantined` counts pinned pages kept."""
 
     def __init__(self, errors: list[BaseException], quarantined: int = 0) -> None:
+        self.errors, self.quarantined = errors, quarantined
         super().__init__(f"{len(errors)} teardown step(s) failed: " + "; ".join(f"{type(e).__name__}: {e}" for e in errors[:4]),
-                         recovery=Recovery.RESET_DEVICE, errors=errors, quarantined=quarantined)
+                         recovery=Recovery.RESET_DEVICE)
 
 
 class NicUnavailable(RdmaError):

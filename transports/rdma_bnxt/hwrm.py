@@ -73,7 +73,7 @@ class Mailbox:
             hdr = await poll(self.dev.pci, header, budget)
             if hdr is None:
                 self._retire_page()
-                raise Timeout("HWRM", name, budget, observed=hsi.RESP_HDR.unpack_from(page, 0))
+                raise Timeout("HWRM", name, budget, note=f"response header {hsi.RESP_HDR.unpack_from(page, 0)}")
             code, rtype, rseq, resp_len = hdr
             limit = min(hsi.PAGE, self.max_resp_len)
             if rseq != seq:
@@ -85,7 +85,7 @@ class Mailbox:
             valid = await poll(self.dev.pci, lambda: int(page[resp_len - 1]) or None, self.dev.cfg.hwrm_valid_timeout)
             if valid is None:
                 self._retire_page()
-                raise Timeout("HWRM_VALID", name, self.dev.cfg.hwrm_valid_timeout, resp_len=resp_len)
+                raise Timeout("HWRM_VALID", name, self.dev.cfg.hwrm_valid_timeout, note=f"resp_len {resp_len}")
             if valid != hsi.HWRM_RESP_VALID_KEY:
                 raise ProtocolViolation("HWRM", name, "bad_valid_byte", f"valid byte {valid}")
             body = bytes(page[:resp_len])

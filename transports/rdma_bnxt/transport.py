@@ -141,7 +141,11 @@ async def _recv_json(sock: socket.socket) -> dict[str, Any]:
     body = bytearray(n)
     if n and not await recv_exactly(sock, memoryview(body)):
         raise TransportError("peer closed during the RDMA handshake")
-    return json.loads(body)
+    try:
+        return json.loads(body)
+    except ValueError as exc:   # not JSON, or not UTF-8: the peer speaks another protocol or version
+        raise TransportError(f"RDMA handshake blob of {n} bytes is not JSON ({exc}); is the peer a tinydist rank "
+                             "of the same version?") from exc
 
 
 async def open_link(sock: socket.socket, rank: int, peer: int, job: str = "", on_failure: FailureCallback | None = None,

@@ -13,11 +13,13 @@ import random
 
 import numpy as np
 
+from tinydist.errors import TinydistError
+
 PAGE = 4096
 BASE_FRAME = 0x1_0000_0000 // PAGE
 
 
-class DmaFault(Exception):
+class DmaFault(TinydistError):
     """The device touched memory that is not mapped for it."""
 
 
