@@ -87,12 +87,12 @@ class Tensor:
     def __init__(self, data: Any, device: str | None = None, dtype: Any = None, requires_grad: bool = False) -> None:
         self.grad: Tensor | None = None   # autograd: filled by backward() on leaves that require grad
         self._grad_hooks: list[Any] | None = None
-        device = canonical_name(device or "CPU")
-        if isinstance(data, LazyNode):
+        if isinstance(data, LazyNode):  # first: every op's result is made this way
             self.node = data
             if requires_grad:
                 self.requires_grad_()
             return
+        device = canonical_name(device or "CPU")
         if isinstance(data, Tensor):
             data = data.numpy()
         array = np.asarray(data)
@@ -183,6 +183,12 @@ class Tensor:
 
     def numpy(self) -> np.ndarray:
         """The value as a numpy array (a synchronisation point)."""
+        node = self.node
+        buffer = node.buffer
+        if buffer is not None:  # computed, in host memory, nothing unfinished writes it: one copy
+            array = buffer.device.read_array(buffer, node.dtype.np, node.shape)
+            if array is not None:
+                return array
         out = np.empty(self.shape, self.dtype.np)
         if out.size == 0:
             return out

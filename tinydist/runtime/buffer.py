@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 class Buffer:
     __slots__ = ("device", "nbytes", "offset", "_parent", "accesses", "_address", "_finalizer",
-                 "_freed", "_views", "_external", "__weakref__")
+                 "_freed", "_views", "_external", "host_view", "__weakref__")
 
     def __init__(self, device: Device, nbytes: int, address: int, release: Callable[[], None],
                  *, external: bool = False, owner: Any = None) -> None:
@@ -41,6 +41,8 @@ class Buffer:
         self._external = external
         self._freed = False
         self._views: weakref.WeakSet[Buffer] = weakref.WeakSet()
+        # a numpy array over this memory, kept by `Device.host_array` (host-memory devices only)
+        self.host_view: Any = None
 
     @classmethod
     def _view_of(cls, base: Buffer, offset: int, nbytes: int) -> Buffer:
@@ -50,7 +52,7 @@ class Buffer:
         view._address, view._finalizer, view._external = base._address, None, base._external
         # views of a view are views of the base: only the base's set is ever used, so share it
         # rather than building one per view (an allreduce's launches make dozens of views a call)
-        view._freed, view._views = False, base._views
+        view._freed, view._views, view.host_view = False, base._views, None
         base._views.add(view)
         return view
 

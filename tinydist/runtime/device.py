@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import enum
+import math
 import threading
 import weakref
 from abc import ABC, abstractmethod
@@ -30,7 +31,7 @@ from tinydist.errors import ClosedResourceError, DeviceError, DeviceFailed, OutO
 from tinydist.logs import get_logger
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime import command_queue as _hooks
-from tinydist.runtime.command_queue import Command, CommandQueue
+from tinydist.runtime.command_queue import BUSY, Command, CommandQueue
 from tinydist.runtime.compiler import DeviceCompiler
 from tinydist.runtime.dependencies import AccessLog
 from tinydist.runtime.timeline import Timeline
@@ -271,6 +272,49 @@ class Device(ABC):
             for buffer, write in accesses:
                 buffer.accesses.record(buffer.offset, buffer.offset + buffer.nbytes, write, timeline, value)
         return Completion(timeline, value)
+
+    def run_now(self, queue: str, accesses: Sequence[tuple[Buffer, bool]], fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on this thread, now, in `queue`'s order (`CommandQueue.run_if_idle`), when
+        the device is open, the queue idle and no unfinished work conflicts with `accesses`
+        ((buffer, written?) pairs); BUSY, with nothing run, otherwise — submit the work instead.
+        For work that is Python around native calls on host memory (a captured frame), where a
+        submission would cost more than the work."""
+        if self.state is not DeviceState.OPEN:
+            return BUSY
+        for buffer, write in accesses:
+            if buffer.accesses.conflicts(buffer.offset, buffer.offset + buffer.nbytes, write):
+                return BUSY
+        return self.queues[queue].run_if_idle(fn, *args)
+
+    def host_array(self, buffer: Buffer, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """A numpy array of `dtype` and `shape` over `buffer`'s memory, no copy, for a device
+        whose memory is the host's. Kept on the buffer for the next ask of the same dtype and
+        shape: making one costs ~2 us, the copy it serves ~0.3 us. Valid while the buffer lives;
+        whoever touches it orders that against the device's work (`run_now`, `read_array`)."""
+        address = buffer.address  # checks the buffer is alive
+        cached = buffer.host_view
+        if cached is not None and cached.dtype is dtype and cached.shape == shape:
+            return cached  # type: ignore[no-any-return]
+        if not self.host_visible:
+            raise DeviceError(f"{self.name}'s memory is not the host's: read {buffer!r} through a batch")
+        if math.prod(shape) * dtype.itemsize != buffer.nbytes:
+            raise OutOfBounds(f"a {dtype.name}{list(shape)} array does not fit {buffer!r}: it has {buffer.nbytes} bytes")
+        memory = (ctypes.c_ubyte * buffer.nbytes).from_address(address)
+        array = np.frombuffer(memory, np.uint8).view(dtype).reshape(shape)
+        buffer.host_view = array
+        return array
+
+    def read_array(self, src: Buffer, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray | None:
+        """A new array of `src`'s bytes as `dtype` and `shape`, copied on this thread when this
+        device's memory is the host's and no unfinished work writes `src`; None, with nothing
+        done, otherwise (read it through a batch). `Tensor.numpy()` of a computed value: one
+        numpy copy out of `host_array`, not an array's address taken and a memmove (~1.5 us more)."""
+        if not self.host_visible or src.accesses.conflicts(src.offset, src.offset + src.nbytes, False):
+            return None
+        self.check_usable()
+        out = self.host_array(src, dtype, shape).copy()
+        self.queues["copy"].count_copied(src.nbytes)
+        return out
 
     async def synchronize(self, timeout: float | None = None) -> None:
         """Wait until everything submitted so far on every queue has completed."""
