@@ -93,6 +93,13 @@ class Tensor:
                 self.requires_grad_()
             return
         device = canonical_name(device or "CPU")
+        if type(data) is np.ndarray and dtype is None and data.flags.c_contiguous:  # a frame: upload it as it is
+            found = dtypes.of_numpy(data.dtype)
+            if found is not None:
+                self.node = _upload(data, found, device)
+                if requires_grad:
+                    self.requires_grad_()
+                return
         if isinstance(data, Tensor):
             data = data.numpy()
         array = np.asarray(data)
@@ -713,10 +720,9 @@ def _upload(array: np.ndarray, dtype: DType, device: str) -> LazyNode:
         return Tensor.full(array.shape, 0, dtype, device).node
     dev = get_engine().device(device)
     buffer = dev.allocator.alloc(array.nbytes)
-    flat = array.reshape(-1).view(np.uint8)
-    if not dev.write_now(buffer, flat):
+    if not dev.write_now(buffer, array):  # (C-contiguous: its bytes as they lie)
         batch = dev.batch("copy")
-        batch.write_from_host(buffer, flat)
+        batch.write_from_host(buffer, array)
         batch.submit(inline=True).wait_blocking()
     return buffer_node(buffer, dtype, array.shape, device)
 

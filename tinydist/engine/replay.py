@@ -33,7 +33,7 @@ from tinydist.errors import TinydistError
 from tinydist.logs import get_logger
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.command_queue import BUSY
-from tinydist.runtime.device import Completion, Device
+from tinydist.runtime.device import Completion, Device, host_address
 from tinydist.runtime.engine import get_engine
 from tinydist.schedule.items import Call, KernelCall, MatmulCall
 
@@ -186,7 +186,7 @@ class HostFrame:
     def _run_queued(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         inputs = [np.ascontiguousarray(arrays[position]) for position in self.positions]
         outputs = [np.empty(shape, dtype) for shape, dtype in self.output_specs]
-        addresses = tuple(array.ctypes.data for array in (*inputs, *outputs))
+        addresses = tuple(host_address(array) for array in (*inputs, *outputs))
         completion = self.device.submit_commands("compute", [(self.frame, addresses)], self.accesses, inline=True)
         if not completion.done():
             completion.wait_blocking()
