@@ -174,7 +174,7 @@ class HostFrame:
 
     def run(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         """The outputs for `arrays` (by argument position, of the captured shapes and dtypes)."""
-        outputs = self.device.run_now("compute", self.accesses, self._run_here, arrays)
+        outputs = self.device.run_now("compute", self.accesses, self._run_here, (arrays,))
         return self._run_queued(arrays) if outputs is BUSY else outputs  # type: ignore[no-any-return]
 
     def _run_here(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -203,11 +203,8 @@ class HostFrame:
         accesses = [(buffer, False) for buffer in inputs]
         accesses += self.accesses
         accesses += [(buffer, True) for buffer in outputs]
-        addresses = [buffer.address for buffer in inputs]
-        addresses += [buffer.address for buffer in outputs]
-        if self.device.run_now("compute", accesses, self.frame, *addresses) is BUSY:
-            return BUSY
-        return outputs
+        addresses = tuple([buffer.address for buffer in inputs] + [buffer.address for buffer in outputs])
+        return BUSY if self.device.run_now("compute", accesses, self.frame, addresses) is BUSY else outputs
 
 
 class _Run:

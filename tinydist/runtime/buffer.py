@@ -139,7 +139,7 @@ class _Release:
     like a finalize made with `atexit=False`, it gives nothing back once the interpreter is
     shutting down."""
 
-    __slots__ = ("ref", "accesses", "release", "owner")
+    __slots__ = ("accesses", "owner", "ref", "release")
 
     def __init__(self, buffer: Buffer, accesses: AccessLog, release: Callable[[], None], owner: Any) -> None:
         self.ref: weakref.ref[Buffer] | None = weakref.ref(buffer, self)

@@ -99,7 +99,7 @@ class CommandQueue:
                 self._inbox.put((commands, value))
         return value
 
-    def run_if_idle(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def run_if_idle(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         """`fn(*args)` on the calling thread, now, when the queue is idle (everything submitted
         has completed): the inline run of `submit(inline=True)` without the submission. It holds
         the submit lock while it runs, so whatever is submitted meanwhile runs after it, as if it
@@ -118,7 +118,7 @@ class CommandQueue:
                 return BUSY
             try:
                 return fn(*args)
-            except BaseException as exc:  # noqa: BLE001 - as in _execute: native work that fails fails the device
+            except BaseException as exc:  # as in _execute: native work that fails fails the device
                 self.log.error("run on the calling thread failed", error=f"{type(exc).__name__}: {exc}")
                 raise self.device.mark_failed(
                     DeviceFailed(f"{self.name}: a run on the calling thread failed: {type(exc).__name__}: {exc}")) from exc

@@ -273,7 +273,7 @@ class Device(ABC):
                 buffer.accesses.record(buffer.offset, buffer.offset + buffer.nbytes, write, timeline, value)
         return Completion(timeline, value)
 
-    def run_now(self, queue: str, accesses: Sequence[tuple[Buffer, bool]], fn: Callable[..., Any], *args: Any) -> Any:
+    def run_now(self, queue: str, accesses: Sequence[tuple[Buffer, bool]], fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         """`fn(*args)` on this thread, now, in `queue`'s order (`CommandQueue.run_if_idle`), when
         the device is open, the queue idle and no unfinished work conflicts with `accesses`
         ((buffer, written?) pairs); BUSY, with nothing run, otherwise — submit the work instead.
@@ -282,9 +282,10 @@ class Device(ABC):
         if self.state is not DeviceState.OPEN:
             return BUSY
         for buffer, write in accesses:
-            if buffer.accesses.conflicts(buffer.offset, buffer.offset + buffer.nbytes, write):
+            offset = buffer.offset
+            if buffer.accesses.conflicts(offset, offset + buffer.nbytes, write):
                 return BUSY
-        return self.queues[queue].run_if_idle(fn, *args)
+        return self.queues[queue].run_if_idle(fn, args)
 
     def host_array(self, buffer: Buffer, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         """A numpy array of `dtype` and `shape` over `buffer`'s memory, no copy, for a device
@@ -300,7 +301,7 @@ class Device(ABC):
         if math.prod(shape) * dtype.itemsize != buffer.nbytes:
             raise OutOfBounds(f"a {dtype.name}{list(shape)} array does not fit {buffer!r}: it has {buffer.nbytes} bytes")
         memory = (ctypes.c_ubyte * buffer.nbytes).from_address(address)
-        array = np.frombuffer(memory, np.uint8).view(dtype).reshape(shape)
+        array = np.frombuffer(memory, np.uint8).view(dtype).reshape(shape)  # type: ignore[call-overload]
         buffer.host_view = array
         return array
 
@@ -367,7 +368,7 @@ def host_address(array: np.ndarray) -> int:
     """The address of a C-contiguous array's first byte. Through the buffer protocol where the
     array is writable (~0.2 us); `ndarray.ctypes` builds an object per call (~1 us)."""
     try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(array))
+        return ctypes.addressof(ctypes.c_char.from_buffer(array))  # type: ignore[arg-type]
     except (TypeError, ValueError):  # read-only, or no bytes at all
         return array.ctypes.data  # type: ignore[no-any-return]
 
