@@ -9,7 +9,11 @@ Capture schedules the function's output graph once and hands it to the engine
 buffers the JIT owns; weights are bound where they live; intermediates get one arena), the
 kernels compiled and linked into ONE native entry point that calls each kernel in order with its
 buffer addresses baked in. A replay is then: check the signature, one batch of [copy inputs in,
-call the entry point, copy outputs out], no Python graph at all. This module is the frontend's
+call the entry point, copy outputs out], no Python graph at all. On host memory, with the queue
+idle and the arguments computed, not even the batch: the replay runs on the caller's thread in
+the queue's order (`tinydist.engine.replay.HostFrame`): for a 64-64-10 MLP, 12.2 us of CPU
+through `step(x).numpy()` and 5.7 us through `call_numpy` where numpy's own forward took 6.5 us
+(bench/replay.py, a loaded machine). This module is the frontend's
 half: the Python function, its arguments and the Tensors it returns.
 
 The signature is checked on every replay: argument names and count, shapes, dtypes, devices, and
