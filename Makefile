@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test bench install clean env-doc process-replay process-replay-update differential-long
+.PHONY: demo test lint bench install clean env-doc process-replay process-replay-update differential-long
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/tinydist demo
 
-test: $(STAMP)
+# ruff and mypy read their settings from pyproject.toml ([tool.ruff], [tool.mypy]); both must be clean.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 # The schedules and LLVM IR of a fixed graph corpus, against the goldens in tests/schedule/process_replay/.
@@ -41,4 +46,4 @@ env-doc: $(STAMP)
 	$(BIN)/python -c "from tinydist.config import env_vars_markdown; print(env_vars_markdown(), end='')" > docs/env_vars.md
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache

@@ -131,7 +131,7 @@ async def worker(rank: int, port: int, fd: int | None, quick: bool) -> dict:
             async def write_bw(size: int, count: int, window: int = 4) -> float:
                 t0 = time.perf_counter()
                 posted = []
-                for k in range(count):
+                for _ in range(count):
                     if len(posted) >= window:
                         await qp.wait_send(posted.pop(0), 10)
                     posted.append(qp.post_write(mr, 0, size, va, rkey))

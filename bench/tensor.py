@@ -359,7 +359,7 @@ def pin_process(cpu: int) -> None:
 def threads_pinned(cpu: int) -> bool:
     for status in Path("/proc/self/task").glob("*/status"):
         try:
-            line = next(l for l in status.read_text().splitlines() if l.startswith("Cpus_allowed_list"))
+            line = next(s for s in status.read_text().splitlines() if s.startswith("Cpus_allowed_list"))
         except (OSError, StopIteration):
             continue
         if line.split()[-1] != str(cpu):

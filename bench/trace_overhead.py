@@ -182,7 +182,7 @@ def main() -> None:
     # the hook per batch: batches of one kernel, off vs unhooked
     one = [command]
     per_batch_delta = []
-    for r in range(ROUNDS):
+    for _ in range(ROUNDS):
         a = _measure(queue, one, "unhooked", BATCHES * 5)
         b = _measure(queue, one, "off", BATCHES * 5)
         per_batch_delta.append((b - a) / (BATCHES * 5) * 1e9)

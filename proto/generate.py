@@ -48,9 +48,9 @@ def generate(target: str, out: Path | None = None) -> list[Path]:
                 generated = Path(tmp) / f"{stem}{suffix}"
                 text = generated.read_text()
                 text = re.sub(rf"^from {re.escape(package)} import ", "from . import ", text, flags=re.M)
-                target = out / generated.name
-                target.write_text(text)
-                written.append(target)
+                destination = out / generated.name  # not `target`: that is the parameter
+                destination.write_text(text)
+                written.append(destination)
     init = out / "__init__.py"
     init.write_text(f'"""Generated from proto/{", proto/".join(sources)} by proto/generate.py; do not edit."""\n')
     written.append(init)

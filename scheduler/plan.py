@@ -215,7 +215,7 @@ def plan_allreduce(topology: Topology, nbytes: int, *, executable: bool = True, 
             continue
         link = ring_link if algorithm == "ring" else mesh_link
         candidates[f"hierarchical/{algorithm}"] = base + (inter_cost(algorithm, G, nbytes, link) if link else 0.0)
-    flat_link = intra if G <= 1 else max([intra, ring_link], key=lambda m: (m.beta, m.alpha))  # type: ignore[list-item]
+    flat_link = intra if ring_link is None else max([intra, ring_link], key=lambda m: (m.beta, m.alpha))  # None: one group
     candidates["flat-ring"] = flat_ring_cost(D, nbytes, flat_link)
 
     usable = {k: v for k, v in candidates.items() if k.startswith("hierarchical/") and k.split("/")[1] in allowed}

@@ -138,7 +138,7 @@ def scaling_table(sizes: tuple[int, ...] = (8, 64, 256, 1024), devices_per_node:
                   heartbeat_interval: float = 1.0, miss_limit: int = 5) -> list[dict[str, float | int | str]]:
     """Plan time (wall), modelled allreduce time (hierarchical vs flat ring), heartbeat round cost
     (wall) and failure-detection time (virtual) per cluster size."""
-    rows = []
+    rows: list[dict[str, float | int | str]] = []
     for n in sizes:
         t = time.perf_counter()
         sim = SimCluster(n, devices_per_node, heartbeat_interval=heartbeat_interval, miss_limit=miss_limit)

@@ -114,8 +114,13 @@ for _setting in (
             "Where compiled kernels (object code) are cached on disk."),
     Setting("COMPILE_CACHE", _choice("1", "0"), lambda: "1",
             "Set to 0 to bypass the on-disk compile cache."),
+    Setting("COMPILE_CACHE_MAX_MB", _positive_int, lambda: 512,
+            "Cap on the on-disk compile cache, in MiB; past it the least recently used entries are deleted."),
     Setting("TIMELINE_TIMEOUT", _positive_float, lambda: 30.0,
             "Seconds a timeline may stand still under a waiter before its device is declared hung."),
+    Setting("REALIZE_RUN_AHEAD", _positive_int, lambda: 4,
+            "Realizes on host-code devices that may be queued unfinished; the next waits for the oldest "
+            "(bounds the arenas held, so an eager loop reuses freed ones instead of mapping new memory)."),
     Setting("JIT_RUN_AHEAD", _positive_int, lambda: 64,
             "Replays a synchronous td.jit caller may queue ahead of the devices; at that depth the call waits "
             "until they have finished them all (bounds the memory held for queued work)."),

@@ -67,9 +67,20 @@ def to_dtype(spec: Any) -> DType:
 
 
 def result_type(*operands: Any) -> DType:
-    """numpy's promotion of DTypes and Python scalars (which are weak, per NEP 50)."""
-    args = [op.np if isinstance(op, DType) else op for op in operands]
-    return to_dtype(np.result_type(*args))
+    """numpy's promotion of DTypes and Python scalars (which are weak, per NEP 50). Under NEP 50
+    a Python scalar promotes by its type, never its value (int8 with 300 is int8): the result of
+    DTypes and bool/int/float is cached by their types (np.result_type is ~1 µs of every op)."""
+    key = tuple(op if type(op) is DType else type(op) for op in operands)
+    found = _PROMOTED.get(key)
+    if found is None:
+        args = [op.np if isinstance(op, DType) else op for op in operands]
+        found = to_dtype(np.result_type(*args))
+        if all(type(op) in (DType, bool, int, float) for op in operands):
+            _PROMOTED[key] = found
+    return found
+
+
+_PROMOTED: dict[tuple[Any, ...], DType] = {}
 
 
 def float_result(dtype: DType) -> DType:

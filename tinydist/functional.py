@@ -7,6 +7,7 @@ other op here is composition, so it fuses and schedules like the rest of the gra
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,7 @@ def _pair(value: Any, name: str) -> tuple[int, int]:
     pair = (value, value) if isinstance(value, int) else tuple(value)
     if len(pair) != 2 or any(not isinstance(v, int) for v in pair):
         raise ValueError(f"{name} must be an int or a pair of ints, got {value!r}")
-    return pair  # type: ignore[return-value]
+    return pair
 
 
 # ---- matmul -----------------------------------------------------------------------------------
@@ -91,7 +92,7 @@ def log_softmax(x: Tensor, axis: int = -1) -> Tensor:
     return shifted - shifted.exp().sum(axis, keepdim=True).log()
 
 
-def layernorm(x: Tensor, axis: int | tuple[int, ...] = -1, eps: float = 1e-5) -> Tensor:
+def layernorm(x: Tensor, axis: int | Sequence[int] = -1, eps: float = 1e-5) -> Tensor:
     x = x.cast(dtypes.float_result(x.dtype))
     axes = _normalize_axes(axis, x.ndim)
     mean = x.mean(axes, keepdim=True)
@@ -140,7 +141,7 @@ def _im2col(x: Tensor, kernel: tuple[int, int], stride: tuple[int, int], dilatio
     return cols.reshape(groups, cg * kh * kw, n * oh * ow)
 
 
-def _col2im(cols: Tensor, shape: tuple[int, int, int, int], out_hw: tuple[int, int], kernel: tuple[int, int],
+def _col2im(cols: Tensor, shape: tuple[int, ...], out_hw: tuple[int, int], kernel: tuple[int, int],
             stride: tuple[int, int], dilation: tuple[int, int]) -> Tensor:
     """The adjoint of _im2col: (G, Cg·KH·KW, N·OH·OW) columns summed back into the (N, C, H, W)
     padded input they were read from. One shifted term per kernel tap, each a single strided

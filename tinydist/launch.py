@@ -8,6 +8,8 @@ prints comes out as `[rank N] line` (stdout to stdout, stderr to stderr).
 When a rank exits non-zero (or dies by a signal), the others get SIGTERM, then SIGKILL after
 `--grace` seconds; the launcher exits with the first failing rank's code (128+signal for a signal).
 `--timeout` bounds the whole job. Afterwards any /dev/shm/tinydist-* segment of this job is removed.
+If the launcher itself is killed (even by SIGKILL), its reaper (`launch_reaper.py`) stops the ranks
+and removes those segments.
 """
 
 from __future__ import annotations
@@ -19,11 +21,15 @@ import os
 import secrets
 import signal
 import socket
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from tinydist.launch_reaper import sweep_shm
 from tinydist.logs import get_logger
+
+_REAPER = Path(__file__).with_name("launch_reaper.py")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +47,7 @@ def _exit_code(rc: int) -> int:
 
 async def _pump(stream: asyncio.StreamReader, rank: int, out: object) -> None:
     prefix = f"[rank {rank}] ".encode()
-    buffer = out.buffer if hasattr(out, "buffer") else None  # type: ignore[attr-defined]
+    buffer = out.buffer if hasattr(out, "buffer") else None
     while True:
         line = await stream.readline()
         if not line:
@@ -55,16 +61,30 @@ async def _pump(stream: asyncio.StreamReader, rank: int, out: object) -> None:
             out.write((prefix + line).decode(errors="replace"))  # type: ignore[attr-defined]
 
 
-def sweep_shm(job: str) -> list[str]:
-    """Remove this job's leftover shared-memory segments; returns their names."""
-    removed = []
-    shm = Path("/dev/shm")
-    if shm.is_dir():
-        for path in shm.glob(f"tinydist-{job}-*"):
-            with contextlib.suppress(OSError):
-                path.unlink()
-                removed.append(path.name)
-    return removed
+class _Reaper:
+    """The reaper process of one job (see launch_reaper.py): told each rank's process group, and
+    told `done` once the launcher has cleaned up, so it exits without touching anything."""
+
+    def __init__(self, job: str, grace: float) -> None:
+        self._process = subprocess.Popen([sys.executable, str(_REAPER), job, str(grace)], stdin=subprocess.PIPE,
+                                         start_new_session=True, text=True)
+
+    def _say(self, line: str) -> None:
+        assert self._process.stdin is not None
+        with contextlib.suppress(BrokenPipeError):
+            self._process.stdin.write(line + "\n")
+            self._process.stdin.flush()
+
+    def watch(self, group: int) -> None:
+        self._say(f"group {group}")
+
+    def close(self) -> None:
+        self._say("done")
+        assert self._process.stdin is not None
+        with contextlib.suppress(BrokenPipeError):
+            self._process.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._process.wait(timeout=5)
 
 
 async def launch(nproc: int, target: Sequence[str], module: bool = False, grace: float = 5.0,
@@ -82,6 +102,7 @@ async def launch(nproc: int, target: Sequence[str], module: bool = False, grace:
     command = [sys.executable, *(["-m"] if module else []), *target]
     procs: list[asyncio.subprocess.Process] = []
     pumps: list[asyncio.Task[None]] = []
+    reaper = _Reaper(job, grace)
     try:
         for rank in range(nproc):
             env_r = dict(base, TINYDIST_RANK=str(rank), TINYDIST_LOCAL_RANK=str(rank))
@@ -93,6 +114,7 @@ async def launch(nproc: int, target: Sequence[str], module: bool = False, grace:
                                                         stderr=asyncio.subprocess.PIPE, pass_fds=pass_fds,
                                                         start_new_session=True)
             procs.append(proc)
+            reaper.watch(proc.pid)   # its own session: the process group id is its pid
             assert proc.stdout is not None and proc.stderr is not None
             pumps.append(asyncio.ensure_future(_pump(proc.stdout, rank, sys.stdout)))
             pumps.append(asyncio.ensure_future(_pump(proc.stderr, rank, sys.stderr)))
@@ -147,9 +169,10 @@ async def launch(nproc: int, target: Sequence[str], module: bool = False, grace:
         for t in pumps:
             t.cancel()
         sweep_shm(job)
+        reaper.close()
 
 
-async def _stop(procs: list[asyncio.subprocess.Process], pending: set[asyncio.Future[int]], grace: float) -> None:
+async def _stop(procs: list[asyncio.subprocess.Process], pending: set[asyncio.Task[int]], grace: float) -> None:
     for p in procs:
         if p.returncode is None:
             with contextlib.suppress(ProcessLookupError):

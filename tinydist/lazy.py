@@ -15,10 +15,11 @@ must read zeros, not f(0)).
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import operator
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -92,20 +93,20 @@ class LazyNode:
         # Who reads this node, weakly: an assign must let readers of the old value run first.
         self._readers: list[weakref.ref[LazyNode]] | None = None
         grad = False
-        for src in srcs:
-            src._add_reader(self)
-            grad = grad or src.requires_grad
-        self.requires_grad = grad and grad_mode.enabled and op is not Op.ASSIGN and dtype.is_float  # autograd hook
-
-    def _add_reader(self, reader: LazyNode) -> None:
-        readers = self._readers
-        if readers is None:
-            self._readers = readers = []
-        readers.append(weakref.ref(reader))
-        # A long-lived node (a weight) is read by every graph built from it: drop dead entries
-        # whenever the list doubles, so it stays proportional to the readers still alive.
-        if len(readers) >= 32 and len(readers) & (len(readers) - 1) == 0:
-            readers[:] = [ref for ref in readers if ref() is not None]
+        if srcs:
+            me = weakref.ref(self)
+            for src in srcs:
+                readers = src._readers
+                if readers is None:
+                    src._readers = [me]
+                else:
+                    readers.append(me)
+                    # A long-lived node (a weight) is read by every graph built from it: drop dead
+                    # entries whenever the list doubles, so it stays proportional to the readers alive.
+                    if len(readers) >= 32 and len(readers) & (len(readers) - 1) == 0:
+                        readers[:] = [ref for ref in readers if ref() is not None]
+                grad = grad or src.requires_grad
+        self.requires_grad: bool = grad and grad_mode.enabled and op is not Op.ASSIGN and dtype.is_float  # autograd hook
 
     def live_readers(self) -> Iterator[LazyNode]:
         """Unrealized nodes still alive that read this node."""
@@ -152,11 +153,17 @@ def const_node(value: Any, dtype: DType, device: str) -> LazyNode:
 # graph is inlined where it is read, except by another device, where it becomes a kernel and a
 # cross-device wait of its own (a loss's gradient seed 1/N, read by every data-parallel replica).
 # Only IEEE basic arithmetic on floats, which numpy rounds exactly as the kernels do.
-_FOLDABLE = {Op.ADD: operator.add, Op.SUB: operator.sub, Op.MUL: operator.mul, Op.DIV: operator.truediv, Op.NEG: operator.neg}
+_FOLDABLE: dict[Op, Callable[..., Any]] = {Op.ADD: operator.add, Op.SUB: operator.sub, Op.MUL: operator.mul, Op.DIV: operator.truediv, Op.NEG: operator.neg}
+
+
+_CONST = Op.CONST
 
 
 def elementwise(op: Op, srcs: tuple[LazyNode, ...], dtype: DType, arg: Any = None) -> LazyNode:
-    shape, device = srcs[0].shape, srcs[0].device
+    first = srcs[0]
+    if first.op is not _CONST:  # the common case: nothing to fold
+        return LazyNode(op, srcs, arg, dtype, first.shape, first.device)
+    shape, device = first.shape, first.device
     fold = _FOLDABLE.get(op)
     if (fold is not None and dtype in (dtypes.float32, dtypes.float64)
             and all(s.op is Op.CONST and s.buffer is None and s.dtype == dtype and not s.requires_grad for s in srcs)):
@@ -211,13 +218,42 @@ def _push(node: LazyNode, movement: str, arg: Any) -> Step[LazyNode]:
     return elementwise(node.op, tuple(srcs), node.dtype, node.arg)
 
 
+def broadcast_scalar(node: LazyNode, shape: Shape) -> LazyNode:
+    """A shape-() node (not an unrealized view) read at every index of `shape`: the VIEW that
+    reshaping it to ones and expanding makes, without the two movement ops in between (a
+    tensor-scalar op cost ~5x a tensor-tensor one through them: Adam makes ~10 per parameter).
+    An unrealized elementwise scalar is expanded as it is, not rebuilt at shape (1, ..., 1) by
+    pushing the reshape into it: the scheduler materializes an expanded computed value either
+    way, so the same arithmetic runs once, at shape () (Adam's bias corrections)."""
+    return LazyNode(Op.VIEW, (node,), _scalar_tracker(shape), node.dtype, shape, node.device)
+
+
+@functools.lru_cache(maxsize=4096)
+def _scalar_tracker(shape: Shape) -> ShapeTracker:
+    tracker = ShapeTracker.contiguous(())
+    return tracker.reshape((1,) * len(shape)).expand(shape)
+
+
+_contiguous = functools.lru_cache(maxsize=4096)(ShapeTracker.contiguous)
+
+
+@functools.lru_cache(maxsize=8192)
+def _moved(tracker: ShapeTracker, movement: str, arg: Any) -> ShapeTracker:
+    """A movement of a tracker (a pure function of immutable values): cached, since a training
+    loop moves the same trackers the same way every step (a reshape's re-striding is ~5 µs)."""
+    return tracker.as_strided(*arg) if movement == "as_strided" else getattr(tracker, movement)(arg)
+
+
 def _view_of(node: LazyNode, movement: str, arg: Any) -> LazyNode:
     """The movement as a VIEW node over `node`'s memory (the base of a view: views never stack)."""
     if node.buffer is None and node.op is Op.VIEW:
         base, tracker = node.srcs[0], node.arg
     else:  # realized memory (of any op) is contiguous in its own shape
-        base, tracker = node, ShapeTracker.contiguous(node.shape)
-    new = tracker.as_strided(*arg) if movement == "as_strided" else getattr(tracker, movement)(arg)
+        base, tracker = node, _contiguous(node.shape)
+    try:
+        new = _moved(tracker, movement, arg)
+    except TypeError:  # an unhashable argument (a list): not cached
+        new = tracker.as_strided(*arg) if movement == "as_strided" else getattr(tracker, movement)(arg)
     if new.contiguous_base and new.shape == base.shape:
         return base
     return LazyNode(Op.VIEW, (base,), new, base.dtype, new.shape, base.device)

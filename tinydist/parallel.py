@@ -35,8 +35,8 @@ Call `zero_grad()` every step (accumulated gradients would be reduced again).
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -52,7 +52,16 @@ from tinydist.tensor import Tensor, cat
 __all__ = ["DistributedDataParallel"]
 
 
-def _dist() -> Any:
+class _ProcessGroup(Protocol):
+    """What DDP uses of tinydist.dist, imported lazily (the process layer is optional)."""
+
+    def rank(self) -> int: ...
+    def world_size(self) -> int: ...
+    def all_reduce(self, t: Any, op: str = "sum", algorithm: str = "auto") -> Any: ...
+    def broadcast(self, t: Any, src: int = 0) -> Any: ...
+
+
+def _dist() -> _ProcessGroup | None:
     try:
         import tinydist.dist as dist
     except ImportError:  # pragma: no cover - the process layer is optional
@@ -69,7 +78,7 @@ class DistributedDataParallel(Module):
         params = module.parameters()
         if isinstance(devices, int):
             devices = [f"CPU:{i}" for i in range(devices)]
-        self._dist = None
+        self._dist: _ProcessGroup | None = None
         if devices is not None and len(devices) > 0:
             self.devices = [canonical_name(d) for d in devices]
             if len(set(self.devices)) != len(self.devices):
@@ -87,7 +96,7 @@ class DistributedDataParallel(Module):
             self.mode = "processes" if self._dist is not None and self._dist.world_size() > 1 else "single"
             if self.mode == "processes":
                 self._broadcast_parameters()
-        self.world = len(self.replicas) if self.mode == "devices" else (self._dist.world_size() if self.mode == "processes" else 1)
+        self.world = len(self.replicas) if self.mode == "devices" else (self._group().world_size() if self.mode == "processes" else 1)
         self._params = [r.parameters() for r in self.replicas]
         self.buckets = self._make_buckets(self._params[0])
         self._bucket_of = {j: b for b, bucket in enumerate(self.buckets) for j in bucket}
@@ -98,7 +107,7 @@ class DistributedDataParallel(Module):
         if self.mode != "single":
             for r, params_r in enumerate(self._params):
                 for j, p in enumerate(params_r):
-                    register_grad_hook(p, lambda _p, r=r, j=j: self._grad_ready(r, j))
+                    register_grad_hook(p, self._hook_for(r, j))
 
     # ---- Module interface ---------------------------------------------------------------------
 
@@ -148,6 +157,13 @@ class DistributedDataParallel(Module):
             buckets[-1].append(j)
             size += nbytes
         return buckets
+
+    def _group(self) -> _ProcessGroup:
+        assert self._dist is not None, "only the processes mode reaches here, and it has a group"
+        return self._dist
+
+    def _hook_for(self, r: int, j: int) -> Callable[[Tensor], None]:
+        return lambda _p: self._grad_ready(r, j)
 
     def _grad_ready(self, r: int, j: int) -> None:
         if not self._active:
@@ -199,7 +215,7 @@ class DistributedDataParallel(Module):
             flat.realize()  # submitted; the worker thread waits for it and all-reduces it
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ddp-allreduce")
-            dist = self._dist
+            dist = self._group()
             self._futures.append((bucket, self._executor.submit(lambda: dist.all_reduce(flat, op="mean", algorithm=self.algorithm))))
 
     def _finish(self) -> None:
@@ -213,10 +229,10 @@ class DistributedDataParallel(Module):
         self._active = False
 
     def _broadcast_parameters(self) -> None:
-        dist = self._dist
+        dist = self._group()
         state = self.module.state_dict()
         with no_grad():
-            for name, t in state.items():
+            for t in state.values():
                 value = dist.broadcast(t if dist.rank() == 0 else t, src=0)
                 t.assign(value.to(t.device))
         realize([t.node for t in state.values()])

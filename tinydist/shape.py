@@ -108,8 +108,8 @@ class View:
             if any(s == 1 and m != (0, 1) for m, s in zip(self.mask, self.shape)):
                 return None  # a unit axis that is masked out cannot be dropped
             return View.create(shape, tuple(strides), self.offset, tuple(mask))
-        strides = _restride(self.shape, self.strides, shape)
-        return None if strides is None else View.create(shape, strides, self.offset)
+        restrided = _restride(self.shape, self.strides, shape)
+        return None if restrided is None else View.create(shape, restrided, self.offset)
 
 
 def _restride(old_shape: Shape, old_strides: tuple[int, ...], new_shape: Shape) -> tuple[int, ...] | None:

@@ -21,7 +21,7 @@ import numpy as np
 
 from tinydist import dtypes
 from tinydist.dtypes import DType, to_dtype
-from tinydist.lazy import LazyNode, Op, buffer_node, const_node, elementwise, view
+from tinydist.lazy import LazyNode, Op, broadcast_scalar, buffer_node, const_node, elementwise, view
 from tinydist.engine.realize import realize
 from tinydist.runtime.engine import get_engine
 from tinydist.runtime.registry import canonical_name
@@ -56,27 +56,43 @@ def manual_seed(seed: int) -> None:
 def _normalize_axis(axis: int, ndim: int) -> int:
     if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
         raise TypeError(f"axis must be an int, got {type(axis).__name__}")
-    if not -ndim <= axis < max(ndim, 1):
+    if not -max(ndim, 1) <= axis < max(ndim, 1):   # a 0-d tensor has axis 0 (or -1), as in numpy
         raise np.exceptions.AxisError(f"axis {axis} is out of bounds for tensor of dimension {ndim}")
     return int(axis) % max(ndim, 1)
 
 
 def _normalize_axes(axis: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
+    """The axes a reduction runs over, sorted. As numpy's ufunc reductions, a 0-d tensor accepts
+    axis 0 or -1 and reduces over nothing."""
     if axis is None:
         return tuple(range(ndim))
     axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
     result = tuple(sorted(_normalize_axis(a, ndim) for a in axes))
+    if ndim == 0:
+        return ()
     if len(set(result)) != len(result):
         raise ValueError(f"duplicate value in axis {axis}")
     return result
 
 
-def _shape_arg(shape: Sequence[Any]) -> tuple[int, ...]:
+MAX_ELEMENTS = 1 << 48   # past this a kernel's loop would run for days, or its int64 offsets overflow
+
+
+def _shape_arg(shape: Sequence[Any], infer: bool = True) -> tuple[int, ...]:
+    """Dimensions given as `f(2, 3)` or `f((2, 3))`: integers, at least 0; `infer` allows one -1
+    (reshape's "whatever is left")."""
     if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
         shape = shape[0]
+    for s in shape:
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
+            raise TypeError(f"dimensions must be integers, got {s!r} ({type(s).__name__}) in shape {tuple(shape)}")
     result = tuple(int(s) for s in shape)
-    if any(s < 0 for s in result if s != -1):
-        raise ValueError(f"negative dimensions are not allowed: {result}")
+    if any(s < 0 for s in result if not (infer and s == -1)):
+        what = "negative dimensions are not allowed" + ("" if infer else " (-1 is reshape's, not a factory's)")
+        raise ValueError(f"{what}: {result}")
+    if math.prod(abs(s) for s in result) > MAX_ELEMENTS:
+        raise ValueError(f"shape {result} has {math.prod(abs(s) for s in result):,} elements, more than the "
+                         f"{MAX_ELEMENTS:,} a kernel can index (2**48): split the work into smaller tensors")
     return result
 
 
@@ -87,7 +103,7 @@ class Tensor:
     def __init__(self, data: Any, device: str | None = None, dtype: Any = None, requires_grad: bool = False) -> None:
         self.grad: Tensor | None = None   # autograd: filled by backward() on leaves that require grad
         self._grad_hooks: list[Any] | None = None
-        if isinstance(data, LazyNode):  # first: every op's result is made this way
+        if type(data) is LazyNode:  # every op's result: the node knows its device
             self.node = data
             if requires_grad:
                 self.requires_grad_()
@@ -201,6 +217,7 @@ class Tensor:
             return out
         self.realize()
         buffer = self.node.buffer
+        assert buffer is not None, "a realized node has its buffer"
         flat = out.reshape(-1).view(np.uint8)
         if buffer.device.read_now(flat, buffer):
             return out
@@ -284,20 +301,20 @@ class Tensor:
     # ---- factories ----------------------------------------------------------------------------
 
     @staticmethod
-    def full(shape: Sequence[int] | int, value: Scalar, dtype: Any = None, device: str | None = None) -> Tensor:
-        shape = (shape,) if isinstance(shape, int) else _shape_arg(shape)
+    def full(shape: Sequence[int] | int, value: Scalar | np.number | np.bool_, dtype: Any = None, device: str | None = None) -> Tensor:
+        shape = _shape_arg((shape,) if isinstance(shape, int) else shape, infer=False)
         dtype = to_dtype(dtype) if dtype is not None else dtypes.result_type(value)
         device = canonical_name(device or "CPU")
-        scalar = Tensor(const_node(value, dtype, device))
-        return scalar.reshape((1,) * len(shape)).expand(shape) if shape else scalar
+        scalar = const_node(value, dtype, device)
+        return Tensor(broadcast_scalar(scalar, shape) if shape else scalar)
 
     @staticmethod
     def zeros(*shape: Any, dtype: Any = dtypes.float32, device: str | None = None) -> Tensor:
-        return Tensor.full(_shape_arg(shape), 0, dtype, device)
+        return Tensor.full(_shape_arg(shape, infer=False), 0, dtype, device)
 
     @staticmethod
     def ones(*shape: Any, dtype: Any = dtypes.float32, device: str | None = None) -> Tensor:
-        return Tensor.full(_shape_arg(shape), 1, dtype, device)
+        return Tensor.full(_shape_arg(shape, infer=False), 1, dtype, device)
 
     @staticmethod
     def arange(start: Scalar, stop: Scalar | None = None, step: Scalar = 1, dtype: Any = None, device: str | None = None) -> Tensor:
@@ -334,21 +351,27 @@ class Tensor:
     def _broadcast_to(self, shape: tuple[int, ...]) -> Tensor:
         if self.shape == shape:
             return self
+        node = self.node
+        if not node.shape and (node.op is not Op.VIEW or node.buffer is not None):  # a scalar operand's one view
+            return Tensor(broadcast_scalar(node, shape))
         padded = (1,) * (len(shape) - self.ndim) + self.shape
         return self.reshape(padded).expand(shape) if padded != self.shape else self.expand(shape)
 
     def _binary(self, other: Any, op: Op, reverse: bool = False, out_dtype: DType | None = None,
                 operand_dtype: DType | None = None) -> Tensor:
-        a, b = self, self._operand(other)
+        a, b = self, other if type(other) is Tensor else self._operand(other)
         if reverse:
             a, b = b, a
-        if a.device != b.device:
+        a_node, b_node = a.node, b.node
+        if a_node.device != b_node.device:
             raise ValueError(f"operands are on different devices: {a.device} and {b.device}; move one with .to()")
-        try:
-            shape = tuple(np.broadcast_shapes(a.shape, b.shape))
-        except ValueError:
-            raise ValueError(f"operands could not be broadcast together with shapes {a.shape} {b.shape}") from None
-        common = operand_dtype or _promote(a, b)
+        shape = a_node.shape
+        if b_node.shape != shape and b_node.shape:
+            try:
+                shape = tuple(np.broadcast_shapes(shape, b_node.shape))
+            except ValueError:
+                raise ValueError(f"operands could not be broadcast together with shapes {a.shape} {b.shape}") from None
+        common = operand_dtype or (a_node.dtype if a_node.dtype is b_node.dtype else _promote(a, b))
         if common.is_bool:  # numpy: bool + bool is or, bool * bool is and, bool - bool is refused
             if op is Op.SUB:
                 raise TypeError("boolean subtract (-) is not supported, as in numpy; use ^ (xor) or logical_not")
@@ -523,6 +546,8 @@ class Tensor:
         return self._reduce("min", axis, keepdim)
 
     def mean(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
+        if self.ndim == 0 and axis is not None:   # numpy's mean, unlike its sum, has no axis 0 there
+            raise np.exceptions.AxisError(f"axis {axis} is out of bounds for a 0-d tensor (it has no axes; use axis=None)")
         axes = _normalize_axes(axis, self.ndim)
         count = math.prod(self.shape[a] for a in axes)
         dtype = dtypes.float_result(self.dtype)
@@ -536,10 +561,19 @@ class Tensor:
         return (centered * centered).sum(axis, keepdim) / max(count - correction, 0)
 
     def any(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
-        return self.cast(dtypes.bool_).max(axis, keepdim)
+        return self._truth("max", axis, keepdim)
 
     def all(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
-        return self.cast(dtypes.bool_).min(axis, keepdim)
+        return self._truth("min", axis, keepdim)
+
+    def _truth(self, op: str, axis: int | Sequence[int] | None, keepdim: bool) -> Tensor:
+        """any (max) / all (min) of truth values; over no elements False / True, as numpy."""
+        axes = _normalize_axes(axis, self.ndim)
+        if any(self.shape[a] == 0 for a in axes):
+            kept = tuple(1 if i in axes else s for i, s in enumerate(self.shape))
+            empty = Tensor.full(kept, op == "min", dtypes.bool_, self.device)
+            return empty if keepdim else empty.reshape(tuple(s for i, s in enumerate(self.shape) if i not in axes))
+        return self.cast(dtypes.bool_)._reduce(op, axis, keepdim)
 
     def _arg_reduce(self, op: str, axis: int | None, keepdim: bool) -> Tensor:
         flat = axis is None
@@ -581,7 +615,9 @@ class Tensor:
         return self if tuple(new) == self.shape else self._view("reshape", tuple(new))
 
     def permute(self, *order: Any) -> Tensor:
-        order = tuple(_normalize_axis(a, self.ndim) for a in _shape_arg(order)) if order else ()
+        if len(order) == 1 and isinstance(order[0], (tuple, list)):
+            order = tuple(order[0])
+        order = tuple(_normalize_axis(a, self.ndim) for a in order)
         if sorted(order) != list(range(self.ndim)):
             raise ValueError(f"permute order {order} is not a permutation of the axes of shape {self.shape}")
         return self if order == tuple(range(self.ndim)) else self._view("permute", order)
@@ -764,11 +800,15 @@ def cat(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
             raise ValueError(f"cat(): shapes {[x.shape for x in tensors]} differ outside axis {axis}")
         if t.device != first.device:
             raise ValueError(f"cat(): tensors are on different devices: {sorted({x.device for x in tensors})}")
-    dtype = dtypes.result_type(*(t.dtype for t in tensors))
+    dtype = dtypes.result_type(*(t.dtype for t in tensors))   # empty pieces take part, as in numpy
     total = sum(t.shape[axis] for t in tensors)
+    if total == 0 or any(s == 0 for i, s in enumerate(first.shape) if i != axis):
+        shape = list(first.shape)
+        shape[axis] = total
+        return Tensor.zeros(tuple(shape), dtype=dtype, device=first.device)
     result: Tensor | None = None
     offset = 0
-    for t in tensors:
+    for t in (t for t in tensors if t.shape[axis]):   # an empty piece adds nothing
         pads = [(0, 0)] * first.ndim
         pads[axis] = (offset, total - offset - t.shape[axis])
         piece = t.cast(dtype).pad(pads)

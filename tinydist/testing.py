@@ -1,15 +1,22 @@
-"""Small hand-written kernels shared by tests and benchmarks (not used by the engine itself).
+"""Test support (not used by the engine itself): small hand-written kernels shared by tests and
+benchmarks, and `MockClock`, virtual time for the runtime's waits.
 
-Symbol names must be unique per process (the loader refuses a second object defining the same
-one), so every kernel takes its name as an argument.
+Kernel symbol names must be unique per process (the loader refuses a second object defining the
+same one), so every kernel takes its name as an argument.
 """
 
 from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from llvmlite import ir
 
 from tinydist.codegen import transcendental
+from tinydist.runtime.clock import Wakeup
 
 SCALE_SIGNATURE = ("w", "r", "f32", "i64")
 SAXPY_SIGNATURE = ("rw", "r", "f32", "i64")
@@ -122,3 +129,140 @@ def transcendental_ir(function: str, dtype: type, name: str) -> tuple[str, int]:
     b.position_at_end(exit_bb)
     b.ret_void()
     return str(module), arity
+
+
+class MockClock:
+    """Virtual time for timelines and devices (`open_device(name, clock=MockClock())`): it stands
+    still until `advance` moves it, and a wait wakes for its deadline then — and only then.
+
+    A hang test declares a 60 s hang in microseconds of real time, and proves a wait did *not*
+    time out by advancing to just short of its deadline; nothing it asserts depends on how loaded
+    the machine is. Like trio's `MockClock`, but without autojump: trio jumps when its run loop
+    sees every task blocked, and the runtime's waiters (event-loop tasks, worker threads) have no
+    one loop that could see that, so a test says how far time moves, and `wait_for_waiters` tells
+    it when the waits it means to time out are armed.
+    """
+
+    def __init__(self, start: float = 0.0) -> None:
+        self._time = start
+        self._changed = threading.Condition()  # guards the lists below; notified on every change
+        self._alarms: list[_MockAlarm] = []  # async deadlines not yet due, in arming order
+        self._blocked: list[_MockWakeup] = []  # threads in `wait`, neither released nor due
+
+    def __repr__(self) -> str:
+        return f"MockClock(now={self._time:g}, waiters={self.waiters})"
+
+    def now(self) -> float:
+        return self._time
+
+    @property
+    def waiters(self) -> int:
+        """How many waits are armed and not yet woken: async deadlines plus blocked threads."""
+        with self._changed:
+            return len(self._alarms) + len(self._blocked)
+
+    @property
+    def deadlines(self) -> list[float]:
+        """The deadlines of those waits, earliest first."""
+        with self._changed:
+            return sorted([alarm.deadline for alarm in self._alarms] + [wake.deadline for wake in self._blocked])
+
+    def advance(self, seconds: float) -> None:
+        """Move time forward by `seconds`, waking every wait whose deadline that reaches: blocked
+        threads at once, async callbacks on their event loop (soon, as their timers would)."""
+        if not seconds >= 0:
+            raise ValueError(f"MockClock.advance({seconds!r}): time only moves forward; pass seconds >= 0")
+        with self._changed:
+            self._time += seconds
+            due = [alarm for alarm in self._alarms if alarm.deadline <= self._time]
+            self._alarms = [alarm for alarm in self._alarms if alarm.deadline > self._time]
+            self._blocked = [wake for wake in self._blocked if wake.deadline > self._time]
+            self._changed.notify_all()
+        for alarm in sorted(due, key=lambda alarm: alarm.deadline):  # stable: arming order within one deadline
+            alarm.fire()
+
+    def wait_for_waiters(self, count: int, timeout: float = 10.0) -> None:
+        """Block until exactly `count` waits are armed (see `waiters`) — from a thread, never the
+        event loop whose tasks are to arm them (async tests: `anyio.to_thread.run_sync`).
+        `timeout` is real time, a guard so a test whose picture is wrong fails instead of hanging."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: len(self._alarms) + len(self._blocked) == count, timeout):
+                raise AssertionError(f"{self!r}: expected {count} armed waits, still {self.waiters} after {timeout:g}s")
+
+    # ---- the Clock protocol (tinydist.runtime.clock) ------------------------------------------
+
+    def call_at(self, deadline: float, callback: Callable[..., None], *args: Any) -> _MockAlarm:
+        alarm = _MockAlarm(self, deadline, asyncio.get_running_loop(), callback, args)
+        with self._changed:
+            if deadline > self._time:
+                self._alarms.append(alarm)
+                self._changed.notify_all()
+                return alarm
+        alarm.fire()  # already due: called soon, as a timer of no delay would be
+        return alarm
+
+    def wakeup(self) -> _MockWakeup:
+        return _MockWakeup(self)
+
+    def wait(self, wakeup: Wakeup, deadline: float) -> bool:
+        assert isinstance(wakeup, _MockWakeup) and wakeup.clock is self, "a wake-up from another clock"
+        with self._changed:
+            if deadline <= self._time:
+                return False
+            if wakeup.released:
+                return True
+            wakeup.deadline = deadline
+            self._blocked.append(wakeup)
+            self._changed.notify_all()
+            try:
+                while wakeup in self._blocked:  # a release or `advance` past the deadline takes it off
+                    self._changed.wait()
+            finally:
+                if wakeup in self._blocked:  # interrupted
+                    self._blocked.remove(wakeup)
+                    self._changed.notify_all()
+            return wakeup.released
+
+
+class _MockAlarm:
+    """An async deadline armed on a `MockClock`: its callback goes to the loop that armed it."""
+
+    __slots__ = ("args", "callback", "clock", "deadline", "loop")
+
+    def __init__(self, clock: MockClock, deadline: float, loop: asyncio.AbstractEventLoop,
+                 callback: Callable[..., None], args: tuple[Any, ...]) -> None:
+        self.clock = clock
+        self.deadline = deadline
+        self.loop = loop
+        self.callback = callback
+        self.args = args
+
+    def cancel(self) -> None:
+        with self.clock._changed:
+            if self in self.clock._alarms:
+                self.clock._alarms.remove(self)
+                self.clock._changed.notify_all()
+
+    def fire(self) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.callback, *self.args)
+        except RuntimeError:
+            pass  # that event loop is closed: nobody is left to wake
+
+
+class _MockWakeup:
+    """A blocked thread's wake-up on a `MockClock`."""
+
+    __slots__ = ("clock", "deadline", "released")
+
+    def __init__(self, clock: MockClock) -> None:
+        self.clock = clock
+        self.deadline = 0.0
+        self.released = False
+
+    def release(self) -> None:
+        with self.clock._changed:
+            self.released = True
+            if self in self.clock._blocked:
+                self.clock._blocked.remove(self)
+            self.clock._changed.notify_all()

@@ -63,7 +63,7 @@ def drive(step: Step[T]) -> T:
             stack.pop()
             value, error = done.value, None
             if not stack:
-                return value  # type: ignore[no-any-return]
+                return value
             continue
         except BaseException as exc:
             stack.pop()

@@ -100,7 +100,7 @@ def as_bytes(data: Any) -> memoryview:
     if isinstance(data, np.ndarray):
         if not data.flags.c_contiguous:
             raise TransportError("send needs a C-contiguous buffer")
-        return memoryview(data.reshape(-1).view(np.uint8))
+        return data.reshape(-1).view(np.uint8).data
     view = memoryview(data)
     if not view.c_contiguous:
         raise TransportError("send needs a C-contiguous buffer")

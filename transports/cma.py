@@ -12,6 +12,7 @@ import ctypes
 import errno
 import os
 import sys
+from collections.abc import Callable
 
 import numpy as np
 
@@ -23,6 +24,8 @@ class _IoVec(ctypes.Structure):
 
 
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+_READ: Callable[..., int] | None  # process_vm_readv / _writev, where the C library has them
+_WRITE: Callable[..., int] | None
 if _libc is not None and hasattr(_libc, "process_vm_readv"):
     for _fn in (_libc.process_vm_readv, _libc.process_vm_writev):
         _fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.POINTER(_IoVec), ctypes.c_ulong,
@@ -55,7 +58,7 @@ def write(pid: int, address: int, data: np.ndarray) -> None:
     _transfer(_WRITE, pid, address, data, "write")
 
 
-def _transfer(call: ctypes._CFuncPtr | None, pid: int, address: int, local: np.ndarray, verb: str) -> None:
+def _transfer(call: Callable[..., int] | None, pid: int, address: int, local: np.ndarray, verb: str) -> None:
     if call is None:
         raise TransportError("process_vm_readv/writev are not available on this platform")
     done, total, base = 0, local.nbytes, local.ctypes.data

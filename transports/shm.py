@@ -231,7 +231,7 @@ class ShmLink(SocketLink):
             return
         slot, nbytes = item
         base = slot * self.slot_bytes
-        view = memoryview(self._mapped(self.in_arr)[base:base + nbytes]).toreadonly()
+        view = self._mapped(self.in_arr)[base:base + nbytes].data.toreadonly()
         try:
             yield view
         finally:

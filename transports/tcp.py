@@ -166,7 +166,7 @@ class SocketLink(Link):
                     raise TransportError(f"frame of {nbytes} bytes from rank {self.peer} exceeds the limit")
                 if kind == DATA:
                     buf = np.empty(nbytes, np.uint8)
-                    if nbytes and not await recv_exactly(self.sock, memoryview(buf)):
+                    if nbytes and not await recv_exactly(self.sock, buf.data):
                         raise ConnectionResetError("connection closed inside a message")
                     self.inbox.put(buf)
                 elif kind == BYE:

@@ -32,8 +32,8 @@ def load_yaml(text: str) -> list[Any]:
         pass
     docs = []
     for chunk in re.split(r"^---\s*$", text, flags=re.M):
-        lines = [(len(l) - len(l.lstrip()), l.strip()) for l in chunk.splitlines()
-                 if l.strip() and not l.strip().startswith("#")]
+        lines = [(len(s) - len(s.lstrip()), s.strip()) for s in chunk.splitlines()
+                 if s.strip() and not s.strip().startswith("#")]
         if lines:
             value, _ = _block(lines, 0, lines[0][0])
             docs.append(value)

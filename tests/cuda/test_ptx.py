@@ -74,7 +74,7 @@ def _try(fn, *args):
 def matrix() -> dict[str, list[object]]:
     """name -> kernels, one entry per graph of the tensor test matrix's kinds."""
     cases: dict[str, list[object]] = {}
-    for i, da in enumerate(DTYPES):
+    for da in DTYPES:
         a = td.Tensor(sample(da, (3, 4), 1))
         b = td.Tensor(sample(da, (3, 4), 2))
         name_a = np.dtype(da).name

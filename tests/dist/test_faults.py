@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from .helpers import finish, launch, shm_entries, spawn_ranks
+from .helpers import WORKERS, finish, launch, shm_entries, spawn_ranks
 
 
 def _survivors_name(results: list[tuple[int, str]], victim: int, within: float, victim_rc: int = -9) -> None:
@@ -101,3 +106,43 @@ def test_shared_memory_too_small_is_a_clear_error_on_every_rank(no_shm_leak):
         assert rc == 3, out
         assert "INIT FAILED TransportError" in out, out
         assert "cannot reserve" in out and "TINYDIST_SHM_SLOT_BYTES" in out, out
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie waiting for a parent that is gone."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def _poll(condition, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def test_sigkilled_launcher_leaves_no_rank_and_no_shm_behind(tmp_path):
+    """Ranks live in sessions of their own, so killing the launcher used to orphan every one of them."""
+    before = shm_entries()
+    launcher = subprocess.Popen([sys.executable, "-m", "tinydist.cli", "launch", "--nproc", "2", "--grace", "1",
+                                 str(WORKERS / "launcher_orphan.py"), str(tmp_path)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert _poll(lambda: all((tmp_path / f"pid{r}").exists() for r in range(2)), 60), "ranks never started"
+        pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+        assert all(_running(pid) for pid in pids)
+        assert len(shm_entries() - before) == 2
+        launcher.kill()
+        launcher.wait(timeout=10)
+        assert _poll(lambda: not any(_running(pid) for pid in pids), 30), "ranks outlived their launcher"
+        assert _poll(lambda: shm_entries() - before == set(), 10), shm_entries() - before
+    finally:
+        launcher.kill()
+        for r in range(2):
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError, ValueError):
+                os.kill(int((tmp_path / f"pid{r}").read_text()), signal.SIGKILL)

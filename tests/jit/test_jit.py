@@ -147,7 +147,7 @@ def test_call_numpy_is_numpy_in_numpy_out_and_checks_the_signature() -> None:
     def mlp(x: td.Tensor) -> td.Tensor:
         return ((x @ w1 + b1).relu() @ w2).softmax()
 
-    for i in range(5):  # the first calls capture through the normal path, later ones replay
+    for _ in range(5):  # the first calls capture through the normal path, later ones replay
         x = rng.standard_normal((1, 64)).astype(np.float32)
         out = mlp.call_numpy(x)
         assert isinstance(out, np.ndarray) and out.dtype == np.float32

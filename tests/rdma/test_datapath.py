@@ -257,7 +257,7 @@ def test_cq_overflow_natural() -> None:
         a, b = await open_pair(rq_b=16, rcq_b=4)
         for k in range(16):
             b.qp.post_recv(b.mr, k * 64, 64)
-        for k in range(8):
+        for _ in range(8):
             a.qp.post_send(a.mr, 0, 8)
         await _expect(a.qp.wait_send(7), RetryExceeded)     # the responder went to ERR; later SENDs are never ACKed
         for _ in range(4):                                  # the completions before the overflow are delivered ...
@@ -276,7 +276,7 @@ def test_cq_overflow_injected_during_transfer() -> None:
 
     async def body():
         a, b = await open_pair(plan_a=plan)
-        for k in range(5):
+        for _ in range(5):
             i = a.qp.post_write(a.mr, 0, 100, b.mr.va, b.mr.rkey)
         await _expect(a.qp.wait_send(i), CQOverflow)
         await close_pair(a, b)

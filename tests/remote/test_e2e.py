@@ -76,11 +76,11 @@ def test_a_capture_on_a_remote_device_replays_in_runs_and_matches_numpy(server, 
 
     @td.jit
     def step(x: td.Tensor, bias: td.Tensor) -> td.Tensor:
-        return (bias + x @ w).relu()  # `bias` is reached before `x`, against declaration order
+        return (bias + x @ w).relu()  # `bias` is reached before `x`, against declaration order  # noqa: F821 (ruff#7733, the del below)
 
     @td.jit
     def frame(x: td.Tensor, bias: td.Tensor) -> td.Tensor:
-        return (bias + x @ w).relu()
+        return (bias + x @ w).relu()  # noqa: F821 (ruff#7733, the del below)
 
     for _ in range(5):
         x, bias = g.standard_normal((3, 8)).astype(np.float32), g.standard_normal(4).astype(np.float32)

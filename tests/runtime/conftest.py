@@ -1,4 +1,4 @@
-"""Fixtures for the runtime suite: the anyio backend, compiled test kernels, open devices."""
+"""Fixtures for the runtime suite: the anyio backend, a mock clock, compiled test kernels, open devices."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from tinydist.codegen.compile_cache import CompileCache
 from tinydist.codegen.compiler import HostCompiler
 from tinydist.runtime.device import Device
 from tinydist.runtime.registry import open_device
+from tinydist.testing import MockClock
 
 from .helpers import SCALE_IR, SPIN_IR, TIMED_SPIN_IR, Gate, Kernels
 
@@ -18,6 +19,12 @@ from .helpers import SCALE_IR, SPIN_IR, TIMED_SPIN_IR, Gate, Kernels
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture
+def clock() -> MockClock:
+    """Virtual time at 0 that moves only when the test advances it."""
+    return MockClock()
 
 
 @pytest.fixture(scope="session")

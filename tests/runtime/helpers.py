@@ -1,4 +1,4 @@
-"""Helpers shared by the runtime tests: test kernels, a queue gate, bounded polling."""
+"""Helpers shared by the runtime tests: test kernels, a queue gate, bounded polling, mock-clock steps."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import anyio
 import pytest
 
-from tinydist.testing import scale_ir, spin_ir
+from tinydist.testing import MockClock, scale_ir, spin_ir
 
 # out[i] = a * in[i]  (float32)
 SCALE_IR = scale_ir("rt_scale_f32")
@@ -109,6 +109,18 @@ async def until(predicate: Callable[[], bool], timeout: float = 10.0, what: str 
         while not predicate():
             await anyio.sleep(0.002)
     assert predicate(), what
+
+
+async def armed(clock: MockClock, waiters: int) -> None:
+    """Return once exactly `waiters` waits are armed on `clock`; the event loop keeps running
+    meanwhile, so its tasks can arm theirs."""
+    await anyio.to_thread.run_sync(clock.wait_for_waiters, waiters)
+
+
+async def advance_once_armed(clock: MockClock, waiters: int, seconds: float) -> None:
+    """Once `waiters` waits are armed on `clock`, move it `seconds` forward (a task beside a wait)."""
+    await armed(clock, waiters)
+    clock.advance(seconds)
 
 
 class HostMemory:

@@ -126,7 +126,7 @@ async def test_released_views_are_unusable(cpu: Device) -> None:
     view = base.view(0, 8)
     view.release()
     with pytest.raises(UseAfterFree):
-        view.address
+        _ = view.address
     with pytest.raises(UseAfterFree):
         view.view(0, 4)
     with pytest.raises(UseAfterFree):
@@ -151,7 +151,7 @@ async def test_double_free_and_use_after_free(cpu: Device) -> None:
     with pytest.raises(UseAfterFree, match="double free"):
         base.free()
     with pytest.raises(UseAfterFree):
-        base.address
+        _ = base.address
     with pytest.raises(UseAfterFree):
         base.view(0, 8)
     with pytest.raises(UseAfterFree):
@@ -175,7 +175,7 @@ async def test_free_while_a_kernel_is_in_flight_defers_give_back(cpu: Device, ke
     y.free()
     assert y.freed
     with pytest.raises(UseAfterFree):
-        y.address   # no new use is accepted...
+        _ = y.address   # no new use is accepted...
     stats = alloc.statistics()
     assert stats.live_buffers == 2 and stats.live_bytes == 8192 and stats.reserved_bytes == 8192
     assert y_address in alloc.outstanding()  # ...but the memory is still there for the kernel

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import subprocess
+import sys
+import textwrap
 
 import anyio
 import numpy as np
 import pytest
 
-from tinydist.codegen.compile_cache import CompileCache
+from tinydist.codegen.compile_cache import CompileCache, decode_entry
 from tinydist.codegen.compiler import HostCompiler, host_target
 from tinydist.errors import CompileError
 from tinydist.runtime.cpu.loader import NativeLoader
@@ -156,7 +160,7 @@ def test_cache_miss_then_hit(tmp_path, monkeypatch) -> None:
     cache = CompileCache(compiler, directory=tmp_path, enabled=True)
     first = cache.compile(SCALE_IR)
     assert (cache.statistics.hits, cache.statistics.misses) == (0, 1)
-    assert cache.path(SCALE_IR).read_bytes() == first
+    assert decode_entry(cache.path(SCALE_IR).read_bytes()) == (first, "")
     assert first.startswith(b"\x7fELF")
 
     def must_not_compile(ir: str) -> bytes:
@@ -201,7 +205,7 @@ def test_disabled_cache_always_compiles(tmp_path, monkeypatch) -> None:
     a, b = cache.compile(SCALE_IR), cache.compile(SCALE_IR)
     assert a == b and len(calls) == 2
     assert (cache.statistics.hits, cache.statistics.misses) == (0, 2)
-    assert not (tmp_path / "kernels").exists()
+    assert not (tmp_path / "kernels-v2").exists()
 
 
 def test_cache_setting_disables_it(tmp_path) -> None:
@@ -210,6 +214,84 @@ def test_cache_setting_disables_it(tmp_path) -> None:
         assert not CompileCache(HostCompiler(), directory=tmp_path).enabled
     with settings.override(COMPILE_CACHE="1"):
         assert CompileCache(HostCompiler(), directory=tmp_path).enabled
+
+
+def _truncated(entry: bytes) -> bytes:
+    return entry[: len(entry) // 2]
+
+
+def _flipped(entry: bytes) -> bytes:
+    middle = len(entry) // 2
+    return entry[:middle] + bytes(b ^ 0xFF for b in entry[middle:middle + 16]) + entry[middle + 16:]
+
+
+_CORRUPTIONS = {
+    "empty": lambda entry: b"",
+    "truncated": _truncated,
+    "garbage": lambda entry: os.urandom(len(entry)),
+    "flipped bytes": _flipped,
+    "bare object (no header)": lambda entry: decode_entry(entry)[0],
+}
+
+
+@pytest.mark.parametrize("corruption", sorted(_CORRUPTIONS))
+def test_bad_cache_entry_is_deleted_and_compiled_again(tmp_path, corruption, monkeypatch) -> None:
+    compiler = HostCompiler()
+    good = CompileCache(compiler, directory=tmp_path, enabled=True).compile(SCALE_IR)
+    cache = CompileCache(compiler, directory=tmp_path, enabled=True)
+    path = cache.path(SCALE_IR)
+    path.write_bytes(_CORRUPTIONS[corruption](path.read_bytes()))
+    warnings: list[dict] = []
+    monkeypatch.setattr("tinydist.codegen.compile_cache.log.warning", lambda event, **kw: warnings.append(kw))
+    assert cache.compile(SCALE_IR) == good
+    assert (cache.statistics.hits, cache.statistics.misses, cache.statistics.corrupt) == (0, 1, 1)
+    assert len(warnings) == 1 and warnings[0]["path"] == str(path)
+    assert decode_entry(path.read_bytes()) == (good, "")   # rewritten whole
+    assert cache.compile(SCALE_IR) == good and cache.statistics.hits == 1
+
+
+def test_a_process_loading_a_corrupted_entry_still_runs_its_kernel(tmp_path) -> None:
+    """Before checksums, flipped bytes aborted the interpreter inside LLVM's loader (rc 134) and a
+    truncated object segfaulted it (rc 139): a separate process shows the whole path survives."""
+    script = textwrap.dedent("""
+        import numpy as np, tinydist as td
+        x = td.Tensor(np.arange(64, dtype=np.float32))
+        print(float(((x * 0.03 + 1.0).exp().sum()).numpy()))
+    """)
+    env = {**os.environ, "TINYDIST_CACHE_DIR": str(tmp_path), "TINYDIST_COMPILE_CACHE": "1"}
+    first = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    entries = sorted((tmp_path / "kernels-v2").glob("*/*.o"))
+    assert entries
+    for index, entry in enumerate(entries):
+        entry.write_bytes((_flipped if index % 2 else _truncated)(entry.read_bytes()))
+    second = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout == first.stdout
+    assert "compile cache entry is bad" in second.stdout + second.stderr
+
+
+def test_cache_stays_under_its_cap_evicting_the_least_recently_used(tmp_path) -> None:
+    from tinydist.config import settings
+    compiler = HostCompiler()
+    sources = [SCALE_IR.replace("rt_scale", f"rt_scale_{i}") for i in range(6)]
+    with settings.override(COMPILE_CACHE_MAX_MB=1):
+        cache = CompileCache(compiler, directory=tmp_path, enabled=True)
+        cache.compile(sources[0])
+        # fill the directory to the cap with entries older than any: the next write must evict them
+        filler = tmp_path / "kernels-v2" / "00"
+        filler.mkdir(parents=True, exist_ok=True)
+        for i in range(1024 * 1024 // 65536):
+            old = filler / f"{i:064x}.o"
+            old.write_bytes(bytes(65536))
+            os.utime(old, (1, 1))
+        fresh = CompileCache(compiler, directory=tmp_path, enabled=True)
+        for source in sources[1:]:
+            fresh.compile(source)
+        sizes = [p.stat().st_size for p in (tmp_path / "kernels-v2").glob("*/*")]
+        assert sum(sizes) <= 1024 * 1024
+        assert fresh.statistics.evicted > 0
+        assert all(fresh.path(source).exists() for source in sources)   # the recently used survive
 
 
 # ---- loader ------------------------------------------------------------------------------------

@@ -1,4 +1,8 @@
-"""Hang detection: one waiter's deadline fails the whole device and wakes every waiter with one error."""
+"""Hang detection: one waiter's deadline fails the whole device and wakes every waiter with one error.
+
+The devices run on a `MockClock`: a deadline passes when the test advances it — never before,
+however slow the machine — and a 60 s hang costs no real time.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +13,12 @@ import numpy as np
 import pytest
 
 from tinydist.errors import DeviceFailed, DeviceHang
+from tinydist.runtime.clock import SYSTEM_CLOCK
 from tinydist.runtime.device import DeviceState
 from tinydist.runtime.registry import open_device
+from tinydist.testing import MockClock
 
-from .helpers import Gate, until
+from .helpers import Gate, advance_once_armed, armed
 
 pytestmark = pytest.mark.anyio
 
@@ -22,8 +28,15 @@ def _worker_threads(device: object) -> list[str]:
     return sorted(q.worker.name for q in device.queues.values() if q.worker is not None and q.worker.is_alive())
 
 
-async def test_hang_wakes_every_waiter_with_the_same_error(gate) -> None:
-    dev = open_device("CPU:2")
+def _when_retired(timeline, value: int) -> threading.Event:
+    """Set once the work up to `value` on `timeline` is over (and what it held given back)."""
+    over = threading.Event()
+    timeline.call_when_reached(value, over.set)
+    return over
+
+
+async def test_hang_wakes_every_waiter_with_the_same_error(gate, clock: MockClock) -> None:
+    dev = open_device("CPU:2", clock=clock)
     await dev.open()
     compute, copy = dev.queues["compute"], dev.queues["copy"]
     stall_compute: Gate = gate()
@@ -35,6 +48,7 @@ async def test_hang_wakes_every_waiter_with_the_same_error(gate) -> None:
         doomed = dev.allocator.alloc(256)       # freed while work on it is queued: given back late
         dev.copyin(doomed, np.ones(256, np.uint8))
         doomed.free()
+        copy_given_back = _when_retired(copy.timeline, 2)  # runs after what the copy held is freed
         assert dev.allocator.statistics().live_buffers == 2
         errors: dict[str, BaseException] = {}
 
@@ -46,30 +60,35 @@ async def test_hang_wakes_every_waiter_with_the_same_error(gate) -> None:
 
         def blocking_waiter() -> None:
             try:
-                copy.timeline.wait_blocking(1, timeout=60)
+                copy.timeline.wait_blocking(1, timeout=3600)
             except BaseException as exc:  # noqa: BLE001
                 errors["thread"] = exc
 
         thread = threading.Thread(target=blocking_waiter)
         thread.start()
-        with anyio.fail_after(20):  # every waiter must wake long before its own 60 s deadline
+        with anyio.fail_after(20):  # every waiter must wake long before its own hour-long deadline
             async with anyio.create_task_group() as tg:
-                tg.start_soon(waiter, "compute-a", compute.timeline, 60)
-                tg.start_soon(waiter, "compute-b", compute.timeline, 60)
-                tg.start_soon(waiter, "copy", copy.timeline, 60)
-                await until(lambda: compute.timeline.statistics().async_waiters == 2
-                            and copy.timeline.statistics().async_waiters == 1
-                            and copy.timeline.statistics().blocked_threads == 1)
-                tg.start_soon(waiter, "short", compute.timeline, 0.2)
+                tg.start_soon(waiter, "compute-a", compute.timeline, 3600)
+                tg.start_soon(waiter, "compute-b", compute.timeline, 3600)
+                tg.start_soon(waiter, "copy", copy.timeline, 3600)
+                await armed(clock, 4)
+                assert compute.timeline.statistics().async_waiters == 2
+                assert copy.timeline.statistics().async_waiters == 1 and copy.timeline.statistics().blocked_threads == 1
+                tg.start_soon(waiter, "short", compute.timeline, 60)
+                await armed(clock, 5)
+                clock.advance(59.5)
+                await anyio.lowlevel.checkpoint()
+                assert errors == {} and dev.state is DeviceState.OPEN and clock.waiters == 5  # 0.5 s short
+                clock.advance(0.5)
             await anyio.to_thread.run_sync(thread.join, 20)
         assert not thread.is_alive()
+        assert clock.now() == 60 and clock.waiters == 0
 
         hang = errors["short"]
         assert isinstance(hang, DeviceHang)
         assert isinstance(hang, TimeoutError)
         assert isinstance(hang, DeviceFailed)
-        assert "timeline CPU:2/compute" in str(hang)
-        assert "waiting for 1" in str(hang)
+        assert "timeline CPU:2/compute stayed at 0 for 60s while waiting for 1" in str(hang)
         assert "CPU:2" in str(hang) and "marked failed" in str(hang)
         assert set(errors) == {"short", "compute-a", "compute-b", "copy", "thread"}
         for label, error in errors.items():
@@ -100,7 +119,7 @@ async def test_hang_wakes_every_waiter_with_the_same_error(gate) -> None:
             dev.copyin(buf, np.zeros(64, np.uint8))
         assert refused.value is hang
         with pytest.raises(DeviceHang) as refused:
-            await compute.timeline.wait(1, timeout=60)
+            await compute.timeline.wait(1, timeout=3600)
         assert refused.value is hang
         assert dev.allocator.statistics() == before
         assert compute.last_submitted == 1 and copy.last_submitted == 2
@@ -108,7 +127,8 @@ async def test_hang_wakes_every_waiter_with_the_same_error(gate) -> None:
         # once the stalled command returns, the failed device skips the queued copy and gives back
         # what it held
         stall_copy.open()
-        await until(lambda: dev.allocator.statistics().live_buffers == 1)
+        assert await anyio.to_thread.run_sync(copy_given_back.wait, 20)
+        assert dev.allocator.statistics().live_buffers == 1
         assert list(dev.allocator.outstanding().values()) == [64]
     finally:
         stall_compute.open()
@@ -123,22 +143,27 @@ async def test_hang_wakes_every_waiter_with_the_same_error(gate) -> None:
     assert dev.state is DeviceState.CLOSED
 
 
-async def test_hang_on_a_cross_queue_wait_fails_the_device(gate) -> None:
+async def test_hang_on_a_cross_queue_wait_fails_the_device(gate, clock: MockClock) -> None:
     """A queue blocked on another queue's timeline (a dependency wait) is woken by the hang too."""
-    async with open_device("CPU:3") as dev:
+    async with open_device("CPU:3", clock=clock) as dev:
         compute, copy = dev.queues["compute"], dev.queues["copy"]
         stall: Gate = gate()
         copy.submit([stall.command])
         # compute waits (on its worker thread) for the copy queue, exactly as Batch inserts waits
-        compute.submit([(copy.timeline.wait_blocking, (1, 60))])
+        compute.submit([(copy.timeline.wait_blocking, (1, 3600))])
+        compute_over = _when_retired(compute.timeline, 1)
         await anyio.to_thread.run_sync(stall.entered.wait, 10)
-        await until(lambda: copy.timeline.statistics().blocked_threads == 1)
+        await armed(clock, 1)
+        assert copy.timeline.statistics().blocked_threads == 1
         with anyio.fail_after(20):
-            with pytest.raises(DeviceHang) as info:
-                await copy.timeline.wait(1, timeout=0.1)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(advance_once_armed, clock, 2, 60)
+                with pytest.raises(DeviceHang) as info:
+                    await copy.timeline.wait(1, timeout=60)
         assert dev.state is DeviceState.FAILED
-        # the compute worker woke from its blocking wait with the hang and is free again
-        await until(lambda: copy.timeline.statistics().blocked_threads == 0)
+        # the compute worker woke from its blocking wait with the hang and gave its batch up
+        assert await anyio.to_thread.run_sync(compute_over.wait, 10)
+        assert copy.timeline.statistics().blocked_threads == 0 and clock.waiters == 0
         assert compute.timeline.value == 0  # the batch that depended on failed work did not complete
         assert dev.failure is info.value
         stall.open()
@@ -146,9 +171,9 @@ async def test_hang_on_a_cross_queue_wait_fails_the_device(gate) -> None:
     assert _worker_threads(dev) == []
 
 
-async def test_work_after_the_failure_point_is_not_run(gate) -> None:
+async def test_work_after_the_failure_point_is_not_run(gate, clock: MockClock) -> None:
     """A failed device does no more work, including the rest of the batch that was running."""
-    async with open_device("CPU:2") as dev:
+    async with open_device("CPU:2", clock=clock) as dev:
         compute = dev.queues["compute"]
         stall: Gate = gate()
         ran: list[str] = []
@@ -156,19 +181,23 @@ async def test_work_after_the_failure_point_is_not_run(gate) -> None:
         compute.submit([(ran.append, ("next batch",))])
         await anyio.to_thread.run_sync(stall.entered.wait, 10)
         with anyio.fail_after(20):
-            with pytest.raises(DeviceHang):
-                await compute.timeline.wait(1, timeout=0.1)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(advance_once_armed, clock, 1, 60)
+                with pytest.raises(DeviceHang):
+                    await compute.timeline.wait(1, timeout=60)
         stall.open()
         with anyio.fail_after(20):
             await dev.aclose()  # joins the worker: everything it was going to do is done
         assert ran == []
 
 
-async def test_a_failing_command_fails_the_device_and_wakes_waiters() -> None:
+async def test_a_failing_command_fails_the_device_and_wakes_waiters(clock: MockClock) -> None:
+    """The failure, not a deadline, wakes the waiter: on the mock clock no deadline ever passes."""
+
     def broken() -> None:
         raise RuntimeError("kernel exploded")
 
-    async with open_device("CPU:2") as dev:
+    async with open_device("CPU:2", clock=clock) as dev:
         compute = dev.queues["compute"]
         value = compute.submit([(broken, ())])
         with anyio.fail_after(20):
@@ -180,3 +209,11 @@ async def test_a_failing_command_fails_the_device_and_wakes_waiters() -> None:
             dev.allocator.alloc(8)
         assert refused.value is info.value
     assert dev.state is DeviceState.CLOSED
+
+
+async def test_a_device_times_its_waits_on_the_clock_it_was_opened_with(clock: MockClock) -> None:
+    assert open_device("CPU:1").clock is SYSTEM_CLOCK  # real time unless a test says otherwise
+    async with open_device("CPU:1", clock=clock) as dev:
+        assert {q.timeline.clock for q in dev.queues.values()} == {clock}
+    with pytest.raises(TypeError, match=r"clock must be a tinydist\.runtime\.clock\.Clock .*got 60"):
+        open_device("CPU:1", clock=60)  # type: ignore[arg-type]

@@ -103,6 +103,6 @@ def test_override_is_scoped_and_checked() -> None:
         with fresh.override(NOPE=1):
             pass
     with pytest.raises(AttributeError, match="no setting named NOPE"):
-        fresh.NOPE
+        _ = fresh.NOPE
     with pytest.raises(ValueError, match="declared twice"):
         fresh.declare(Setting("CPU_DEVICES", int, lambda: 1, "again"))

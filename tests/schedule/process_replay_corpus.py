@@ -51,7 +51,6 @@ import numpy as np
 import tinydist as td
 from tinydist.codegen.lowering import lower
 from tinydist.codegen.matmul import matmul_ir, program_name
-from tinydist.dtypes import DType
 from tinydist.lazy import LazyNode
 from tinydist.multi import MultiTensor
 from tinydist.nn import functional as F
@@ -466,6 +465,6 @@ def render(name: str) -> str:
     summary = (builder.__doc__ or "").strip().splitlines()[0]
     lines = [f"# process replay: {name}: {summary}", "", "== schedule",
              *_render_schedule(schedule, names)]
-    for program_name, text in texts.items():
-        lines += ["", f"== program {program_name} (calls {', '.join(map(str, users[program_name]))})", text.rstrip("\n")]
+    for kernel, text in texts.items():
+        lines += ["", f"== program {kernel} (calls {', '.join(map(str, users[kernel]))})", text.rstrip("\n")]
     return "\n".join(lines) + "\n"

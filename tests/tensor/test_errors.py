@@ -196,3 +196,101 @@ def test_truth_value_and_item_errors():
     with pytest.raises(TypeError):
         len(td.Tensor.full((), 1.0))
     assert bool(td.Tensor(np.array([1.0], np.float32)))
+
+
+# ---- input that used to give a silent value or a foreign error (numpy / torch as the reference) --
+
+def test_reductions_over_axis_0_of_a_0d_tensor_as_numpy():
+    """numpy's ufunc reductions take axis 0 (or -1) of a 0-d array and reduce over nothing; its
+    mean refuses it. This used to be an IndexError from inside the frontend."""
+    value = np.float32(3)
+    for name in ("sum", "prod", "max", "min", "any", "all"):
+        for axis in (0, -1):
+            got = getattr(td.Tensor(value), name)(axis=axis).numpy()
+            np.testing.assert_array_equal(got, getattr(np.asarray(value), name)(axis=axis))
+    with pytest.raises(np.exceptions.AxisError, match="0-d tensor"):
+        td.Tensor(value).mean(axis=0)
+    with pytest.raises(np.exceptions.AxisError):
+        np.asarray(value).mean(axis=0)
+    with pytest.raises(np.exceptions.AxisError):
+        td.Tensor(value).sum(axis=1)
+
+
+@pytest.mark.parametrize("shape", [(0,), (2, 0), (0, 3)])
+@pytest.mark.parametrize("axis", [None, 0, -1])
+def test_any_and_all_of_nothing_as_numpy(shape, axis):
+    values = np.zeros(shape, bool)
+    for name in ("any", "all"):
+        got = getattr(td.Tensor(values), name)(axis=axis).numpy()
+        expect = getattr(values, name)(axis=axis)
+        assert got.dtype == expect.dtype and got.shape == expect.shape
+        np.testing.assert_array_equal(got, expect)
+
+
+def test_cat_with_empty_pieces_of_other_dtypes_as_numpy():
+    pieces = [np.ones(3, np.float32), np.zeros(0, np.int64), np.arange(2, dtype=np.int32)]
+    got = td.cat([td.Tensor(p) for p in pieces]).numpy()
+    expect = np.concatenate(pieces)
+    assert got.dtype == expect.dtype
+    np.testing.assert_array_equal(got, expect)
+    empty = [np.zeros((0, 2), np.float32), np.zeros((0, 2), np.int64)]
+    got = td.cat([td.Tensor(p) for p in empty]).numpy()
+    assert got.shape == (0, 2) and got.dtype == np.concatenate(empty).dtype
+
+
+def test_transpose_with_negative_axes():
+    values = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    np.testing.assert_array_equal(td.Tensor(values).transpose(-1, 0).numpy(), np.swapaxes(values, -1, 0))
+    np.testing.assert_array_equal(td.Tensor(values).permute(-1, 0, 1).numpy(), values.transpose(-1, 0, 1))
+    with pytest.raises(ValueError, match="not a permutation"):
+        td.Tensor(values[0]).transpose(-2, 0)   # 2-D: numpy's permutation (0, 0)
+
+
+@pytest.mark.parametrize("factory", ["zeros", "ones"])
+def test_factory_shapes_are_checked(factory, no_schedule):
+    make = getattr(td.Tensor, factory)
+    with pytest.raises(ValueError, match="negative dimensions"):
+        make((-1, 3))
+    with pytest.raises(TypeError, match="2.5"):
+        make((2.5, 3))
+    with pytest.raises(TypeError, match="integers"):
+        td.Tensor.full((True, 3), 1.0)
+    assert make((2, np.int64(3))).shape == (2, 3)
+
+
+def test_pow_overflow_and_underflow_as_numpy():
+    for dtype in (np.float32, np.float64):
+        base = np.array([6.0, 0.5, -6.0, 1.0000001, 2.0], dtype)
+        for exponent in (1e17, 1e25, 1e38, -1e38, -1e25):
+            y = np.full_like(base, exponent)
+            with np.errstate(all="ignore"):
+                expect = base ** y
+            np.testing.assert_array_equal((td.Tensor(base) ** td.Tensor(y)).numpy(), expect, err_msg=f"{dtype} {exponent}")
+
+
+def test_out_of_range_indices_are_index_errors_as_in_torch():
+    torch = pytest.importorskip("torch")
+    embedding = td.nn.Embedding(10, 2)
+    for index in ([12], [-1], [[0, 3], [9, 10]]):
+        with pytest.raises(IndexError, match=r"Embedding\(10, 2\): index -?\d+ is out of range: valid are 0 to 9"):
+            embedding(td.Tensor(np.array(index)))
+        with pytest.raises(IndexError):
+            torch.nn.Embedding(10, 2)(torch.tensor(index))
+    logits = np.zeros((2, 3), np.float32)
+    for loss in (td.nn.functional.cross_entropy, td.nn.functional.nll_loss):
+        with pytest.raises(IndexError, match="class label .* 7 is out of range: valid are 0 to 2"):
+            loss(td.Tensor(logits), td.Tensor(np.array([0, 7])))
+    with pytest.raises(IndexError):
+        torch.nn.functional.cross_entropy(torch.zeros(2, 3), torch.tensor([0, 7]))
+    # in range, unchanged: torch's values
+    index = np.array([[0, 3], [9, 1]])
+    np.testing.assert_allclose(embedding(td.Tensor(index)).numpy(), embedding.weight.numpy()[index])
+
+
+def test_absurd_sizes_are_refused_when_built(no_schedule):
+    """Tensor.ones((1 << 62, 4)).sum() used to be built and run into the hang rule."""
+    with pytest.raises(ValueError, match=r"18,446,744,073,709,551,616 elements.*split the work"):
+        td.Tensor.ones((1 << 62, 4))
+    with pytest.raises(ValueError, match="elements, more than"):
+        td.Tensor.ones((1 << 40, 1)) + td.Tensor.ones((1, 1 << 20))
+    assert td.Tensor.ones((1 << 24, 1 << 24)).shape == (1 << 24, 1 << 24)   # 2**48: still allowed

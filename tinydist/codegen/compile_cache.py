@@ -1,8 +1,16 @@
 """An on-disk cache of compiled object code.
 
 Keyed by sha256 of the IR text, CPU name, CPU features, LLVM/llvmlite versions and the opt level,
-so a changed host or toolchain never loads stale code. Entries are written atomically (temp file
-and rename): two processes compiling the same kernel both succeed, one file wins.
+so a changed host or toolchain never loads stale code.
+
+An entry is a magic number, the sha256 of the object code, and the code. It is written to a temp
+file, fsynced, and renamed into place (the directory fsynced too): two processes compiling the
+same kernel both succeed, one file wins, and a crash or power loss leaves the old state or the new,
+never half a file. A bad entry (truncated, garbage, flipped bits: each of which made LLVM's loader
+segfault or abort before checksums) fails the check, is logged, deleted and compiled again.
+
+The cache holds at most `COMPILE_CACHE_MAX_MB`: past that, the entries used longest ago (a hit
+renews an entry's mtime) are deleted until it is back under nine tenths of the cap.
 """
 
 from __future__ import annotations
@@ -11,25 +19,54 @@ import functools
 import hashlib
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
+
 from tinydist.codegen.compiler import HostCompiler
 from tinydist.config import settings
+
+log = structlog.get_logger("tinydist.compile_cache")
+
+MAGIC = b"TDKO\x01\x00\x00\x00"
+_HEADER = len(MAGIC) + hashlib.sha256().digest_size
+_STALE_TEMP_SECONDS = 3600.0  # a temp file this old belongs to a writer that died
 
 
 @dataclass
 class CacheStatistics:
     hits: int = 0
     misses: int = 0
+    corrupt: int = 0
+    evicted: int = 0
+
+
+def encode_entry(code: bytes) -> bytes:
+    return MAGIC + hashlib.sha256(code).digest() + code
+
+
+def decode_entry(data: bytes) -> tuple[bytes | None, str]:
+    """The object code in an entry, or None and what is wrong with it."""
+    if len(data) < _HEADER:
+        return None, f"{len(data)} bytes, shorter than the {_HEADER}-byte header"
+    if not data.startswith(MAGIC):
+        return None, "no entry header (not written by this version, or overwritten)"
+    code = data[_HEADER:]
+    if hashlib.sha256(code).digest() != data[len(MAGIC):_HEADER]:
+        return None, f"checksum mismatch over {len(code)} bytes of code (truncated or corrupted)"
+    return code, ""
 
 
 class CompileCache:
     def __init__(self, compiler: HostCompiler, directory: Path | None = None, enabled: bool | None = None) -> None:
         self.compiler = compiler
-        self.directory = Path(directory if directory is not None else settings.CACHE_DIR) / "kernels"
+        # the entry format's version names the directory: older entries are never read as newer ones
+        self.directory = Path(directory if directory is not None else settings.CACHE_DIR) / "kernels-v2"
         self.enabled = settings.COMPILE_CACHE == "1" if enabled is None else enabled
         self.statistics = CacheStatistics()
+        self._size: int | None = None  # bytes on disk, measured at this cache's first write
 
     def key(self, ir_text: str) -> str:
         digest = hashlib.sha256()
@@ -43,30 +80,92 @@ class CompileCache:
         return self.directory / key[:2] / f"{key}.o"
 
     def compile(self, ir_text: str) -> bytes:
-        """Object code for `ir_text`: from disk when cached, else compiled and stored."""
+        """Object code for `ir_text`: from disk when cached and intact, else compiled and stored."""
         if not self.enabled:
             self.statistics.misses += 1
             return self.compiler.compile(ir_text)
         path = self.path(ir_text)
+        code = self._read(path)
+        if code is not None:
+            self.statistics.hits += 1
+            return code
+        self.statistics.misses += 1
+        code = self.compiler.compile(ir_text)
+        self._write(path, encode_entry(code))
+        return code
+
+    def _read(self, path: Path) -> bytes | None:
         try:
             data = path.read_bytes()
         except FileNotFoundError:
-            data = b""
-        if data:
-            self.statistics.hits += 1
-            return data
-        self.statistics.misses += 1
-        data = self.compiler.compile(ir_text)
+            return None
+        code, problem = decode_entry(data)
+        if code is None:
+            self.statistics.corrupt += 1
+            log.warning("compile cache entry is bad; deleted, compiling again", path=str(path), problem=problem)
+            path.unlink(missing_ok=True)
+            return None
+        try:
+            os.utime(path)  # the eviction order: least recently used first
+        except FileNotFoundError:
+            pass  # evicted by another process since the read: the code in hand is still good
+        return code
+
+    def _write(self, path: Path, entry: bytes) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
+                handle.write(entry)
+                handle.flush()
+                os.fsync(handle.fileno())
             os.replace(tmp, path)
         except BaseException:
             os.unlink(tmp)
             raise
-        return data
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+        self._account(path, len(entry))
+
+    def _account(self, path: Path, nbytes: int) -> None:
+        """Keep the directory under the size cap; the first write of a process measures it."""
+        if self._size is None:
+            self._size = sum(size for _, size, _ in self._entries())
+        else:
+            self._size += nbytes
+        cap = settings.COMPILE_CACHE_MAX_MB * 1024 * 1024
+        if self._size <= cap:
+            return
+        for _, size, entry in sorted(self._entries()):
+            if self._size <= cap * 9 // 10:
+                break
+            if entry == path:
+                continue  # the entry just written is in use
+            entry.unlink(missing_ok=True)
+            self._size -= size
+            self.statistics.evicted += 1
+        log.info("compile cache over its cap; evicted the least recently used entries",
+                 directory=str(self.directory), cap_mb=settings.COMPILE_CACHE_MAX_MB,
+                 evicted=self.statistics.evicted)
+
+    def _entries(self) -> list[tuple[float, int, Path]]:
+        """(mtime, size, path) of every entry; temp files of writers that died are removed."""
+        found: list[tuple[float, int, Path]] = []
+        now = time.time()
+        for entry in self.directory.glob("*/*"):
+            try:
+                stat = entry.stat()
+            except FileNotFoundError:
+                continue
+            if entry.name.startswith(".tmp-"):
+                if now - stat.st_mtime > _STALE_TEMP_SECONDS:
+                    entry.unlink(missing_ok=True)
+                continue
+            found.append((stat.st_mtime, stat.st_size, entry))
+        return found
 
 
 @functools.cache

@@ -72,11 +72,11 @@ def signature(sources: int, outputs: int) -> tuple[str, ...]:
 
 def reduce_ir(name: str, op: str, dtype: np.dtype, sources: int, outputs: int) -> str:
     """The IR of the kernel above; `supported(op, dtype)` must hold, 2 <= sources, outputs in (1, 2)."""
-    if not supported(op, dtype):
+    scalar = llvm_type(dtype)
+    if scalar is None or not supported(op, dtype):
         raise ValueError(f"reduce_ir: {op} over {dtype} is not compiled (see tinydist.codegen.reduce)")
     if sources < 2 or outputs not in (1, 2):
         raise ValueError(f"reduce_ir: needs >= 2 sources and 1 or 2 outputs, got {sources} and {outputs}")
-    scalar = llvm_type(dtype)
     lanes = VECTOR_BYTES // dtype.itemsize
     vector = f"<{lanes} x {scalar}>"
     params = ", ".join([f"ptr %d{d}" for d in range(outputs)] + [f"ptr %s{j}" for j in range(sources)] + ["i64 %n"])

@@ -25,6 +25,11 @@ def _hex(*values: str) -> tuple[float, ...]:
     return tuple(float.fromhex(v) for v in values)
 
 
+def _pair(high: str, low: str) -> tuple[float, float]:
+    """A constant split in two floats (its leading part, then the correction), from C99 hex literals."""
+    return float.fromhex(high), float.fromhex(low)
+
+
 # Polynomial coefficients, lowest degree first. Chebyshev interpolation (near-minimax) of the
 # reduced function at 60 digits with mpmath, rounded to the target precision; see the docs.
 _COEFFS: dict[tuple[str, int], tuple[float, ...]] = {
@@ -96,12 +101,12 @@ class _Format:
 
 
 _F32 = _Format(32, 23, 127, (-151.0, 129.0), (-104.0, 89.5),
-               _hex("0x1.62e43p-1", "-0x1.05c61p-29"), _hex("0x1.62e4p-1", "0x1.7f7d1cp-20"),
-               _hex("0x1.716p+0", "-0x1.7135a8p-13"), 0xFFFFF000, 24)
+               _pair("0x1.62e43p-1", "-0x1.05c61p-29"), _pair("0x1.62e4p-1", "0x1.7f7d1cp-20"),
+               _pair("0x1.716p+0", "-0x1.7135a8p-13"), 0xFFFFF000, 24)
 _F64 = _Format(64, 52, 1023, (-1076.0, 1025.0), (-746.0, 710.0),
-               _hex("0x1.62e42fefa39efp-1", "0x1.abc9e3b39803fp-56"),
-               _hex("0x1.62e42fefa3800p-1", "0x1.ef35793c76730p-45"),
-               _hex("0x1.7154765200000p+0", "0x1.705fc2eefa200p-33"), 0xFFFFFFFF00000000, 54)
+               _pair("0x1.62e42fefa39efp-1", "0x1.abc9e3b39803fp-56"),
+               _pair("0x1.62e42fefa3800p-1", "0x1.ef35793c76730p-45"),
+               _pair("0x1.7154765200000p+0", "0x1.705fc2eefa200p-33"), 0xFFFFFFFF00000000, 54)
 
 # pi/2 as three doubles (159 bits) for the Cody–Waite reduction of sin/cos.
 _PIO2 = _hex("0x1.921fb54442d18p+0", "0x1.1a62633145c07p-54", "-0x1.f1976b7ed8fbcp-110")
@@ -257,7 +262,9 @@ def _exp2_parts(e: _Emitter, hi: ir.Value, lo: ir.Value | None = None) -> ir.Val
     n = e.call("rint", t)
     r = e.sub(t, n)
     if lo is not None:
-        r = e.add(r, lo)
+        # lo is tiny against 1 only while hi is in range: pow's y*log2|x| for y = 1e38 has a
+        # tail of ~1e22, which added to r gave 6**1e38 = -inf. Clamped, the result is 0 or inf.
+        r = e.add(r, e.sel(e.eq(t, hi), lo, e.c(0.0)))
     p = e.fma(r, e.horner(r, _COEFFS["exp2", e.fmt.bits]), e.c(1.0))
     return e.sel(e.isnan(hi), hi, e.ldexp(p, n))
 

@@ -167,7 +167,7 @@ class ProcessGroup:
         blamed = self._failure.rank if isinstance(self._failure, RankFailed) else None
         async with anyio.create_task_group() as tg:
             for link in self.links.values():
-                tg.start_soon(lambda link=link: link.close(linger=2.0, abort_blame=blamed))
+                tg.start_soon(functools.partial(link.close, linger=2.0, abort_blame=blamed))
         if self.shm is not None:
             self.shm.close()
 
@@ -501,7 +501,7 @@ class ProcessGroup:
             return tuple(headers[src]["shape"]), np.dtype(headers[src]["dtype"])
 
         async def body(headers: dict[int, dict[str, Any]]) -> np.ndarray:
-            out = arr.copy() if self.rank == src else np.empty(*root(headers))
+            out = arr.copy() if self.rank == src and arr is not None else np.empty(*root(headers))  # src has one: see error
             if self.world > 1:
                 await algo.broadcast(self.links, self.rank, src, out.reshape(-1))
             return out

@@ -119,6 +119,9 @@ class _Run:
     copied: int
     small: bool
     code: Any = None  # the interpreter's code for the run's stretches (an int64 array), if any
+    # every command of the run as one interpreter command (where each is a kernel): submitted
+    # when no tracked access has anything to wait for (see `_submit`)
+    whole: tuple[Any, int, int] | None = None  # (the interpreter, where in `code`, how many kernels)
 
 
 @dataclass(frozen=True)
@@ -180,23 +183,36 @@ class Lowered:
         completions = []
         for run in runs:
             batch = run.device.batch(run.queue)
-            if run.code is None:
-                commands = [(fn, args(table)) for fn, args in run.commands]  # type: ignore[operator]
-            else:
+            if run.code is not None:
                 if array is None:
                     array = (ctypes.c_int64 * len(bases))(*bases)
                 batch.keep_alive(array, run.code)  # read by the interpreter when the batch runs
                 at, code = ctypes.addressof(array), ctypes.addressof(run.code)
-                commands = [(fn, (at, code + 8 * args[0], args[1]) if isinstance(args, tuple) else args(table))
-                            for fn, args in run.commands]
-            start = 0
-            for index, accesses in run.tracked:
-                if index > start:
-                    batch.extend(commands[start:index])
-                    start = index
-                for m, offset, nbytes, write in accesses:
-                    batch.track_range(memory[m], offset, nbytes, write)
-            batch.extend(commands[start:] if start else commands, run.copied)
+            if run.whole is not None and not any(batch.would_wait(memory[m], offset, nbytes, write)
+                                                 for _, accesses in run.tracked for m, offset, nbytes, write in accesses):
+                # nothing to wait for: the stops between stretches order nothing, so the whole run
+                # is one native call — the queue's worker takes the GIL back once per batch, not
+                # once per stretch (each time waiting up to the switch interval, 5 ms, while
+                # this thread builds the next graph)
+                for _, accesses in run.tracked:
+                    for m, offset, nbytes, write in accesses:
+                        batch.track_range(memory[m], offset, nbytes, write)
+                interpreter, start, count = run.whole
+                batch.extend([(interpreter, (at, code + 8 * start, count))], run.copied)
+            else:
+                if run.code is None:
+                    commands = [(fn, args(table)) for fn, args in run.commands]  # type: ignore[operator]
+                else:
+                    commands = [(fn, (at, code + 8 * args[0], args[1]) if isinstance(args, tuple) else args(table))
+                                for fn, args in run.commands]
+                start = 0
+                for index, accesses in run.tracked:
+                    if index > start:
+                        batch.extend(commands[start:index])
+                        start = index
+                    for m, offset, nbytes, write in accesses:
+                        batch.track_range(memory[m], offset, nbytes, write)
+                batch.extend(commands[start:] if start else commands, run.copied)
             if not len(batch):
                 continue
             # a small batch that waits for nothing runs on this thread if its queue is idle
@@ -227,7 +243,7 @@ def _getter(slots: tuple[int, ...]) -> Getter:
     if len(slots) == 1:
         (slot,) = slots
         return lambda table: (table[slot],)
-    return itemgetter(*slots)  # type: ignore[return-value]
+    return itemgetter(*slots)
 
 
 def _lower(schedule: Schedule, inputs: Sequence[LazyNode], engine: Engine) -> Lowered:
@@ -416,6 +432,14 @@ def _link(plan: _Plan, run: _Run) -> _Run:
     code: list[int] = []
     commands: list[tuple[Any, Getter]] = []
     moved: dict[int, int] = {}
+
+    def encode(index: int) -> None:
+        command = plan.commands[index]
+        assert command.program is not None
+        code.extend((command.program.address, len(command.args)))
+        for arg in command.args:
+            code.extend((arg.memory, arg.offset) if isinstance(arg, _Place) else (-1, arg))
+
     for group in groups:
         moved[group[0]] = len(commands)
         if len(group) == 1:
@@ -423,14 +447,15 @@ def _link(plan: _Plan, run: _Run) -> _Run:
             continue
         commands.append((interpreter, (len(code), len(group))))
         for index in group:
-            command = plan.commands[index]
-            assert command.program is not None
-            code += [command.program.address, len(command.args)]
-            for arg in command.args:
-                code += [arg.memory, arg.offset] if isinstance(arg, _Place) else [-1, arg]
+            encode(index)
+    whole = None
+    if len(commands) > 1 and all(fits):
+        whole = (interpreter, len(code), len(plan.commands))
+        for index in range(len(plan.commands)):
+            encode(index)
     tracked = tuple((moved[index], accesses) for index, accesses in plan.tracked)
     return _Run(plan.device, plan.queue, tuple(commands), tracked, plan.holds, plan.copied, plan.small,
-                (ctypes.c_int64 * len(code))(*code))
+                (ctypes.c_int64 * len(code))(*code), whole)
 
 
 # A batch of kernels iterating this often in all takes less time than handing it to the queue's

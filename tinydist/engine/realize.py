@@ -7,6 +7,15 @@ cross-device order comes from the runtime's access logs, so a batch is submitted
 batch that reads its outputs is built. The arena is freed right after submission — the runtime
 gives its memory back only once the last kernel using it has completed.
 
+Run-ahead is bounded: at most TINYDIST_REALIZE_RUN_AHEAD (4) realizes per queue of a device
+that runs host code may be unfinished; the next waits for the oldest first. An eager training
+loop can build steps faster than the device runs them (the small CNN, after the optimizer kept
+its update: ~6 ms of host work against ~10 ms of kernels), and with nothing to stop it queued
+hundreds of steps, each holding an arena of its own (the CNN: a 539 MB peak of arenas, each new
+one mapped and page-faulted by the kernels that first touch it; bounded: 21 MB). Bounded, the
+arenas freed by finished realizes are the ones the next reuse. Never on a thread running an
+event loop, and never for longer than HELD_S on a queue that finishes nothing meanwhile.
+
 One walk of the graph gives the schedule cache its key and the WAR check its assigns. A schedule
 is lowered once (`tinydist.engine.lowered`) and every realize of it runs that lowering with fresh
 memory; where it does not apply, the calls are bound and issued one by one (`submit`).
@@ -14,8 +23,14 @@ memory; where it does not apply, the calls are bound and issued one by one (`sub
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+from collections import deque
 from collections.abc import Sequence
+from typing import NamedTuple
 
+from tinydist.config import settings
 from tinydist.engine.binding import Bound, bind
 from tinydist.engine.commands import issue, lower_call
 from tinydist.engine.lowered import Lowered, lower
@@ -24,7 +39,7 @@ from tinydist.logs import get_logger
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.device import Batch, Completion
 from tinydist.runtime.engine import get_engine
-from tinydist.schedule import Walk, canonical_walk, create_schedule
+from tinydist.schedule import Schedule, Walk, canonical_walk, create_schedule
 
 log = get_logger(layer="realize")
 
@@ -72,8 +87,17 @@ def _adds_targets(walk: Walk, targets: list[LazyNode]) -> bool:
     return False
 
 
-def realize(targets: Sequence[LazyNode]) -> list[Completion]:
-    """Compute every unrealized target and set its `buffer`; returns the submissions' completions."""
+class Realized(NamedTuple):
+    """What one realize ran: its schedule, the realized nodes it read (the schedule's inputs, in
+    order) and the nodes it computed (the targets asked for, then any the WAR check added)."""
+    schedule: Schedule
+    inputs: list[LazyNode]
+    targets: list[LazyNode]
+
+
+def realize(targets: Sequence[LazyNode], ran: list[Realized] | None = None) -> list[Completion]:
+    """Compute every unrealized target and set its `buffer`; returns the submissions' completions.
+    `ran`, if given, gets what was run appended (nothing when every target was realized)."""
     pending = list(dict.fromkeys(t for t in targets if not t.realized))
     if not pending:
         return []
@@ -82,6 +106,21 @@ def realize(targets: Sequence[LazyNode]) -> list[Completion]:
         pending = _with_readers_of_overwritten(pending)
         walk = canonical_walk(pending)
     schedule, inputs = create_schedule(pending, walk)
+    completions, buffers = run_schedule(schedule, inputs)
+    for node, buffer in zip(pending, buffers):
+        node.buffer = buffer
+        if not node.requires_grad or node.op in (Op.BUFFER, Op.ASSIGN):  # autograd hook: backward() walks srcs
+            node.srcs = ()  # the graph below is no longer needed: let it be collected
+    if ran is not None:
+        ran.append(Realized(schedule, inputs, pending))
+    return completions
+
+
+def run_schedule(schedule: Schedule, inputs: Sequence[LazyNode]) -> tuple[list[Completion], list[Buffer | None]]:
+    """Run `schedule` over the realized `inputs` (its input numbers, in order): the submissions'
+    completions and each target's buffer. A caller that keeps a schedule runs it again here with
+    other inputs of the same devices, dtypes and shapes, building and walking no graph."""
+    _bound_run_ahead(schedule)
     lowered = schedule.derived.get("realize")  # its lowering, or why it goes call by call
     if lowered is None or (isinstance(lowered, Lowered) and not lowered.current()):
         lowered = lower(schedule, inputs, get_engine())
@@ -98,11 +137,60 @@ def realize(targets: Sequence[LazyNode]) -> list[Completion]:
             bound.release_arenas()
         buffers = [bound.buffers[schedule.aliases.get(number, number)] for number in schedule.targets]
     log.debug("realized", calls=len(schedule.linear), batches=len(completions), lowered=ran is not None)
-    for node, buffer in zip(pending, buffers):
-        node.buffer = buffer
-        if not node.requires_grad or node.op in (Op.BUFFER, Op.ASSIGN):  # autograd hook: backward() walks srcs
-            node.srcs = ()  # the graph below is no longer needed: let it be collected
-    return completions
+    _note_in_flight(completions)
+    return completions, buffers
+
+
+# Per queue (its timeline's name, "CPU:0/compute"), the unfinished batches of recent realizes on
+# host-code devices, oldest first (module docstring)
+_in_flight: dict[str, deque[Completion]] = {}
+_in_flight_lock = threading.Lock()
+_POLL_S = 0.0002    # the wait sleeps (the GIL released: the worker can finish) in steps of this
+HELD_S = 1.0        # a queue that has not finished a realize in this long is left to run behind
+
+
+def _note_in_flight(completions: list[Completion]) -> None:
+    with _in_flight_lock:
+        for completion in completions:
+            timeline = completion.timeline
+            if not completion.done() and timeline.device is not None and timeline.device.native_code:
+                _in_flight.setdefault(timeline.name, deque()).append(completion)
+
+
+def _bound_run_ahead(schedule: Schedule) -> None:
+    """Wait until each queue this schedule submits to has fewer than REALIZE_RUN_AHEAD realizes
+    unfinished. The wait is for work queued ahead of this realize's own on the same queue, so
+    it never delays the device; it gives up on a queue that finishes nothing for HELD_S (a
+    queue held by something this thread releases later must not deadlock it)."""
+    if not _in_flight or asyncio._get_running_loop() is not None:
+        return
+    streams = schedule.derived.get("streams")
+    if streams is None:
+        streams = schedule.derived["streams"] = tuple(dict.fromkeys(f"{call.device}/{call.queue}" for call in schedule.linear))
+    limit = settings.REALIZE_RUN_AHEAD
+    for stream in streams:
+        while True:
+            with _in_flight_lock:
+                queued = _in_flight.get(stream)
+                while queued and queued[0].done():
+                    queued.popleft()
+                if not queued or len(queued) < limit:
+                    break
+                oldest = queued[0]
+            if not _await(oldest):
+                break
+
+
+def _await(completion: Completion) -> bool:
+    """Whether `completion` was reached within HELD_S (a failed device counts as finished)."""
+    deadline = time.monotonic() + HELD_S
+    while not completion.done():
+        if completion.timeline.failure is not None:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(_POLL_S)
+    return True
 
 
 def submit(bound: Bound) -> list[Completion]:

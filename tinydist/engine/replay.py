@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
@@ -325,8 +326,7 @@ class RunsReplay:
                 return True
             return any(other != stream and (write or w) and overlap(memory, where) for where, w, other in touched)
         for run in runs:
-            stream = (run.device.name, run.queue)
-            run.keep(lambda buffer, write: tracked(buffer, write, stream))
+            run.keep(partial(tracked, stream=(run.device.name, run.queue)))
 
     def _place_copies(self, runs: list[_Run]) -> None:
         """Copy each argument in at the start of the first run on its buffer's compute queue, when

@@ -131,7 +131,7 @@ class NativeStreams:
         row_words = len(arguments) + len(outputs) + len(written)
         prologues: dict[int, _Unit] = {}
         epilogues: dict[int, _Unit] = {}
-        for k, (position, buffer) in enumerate(arguments):
+        for k, (_, buffer) in enumerate(arguments):
             s = stream(buffer.device, "compute")
             unit = prologues.setdefault(s, _Unit(s, []))
             unit.accesses.append((span(buffer), True))
@@ -154,7 +154,7 @@ class NativeStreams:
             unit.accesses.append((span(buffer), False))
             unit.commands.append((memmove, (Slot(len(arguments) + i), buffer.address, buffer.nbytes)))
             self.streams[s].outputs.append(i)
-        for k, (position, buffer) in enumerate(written):
+        for k, (_, buffer) in enumerate(written):
             s = stream(buffer.device, "compute")
             unit = epilogues.setdefault(s, _Unit(s, []))
             unit.accesses.append((span(buffer), False))

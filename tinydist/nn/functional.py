@@ -48,6 +48,19 @@ def _labels(target: Any, device: str) -> Tensor:
     return target.to(device)
 
 
+def check_indices(index: Tensor, count: int, what: str) -> None:
+    """An index outside [0, count) would select a zero one-hot row and return a wrong value
+    silently; where torch checks (indices that already hold values, as ones from numpy do) it is
+    an IndexError here too. Computed indices are not read back: that would wait for the device in
+    the middle of building the graph; and a replay reads its inputs without this check. The
+    check reads the indices once on the host: ~2 us for 256 labels."""
+    if index.node.realized and index.numel():
+        values = index.numpy()
+        low, high = int(values.min()), int(values.max())
+        if low < 0 or high >= count:
+            raise IndexError(f"{what} {low if low < 0 else high} is out of range: valid are 0 to {count - 1}")
+
+
 def _one_hot(target: Tensor, classes: int, dtype: Any) -> Tensor:
     key = (classes, target.dtype.name, target.device)
     positions = _aranges.get(key)
@@ -100,6 +113,7 @@ def cross_entropy(input: Any, target: Any, reduction: str = "mean") -> Tensor:
     target = _labels(target, input.device)
     if target.shape != (n,):
         raise ValueError(f"cross_entropy: labels of shape {target.shape} for logits of shape {input.shape}")
+    check_indices(target, c, f"cross_entropy: class label (of {c} classes)")
     x = input.cast(dtypes.float_result(input.dtype))
     with no_grad():  # the shift only keeps exp() in range; its gradient is exactly zero
         shift = x.max(1, keepdim=True)
@@ -115,6 +129,7 @@ def nll_loss(input: Any, target: Any, reduction: str = "mean") -> Tensor:
         return _sharded(nll_loss, input, target, reduction)
     n, c = input.shape
     target = _labels(target, input.device)
+    check_indices(target, c, f"nll_loss: class label (of {c} classes)")
     return _reduce(-(input * _one_hot(target, c, input.dtype)).sum(1), reduction)
 
 

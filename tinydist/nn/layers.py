@@ -92,7 +92,7 @@ class BatchNorm2d(Module):
             y = centered / (var + self.eps).sqrt()
         else:
             y = (x - self.running_mean.reshape(shape)) / (self.running_var.reshape(shape) + self.eps).sqrt()
-        if self.weight is not None:
+        if self.weight is not None and self.bias is not None:  # both or neither: affine
             y = y * self.weight.reshape(shape) + self.bias.reshape(shape)
         return y
 
@@ -122,6 +122,7 @@ class Embedding(Module):
     def forward(self, index: Any) -> Tensor:
         if not isinstance(index, Tensor):
             index = Tensor(np.asarray(index, dtype=np.int64), device=self.weight.device)
+        F.check_indices(index, self.num_embeddings, f"Embedding({self.num_embeddings}, {self.embedding_dim}): index")
         one_hot = F._one_hot(index.reshape(-1), self.num_embeddings, self.weight.dtype)
         return (one_hot @ self.weight).reshape(index.shape + (self.embedding_dim,))
 

@@ -128,7 +128,7 @@ def build(tracer: Tracer, rank: int | None = None) -> dict[str, Any]:
     by_device: dict[str, list[tuple[int, int, Any]]] = defaultdict(list)
     for w in tracer.host_waits:
         by_device[w[0]].append((w[3], w[4], w))
-    for device, intervals in by_device.items():
+    for intervals in by_device.values():
         for sub, (dev, timeline, value, start, end, thread, ok) in _partition(intervals):
             pid, t = pid_of[dev], tid(dev, "host sync" if sub == 0 else f"host sync {sub + 1}")
             ts, dur = _us(start - origin), _us(end - start)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,7 @@ def summarize(trace: dict[str, Any]) -> dict[str, Any]:
     work = sum(sum(d) for (cat, _), d in by_name.items() if cat in ("kernel", "copy")) or 1e-9
     names = sorted(({"category": cat, "name": name, "count": len(d), "total_us": sum(d), "mean_us": sum(d) / len(d),
                      "share": sum(d) / work if cat in ("kernel", "copy") else None}
-                    for (cat, name), d in by_name.items()), key=lambda r: -r["total_us"])
+                    for (cat, name), d in by_name.items()), key=itemgetter("total_us"), reverse=True)  # stable, as -total
     lanes = [{"process": processes.get(pid, str(pid)), "lane": threads.get((pid, tid), str(tid)),
               "busy_us": _union(iv), "busy": _union(iv) / span, "events": len(iv)}
              for (pid, tid), iv in sorted(busy.items())]
@@ -105,6 +106,7 @@ def plot_gantt(trace: dict[str, Any], path: str | os.PathLike[str], title: str |
         import matplotlib
         matplotlib.use("Agg", force=False)
         import matplotlib.pyplot as plt
+        from matplotlib.artist import Artist
         from matplotlib.patches import Patch
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise RuntimeError("drawing a PNG needs matplotlib: pip install 'tinydist[plot]'") from exc
@@ -168,7 +170,7 @@ def plot_gantt(trace: dict[str, Any], path: str | os.PathLike[str], title: str |
     ax.set_ylim(len(lanes) - 0.5, -0.5)
     ax.set_xlim(0, span_us / scale * 1.01)
     ax.grid(axis="x", alpha=0.3)
-    handles = [Patch(facecolor=COLORS.get(c, COLORS["span"]), label=c) for c in COLORS if c in used]
+    handles: list[Artist] = [Patch(facecolor=COLORS.get(c, COLORS["span"]), label=c) for c in COLORS if c in used]
     if "batch" in used:
         handles.append(Patch(facecolor="none", edgecolor="#555555", label="batch (one submission)"))
     if "signal → wait" in used:

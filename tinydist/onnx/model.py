@@ -13,6 +13,7 @@ outputs together (one schedule), read them back with one copy batch per device.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -28,8 +29,11 @@ from tinydist.runtime.registry import canonical_name
 from tinydist.jit import JitError, TinyJit
 from tinydist.tensor import Tensor
 
-MIN_OPSET, MAX_OPSET = 11, 21
+MIN_OPSET = 7  # the oldest default-domain opset onnxruntime runs; the newest is the installed onnx's
 _REQUIRED = object()
+_MAX_VALUE_INPUT = 64  # elements: shape vectors, axes, pads, scales are a handful
+_SHAPE_ONLY = frozenset({"Shape", "Size"})  # ops that read only their input's shape, never its values
+_Key = tuple[tuple[tuple[int, ...], ...], tuple[bytes, ...]]  # input shapes, values of the value inputs
 
 # ONNX TensorProto element types that tinydist tensors can hold.
 _ELEM_TO_NP = {1: np.float32, 6: np.int32, 7: np.int64, 9: np.bool_, 11: np.float64}
@@ -46,14 +50,18 @@ def np_dtype_of(ctx: Any, elem_type: int) -> np.dtype:
 
 
 class NodeCtx:
-    """What a handler knows about its node: attributes, opset, output use, and a per-node cache."""
+    """What a handler knows about its node: attributes, opset, output use, and a per-node cache.
 
-    __slots__ = ("name", "op_type", "opset", "attrs", "n_outputs", "outputs_used", "_memo", "_device")
+    `since` is the `since_version` of the op's schema at the model's opset: the version whose
+    semantics the handler implements (handlers branch on it, never on the opset)."""
 
-    def __init__(self, name: str, op_type: str, opset: int, attrs: dict[str, Any], n_outputs: int,
+    __slots__ = ("name", "op_type", "opset", "since", "attrs", "n_outputs", "outputs_used", "_memo", "_device")
+
+    def __init__(self, name: str, op_type: str, opset: int, since: int, attrs: dict[str, Any], n_outputs: int,
                  outputs_used: list[bool], device: str) -> None:
-        self.name, self.op_type, self.opset, self.attrs = name, op_type, opset, attrs
-        self.n_outputs, self.outputs_used, self._memo, self._device = n_outputs, outputs_used, {}, device
+        self.name, self.op_type, self.opset, self.since, self.attrs = name, op_type, opset, since, attrs
+        self.n_outputs, self.outputs_used, self._device = n_outputs, outputs_used, device
+        self._memo: dict[Any, Tensor] = {}
 
     def error(self, message: str) -> UnsupportedModelError:
         return UnsupportedModelError(f"node {self.name!r} ({self.op_type}, opset {self.opset}): {message}")
@@ -77,6 +85,14 @@ class NodeCtx:
         if found is None:
             found = self._memo[key] = lift(self, np.asarray(array), self._device)
         return found
+
+
+def _since_version(defs: Any, op_type: str, opset: int) -> int | None:
+    """The since_version of `op_type`'s default-domain schema at `opset` (None: no such op there)."""
+    try:
+        return int(defs.get_schema(op_type, opset, "").since_version)
+    except defs.SchemaError:
+        return None
 
 
 def lift(ctx: Any, array: np.ndarray, device: str) -> Tensor:
@@ -147,7 +163,8 @@ class OnnxModel:
     """A loaded model: `model(feed)` → dict of numpy outputs; `model.run_tensors(feed)` → Tensors."""
 
     def __init__(self, proto: Any, device: str = "CPU") -> None:
-        from onnx import helper, numpy_helper  # the optional extra: imported only when a model is loaded
+        import onnx  # the optional extra: imported only when a model is loaded
+        from onnx import defs, helper, numpy_helper
 
         # canonical ("cpu:1" -> "CPU:1"), as every Tensor names its device: compared with the feed's
         # devices, and opened now so that a device this machine lacks fails the load, not a frame
@@ -156,8 +173,10 @@ class OnnxModel:
         graph = proto.graph
         opsets = {imp.domain or "ai.onnx": imp.version for imp in proto.opset_import}
         self.opset = opsets.get("ai.onnx", opsets.get("", 0))
-        if not MIN_OPSET <= self.opset <= MAX_OPSET:
-            raise UnsupportedModelError(f"model opset {self.opset} is not supported (opsets {MIN_OPSET}–{MAX_OPSET})")
+        latest = defs.onnx_opset_version()
+        if not MIN_OPSET <= self.opset <= latest:
+            raise UnsupportedModelError(f"model opset {self.opset} is not supported (default-domain opsets "
+                                        f"{MIN_OPSET}–{latest}, the range of the installed onnx {onnx.__version__})")
         self.graph_name = graph.name
         self._consts: dict[str, np.ndarray] = {}
         for init in graph.initializer:
@@ -189,6 +208,13 @@ class OnnxModel:
             spec = OPS.get(node.op_type)
             if spec is None:
                 raise UnsupportedModelError(f"{ctx_name}: op type {node.op_type!r} is not supported")
+            since = _since_version(defs, node.op_type, self.opset)
+            if since is None:
+                raise UnsupportedModelError(f"{ctx_name}: op type {node.op_type!r} does not exist at opset {self.opset}")
+            if since not in spec.versions:
+                raise UnsupportedModelError(
+                    f"{ctx_name}: {node.op_type} (domain ai.onnx) version {since} (the version at opset {self.opset}) "
+                    f"is not implemented; implemented versions: {', '.join(map(str, sorted(spec.versions)))}")
             attrs: dict[str, Any] = {}
             for attr in node.attribute:
                 if attr.name not in spec.attrs:
@@ -210,14 +236,42 @@ class OnnxModel:
             if len(inputs) < spec.min_inputs:
                 raise UnsupportedModelError(f"{ctx_name}: needs at least {spec.min_inputs} inputs, has {len(inputs)}")
             outputs = list(node.output)
-            ctx = NodeCtx(name, node.op_type, self.opset, attrs, len(outputs), [o in used for o in outputs], self.device)
+            ctx = NodeCtx(name, node.op_type, self.opset, since, attrs, len(outputs), [o in used for o in outputs],
+                          self.device)
             self._nodes.append(_Node(spec, ctx, inputs, outputs))
-        self._plans: dict[tuple[tuple[int, ...], ...], _Plan] = {}
-        # per input shapes: the graph captured once and replayed per frame (None: nothing to capture)
-        self._jits: dict[tuple[tuple[int, ...], ...], TinyJit | None] = {}
+        self.value_inputs = self._find_value_inputs()
+        self._plans: dict[_Key, _Plan] = {}
+        # per input shapes (and values of value inputs): the graph captured once and replayed per
+        # frame (None: nothing to capture)
+        self._jits: dict[_Key, TinyJit | None] = {}
         self._lifted: dict[str, Tensor] = {}
-        if all(None not in shape for _, shape, _ in self.inputs):
-            self._plan(tuple(tuple(shape) for _, shape, _ in self.inputs))  # type: ignore[arg-type]
+        if all(None not in shape for _, shape, _ in self.inputs) and not self.value_inputs:
+            self._plan(tuple(tuple(shape) for _, shape, _ in self.inputs), {})  # type: ignore[arg-type]
+
+    def _find_value_inputs(self) -> frozenset[str]:
+        """Graph inputs whose *values* some node's static input (a shape, axes, pads, starts/ends,
+        scales/sizes, split, k, repeats …) is computed from: read at call time, and part of the
+        plan's and the capture's key. Walks back from each static input through the nodes that
+        compute it, stopping at Shape / Size (which read only shapes). An input with more than
+        `_MAX_VALUE_INPUT` elements is data, not a shape: it stays a tensor, and the node refuses."""
+        producer = {out: node for node in self._nodes for out in node.outputs if out}
+        graph_inputs = set(self.input_names)
+        found: set[str] = set()
+        seen: set[str] = set()
+        stack = [name for node in self._nodes for pos, name in enumerate(node.inputs) if name and pos in node.spec.static]
+        while stack:
+            name = stack.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            if name in graph_inputs:
+                shape = next(shape for n, shape, _ in self.inputs if n == name)
+                if None in shape or math.prod(d or 0 for d in shape) <= _MAX_VALUE_INPUT:
+                    found.add(name)
+            node = producer.get(name)
+            if node is not None and node.ctx.op_type not in _SHAPE_ONLY:
+                stack.extend(i for i in node.inputs if i)
+        return frozenset(found)
 
     @staticmethod
     def _value_type(vi: Any, what: str, required: bool = True) -> tuple[Any, Any]:
@@ -247,14 +301,21 @@ class OnnxModel:
             found = self._lifted[name] = lift(ctx, array, self.device)
         return found
 
-    def _plan(self, shapes: tuple[tuple[int, ...], ...]) -> _Plan:
-        plan = self._plans.get(shapes)
+    def _key(self, shapes: tuple[tuple[int, ...], ...], values: Mapping[str, np.ndarray]) -> _Key:
+        return shapes, tuple(values[name].tobytes() for name in self.input_names if name in self.value_inputs)
+
+    def _plan(self, shapes: tuple[tuple[int, ...], ...], values: Mapping[str, np.ndarray]) -> _Plan:
+        key = self._key(shapes, values)
+        plan = self._plans.get(key)
         if plan is not None:
             return plan
         consts = dict(self._consts)
         slot_of: dict[str, int] = {}
         dry: list[Any] = []
         for (name, _, dtype), shape in zip(self.inputs, shapes):
+            if name in self.value_inputs:
+                consts[name] = values[name]
+                continue
             slot_of[name] = len(dry)
             dry.append(Tensor.full(shape, 0, dtypes.to_dtype(dtype), self.device))
         steps: list[Callable[[list[Any]], None]] = []
@@ -271,7 +332,7 @@ class OnnxModel:
                             consts[out] = value
                     continue
                 spec_args: list[tuple[int, Any]] = []
-                args = []
+                args: list[Any] = []
                 for pos, name in enumerate(node.inputs):
                     if not name:
                         spec_args.append((-1, None))
@@ -303,7 +364,7 @@ class OnnxModel:
             if any(s >= 0 for s in out_slots):
                 steps.append(_make_step(spec.fn, ctx, spec_args, out_slots, multi))
         outputs: list[tuple[int, Any]] = []
-        for name, shape, dtype in self.outputs:
+        for name, declared_shape, declared_dtype in self.outputs:
             gctx = _GraphCtx(f"graph output {name!r}")
             if name in slot_of:
                 value = dry[slot_of[name]]
@@ -315,12 +376,13 @@ class OnnxModel:
                 outputs.append((-1, value))
             else:
                 raise gctx.error("is not produced by any node")
-            if dtype is not None and got_dtype != dtype:
-                raise gctx.error(f"computes dtype {got_dtype}, the graph declares {dtype}")
-            if shape is not None and (len(shape) != len(got_shape) or any(d is not None and d != g for d, g in zip(shape, got_shape))):
-                raise gctx.error(f"computes shape {got_shape}, the graph declares {shape}")
-        plan = _Plan(steps, len(dry), [slot_of[name] for name in self.input_names], outputs)
-        self._plans[shapes] = plan
+            if declared_dtype is not None and got_dtype != declared_dtype:
+                raise gctx.error(f"computes dtype {got_dtype}, the graph declares {declared_dtype}")
+            if declared_shape is not None and (len(declared_shape) != len(got_shape) or
+                                               any(d is not None and d != g for d, g in zip(declared_shape, got_shape))):
+                raise gctx.error(f"computes shape {got_shape}, the graph declares {declared_shape}")
+        plan = _Plan(steps, len(dry), [slot_of.get(name, -1) for name in self.input_names], outputs)
+        self._plans[key] = plan
         return plan
 
     def _fold(self, node: _Node, consts: dict[str, np.ndarray]) -> Sequence[Any]:
@@ -347,18 +409,21 @@ class OnnxModel:
             parts = ([f"missing input(s) {missing}"] if missing else []) + ([f"unexpected input(s) {extra}"] if extra else [])
             raise ValueError(f"{'; '.join(parts)}; the model expects {expected}")
 
-    def _check_value(self, name: str, shape: tuple[int, ...], dtype: np.dtype, got_shape: tuple[int, ...], got_dtype: Any) -> None:
+    def _check_value(self, name: str, shape: tuple[int | None, ...], dtype: np.dtype, got_shape: tuple[int, ...], got_dtype: Any) -> None:
         if got_dtype != dtype:
             raise ValueError(f"input {name!r}: expected dtype {dtype}, got {got_dtype}")
         if len(got_shape) != len(shape) or any(d is not None and d != g for d, g in zip(shape, got_shape)):
             want = "(" + ", ".join("?" if d is None else str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
             raise ValueError(f"input {name!r}: expected shape {want}, got {tuple(got_shape)}")
 
-    def _run(self, tensors: list[Tensor]) -> list[Any]:
-        plan = self._plans.get(tuple(t.shape for t in tensors)) or self._plan(tuple(t.shape for t in tensors))
+    def _run(self, shapes: tuple[tuple[int, ...], ...], tensors: Sequence[Tensor | None],
+             values: Mapping[str, np.ndarray]) -> list[Any]:
+        """Run the plan for these shapes and values; `tensors` in input order, None for value inputs."""
+        plan = self._plans.get(self._key(shapes, values)) or self._plan(shapes, values)
         env: list[Any] = [None] * plan.n_slots
         for slot, t in zip(plan.input_slots, tensors):
-            env[slot] = t
+            if slot >= 0:
+                env[slot] = t
         for step in plan.steps:
             step(env)
         return [env[slot] if slot >= 0 else const for slot, const in plan.outputs]
@@ -370,7 +435,8 @@ class OnnxModel:
         in an op that names no input ("operands are on different devices") or, in a graph that
         reaches no weight, quietly compute on its own device."""
         self._check_feed(feed)
-        tensors = []
+        tensors: list[Tensor | None] = []
+        values: dict[str, np.ndarray] = {}
         for name, shape, dtype in self.inputs:
             t = feed[name]
             if not isinstance(t, Tensor):
@@ -379,8 +445,12 @@ class OnnxModel:
             if t.device != self.device:
                 raise ValueError(f"input {name!r} is on {t.device}, the model on {self.device}: "
                                  f"move it with .to({self.device!r}), or load the model on {t.device}")
-            tensors.append(t)
-        results = self._run(tensors)
+            if name in self.value_inputs:
+                values[name] = t.numpy()  # a shape-determining value: read now, the graph is built for it
+                tensors.append(None)
+            else:
+                tensors.append(t)
+        results = self._run(tuple(t.shape for t in (feed[n] for n in self.input_names)), tensors, values)
         return [r if isinstance(r, Tensor) else self._lift_value(_GraphCtx("output"), "\0out" + str(i), r)
                 for i, r in enumerate(results)]
 
@@ -402,30 +472,40 @@ class OnnxModel:
             self._check_value(name, shape, dtype, array.shape, array.dtype)
             arrays.append(array)
         shapes = tuple(a.shape for a in arrays)
-        if shapes not in self._jits:
-            self._jits[shapes] = TinyJit(self._tensor_outputs)
-        jitted = self._jits[shapes]
+        values = {name: np.array(a, copy=True) for name, a in zip(self.input_names, arrays) if name in self.value_inputs}
+        fed = [a for name, a in zip(self.input_names, arrays) if name not in self.value_inputs]
+        key = self._key(shapes, values)
+        if key not in self._jits:
+            def outputs(*tensors: Tensor) -> tuple[Tensor, ...]:
+                return self._tensor_outputs(shapes, values, *tensors)
+            self._jits[key] = TinyJit(outputs)
+        jitted = self._jits[key]
         if jitted is not None:
             try:
-                values = iter(jitted.call_numpy(*arrays, device=self.device))
+                results = iter(jitted.call_numpy(*fed, device=self.device))
             except JitError:  # e.g. every output is an input or a constant: nothing to capture
-                self._jits[shapes] = None
+                self._jits[key] = None
             else:
-                constants = self._constant_outputs(shapes)
-                return {name: np.array(constants[i], copy=True) if i in constants else next(values)
+                constants = self._constant_outputs(shapes, values)
+                return {name: np.array(constants[i], copy=True) if i in constants else next(results)
                         for i, name in enumerate(self.output_names)}
-        return self._run_eagerly([Tensor(a, self.device) for a in arrays])
+        tensors = [None if name in self.value_inputs else Tensor(a, self.device) for name, a in zip(self.input_names, arrays)]
+        return self._run_eagerly(shapes, tensors, values)
 
-    def _tensor_outputs(self, *tensors: Tensor) -> tuple[Tensor, ...]:
-        return tuple(r for r in self._run(list(tensors)) if isinstance(r, Tensor))
+    def _tensor_outputs(self, shapes: tuple[tuple[int, ...], ...], values: Mapping[str, np.ndarray],
+                        *fed: Tensor) -> tuple[Tensor, ...]:
+        it = iter(fed)
+        tensors = [None if name in self.value_inputs else next(it) for name in self.input_names]
+        return tuple(r for r in self._run(shapes, tensors, values) if isinstance(r, Tensor))
 
-    def _constant_outputs(self, shapes: tuple[tuple[int, ...], ...]) -> dict[int, Any]:
-        """Outputs the graph folds to constants for these input shapes (position -> value)."""
-        plan = self._plans.get(shapes) or self._plan(shapes)
+    def _constant_outputs(self, shapes: tuple[tuple[int, ...], ...], values: Mapping[str, np.ndarray]) -> dict[int, Any]:
+        """Outputs the graph folds to constants for these input shapes and values (position -> value)."""
+        plan = self._plans.get(self._key(shapes, values)) or self._plan(shapes, values)
         return {i: const for i, (slot, const) in enumerate(plan.outputs) if slot < 0}
 
-    def _run_eagerly(self, tensors: list[Tensor]) -> dict[str, np.ndarray]:
-        results = self._run(tensors)
+    def _run_eagerly(self, shapes: tuple[tuple[int, ...], ...], tensors: list[Tensor | None],
+                     values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        results = self._run(shapes, tensors, values)
         pending = [r.node for r in results if isinstance(r, Tensor)]
         realize(pending)
         out: dict[str, np.ndarray] = {}
@@ -442,10 +522,10 @@ class OnnxModel:
         completions = []
         for device_name, items in copies.items():
             device = engine.device(device_name)
-            with device.batch("copy") as batch:
-                for array, buffer in items:
-                    batch.read_to_host(array.reshape(-1).view(np.uint8), buffer)
-            completions.append(batch.completion)
+            batch = device.batch("copy")
+            for array, buffer in items:
+                batch.read_to_host(array.reshape(-1).view(np.uint8), buffer)
+            completions.append(batch.submit())
         for completion in completions:
             completion.wait_blocking()
         return out

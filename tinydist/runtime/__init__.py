@@ -2,6 +2,7 @@
 
 from tinydist.runtime.allocator import Allocator, AllocatorStatistics
 from tinydist.runtime.buffer import Buffer
+from tinydist.runtime.clock import Clock, SystemClock
 from tinydist.runtime.command_queue import CommandQueue
 from tinydist.runtime.device import Batch, Completion, Device, DeviceState
 from tinydist.runtime.engine import Engine, get_engine
@@ -9,5 +10,5 @@ from tinydist.runtime.program import Program
 from tinydist.runtime.registry import DeviceInfo, canonical_name, discover, open_device
 from tinydist.runtime.timeline import Timeline
 
-__all__ = ["Allocator", "AllocatorStatistics", "Batch", "Buffer", "CommandQueue", "Completion", "Device", "DeviceInfo",
-           "DeviceState", "Engine", "Program", "Timeline", "canonical_name", "discover", "get_engine", "open_device"]
+__all__ = ["Allocator", "AllocatorStatistics", "Batch", "Buffer", "Clock", "CommandQueue", "Completion", "Device", "DeviceInfo",
+           "DeviceState", "Engine", "Program", "SystemClock", "Timeline", "canonical_name", "discover", "get_engine", "open_device"]

@@ -58,7 +58,7 @@ class CommandQueue:
         self.device = device
         self.kind = kind
         self.name = f"{device.name}/{kind}"
-        self.timeline = Timeline(self.name, device)
+        self.timeline = Timeline(self.name, device, device.clock)
         self.timings: deque[BatchTiming] = deque(maxlen=history)
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._submitted = 0

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from tinydist.config import settings
 from tinydist.errors import DeviceNotFound, DeviceUnavailable
+from tinydist.runtime.clock import SYSTEM_CLOCK, Clock, require_clock
 from tinydist.runtime.device import Device
 
 _NAME = re.compile(r"^([A-Za-z][A-Za-z0-9_]*)(?::(\d+))?$")
@@ -102,8 +103,18 @@ def discover() -> list[DeviceInfo]:
     return [info for backend in BACKENDS.values() for info in backend.discover()]
 
 
-def open_device(name: str) -> Device:
-    """The device called `name`, not yet opened: use `async with open_device(name) as dev`."""
+def open_device(name: str, *, clock: Clock = SYSTEM_CLOCK) -> Device:
+    """The device called `name`, not yet opened: use `async with open_device(name) as dev`.
+
+    `clock` (default real time) is what its timelines time their waits and hang detection on:
+    tests pass a `tinydist.testing.MockClock` and advance it by hand."""
+    require_clock(clock)
+    device = _make_device(name)
+    device.clock = clock
+    return device
+
+
+def _make_device(name: str) -> Device:
     canonical = canonical_name(name)
     scheme = canonical.split("://", 1)[0] if "://" in canonical else None
     if scheme is not None:

@@ -7,7 +7,8 @@ whose target was reached, async ones through their own event loop's thread-safe 
 
 A wait whose deadline passes while the timeline made no progress declares its device hung: the
 device is marked failed and every waiter on every timeline of that device wakes with the same
-`DeviceHang`.
+`DeviceHang`. Progress is stamped, and deadlines armed, on the timeline's clock
+(`tinydist.runtime.clock`): real time in production, a `tinydist.testing.MockClock` in tests.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ import asyncio
 import heapq
 import itertools
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tinydist.config import settings
 from tinydist.errors import DeviceFailed, DeviceHang
+from tinydist.runtime.clock import SYSTEM_CLOCK, Clock, Wakeup, require_clock
 
 if TYPE_CHECKING:
     from tinydist.runtime.device import Device
@@ -39,14 +40,13 @@ class TimelineStatistics:
 
 
 class _BlockedThread:
-    """A thread in `wait_blocking`: its `wake` lock is held until a signal reaches `target`."""
+    """A thread in `wait_blocking`: blocked on `wake` until a signal reaches `target`."""
 
     __slots__ = ("target", "wake")
 
-    def __init__(self, target: int) -> None:
+    def __init__(self, target: int, wake: Wakeup) -> None:
         self.target = target
-        self.wake = threading.Lock()
-        self.wake.acquire()
+        self.wake = wake
 
 
 class _AsyncWaiter:
@@ -70,14 +70,16 @@ def _resolve(future: asyncio.Future[object], error: BaseException | None, result
 
 
 class Timeline:
-    """A monotonic counter owned by one device (usually one per queue)."""
+    """A monotonic counter owned by one device (usually one per queue), on `clock`: a queue's
+    timeline is on its device's clock (`open_device(name, clock=...)`)."""
 
-    def __init__(self, name: str, device: Device | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, name: str, device: Device | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
         self.name = name
         self.device = device
-        self._clock = clock
+        self.clock = require_clock(clock)
+        self._now = clock.now  # bound once: read on every signal
         self._value = 0
-        self._progress_at = clock()
+        self._progress_at = self._now()
         self._failure: DeviceFailed | None = None
         self._lock = threading.Lock()
         self._waiters: list[_AsyncWaiter] = []
@@ -123,7 +125,7 @@ class Timeline:
                 raise ValueError(f"timeline {self.name} is monotonic: cannot move from {self._value} back to {value}")
             self._value = value
             self._retired = max(self._retired, value)
-            self._progress_at = self._clock()
+            self._progress_at = self._now()
             if not (self._waiters or self._blocked or self._callbacks):
                 return  # nobody to wake, nothing due: the common case of a synchronous frame loop
             ready = [w for w in self._waiters if w.target <= value]
@@ -196,7 +198,8 @@ class Timeline:
             raise self._failure
         timeout = _default_timeout() if timeout is None else timeout
         loop = asyncio.get_running_loop()
-        window_start = self._clock()
+        clock = self.clock
+        window_start = self._now()
         while True:
             future: asyncio.Future[object] = loop.create_future()
             waiter = _AsyncWaiter(value, loop, future)
@@ -206,7 +209,7 @@ class Timeline:
                 if self._failure is not None:
                     raise self._failure
                 self._waiters.append(waiter)
-            deadline = loop.call_later(max(window_start + timeout - self._clock(), 0.0), _resolve, future, None, _DEADLINE)
+            deadline = clock.call_at(window_start + timeout, _resolve, future, None, _DEADLINE)
             try:
                 outcome = await future
             finally:
@@ -223,19 +226,19 @@ class Timeline:
     def wait_blocking(self, value: int, timeout: float | None = None) -> None:
         """Block this (worker) thread until `value`; same hang rule as `wait`. Never on an event loop."""
         timeout = _default_timeout() if timeout is None else timeout
-        window_start = self._clock()
+        clock = self.clock
+        window_start = self._now()
         while True:
             with self._lock:
                 if self._value >= value:
                     return
                 if self._failure is not None:
                     raise self._failure
-                thread = _BlockedThread(value)
+                thread = _BlockedThread(value, clock.wakeup())
                 self._blocked.append(thread)
-            remaining = window_start + timeout - self._clock()
             woken = False
             try:
-                woken = remaining > 0 and thread.wake.acquire(timeout=min(remaining, threading.TIMEOUT_MAX))
+                woken = clock.wait(thread.wake, window_start + timeout)
             finally:
                 if not woken:  # timed out, or interrupted (Ctrl-C in the main thread): deregister
                     with self._lock:

@@ -114,11 +114,11 @@ def canonical_walk(targets: list[LazyNode]) -> Walk:
         else:
             srcs = node.srcs
             if len(srcs) == 1:
-                numbers: tuple[int, ...] = (visit(srcs[0]),)
+                numbers: tuple[int, ...] = (visit(srcs[0]),)  # noqa: F821 (ruff#7733, the del below)
             elif len(srcs) == 2:
-                numbers = (visit(srcs[0]), visit(srcs[1]))
+                numbers = (visit(srcs[0]), visit(srcs[1]))  # noqa: F821 (ruff#7733, the del below)
             else:
-                numbers = tuple([visit(src) for src in srcs])
+                numbers = tuple([visit(src) for src in srcs])  # noqa: F821 (ruff#7733, the del below)
             op = node.op  # _part, written out: this is the hot loop
             if op is _VIEW:
                 views = node.arg.views
@@ -226,7 +226,7 @@ def create_schedule(targets: list[LazyNode], walk: Walk | None = None) -> tuple[
 def _build(targets: list[LazyNode], inputs: list[LazyNode]) -> Schedule:
     graph = fuse(targets, inputs)
     target_numbers = tuple(graph.number[id(t)] for t in targets)
-    linear = linearize(graph.calls, graph.overwrites)
+    linear = linearize(graph.calls, graph.overwrites, graph.specs)
     held = set(range(len(inputs))) | set(target_numbers) | set(graph.aliases) | set(graph.aliases.values())
     planned = [n for n in range(len(graph.specs)) if n not in held and graph.specs[n].nbytes > 0]
     plan = plan_memory(linear, graph.specs, planned)

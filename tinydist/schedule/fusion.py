@@ -198,7 +198,7 @@ class _Fuser:
                     # Only for a view with one consumer: views are never materialized for sharing,
                     # so inlining a shared one would recompute the reduction in every consumer.
                     reshaped.append(base.shape)
-                    return (yield build(base, top))
+                    return (yield build(base, top))  # noqa: F821 (ruff#7733, the del below)
                 if (base.op is Op.COPY and not base.realized and id(base) not in self.graph.number
                         and not self._should_materialize(base)):
                     return (yield self._peer_load(base, n.arg, load_of))  # e.g. a pad of a peer's chunk (cat)
@@ -210,20 +210,20 @@ class _Fuser:
             if n.op is Op.COPY and self._peer_copy(n):
                 return (yield self._peer_load(n, ShapeTracker.contiguous(n.shape), load_of))
             if n.op is Op.CONTIGUOUS:
-                return (yield build(n.srcs[0], top))
+                return (yield build(n.srcs[0], top))  # noqa: F821 (ruff#7733, the del below)
             if n.op is Op.REDUCE:
                 reduce_op, axes = n.arg
                 if reduce_info or not top:  # one reduce per kernel: a nested one gets its own kernel
                     return (yield load_of(n, ShapeTracker.contiguous(n.shape)))
                 reduce_info.append((n.srcs[0].shape, axes))
-                return KNode("reduce", ((yield build(n.srcs[0], False)),), reduce_op, n.dtype)
+                return KNode("reduce", ((yield build(n.srcs[0], False)),), reduce_op, n.dtype)  # noqa: F821 (ruff#7733, the del below)
             if n.op in ELEMENTWISE:
                 if inlined == MAX_FUSED_OPS:  # a longer chain is cut: the rest is computed by kernels of its own
                     return (yield load_of(n, ShapeTracker.contiguous(n.shape)))
                 inlined += 1
                 srcs = []
                 for s in n.srcs:
-                    srcs.append((yield build(s, top)))
+                    srcs.append((yield build(s, top)))  # noqa: F821 (ruff#7733, the del below)
                 return KNode(n.op.value, tuple(srcs), n.arg, n.dtype)
             return (yield load_of(n, ShapeTracker.contiguous(n.shape)))  # matmul / copy / assign results
 

@@ -8,6 +8,7 @@ graph walk met them; the rest are made by this schedule (its targets and its int
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from tinydist.codegen.kernel import KernelAST
 from tinydist.codegen.matmul import StridedOperand
@@ -15,13 +16,16 @@ from tinydist.dtypes import DType
 from tinydist.shape import Shape
 
 
+class _HasInputs(Protocol):
+    @property
+    def inputs(self) -> tuple[int, ...]: ...  # a dataclass field in some calls, a property in others
+
+
 class _ReadsItsInputs:
     """Every call reads exactly the buffers it takes as inputs (`reads` pairs with each call's `writes`)."""
 
-    inputs: tuple[int, ...]
-
     @property
-    def reads(self) -> tuple[int, ...]:
+    def reads(self: _HasInputs) -> tuple[int, ...]:
         return self.inputs
 
 

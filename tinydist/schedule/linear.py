@@ -3,77 +3,164 @@
 
 An assign creates a new *version* of the target's buffer: a new buffer number whose memory is
 the target's (`aliases`). Readers of the old version must run before the overwrite; readers of
-the new version after it. A cycle (say, two tensors assigned from each other in one realize) has
-no valid order and is an error, never a best-effort order.
+the new version after it. Where those edges form a cycle (two tensors assigned from each other in
+one realize), the old version a reader needs is copied aside first (`linearize`); a cycle no copy
+can break is an error, never a best-effort order.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections.abc import Sequence
 
 from tinydist.errors import TinydistError
-from tinydist.schedule.items import Call
+from tinydist.schedule.items import BufferSpec, Call, CopyCall, KernelCall, MatmulCall, SliceCall
 
 
 class ScheduleCycleError(TinydistError, ValueError):
     """The requested computation has no valid order (e.g. tensors assigned from each other)."""
 
 
-def linearize(calls: Sequence[Call], overwrites: dict[int, int]) -> list[Call]:
-    """`overwrites` maps an assign's output buffer number to the version number it overwrites."""
-    producers: dict[int, list[int]] = {}  # several calls write disjoint ranges of one buffer (SliceCall)
-    readers: dict[int, list[int]] = {}
-    for i, call in enumerate(calls):
-        for number in call.writes:
-            producers.setdefault(number, []).append(i)
-        for number in call.reads:
-            readers.setdefault(number, []).append(i)
-    edges: list[set[int]] = [set() for _ in calls]
-    for i, call in enumerate(calls):
-        for number in call.reads:
-            for producer in producers.get(number, ()):
-                if producer != i:
-                    edges[producer].add(i)                    # RAW
-        for old in (overwrites[n] for n in call.writes if n in overwrites):
-            for reader in readers.get(old, ()):
-                if reader != i:
-                    edges[reader].add(i)                      # WAR
-            for producer in producers.get(old, ()):
-                if producer != i:
-                    edges[producer].add(i)                    # WAW: the older version is written first
-    indegree = [0] * len(calls)
-    for targets in edges:
-        for j in targets:
-            indegree[j] += 1
-    # Ready calls per stream (device, queue). Staying on the stream of the previous call while it
-    # has ready work makes each device's calls few long runs (submissions) instead of a run per
-    # interleaving. Within a stream, calls another stream waits for come first, then the lowest
-    # index (the fuser's order, when it is valid).
-    streams = [(call.device, call.queue) for call in calls]
-    feeds_other = [any(streams[j] != streams[i] for j in edges[i]) for i in range(len(calls))]
-    ready: dict[tuple[str, str], list[tuple[bool, int]]] = {}
+def linearize(calls: Sequence[Call], overwrites: dict[int, int], specs: list[BufferSpec]) -> list[Call]:
+    """`overwrites` maps an assign's output buffer number to the version number it overwrites.
 
-    def push(i: int) -> None:
-        heapq.heappush(ready.setdefault(streams[i], []), (not feeds_other[i], i))
-    for i, d in enumerate(indegree):
-        if d == 0:
-            push(i)
-    order: list[int] = []
-    stream: tuple[str, str] | None = None
-    while any(ready.values()):
-        if stream is None or not ready[stream]:
-            stream = min((s for s in ready if ready[s]), key=lambda s: ready[s][0])
-        _, i = heapq.heappop(ready[stream])
-        order.append(i)
-        for j in edges[i]:
-            indegree[j] -= 1
-            if indegree[j] == 0:
-                push(j)
-    if len(order) != len(calls):
-        stuck = [calls[i].describe() for i, d in enumerate(indegree) if d > 0]
-        raise ScheduleCycleError(
-            f"the schedule has a cycle through {len(stuck)} call(s): {'; '.join(stuck[:4])}. "
-            "Each overwrites memory another still has to read (e.g. a.assign(b) with b.assign(a)); "
-            "realize one of them first or assign from a copy (.contiguous()).")
-    return [calls[i] for i in order]
+    Where readers of an old version and the assigns overwriting it form a cycle (``old = t + t;
+    t.assign(u); old + t`` reads t before and after the assign in one kernel; ``a.assign(b)`` with
+    ``b.assign(a + a)`` each reads what the other overwrites), numpy semantics still have an
+    answer: the reader sees the old value. The old version is then copied to a buffer of its own
+    before it is overwritten and the reader reads the copy — one more buffer (appended to
+    `specs`) and one copy per broken edge, only in a schedule that has no order otherwise."""
+    working = list(calls)
+    for _ in range(len(working) * len(working) + 1):   # each round removes a WAR edge for good
+        graph = _Graph(working, overwrites)
+        order, stuck = graph.order()
+        if not stuck:
+            return [working[i] for i in order]
+        edge = graph.breakable_edge(stuck)
+        if edge is None:
+            break
+        reader, old = edge
+        working = _snapshot(working, reader, old, specs)
+    stuck_calls = [working[i].describe() for i in stuck]
+    raise ScheduleCycleError(
+        f"the schedule has a cycle through {len(stuck_calls)} call(s): {'; '.join(stuck_calls[:4])}. "
+        "Each must run before another that it also waits for; realize one of the tensors first.")
+
+
+class _Graph:
+    """RAW, WAR and WAW edges between calls; a WAR edge is the only kind a copy can remove."""
+
+    def __init__(self, calls: list[Call], overwrites: dict[int, int]) -> None:
+        self.calls = calls
+        producers: dict[int, list[int]] = {}  # several calls write disjoint ranges of one buffer (SliceCall)
+        readers: dict[int, list[int]] = {}
+        for i, call in enumerate(calls):
+            for number in call.writes:
+                producers.setdefault(number, []).append(i)
+            for number in call.reads:
+                readers.setdefault(number, []).append(i)
+        self.edges: list[set[int]] = [set() for _ in calls]
+        self.ordered: set[tuple[int, int]] = set()                # edges a copy cannot remove (RAW, WAW)
+        self.war: dict[tuple[int, int], int] = {}                 # (reader, writer) -> old version read
+        for i, call in enumerate(calls):
+            for number in call.reads:
+                for producer in producers.get(number, ()):
+                    if producer != i:
+                        self._add(producer, i)                    # RAW
+            for old in (overwrites[n] for n in call.writes if n in overwrites):
+                for reader in readers.get(old, ()):
+                    if reader != i:
+                        self._add(reader, i, old)                 # WAR
+                for producer in producers.get(old, ()):
+                    if producer != i:
+                        self._add(producer, i)                    # WAW: the older version is written first
+
+    def _add(self, before: int, after: int, war_version: int | None = None) -> None:
+        self.edges[before].add(after)
+        if war_version is None:
+            self.ordered.add((before, after))
+        else:
+            self.war.setdefault((before, after), war_version)
+
+    def order(self) -> tuple[list[int], list[int]]:
+        """A valid order, and the calls left out of it (those on or behind a cycle)."""
+        calls, edges = self.calls, self.edges
+        indegree = [0] * len(calls)
+        for targets in edges:
+            for j in targets:
+                indegree[j] += 1
+        # Ready calls per stream (device, queue). Staying on the stream of the previous call while it
+        # has ready work makes each device's calls few long runs (submissions) instead of a run per
+        # interleaving. Within a stream, calls another stream waits for come first, then the lowest
+        # index (the fuser's order, when it is valid).
+        streams = [(call.device, call.queue) for call in calls]
+        feeds_other = [any(streams[j] != streams[i] for j in edges[i]) for i in range(len(calls))]
+        ready: dict[tuple[str, str], list[tuple[bool, int]]] = {}
+
+        def push(i: int) -> None:
+            heapq.heappush(ready.setdefault(streams[i], []), (not feeds_other[i], i))
+        for i, d in enumerate(indegree):
+            if d == 0:
+                push(i)
+        order: list[int] = []
+        stream: tuple[str, str] | None = None
+        while any(ready.values()):
+            if stream is None or not ready[stream]:
+                stream = min((s for s in ready if ready[s]), key=lambda s: ready[s][0])
+            _, i = heapq.heappop(ready[stream])
+            order.append(i)
+            for j in edges[i]:
+                indegree[j] -= 1
+                if indegree[j] == 0:
+                    push(j)
+        return order, [i for i, d in enumerate(indegree) if d > 0]
+
+    def breakable_edge(self, stuck: list[int]) -> tuple[int, int] | None:
+        """(reader, old version) of a WAR edge on a cycle among `stuck`, or None if every cycle
+        found is RAW/WAW only (no copy helps). Walking back from a stuck call along stuck
+        predecessors must repeat a call: the repeated stretch is a cycle."""
+        stuck_set = set(stuck)
+        preds: dict[int, list[int]] = {i: [] for i in stuck}
+        for i in stuck:
+            for j in self.edges[i]:
+                if j in stuck_set:
+                    preds[j].append(i)
+        path: list[int] = [stuck[0]]
+        seen = {stuck[0]: 0}
+        while True:
+            node = path[-1]
+            pred = preds[node][0]
+            if pred in seen:
+                cycle = path[seen[pred]:]
+                break
+            seen[pred] = len(path)
+            path.append(pred)
+        # path runs against the edges: cycle[k + 1] -> cycle[k]
+        for k, after in enumerate(cycle):
+            before = cycle[(k + 1) % len(cycle)]
+            if (before, after) in self.war and (before, after) not in self.ordered:
+                return before, self.war[(before, after)]
+        return None
+
+
+def _snapshot(calls: list[Call], reader: int, old: int, specs: list[BufferSpec]) -> list[Call]:
+    """`calls` with `old` copied to a new buffer first, and `reader` reading the copy instead."""
+    spec = specs[old]
+    copy_number = len(specs)
+    specs.append(BufferSpec(spec.nbytes, spec.dtype, spec.shape, spec.device, lane="copy"))
+    swapped = _reading(calls[reader], old, copy_number)
+    return [CopyCall(copy_number, old, spec.nbytes, spec.device), *calls[:reader], swapped, *calls[reader + 1:]]
+
+
+def _reading(call: Call, old: int, new: int) -> Call:
+    """`call` with every read of buffer `old` made a read of buffer `new`."""
+    def swap(number: int) -> int:
+        return new if number == old else number
+    if isinstance(call, (KernelCall, SliceCall)):
+        return dataclasses.replace(call, inputs=tuple(swap(n) for n in call.inputs))
+    if isinstance(call, MatmulCall):
+        return dataclasses.replace(call, a=swap(call.a), b=swap(call.b))
+    if isinstance(call, CopyCall):
+        return dataclasses.replace(call, src=swap(call.src))
+    return dataclasses.replace(call, srcs=tuple(swap(n) for n in call.srcs))

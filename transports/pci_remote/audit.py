@@ -12,7 +12,7 @@ import hashlib
 import sys
 import threading
 from pathlib import Path
-from typing import IO, Any
+from typing import Any, TextIO
 
 import structlog
 
@@ -25,10 +25,10 @@ def handle_tag(handle: bytes) -> str:
 
 
 class AuditLog:
-    def __init__(self, sink: str | Path | IO[str] | None = None) -> None:
+    def __init__(self, sink: str | Path | TextIO | None = None) -> None:
         self._lock = threading.Lock()
         if sink is None or sink == "-":
-            self._file: IO[str] = sys.stderr
+            self._file: TextIO = sys.stderr
             self._owned = False
         elif isinstance(sink, (str, Path)):
             self._file = open(sink, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - closed in close()

@@ -48,7 +48,7 @@ class RemoteSession:
         self.channel = secure_channel(target, credentials)
         self.stub = pb_grpc.DeviceServiceStub(self.channel)
         # Bulk data moves wire-encoded (see wire.py): one copy per message.
-        self.write_stream = self.channel.stream_unary(f"/{_SERVICE}/WriteStream", request_serializer=None,
+        self.write_stream: grpc.StreamUnaryMultiCallable[bytes, pb.WriteReply] = self.channel.stream_unary(f"/{_SERVICE}/WriteStream", request_serializer=None,
                                                       response_deserializer=pb.WriteReply.FromString)
         self.read = self.channel.unary_unary(f"/{_SERVICE}/Read", request_serializer=pb.ReadRequest.SerializeToString,
                                              response_deserializer=wire.decode_read_reply)

@@ -46,7 +46,10 @@ class RemoteAllocator(Allocator):
         self._blocks: dict[int, tuple[bytes, int]] = {}  # start address -> (handle, nbytes)
 
     def _map(self, nbytes: int) -> int:
-        reply = self.remote.rpc("Allocate", pb.AllocateRequest(lease=self.remote.session.lease, device=self.remote.remote_name, nbytes=nbytes))
+        session = self.remote.session
+        if session is None:
+            raise DeviceError(f"{self.remote.name} is not connected")
+        reply = self.remote.rpc("Allocate", pb.AllocateRequest(lease=session.lease, device=self.remote.remote_name, nbytes=nbytes))
         with self._map_lock:
             address = self._next
             self._next += (nbytes + PAGE - 1) // PAGE * PAGE + PAGE

@@ -13,6 +13,7 @@ import datetime as dt
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from cryptography import x509
@@ -91,10 +92,11 @@ class PeerCache:
         return found
 
 
-def peer_from_auth_context(auth: dict[str, list[bytes]], trust_domain: str, cache: PeerCache) -> Peer:
-    if auth.get("transport_security_type") != [b"ssl"]:
+def peer_from_auth_context(auth: Mapping[str, Iterable[bytes]], trust_domain: str, cache: PeerCache) -> Peer:
+    """`auth` is gRPC's `context.auth_context()`: property name -> values."""
+    if list(auth.get("transport_security_type", ())) != [b"ssl"]:
         raise IdentityError("the call is not protected by TLS")
-    pems = auth.get("x509_pem_cert")
-    if not pems or len(pems) != 1:
+    pems = list(auth.get("x509_pem_cert", ()))
+    if len(pems) != 1:
         raise IdentityError("no client certificate was presented")
     return cache.peer(pems[0], trust_domain)

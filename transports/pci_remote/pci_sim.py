@@ -54,7 +54,7 @@ class SimulatedPciFunction:
         struct.pack_into("<HH", config, 4, 0x0006, 0x0010)
         struct.pack_into("<I", config, 8, (self.class_code << 8) | 0x01)
         config[0x0E] = 0x00
-        for bar, spec in self.bars.items():
+        for bar in self.bars:
             struct.pack_into("<I", config, 0x10 + 4 * bar, (0xF000_0000 + (bar << 24)) & 0xFFFF_FFF0)
         struct.pack_into("<HH", config, 0x2C, self.vendor_id, 0x0001)
         config[0x40] = 0xAA  # a register that exists but is not on the allowlist

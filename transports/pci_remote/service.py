@@ -223,9 +223,8 @@ class DeviceService:
         for m in service.methods:
             req = getattr(pb, m.input_type.name)
             rep = getattr(pb, m.output_type.name)
-            impl = getattr(self, f"rpc_{m.name}", None)
-            if impl is None:  # a method with no implementation is refused like one with no policy entry
-                impl = self._unimplemented
+            # a method with no implementation is refused like one with no policy entry
+            impl: Callable[..., Any] = getattr(self, f"rpc_{m.name}", None) or self._unimplemented
             decode = _BULK_DECODERS.get(m.name, req.FromString)
             encode = None if m.name in _ENCODED_REPLIES else rep.SerializeToString
             if m.server_streaming:
@@ -404,7 +403,7 @@ class DeviceService:
         finally:
             view.release()
         await self._wait(call, batch.completion)
-        return wire.encode_read_reply(memoryview(host))
+        return wire.encode_read_reply(host.data)
 
     async def rpc_Read(self, request: pb.ReadRequest, call: Call) -> bytes:
         alloc = self._allocation(call, self._lease(call, request.lease), request.handle)

@@ -118,7 +118,7 @@ def verify(ir_text: str, entry: str, signature: Sequence[str], kind: str = ENGIN
         initializer = text.split("constant", 1)[1]
         if "@" in initializer or "ptr" in initializer:
             raise VerificationError(f"global {g.name!r} has an initializer that points at something")
-    if hasattr(module, "global_aliases") and list(getattr(module, "global_aliases")):
+    if hasattr(module, "global_aliases") and list(module.global_aliases):
         raise VerificationError("global aliases are not allowed")
     if re.search(r"^\s*@[^=]+=\s*(\w+\s+)*(alias|ifunc)\b", ir_text, re.M):
         raise VerificationError("aliases and ifuncs are not allowed")

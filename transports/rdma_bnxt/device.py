@@ -500,7 +500,7 @@ class Qp:
         i = self.sq_prod
         slot = i % self.sq_size
         base = slot * hsi.WQE_STRIDE
-        hsi.SQ_WQE.pack_into(self.sq, base, typ, hsi.WQE_SIGNAL, 3, 0, length, remote_va, rkey, mr.va + offset, mr.lkey, length)
+        hsi.SQ_WQE.pack_into(self.sq.data, base, typ, hsi.WQE_SIGNAL, 3, 0, length, remote_va, rkey, mr.va + offset, mr.lkey, length)
         npk = hsi.packets(length)
         self.msn[slot] = hsi.msn_entry(slot, self.psn, (self.psn + npk) & 0xffffff)
         self.psn = (self.psn + npk) & 0xffffff
@@ -524,7 +524,7 @@ class Qp:
         if offset < 0 or length < 0 or offset + length > mr.size:
             raise ValueError(f"[{offset}, {offset + length}) is outside the MR of {mr.size} bytes")
         i = self.rq_prod
-        hsi.RQ_WQE.pack_into(self.rq, (i % self.rq_size) * hsi.WQE_STRIDE, hsi.WQE_RECV, 0, 3, mr.va + offset, mr.lkey, length)
+        hsi.RQ_WQE.pack_into(self.rq.data, (i % self.rq_size) * hsi.WQE_STRIDE, hsi.WQE_RECV, 0, 3, mr.va + offset, mr.lkey, length)
         self.rq_prod += 1
         self.dev.ring_db(self.qpn, hsi.DB_RQ, self.rq_prod % self.rq_size, (self.rq_prod // self.rq_size) & 1)
         return i
@@ -621,7 +621,7 @@ class Qp:
     async def classify(self) -> None:
         """Raise the QP's error (refined, see `refine`), then Flushed for later work."""
         if self.error is not None and not self.error_reported:
-            self.error = await self.refine(self.error)
+            await self.refine(self.error)  # a refined error replaces self.error there
         self._raise_error()
 
 

@@ -62,6 +62,8 @@ class RdmaError(LinkError):
 class Timeout(RdmaError):
     """Firmware or a completion did not answer within its budget. `phase` says which wait."""
 
+    phase: str  # set from the constructor's fields by RdmaError.__init__, like the fields below
+
     def __init__(self, phase: str, what: str, budget_s: float, **fields: Any) -> None:
         rec = Recovery.RESET_DEVICE if phase in ("HWRM", "HWRM_VALID", "RCFW") else Recovery.RESET_QP
         super().__init__(f"timeout in {phase}: {what} gave no answer within {budget_s:.3g} s", recovery=rec,
@@ -77,6 +79,8 @@ HWRM_CODES = {0: "SUCCESS", 1: "FAIL", 2: "INVALID_PARAMS", 3: "RESOURCE_ACCESS_
 
 class FirmwareError(RdmaError):
     """Firmware answered with a non-zero code (HWRM error_code, or RCFW CREQ status)."""
+
+    code: int
 
     def __init__(self, channel: str, name: str, code: int, **fields: Any) -> None:
         code_name = HWRM_CODES.get(code, f"0x{code:x}") if channel == "HWRM" else f"status 0x{code:x}"
@@ -97,6 +101,12 @@ class ProtocolViolation(FirmwareError):
 
 class TransportError(RdmaError):
     """A work request completed with an error status (or the QP/CQ/port failed under it)."""
+
+    qpn: int
+    side: str
+    status: int
+    status_name: str
+    wqe_index: int
 
     def __init__(self, message: str, *, qpn: int = -1, side: str = "REQ", status: int = -1, status_name: str = "",
                  wqe_index: int = -1, recovery: Recovery | None = None, **fields: Any) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-Undo = Callable[[], Awaitable[None] | None]
+Undo = Callable[[], Awaitable[object] | None]  # an awaitable's result (a firmware reply) is dropped
 PAGES = "pages"
 
 

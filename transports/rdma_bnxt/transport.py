@@ -202,16 +202,17 @@ class RdmaLink(SocketLink):
         try:
             with anyio.fail_after(timeout):
                 await link._setup()
+                qp = link._live_qp()
                 dev = nic.dev
                 psn = (rank * 0x10001 + peer * 0x101) & 0xffffff
-                await _send_json(sock, {"gid": dev.gid.hex(), "mac": dev.mac.hex(), "qpn": link.qp.qpn, "psn": psn,
+                await _send_json(sock, {"gid": dev.gid.hex(), "mac": dev.mac.hex(), "qpn": qp.qpn, "psn": psn,
                                         "wire": list(nic.address) if nic.address else None,
                                         "in_va": link.data_in.va, "in_rkey": link.data_in.rkey})
                 info = await _recv_json(sock)
                 gid, mac = bytes.fromhex(info["gid"]), bytes.fromhex(info["mac"])
                 await nic.dial(gid, info["wire"])
                 link.peer_in = (int(info["in_va"]), int(info["in_rkey"]))
-                await link.qp.connect(int(info["qpn"]), gid, mac, rq_psn=int(info["psn"]), sq_psn=psn)
+                await qp.connect(int(info["qpn"]), gid, mac, rq_psn=int(info["psn"]), sq_psn=psn)
                 await _send_json(sock, {"ready": True})      # both QPs are in RTS before anyone sends
                 if not (await _recv_json(sock)).get("ready"):
                     raise TransportError(f"rank {peer} did not finish the RDMA handshake")
@@ -232,6 +233,12 @@ class RdmaLink(SocketLink):
         self.ctrl_in = await self._mr(RQ_DEPTH * CTRL_BYTES)
         for i in range(RQ_DEPTH):
             self.qp.post_recv(self.ctrl_in, i * CTRL_BYTES, CTRL_BYTES)
+
+    def _live_qp(self) -> Qp:
+        """The link's queue pair: made by _setup, gone after close."""
+        if self.qp is None:
+            raise TransportError(f"RDMA link to rank {self.peer} has no queue pair: it is not set up, or closed")
+        return self.qp
 
     async def _mr(self, size: int) -> Mr:
         mr = await self.dev.register_mr(size)
@@ -268,14 +275,17 @@ class RdmaLink(SocketLink):
             self._pump()
             if qp.sq_free() >= need or qp.error is not None:
                 break
-            await poll(self.dev.pci, lambda: (self._pump(), qp.sq_free() >= need or qp.error is not None)[1], 0.05)
+            def pumped() -> bool:  # pump once; then whether the slots are free (or the QP failed)
+                self._pump()
+                return qp.sq_free() >= need or qp.error is not None
+            await poll(self.dev.pci, pumped, 0.05)
 
     def _post_notice(self, kind: int, flags: int = 0, skip: int = 0, offset: int = 0, nbytes: int = 0, total: int = 0,
                      payload: Any = None) -> None:
-        qp = self.qp
+        qp = self._live_qp()
         entry = (qp.sq_prod % qp.sq_size) * CTRL_BYTES
         buf = self.ctrl_out.buf
-        NOTICE.pack_into(buf, entry, kind, flags, 0, skip, offset, nbytes, total)
+        NOTICE.pack_into(buf.data, entry, kind, flags, 0, skip, offset, nbytes, total)
         n = NOTICE.size
         if payload is not None and len(payload):
             buf[entry + n:entry + n + len(payload)] = np.frombuffer(payload, np.uint8)
@@ -318,7 +328,7 @@ class RdmaLink(SocketLink):
                     await self._sq_space(2)
                     self._check()
                     self.data_out.buf[offset:offset + k] = piece
-                    self.qp.post_write(self.data_out, offset, k, peer_va + offset, peer_rkey)
+                    self._live_qp().post_write(self.data_out, offset, k, peer_va + offset, peer_rkey)
                     self._post_notice(K_DATA, F_FIRST if off == 0 else 0, skip, offset, k, n)
                     self.tx_head += skip + k
                 self.stats["bytes_sent"] += n
@@ -342,12 +352,12 @@ class RdmaLink(SocketLink):
             self._on_notice(index, length)
 
     def _on_notice(self, index: int, length: int) -> None:
-        qp = self.qp
+        qp = self._live_qp()
         entry = (index % RQ_DEPTH) * CTRL_BYTES
         buf = self.ctrl_in.buf
         if length < NOTICE.size:
             raise TransportError(f"notice of {length} bytes from rank {self.peer}")
-        kind, flags, _pad, skip, offset, nbytes, total = NOTICE.unpack_from(buf, entry)
+        kind, flags, _pad, skip, offset, nbytes, total = NOTICE.unpack_from(buf.data, entry)
         if kind == K_INLINE:
             if nbytes != length - NOTICE.size:
                 raise TransportError(f"inline message of {nbytes} bytes in a {length}-byte notice")
@@ -411,7 +421,7 @@ class RdmaLink(SocketLink):
             yield memoryview(item).toreadonly()
             return
         offset, nbytes, region = item
-        view = memoryview(self.data_in.buf[offset:offset + nbytes]).toreadonly()
+        view = self.data_in.buf[offset:offset + nbytes].data.toreadonly()
         try:
             yield view
         finally:

@@ -24,10 +24,22 @@ from tinydist.onnx.ops.elementwise import (
     _variadic, op_cast, op_cast_like, op_clip, op_div, op_dropout, op_elu, op_gelu, op_hard_sigmoid,
     op_hard_swish, op_identity, op_leaky_relu, op_mean, op_pow, op_softplus,
 )
+from tinydist.onnx.ops.elementwise import (
+    ceil, op_celu, op_is_inf, op_is_nan, op_mish, op_mod, op_prelu, op_selu, op_shrink, op_sign, op_softsign,
+    op_swish, op_thresholded_relu, op_trig, round_half_even,
+)
 from tinydist.onnx.ops.folds import FOLDS
+from tinydist.onnx.ops.indexing import (
+    op_cumsum, op_gather_elements, op_gather_nd, op_one_hot, op_scatter_elements, op_scatter_nd, op_top_k, op_trilu,
+)
+from tinydist.onnx.ops.norm import (
+    op_depth_to_space, op_group_norm, op_instance_norm, op_lp_norm, op_lrn, op_mean_variance_norm, op_rms_norm,
+    op_space_to_depth,
+)
 from tinydist.onnx.ops.nn import (
     _softmax_like, op_average_pool, op_batch_norm, op_conv, op_conv_transpose, op_gemm,
-    op_global_average_pool, op_global_max_pool, op_layer_norm, op_matmul, op_max_pool, op_resize,
+    op_global_average_pool, op_global_max_pool, op_hardmax, op_layer_norm, op_matmul, op_max_pool, op_resize,
+    op_upsample,
 )
 from tinydist.onnx.ops.shape import (
     _arg, _reduce, op_concat, op_constant, op_constant_of_shape, op_expand, op_flatten, op_gather,
@@ -40,10 +52,18 @@ from tinydist.tensor import Tensor
 # ---- the table -----------------------------------------------------------------------------
 
 class OpSpec:
-    __slots__ = ("fn", "params", "attrs", "min_inputs")
+    """One op's handler, its param positions, the attributes it reads (of every version) and, set
+    from `VERSIONS`, the schema since_versions whose semantics it implements."""
 
-    def __init__(self, fn: Callable[..., Any], params: Sequence[int] = (), attrs: Sequence[str] = (), min_inputs: int = 1):
-        self.fn, self.params, self.attrs, self.min_inputs = fn, frozenset(params), frozenset(attrs), min_inputs
+    __slots__ = ("fn", "params", "static", "attrs", "min_inputs", "versions")
+
+    def __init__(self, fn: Callable[..., Any], params: Sequence[int] = (), attrs: Sequence[str] = (), min_inputs: int = 1,
+                 static: Sequence[int] = ()):
+        # static: params whose values the graph's shapes depend on; fed from graph inputs, they are
+        # read at call time and key the plan (see OnnxModel.value_inputs)
+        self.fn, self.params, self.static = fn, frozenset(params) | frozenset(static), frozenset(static)
+        self.attrs, self.min_inputs = frozenset(attrs), min_inputs
+        self.versions: frozenset[int] = frozenset()
 
 
 def _u(fn: Callable[[Tensor], Tensor]) -> Callable[..., Tensor]:
@@ -77,7 +97,7 @@ OPS: dict[str, OpSpec] = {
     "HardSwish": OpSpec(op_hard_swish), "Tanh": OpSpec(_uf(tanh)), "Softplus": OpSpec(op_softplus),
     "Gelu": OpSpec(op_gelu, attrs=("approximate",)), "Erf": OpSpec(_uf(erf)),
     "Sin": OpSpec(_uf(lambda x: x.sin())), "Cos": OpSpec(_uf(lambda x: x.cos())),
-    "Clip": OpSpec(op_clip, params=(1, 2)),
+    "Clip": OpSpec(op_clip, params=(1, 2), attrs=("min", "max")),
     "Min": OpSpec(_variadic(Tensor.minimum)), "Max": OpSpec(_variadic(Tensor.maximum)),
     "Sum": OpSpec(_variadic(lambda a, b: a + b)), "Mean": OpSpec(op_mean),
     "Where": OpSpec(lambda ctx, c, a, b: td.where(c, a, b), min_inputs=3),
@@ -86,9 +106,10 @@ OPS: dict[str, OpSpec] = {
     "LessOrEqual": OpSpec(_b(lambda a, b: a <= b), min_inputs=2), "GreaterOrEqual": OpSpec(_b(lambda a, b: a >= b), min_inputs=2),
     "Not": OpSpec(_u(lambda x: x.logical_not())), "And": OpSpec(_b(lambda a, b: a & b), min_inputs=2),
     "Or": OpSpec(_b(lambda a, b: a | b), min_inputs=2), "Xor": OpSpec(_b(lambda a, b: a ^ b), min_inputs=2),
-    "Cast": OpSpec(op_cast, attrs=("to", "saturate")), "CastLike": OpSpec(op_cast_like, params=(1,), attrs=("saturate",), min_inputs=2),
+    "Cast": OpSpec(op_cast, attrs=("to", "saturate", "round_mode")),
+    "CastLike": OpSpec(op_cast_like, params=(1,), attrs=("saturate", "round_mode"), min_inputs=2),
     "Identity": OpSpec(op_identity),
-    "Dropout": OpSpec(op_dropout, params=(1, 2), attrs=("ratio", "seed", "is_test")),
+    "Dropout": OpSpec(op_dropout, params=(1,), static=(2,), attrs=("ratio", "seed", "is_test")),
     "MatMul": OpSpec(op_matmul, params=(1,), min_inputs=2),
     "Gemm": OpSpec(op_gemm, params=(1, 2), attrs=("alpha", "beta", "transA", "transB"), min_inputs=2),
     "Conv": OpSpec(op_conv, params=(1, 2), attrs=("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides"), min_inputs=2),
@@ -97,42 +118,113 @@ OPS: dict[str, OpSpec] = {
     "MaxPool": OpSpec(op_max_pool, attrs=_POOL + ("dilations", "storage_order")),
     "AveragePool": OpSpec(op_average_pool, attrs=_POOL + ("count_include_pad", "dilations")),
     "GlobalAveragePool": OpSpec(op_global_average_pool), "GlobalMaxPool": OpSpec(op_global_max_pool),
-    "BatchNormalization": OpSpec(op_batch_norm, params=(1, 2, 3, 4), attrs=("epsilon", "momentum", "training_mode"), min_inputs=5),
+    "BatchNormalization": OpSpec(op_batch_norm, params=(1, 2, 3, 4), attrs=("epsilon", "momentum", "training_mode", "spatial"),
+                                  min_inputs=5),
     "LayerNormalization": OpSpec(op_layer_norm, attrs=("axis", "epsilon", "stash_type"), min_inputs=2),
     "Softmax": OpSpec(lambda ctx, x: _softmax_like(ctx, x, False), attrs=("axis",)),
     "LogSoftmax": OpSpec(lambda ctx, x: _softmax_like(ctx, x, True), attrs=("axis",)),
-    "ReduceSum": OpSpec(_reduce("sum", 13), params=(1,), attrs=_REDUCE),
-    "ReduceMean": OpSpec(_reduce("mean", 18), params=(1,), attrs=_REDUCE),
-    "ReduceMax": OpSpec(_reduce("max", 18), params=(1,), attrs=_REDUCE),
-    "ReduceMin": OpSpec(_reduce("min", 18), params=(1,), attrs=_REDUCE),
-    "ReduceProd": OpSpec(_reduce("prod", 18), params=(1,), attrs=_REDUCE),
-    "ReduceSumSquare": OpSpec(_reduce("sumsquare", 18), params=(1,), attrs=_REDUCE),
-    "ReduceL1": OpSpec(_reduce("l1", 18), params=(1,), attrs=_REDUCE),
-    "ReduceL2": OpSpec(_reduce("l2", 18), params=(1,), attrs=_REDUCE),
-    "ReduceLogSumExp": OpSpec(_reduce("logsumexp", 18), params=(1,), attrs=_REDUCE),
+    "Hardmax": OpSpec(op_hardmax, attrs=("axis",)),
+    "ReduceSum": OpSpec(_reduce("sum", 13), static=(1,), attrs=_REDUCE),
+    "ReduceMean": OpSpec(_reduce("mean", 18), static=(1,), attrs=_REDUCE),
+    "ReduceMax": OpSpec(_reduce("max", 18), static=(1,), attrs=_REDUCE),
+    "ReduceMin": OpSpec(_reduce("min", 18), static=(1,), attrs=_REDUCE),
+    "ReduceProd": OpSpec(_reduce("prod", 18), static=(1,), attrs=_REDUCE),
+    "ReduceSumSquare": OpSpec(_reduce("sumsquare", 18), static=(1,), attrs=_REDUCE),
+    "ReduceL1": OpSpec(_reduce("l1", 18), static=(1,), attrs=_REDUCE),
+    "ReduceL2": OpSpec(_reduce("l2", 18), static=(1,), attrs=_REDUCE),
+    "ReduceLogSumExp": OpSpec(_reduce("logsumexp", 18), static=(1,), attrs=_REDUCE),
     "ArgMax": OpSpec(_arg("max"), attrs=("axis", "keepdims", "select_last_index")),
     "ArgMin": OpSpec(_arg("min"), attrs=("axis", "keepdims", "select_last_index")),
-    "Reshape": OpSpec(op_reshape, params=(1,), attrs=("allowzero",), min_inputs=2),
+    "Reshape": OpSpec(op_reshape, static=(1,), attrs=("allowzero",), min_inputs=2),
     "Flatten": OpSpec(op_flatten, attrs=("axis",)),
     "Transpose": OpSpec(op_transpose, attrs=("perm",)),
-    "Squeeze": OpSpec(op_squeeze, params=(1,), attrs=("axes",)),
-    "Unsqueeze": OpSpec(op_unsqueeze, params=(1,), attrs=("axes",)),
+    "Squeeze": OpSpec(op_squeeze, static=(1,), attrs=("axes",)),
+    "Unsqueeze": OpSpec(op_unsqueeze, static=(1,), attrs=("axes",)),
     "Concat": OpSpec(op_concat, attrs=("axis",)),
-    "Split": OpSpec(op_split, params=(1,), attrs=("axis", "split", "num_outputs")),
-    "Slice": OpSpec(op_slice, params=(1, 2, 3, 4), min_inputs=3),
+    "Split": OpSpec(op_split, static=(1,), attrs=("axis", "split", "num_outputs")),
+    "Slice": OpSpec(op_slice, static=(1, 2, 3, 4), attrs=("starts", "ends", "axes")),
     "Gather": OpSpec(op_gather, params=(0, 1), attrs=("axis",), min_inputs=2),
-    "Expand": OpSpec(op_expand, params=(1,), min_inputs=2),
-    "Tile": OpSpec(op_tile, params=(1,), min_inputs=2),
-    "Pad": OpSpec(op_pad, params=(1, 2, 3), attrs=("mode",), min_inputs=2),
-    "Resize": OpSpec(op_resize, params=(1, 2, 3), attrs=("antialias", "axes", "coordinate_transformation_mode", "cubic_coeff_a",
+    "Expand": OpSpec(op_expand, static=(1,), min_inputs=2),
+    "Tile": OpSpec(op_tile, static=(1,), min_inputs=2),
+    "Pad": OpSpec(op_pad, params=(2,), static=(1, 3), attrs=("mode", "pads", "value")),
+    "Resize": OpSpec(op_resize, static=(1, 2, 3), attrs=("antialias", "axes", "coordinate_transformation_mode", "cubic_coeff_a",
                                                          "exclude_outside", "extrapolation_value", "keep_aspect_ratio_policy",
                                                          "mode", "nearest_mode")),
+    "Upsample": OpSpec(op_upsample, static=(1,), attrs=("mode", "scales")),
     "Shape": OpSpec(op_shape, params=(0,), attrs=("start", "end")),
     "Size": OpSpec(op_size, params=(0,)),
-    "ConstantOfShape": OpSpec(op_constant_of_shape, params=(0,), attrs=("value",)),
-    "Range": OpSpec(op_range, params=(0, 1, 2), min_inputs=3),
+    "ConstantOfShape": OpSpec(op_constant_of_shape, static=(0,), attrs=("value",)),
+    "Range": OpSpec(op_range, static=(0, 1, 2), attrs=("stash_type",), min_inputs=3),
+    "Ceil": OpSpec(_uf(ceil)), "Round": OpSpec(_uf(round_half_even)), "Sign": OpSpec(op_sign),
+    "Mod": OpSpec(op_mod, attrs=("fmod",), min_inputs=2),
+    **{op: OpSpec(op_trig(op.lower())) for op in ("Tan", "Asin", "Acos", "Atan", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh")},
+    "PRelu": OpSpec(op_prelu, params=(1,), min_inputs=2), "Selu": OpSpec(op_selu, attrs=("alpha", "gamma")),
+    "Celu": OpSpec(op_celu, attrs=("alpha",)), "Mish": OpSpec(op_mish), "Softsign": OpSpec(op_softsign),
+    "Shrink": OpSpec(op_shrink, attrs=("bias", "lambd")), "ThresholdedRelu": OpSpec(op_thresholded_relu, attrs=("alpha",)),
+    "Swish": OpSpec(op_swish, attrs=("alpha",)),
+    "IsInf": OpSpec(op_is_inf, attrs=("detect_negative", "detect_positive")), "IsNaN": OpSpec(op_is_nan),
+    "BitwiseAnd": OpSpec(_b(lambda a, b: a & b), min_inputs=2), "BitwiseOr": OpSpec(_b(lambda a, b: a | b), min_inputs=2),
+    "BitwiseXor": OpSpec(_b(lambda a, b: a ^ b), min_inputs=2), "BitwiseNot": OpSpec(_u(lambda x: ~x)),
+    "GatherElements": OpSpec(op_gather_elements, attrs=("axis",), min_inputs=2),
+    "GatherND": OpSpec(op_gather_nd, attrs=("batch_dims",), min_inputs=2),
+    "ScatterElements": OpSpec(op_scatter_elements, attrs=("axis", "reduction"), min_inputs=3),
+    "Scatter": OpSpec(op_scatter_elements, attrs=("axis",), min_inputs=3),
+    "ScatterND": OpSpec(op_scatter_nd, attrs=("reduction",), min_inputs=3),
+    "OneHot": OpSpec(op_one_hot, params=(2,), static=(1,), attrs=("axis",), min_inputs=3),
+    "Trilu": OpSpec(op_trilu, static=(1,), attrs=("upper",)),
+    "CumSum": OpSpec(op_cumsum, static=(1,), attrs=("exclusive", "reverse"), min_inputs=2),
+    "TopK": OpSpec(op_top_k, static=(1,), attrs=("axis", "largest", "sorted", "k")),
+    "InstanceNormalization": OpSpec(op_instance_norm, params=(1, 2), attrs=("epsilon",), min_inputs=3),
+    "GroupNormalization": OpSpec(op_group_norm, params=(1, 2), attrs=("epsilon", "num_groups", "stash_type"), min_inputs=3),
+    "RMSNormalization": OpSpec(op_rms_norm, params=(1,), attrs=("axis", "epsilon", "stash_type"), min_inputs=2),
+    "LpNormalization": OpSpec(op_lp_norm, attrs=("axis", "p")),
+    "MeanVarianceNormalization": OpSpec(op_mean_variance_norm, attrs=("axes",)),
+    "LRN": OpSpec(op_lrn, attrs=("alpha", "beta", "bias", "size")),
+    "DepthToSpace": OpSpec(op_depth_to_space, attrs=("blocksize", "mode")),
+    "SpaceToDepth": OpSpec(op_space_to_depth, attrs=("blocksize", "mode")),
     "Constant": OpSpec(op_constant, attrs=("value", "value_float", "value_floats", "value_int", "value_ints", "sparse_value",
                                            "value_string", "value_strings"), min_inputs=0),
 }
 
-__all__ = ["FOLDS", "OPS", "SUPPORTED_NP", "OpSpec"]
+# The since_versions each handler implements, from opset 7 (the oldest accepted) to the installed
+# onnx's newest. A version absent here is refused at load, naming the ones that are here; versions
+# that only add element types (bfloat16, float8, int4 …) are listed: the dtype check refuses those.
+VERSIONS: dict[str, tuple[int, ...]] = {
+    "Abs": (6, 13), "Add": (7, 13, 14), "And": (7,), "ArgMax": (1, 11, 12, 13), "ArgMin": (1, 11, 12, 13),
+    "AveragePool": (7, 10, 11, 19, 22), "BatchNormalization": (7, 9, 14, 15),
+    "Cast": (6, 9, 13, 19, 21, 23, 24, 25, 28), "CastLike": (15, 19, 21, 23, 24, 25), "Clip": (6, 11, 12, 13),
+    "Concat": (4, 11, 13), "Constant": (1, 9, 11, 12, 13, 19, 21, 23, 24, 25),
+    "ConstantOfShape": (9, 20, 21, 23, 24, 25), "Conv": (1, 11, 22), "ConvTranspose": (1, 11, 22), "Cos": (7, 22),
+    "Div": (7, 13, 14), "Dropout": (7, 10, 12, 13, 22), "Elu": (6, 22), "Equal": (7, 11, 13, 19), "Erf": (9, 13),
+    "Exp": (6, 13), "Expand": (8, 13), "Flatten": (1, 9, 11, 13, 21, 23, 24, 25), "Floor": (6, 13),
+    "Gather": (1, 11, 13), "Gelu": (20,), "Gemm": (7, 9, 11, 13), "GlobalAveragePool": (1, 22),
+    "GlobalMaxPool": (1, 22), "Greater": (7, 9, 13), "GreaterOrEqual": (12, 16), "Hardmax": (1, 11, 13),
+    "HardSigmoid": (6, 22), "HardSwish": (14, 22), "Identity": (1, 13, 14, 16, 19, 21, 23, 24, 25),
+    "LayerNormalization": (17,), "LeakyRelu": (6, 16), "Less": (7, 9, 13), "LessOrEqual": (12, 16),
+    "Log": (6, 13), "LogSoftmax": (1, 11, 13), "MatMul": (1, 9, 13), "Max": (6, 8, 12, 13),
+    "MaxPool": (1, 8, 10, 11, 12, 22), "Mean": (6, 8, 13), "Min": (6, 8, 12, 13), "Mul": (7, 13, 14),
+    "Neg": (6, 13), "Not": (1,), "Or": (7,), "Pad": (2, 11, 13, 18, 19, 21, 23, 24, 25), "Pow": (7, 12, 13, 15),
+    "Range": (11, 27), "Reciprocal": (6, 13), "ReduceL1": (1, 11, 13, 18), "ReduceL2": (1, 11, 13, 18),
+    "ReduceLogSumExp": (1, 11, 13, 18, 28), "ReduceMax": (1, 11, 12, 13, 18, 20), "ReduceMean": (1, 11, 13, 18),
+    "ReduceMin": (1, 11, 12, 13, 18, 20), "ReduceProd": (1, 11, 13, 18), "ReduceSum": (1, 11, 13),
+    "ReduceSumSquare": (1, 11, 13, 18), "Relu": (6, 13, 14), "Reshape": (5, 13, 14, 19, 21, 23, 24, 25),
+    "Resize": (10, 11, 13, 18, 19), "Shape": (1, 13, 15, 19, 21, 23, 24, 25), "Sigmoid": (6, 13), "Sin": (7, 22),
+    "Size": (1, 13, 19, 21, 23, 24, 25), "Slice": (1, 10, 11, 13), "Softmax": (1, 11, 13), "Softplus": (1, 22),
+    "Split": (2, 11, 13, 18), "Sqrt": (6, 13), "Squeeze": (1, 11, 13, 21, 23, 24, 25), "Sub": (7, 13, 14),
+    "Sum": (6, 8, 13), "Tanh": (6, 13), "Tile": (6, 13), "Transpose": (1, 13, 21, 23, 24, 25),
+    "Unsqueeze": (1, 11, 13, 21, 23, 24, 25), "Upsample": (7, 9), "Where": (9, 16), "Xor": (7,),
+    "Ceil": (6, 13), "Round": (11, 22), "Sign": (9, 13), "Mod": (10, 13, 28), "Tan": (7, 22), "Asin": (7, 22),
+    "Acos": (7, 22), "Atan": (7, 22), "Sinh": (9, 22), "Cosh": (9, 22), "Asinh": (9, 22), "Acosh": (9, 22),
+    "Atanh": (9, 22), "PRelu": (7, 9, 16), "Selu": (6, 22), "Celu": (12, 28), "Mish": (18, 22), "Softsign": (1, 22),
+    "Shrink": (9,), "ThresholdedRelu": (10, 22), "Swish": (24,), "IsInf": (10, 20), "IsNaN": (9, 13, 20),
+    "BitwiseAnd": (18,), "BitwiseOr": (18,), "BitwiseXor": (18,), "BitwiseNot": (18,),
+    "GatherElements": (11, 13), "GatherND": (11, 12, 13), "ScatterElements": (11, 13, 16, 18), "Scatter": (9,),
+    "ScatterND": (11, 13, 16, 18), "OneHot": (9, 11, 28), "Trilu": (14,), "CumSum": (11, 14), "TopK": (1, 10, 11, 24),
+    "InstanceNormalization": (6, 22), "GroupNormalization": (18, 21), "RMSNormalization": (23,),
+    "LpNormalization": (1, 22), "MeanVarianceNormalization": (9, 13), "LRN": (1, 13),
+    "DepthToSpace": (1, 11, 13, 28), "SpaceToDepth": (1, 13, 28),
+}
+for _name, _spec in OPS.items():
+    _spec.versions = frozenset(VERSIONS.get(_name, ()))  # an op missing here is refused at every version
+
+__all__ = ["FOLDS", "OPS", "SUPPORTED_NP", "VERSIONS", "OpSpec"]

@@ -51,6 +51,9 @@ def op_mean(ctx: Any, *xs: Tensor) -> Tensor:
 
 
 def op_clip(ctx: Any, x: Tensor, low: Value = None, high: Value = None) -> Tensor:
+    if ctx.since < 11:  # version 6: float attributes, absent meaning unbounded
+        low = np.array(ctx.attr("min"), x.dtype.np) if ctx.has_attr("min") else None
+        high = np.array(ctx.attr("max"), x.dtype.np) if ctx.has_attr("max") else None
     for bound, fn in ((low, Tensor.maximum), (high, Tensor.minimum)):
         if bound is None or (isinstance(bound, np.ndarray) and bound.size == 0):
             continue
@@ -79,8 +82,15 @@ def op_hard_swish(ctx: Any, x: Tensor) -> Tensor:
     return x * (x * (1.0 / 6.0) + 0.5).maximum(0.0).minimum(1.0)
 
 
+def log1p(u: Tensor) -> Tensor:
+    """log(1 + u) without the rounding of 1 + u (Goldberg's trick: exact to a few ulp for small u)."""
+    w = u + 1.0
+    d = w - 1.0
+    return (d == 0.0).where(u, w.log() * (u / d))
+
+
 def op_softplus(ctx: Any, x: Tensor) -> Tensor:
-    return x.maximum(0.0) + ((x.abs() * -1.0).exp() + 1.0).log()
+    return x.maximum(0.0) + log1p((x.abs() * -1.0).exp())
 
 
 def op_gelu(ctx: Any, x: Tensor) -> Tensor:
@@ -107,8 +117,152 @@ def op_identity(ctx: Any, x: Tensor) -> Tensor:
 
 
 def op_dropout(ctx: Any, x: Tensor, ratio: Value = None, training: Value = None) -> Any:
+    """Inference: the identity. The mask as onnxruntime gives it: all zeros of x's dtype in version 7,
+    all false in 10, all true from 12 on (onnx's reference gives all true throughout)."""
     if training is not None and bool(static(ctx, training, "training_mode").reshape(-1)[0]):
         raise ctx.error("training_mode=True is not supported (inference only)")
     if ctx.n_outputs > 1:
+        if ctx.since < 12:
+            return x, np.zeros(x.shape, np.bool_ if ctx.since >= 10 else x.dtype.np)
         return x, np.ones(x.shape, np.bool_)
     return x
+
+
+# ---- rounding, sign, remainder -------------------------------------------------------------------
+
+def ceil(x: Tensor) -> Tensor:
+    return (x.neg().floor()).neg()
+
+
+def round_half_even(x: Tensor) -> Tensor:
+    """Round to nearest, ties to even (ONNX Round, numpy.round)."""
+    low = x.floor()
+    frac = x - low
+    even = (low - (low * 0.5).floor() * 2.0) == 0.0
+    up = (frac > 0.5) | ((frac == 0.5) & even.logical_not())
+    return up.where(low + 1.0, low)
+
+
+def op_sign(ctx: Any, x: Tensor) -> Tensor:
+    if x.dtype.is_bool:
+        raise ctx.error("Sign of bool is not defined")
+    return (x > 0).where(scalar_like(x, 1), (x < 0).where(scalar_like(x, -1), x * scalar_like(x, 0)))
+
+
+def op_mod(ctx: Any, a: Tensor, b: Tensor) -> Tensor:
+    """fmod=0: the remainder with the divisor's sign (numpy's %; floats from version 28); fmod=1:
+    with the dividend's sign (C fmod)."""
+    fmod = bool(ctx.attr("fmod", 0))
+    if not fmod and a.dtype.is_float and ctx.since < 28:  # version 28 defines it for floats (numpy's %)
+        raise ctx.error("fmod=0 is defined for integer inputs only before version 28 (set fmod=1 for floats)")
+    r = a % b
+    if not fmod:
+        return r
+    return ((r != 0) & ((a < 0) != (b < 0))).where(r - b, r)
+
+
+# ---- trigonometric and hyperbolic ------------------------------------------------------------------
+
+def atan(x: Tensor) -> Tensor:
+    """Cephes atanf: argument reduction to |x| <= tan(pi/8), a degree-9 odd polynomial (~2 ulp float32)."""
+    ax = x.abs()
+    big, mid = ax > 2.414213562373095, ax > 0.4142135623730950
+    reduced = big.where(ax.maximum(1e-30).reciprocal().neg(), mid.where((ax - 1.0) / (ax + 1.0), ax))
+    quarter = Tensor.full((), math.pi / 4, x.dtype, x.device)  # a tensor branch: where() of two Python floats is float64
+    offset = big.where(quarter * 2.0, mid.where(quarter, 0.0))
+    z = reduced * reduced
+    poly = (((z * 8.05374449538e-2 - 1.38776856032e-1) * z + 1.99777106478e-1) * z - 3.33329491539e-1) * z * reduced + reduced
+    y = offset + poly
+    return (x < 0).where(y.neg(), y)
+
+
+def asin(x: Tensor) -> Tensor:
+    return atan(x / (1.0 - x * x).maximum(0.0).sqrt())
+
+
+def acos(x: Tensor) -> Tensor:
+    return asin(x).neg() + math.pi / 2
+
+
+def op_trig(kind: str) -> Callable[..., Tensor]:
+    def handler(ctx: Any, x: Tensor) -> Tensor:
+        if not x.dtype.is_float:
+            raise ctx.error(f"input dtype {x.dtype.name} is not supported (float32/float64 only)")
+        if kind == "tan":
+            return x.sin() / x.cos()
+        if kind == "atan":
+            return atan(x)
+        if kind == "asin":
+            return asin(x)
+        if kind == "acos":
+            return acos(x)
+        if kind == "sinh":
+            return (x.exp() - x.neg().exp()) * 0.5
+        if kind == "cosh":
+            return (x.exp() + x.neg().exp()) * 0.5
+        if kind == "asinh":
+            ax = x.abs()
+            y = (ax + (ax * ax + 1.0).sqrt()).log()
+            return (x < 0).where(y.neg(), y)
+        if kind == "acosh":
+            return (x + (x * x - 1.0).sqrt()).log()
+        if kind == "atanh":
+            return ((x + 1.0) / (1.0 - x)).log() * 0.5
+        raise AssertionError(kind)
+    return handler
+
+
+# ---- activations ---------------------------------------------------------------------------------
+
+def op_prelu(ctx: Any, x: Tensor, slope: Value) -> Tensor:
+    return (x < 0).where(x * as_tensor(ctx, slope, "slope"), x)
+
+
+def op_selu(ctx: Any, x: Tensor) -> Tensor:
+    alpha, gamma = ctx.attr("alpha", 1.67326319217681884765625), ctx.attr("gamma", 1.05070102214813232421875)
+    return (x > 0).where(x * gamma, (x.exp() * alpha - alpha) * gamma)
+
+
+def op_celu(ctx: Any, x: Tensor) -> Tensor:
+    alpha = ctx.attr("alpha", 1.0)
+    return x.maximum(0.0) + ((x / alpha).exp() - 1.0).minimum(0.0) * alpha
+
+
+def op_mish(ctx: Any, x: Tensor) -> Tensor:
+    return x * tanh(op_softplus(ctx, x))
+
+
+def op_softsign(ctx: Any, x: Tensor) -> Tensor:
+    return x / (x.abs() + 1.0)
+
+
+def op_shrink(ctx: Any, x: Tensor) -> Tensor:
+    lambd, bias = ctx.attr("lambd", 0.5), ctx.attr("bias", 0.0)
+    if x.dtype.is_float:
+        return (x < -lambd).where(x + bias, (x > lambd).where(x - bias, x * 0.0))
+    lo, hi = scalar_like(x, bias), scalar_like(x, 0)
+    return (x < -lambd).where(x + lo, (x > lambd).where(x - lo, x * hi))
+
+
+def op_thresholded_relu(ctx: Any, x: Tensor) -> Tensor:
+    return (x > ctx.attr("alpha", 1.0)).where(x, x * 0.0)
+
+
+def op_swish(ctx: Any, x: Tensor) -> Tensor:
+    return x * (x * ctx.attr("alpha", 1.0)).sigmoid()
+
+
+def op_is_inf(ctx: Any, x: Tensor) -> Tensor:
+    if not x.dtype.is_float:
+        return Tensor.full(x.shape, False, dtypes.bool_, x.device)
+    pos, neg = ctx.attr("detect_positive", 1), ctx.attr("detect_negative", 1)
+    hit = (x == float("inf")) if pos else None
+    if neg:
+        hit = (x == float("-inf")) if hit is None else hit | (x == float("-inf"))
+    return hit if hit is not None else Tensor.full(x.shape, False, dtypes.bool_, x.device)
+
+
+def op_is_nan(ctx: Any, x: Tensor) -> Tensor:
+    if not x.dtype.is_float:
+        return Tensor.full(x.shape, False, dtypes.bool_, x.device)
+    return x.isnan()

@@ -11,7 +11,7 @@ import numpy as np
 from tinydist.onnx.ops._common import ints, norm_axis
 from tinydist.onnx.ops.shape import (
     _squeeze_axes, expand_shape, op_constant, op_constant_of_shape, op_range, op_shape, op_size,
-    reshape_target, slice_plan, split_sizes, squeeze_shape, unsqueeze_shape,
+    reshape_target, slice_inputs, slice_plan, split_sizes, squeeze_shape, unsqueeze_shape,
 )
 
 
@@ -43,8 +43,8 @@ def _fold_gather(ctx: Any, data: np.ndarray, idx: np.ndarray) -> np.ndarray:
     return np.take(data, np.where(idx < 0, idx + n, idx), axis=axis)
 
 
-def _fold_slice(ctx: Any, x: np.ndarray, starts: Any, ends: Any, axes: Any = None, steps: Any = None) -> np.ndarray:
-    plan = slice_plan(ctx, x.shape, starts, ends, axes, steps)
+def _fold_slice(ctx: Any, x: np.ndarray, starts: Any = None, ends: Any = None, axes: Any = None, steps: Any = None) -> np.ndarray:
+    plan = slice_plan(ctx, x.shape, *slice_inputs(ctx, starts, ends, axes, steps))
     return x[tuple(slice(s, s + p * c, p) if p > 0 else (slice(s, s + p * c if s + p * c >= 0 else None, p))
                    for s, p, c in plan)]
 

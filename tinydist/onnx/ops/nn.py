@@ -243,7 +243,7 @@ def op_max_pool(ctx: Any, x: Tensor) -> Any:
 
 def op_average_pool(ctx: Any, x: Tensor) -> Tensor:
     require_float(ctx, x)
-    x, kernel, strides, dilations, pairs, outs, nd = _pool_setup(ctx, x, ctx.opset >= 19)
+    x, kernel, strides, dilations, pairs, outs, nd = _pool_setup(ctx, x, ctx.since >= 19)
     include_pad = bool(ctx.attr("count_include_pad", 0))
 
     def divisor() -> np.ndarray:
@@ -277,10 +277,14 @@ def op_batch_norm(ctx: Any, x: Tensor, scale: Value, bias: Value, mean: Value, v
     require_float(ctx, x)
     eps = ctx.attr("epsilon", 1e-5)
     shape = (1, x.shape[1]) + (1,) * (x.ndim - 2)
+    if ctx.since < 9 and not ctx.attr("spatial", 1):  # version 7, spatial=0: parameters per (C, D1, …) element
+        shape = (1,) + x.shape[1:]
     if all(isinstance(v, np.ndarray) for v in (scale, bias, mean, var)):
         a = (scale / np.sqrt(var + var.dtype.type(eps))).astype(x.dtype.np)
         b = (bias - mean * a).astype(x.dtype.np)
         return x * ctx.lift("a", a.reshape(shape)) + ctx.lift("b", b.reshape(shape))
+    if ctx.since < 9 and not ctx.attr("spatial", 1):
+        raise ctx.error("spatial=0 with parameters computed at run time is not supported")
     s, bi, m, v = (as_tensor(ctx, t, k).reshape(shape) for t, k in ((scale, "s"), (bias, "bi"), (mean, "m"), (var, "v")))
     return (x - m) / (v + eps).sqrt() * s + bi
 
@@ -304,8 +308,10 @@ def op_layer_norm(ctx: Any, x: Tensor, scale: Tensor, bias: Tensor | None = None
 
 
 def _softmax_like(ctx: Any, x: Tensor, log: bool) -> Tensor:
+    """Versions 1 and 11: x flattened to 2-D at `axis` (default 1), normalised over the second
+    axis; 13 on: one axis (default -1)."""
     require_float(ctx, x)
-    if ctx.opset < 13:
+    if ctx.since < 13:
         axis = norm_axis(ctx, ctx.attr("axis", 1), x.ndim)
         flat = x.reshape(math.prod(x.shape[:axis]), math.prod(x.shape[axis:]))
         y = flat.log_softmax(1) if log else flat.softmax(1)
@@ -323,7 +329,7 @@ def _resize_coords(ctx: Any, mode: str, size: int, out: int, scale: float) -> np
         return (i + 0.5) / scale - 0.5
     if mode == "pytorch_half_pixel":
         return (i + 0.5) / scale - 0.5 if out > 1 else np.zeros(out)
-    if mode == "align_corners":
+    if mode == "align_corners":  # over the output length, as onnxruntime (onnx's reference: size·scale unrounded)
         return i * (size - 1) / (out - 1) if out > 1 else np.zeros(out)
     if mode == "asymmetric":
         return i / scale
@@ -349,7 +355,24 @@ def _nearest(ctx: Any, rule: str, coords: np.ndarray, size: int) -> np.ndarray:
     return np.clip(idx, 0, size - 1).astype(np.int64)
 
 
+def op_upsample(ctx: Any, x: Tensor, scales: Value = None) -> Tensor:
+    """Upsample 7 (scales attribute) and 9 (scales input): Resize 10's semantics."""
+    if ctx.since < 9:
+        scales = np.array(ctx.attr("scales"), np.float32)
+    elif scales is None:
+        raise ctx.error("the scales input is required")
+    return _resize(ctx, x, scales, None, legacy=True)
+
+
 def op_resize(ctx: Any, x: Tensor, roi: Value = None, scales: Value = None, sizes: Value = None) -> Tensor:
+    if ctx.since < 11:  # version 10: inputs (X, scales)
+        return _resize(ctx, x, roi, None, legacy=True)
+    return _resize(ctx, x, scales, sizes, legacy=False)
+
+
+def _resize(ctx: Any, x: Tensor, scales: Value, sizes: Value, legacy: bool) -> Tensor:
+    """Resize. `legacy` (Resize 10, Upsample): asymmetric coordinates, and nearest as onnxruntime's
+    rule for those versions: the floor when an axis grows, the ceiling when it shrinks."""
     mode = ctx.attr("mode", "nearest")
     if mode not in ("nearest", "linear"):
         raise ctx.error(f"mode={mode!r} is not supported (nearest, linear)")
@@ -357,7 +380,7 @@ def op_resize(ctx: Any, x: Tensor, roi: Value = None, scales: Value = None, size
         raise ctx.error("antialias=1 is not supported")
     if ctx.attr("keep_aspect_ratio_policy", "stretch") != "stretch":
         raise ctx.error(f"keep_aspect_ratio_policy={ctx.attr('keep_aspect_ratio_policy')!r} is not supported (stretch)")
-    ctm = ctx.attr("coordinate_transformation_mode", "half_pixel")
+    ctm = "asymmetric" if legacy else ctx.attr("coordinate_transformation_mode", "half_pixel")
     if ctm == "tf_crop_and_resize":
         raise ctx.error("coordinate_transformation_mode='tf_crop_and_resize' is not supported")
     if mode == "linear":
@@ -386,7 +409,7 @@ def op_resize(ctx: Any, x: Tensor, roi: Value = None, scales: Value = None, size
             continue
         coords = _resize_coords(ctx, ctm, size, out, scale)
         if mode == "nearest":
-            idx = _nearest(ctx, rule, coords, size)
+            idx = _nearest(ctx, ("ceil" if scale < 1 else "floor") if legacy else rule, coords, size)
             if out % size == 0 and np.array_equal(idx, np.arange(out) // (out // size)):
                 k = out // size  # plain repeat: an expand, no gather
                 shape = x.shape
@@ -415,3 +438,22 @@ def op_resize(ctx: Any, x: Tensor, roi: Value = None, scales: Value = None, size
                 back[src] = pos
             x = y.permute(tuple(back))
     return x
+
+
+def op_hardmax(ctx: Any, x: Tensor) -> Tensor:
+    """1 at the first maximum along the axis, 0 elsewhere; versions 1 and 11 over x flattened to
+    2-D at `axis` (default 1), as Softmax."""
+    require_float(ctx, x)
+    if ctx.since < 13:
+        axis = norm_axis(ctx, ctx.attr("axis", 1), x.ndim)
+        flat = x.reshape(math.prod(x.shape[:axis]), math.prod(x.shape[axis:]))
+        return _hardmax(ctx, flat, 1).reshape(x.shape)
+    return _hardmax(ctx, x, norm_axis(ctx, ctx.attr("axis", -1), x.ndim))
+
+
+def _hardmax(ctx: Any, x: Tensor, axis: int) -> Tensor:
+    n = x.shape[axis]
+    positions = ctx.lift(("pos", x.ndim, axis, n), np.arange(n, dtype=np.int64).reshape(
+        tuple(-1 if i == axis else 1 for i in range(x.ndim))))
+    first = (x == x.max(axis, keepdim=True)).where(positions, n).min(axis, keepdim=True)
+    return (positions == first).cast(x.dtype)

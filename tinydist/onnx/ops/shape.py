@@ -21,9 +21,11 @@ from tinydist.tensor import Tensor
 # ---- reductions -----------------------------------------------------------------------------
 
 def _reduce(kind: str, axes_input_since: int) -> Callable[..., Tensor]:
+    """Reduce* before `axes_input_since` (13 for ReduceSum, 18 for the others): an `axes` attribute;
+    from then on an optional `axes` input and `noop_with_empty_axes`."""
     def handler(ctx: Any, x: Tensor, axes_in: Value = None) -> Tensor:
         keep = bool(ctx.attr("keepdims", 1))
-        if ctx.opset >= axes_input_since:
+        if ctx.since >= axes_input_since:
             axes = ints(ctx, axes_in, "axes") if axes_in is not None else []
         else:
             axes = list(ctx.attr("axes", []))
@@ -111,7 +113,7 @@ def op_transpose(ctx: Any, x: Tensor) -> Tensor:
 
 
 def _squeeze_axes(ctx: Any, axes_in: Value) -> list[int] | None:
-    if ctx.opset >= 13:
+    if ctx.since >= 13:  # versions 1 and 11: the axes attribute
         return ints(ctx, axes_in, "axes") if axes_in is not None else None
     return list(ctx.attr("axes")) if ctx.has_attr("axes") else None
 
@@ -153,13 +155,13 @@ def op_concat(ctx: Any, *xs: Tensor) -> Tensor:
 
 
 def split_sizes(ctx: Any, dim: int, split: Value) -> list[int]:
-    if ctx.opset >= 13:
+    if ctx.since >= 13:  # versions 2 and 11: the split attribute
         sizes = ints(ctx, split, "split") if split is not None else None
     else:
         sizes = list(ctx.attr("split")) if ctx.has_attr("split") else None
     if sizes is None:
-        count = ctx.attr("num_outputs", ctx.n_outputs) if ctx.opset >= 18 else ctx.n_outputs
-        if ctx.opset >= 18 and ctx.has_attr("num_outputs"):
+        count = ctx.attr("num_outputs", ctx.n_outputs) if ctx.since >= 18 else ctx.n_outputs
+        if ctx.since >= 18 and ctx.has_attr("num_outputs"):
             chunk = -(-dim // count)
             sizes = [min(chunk, dim - i * chunk) for i in range(count)]
         else:
@@ -197,8 +199,19 @@ def slice_plan(ctx: Any, shape: Sequence[int], starts: Value, ends: Value, axes:
     return plan
 
 
-def op_slice(ctx: Any, x: Tensor, starts: Value, ends: Value, axes: Value = None, steps: Value = None) -> Tensor:
-    plan = slice_plan(ctx, x.shape, starts, ends, axes, steps)
+def slice_inputs(ctx: Any, starts: Value, ends: Value, axes: Value, steps: Value) -> tuple[Value, Value, Value, Value]:
+    """Version 1: starts, ends and axes are attributes (no steps); 10 on: inputs."""
+    if ctx.since >= 10:
+        if starts is None or ends is None:
+            raise ctx.error("the starts and ends inputs are required")
+        return starts, ends, axes, steps
+    axes_attr = ctx.attr("axes", None)
+    return (np.array(ctx.attr("starts"), np.int64), np.array(ctx.attr("ends"), np.int64),
+            None if axes_attr is None else np.array(axes_attr, np.int64), None)
+
+
+def op_slice(ctx: Any, x: Tensor, starts: Value = None, ends: Value = None, axes: Value = None, steps: Value = None) -> Tensor:
+    plan = slice_plan(ctx, x.shape, *slice_inputs(ctx, starts, ends, axes, steps))
     out_shape = tuple(c for _, _, c in plan)
     if 0 in out_shape:
         return Tensor.full(out_shape, 0, x.dtype, x.device)  # on x's device: it meets x's neighbours
@@ -280,9 +293,16 @@ def pad_pairs(ctx: Any, ndim: int, pads: Value, axes: Value) -> list[tuple[int, 
 
 def op_pad(ctx: Any, x: Tensor, pads: Value = None, value: Value = None, axes: Value = None) -> Tensor:
     mode = ctx.attr("mode", "constant")
+    if ctx.since < 11:  # version 2: pads and the (float) fill value are attributes
+        pads, value = np.array(ctx.attr("pads"), np.int64), np.array(ctx.attr("value", 0.0))
+    elif pads is None:
+        raise ctx.error("the pads input is required")
     pairs = pad_pairs(ctx, x.ndim, pads, axes)
     if mode == "constant":
-        v = 0 if value is None or static(ctx, value, "constant_value").size == 0 else static(ctx, value, "constant_value").reshape(-1)[0]
+        if isinstance(value, Tensor):  # a fill computed at run time: select it outside the input
+            inside = pad_value(Tensor.full(x.shape, True, dtypes.bool_, x.device), pairs, False)
+            return inside.where(pad_value(x, pairs, 0), value.reshape(()).cast(x.dtype))
+        v = 0 if value is None or value.size == 0 else value.reshape(-1)[0]
         return pad_value(x, pairs, scalar_like(x, v))
     if mode not in ("edge", "reflect", "wrap"):
         raise ctx.error(f"mode={mode!r} is not supported")
@@ -301,7 +321,7 @@ def op_pad(ctx: Any, x: Tensor, pads: Value = None, value: Value = None, axes: V
             sources = list(range(before, 0, -1)) + list(range(size)) + list(range(size - 2, size - 2 - after, -1))
         else:
             sources = [(i - before) % size for i in range(size + before + after)]
-        pieces = []
+        pieces: list[tuple[int, int, int]] = []  # (start, stop, step) runs of consecutive sources
         for s in sources:
             if pieces and pieces[-1][1] == s and pieces[-1][2] == 1:
                 pieces[-1] = (pieces[-1][0], s + 1, 1)
@@ -316,7 +336,7 @@ def op_pad(ctx: Any, x: Tensor, pads: Value = None, value: Value = None, axes: V
 def op_shape(ctx: Any, x: Value) -> np.ndarray:
     shape = np.array(x.shape, dtype=np.int64)
     start, end = ctx.attr("start", 0), ctx.attr("end", None)
-    return shape[start:end] if ctx.opset >= 15 else shape
+    return shape[start:end] if ctx.since >= 15 else shape
 
 
 def op_size(ctx: Any, x: Value) -> np.ndarray:
@@ -330,8 +350,8 @@ def op_constant_of_shape(ctx: Any, shape: Value) -> np.ndarray:
 
 
 def op_range(ctx: Any, start: Value, limit: Value, delta: Value) -> np.ndarray:
-    s, l, d = (static(ctx, v, n) for v, n in ((start, "start"), (limit, "limit"), (delta, "delta")))
-    count = max(int(math.ceil((l.item() - s.item()) / d.item())), 0)
+    s, lim, d = (static(ctx, v, n) for v, n in ((start, "start"), (limit, "limit"), (delta, "delta")))
+    count = max(int(math.ceil((lim.item() - s.item()) / d.item())), 0)
     return (s.item() + np.arange(count) * d.item()).astype(s.dtype)
 
 

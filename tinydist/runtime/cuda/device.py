@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -46,7 +47,7 @@ from tinydist.runtime.program import Program, check_signature
 
 STAGING_CHUNK = 64 << 20  # host staging between devices without peer access
 JIT_LOG_BYTES = 64 << 10
-_ARG_TYPES = {"r": ctypes.c_uint64, "w": ctypes.c_uint64, "rw": ctypes.c_uint64,
+_ARG_TYPES: dict[str, type[ctypes._SimpleCData[Any]]] = {"r": ctypes.c_uint64, "w": ctypes.c_uint64, "rw": ctypes.c_uint64,
               "i64": ctypes.c_int64, "f64": ctypes.c_double, "f32": ctypes.c_float}
 
 
@@ -152,7 +153,7 @@ class CUDADevice(Device):
             drv = cu.load()
         except cu.DriverUnavailable as exc:
             raise DeviceUnavailable(f"{self.name} cannot open: {exc}") from exc
-        undo: list[Callable[[], None]] = []
+        undo: list[Callable[[], object]] = []
         try:
             count = drv.out_int("cuDeviceGetCount")
             if self.index >= count:
@@ -171,7 +172,7 @@ class CUDADevice(Device):
             for kind in self.queue_kinds:
                 stream = drv.out_pointer("cuStreamCreate", cu.STREAM_NON_BLOCKING)
                 self.streams[kind] = stream
-                undo.append(lambda stream=stream: drv.call("cuStreamDestroy_v2", stream))
+                undo.append(partial(drv.call, "cuStreamDestroy_v2", stream))
             self._allocator = CUDAAllocator(self, total.value, settings.ALLOCATOR_CACHE)
         except BaseException:
             for step in reversed(undo):
@@ -207,8 +208,8 @@ class CUDADevice(Device):
         except cu.CUDAError as exc:
             errors.append(exc)
         self._modules, self.streams, self.context = [], {}, 0
-        for exc in errors:
-            self.log.error("CUDA close step failed", error=str(exc))
+        for error in errors:
+            self.log.error("CUDA close step failed", error=str(error))
 
     # ---- context, streams, batches -----------------------------------------------------------
 

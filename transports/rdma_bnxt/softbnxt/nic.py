@@ -250,7 +250,10 @@ class SoftNic:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self.waiters.append(fut)
-        handle = loop.call_later(max(timeout, 0), lambda: fut.done() or fut.set_result(False))
+        def expire() -> None:
+            if not fut.done():
+                fut.set_result(False)
+        handle = loop.call_later(max(timeout, 0), expire)
         try:
             return await fut
         finally:
@@ -472,6 +475,7 @@ class SoftNic:
                 return
             self.cmdq = dict(pbl=pbl, pages=self._walk_pbl(size_lvl & 3, pbl, 1, queue=True), creq_id=creq_id)
             self.cmdq_cons, self.cmdq_first_seen = 0, False
+        pages = self.cmdq["pages"]
         prod_raw = self.bar0_read32(hsi.CMDQ_PROD_OFF)
         if not self.cmdq_first_seen:
             if not prod_raw & hsi.FIRMWARE_FIRST_FLAG:
@@ -483,22 +487,22 @@ class SoftNic:
         for _ in range(n):                                   # bounded: at most one ring of slots per trigger
             if (self.cmdq_cons & 0xffff) == prod:
                 break
-            head = self._cmdq_read(self.cmdq_cons, 1)
+            head = self._cmdq_read(pages, self.cmdq_cons, 1)
             opcode, cmd_size, _flags, cookie, _rs, _ra = hsi.CMDQ_BASE.unpack(head)
             avail = (prod - self.cmdq_cons) & 0xffff
             if not 1 <= cmd_size <= avail:
                 self.counters["rcfw_bad_cmd_size"] += 1
                 self.cmdq_cons = prod
                 break
-            cmd = self._cmdq_read(self.cmdq_cons, cmd_size)
+            cmd = self._cmdq_read(pages, self.cmdq_cons, cmd_size)
             self.cmdq_cons += cmd_size
             self._rcfw_exec(opcode, cookie, cmd)
 
-    def _cmdq_read(self, start: int, slots: int) -> bytes:
+    def _cmdq_read(self, pages: list[int], start: int, slots: int) -> bytes:
         out = b""
         for i in range(slots):
             off = ((start + i) % hsi.CMDQ_ENTRIES) * 16
-            out += bytes(self.mem.read(self._queue_addr(self.cmdq["pages"], off), 16))
+            out += bytes(self.mem.read(self._queue_addr(pages, off), 16))
         return out
 
     def _rcfw_exec(self, opcode: int, cookie: int, cmd: bytes) -> None:
@@ -696,10 +700,10 @@ class SoftNic:
             off += take
             n -= take
 
-    def _mr_read(self, mr: Mr, va: int, n: int) -> list:
+    def _mr_read(self, mr: Mr, va: int, n: int) -> list[np.ndarray]:
         """The source bytes of a send: views of host memory where contiguous (a requester must not touch a
         buffer until its WQE completes, so retransmissions may read it again), copies otherwise."""
-        out = []
+        out: list[np.ndarray] = []
         for pa, k in self._mr_runs(mr, va, n):
             v = self.mem.view(pa, k)
             out.append(v if v is not None else self.mem.read(pa, k))
@@ -847,7 +851,7 @@ class SoftNic:
             head = wire.pack(op, qp.dest_qpn, first_psn + k, n, wire.F_ACK_REQ if last else 0, qp.dgid,
                              rva if first and is_write else 0, rkey if first and is_write else 0,
                              length if first and is_write else 0, 0, len(chunk))
-            frames.append([head, memoryview(chunk)] if len(chunk) else [head])
+            frames.append([head, chunk.data] if len(chunk) else [head])
         w = Wqe(i, first_psn, npk, frames, bool(flags & hsi.WQE_SIGNAL))
         qp.outstanding.append(w)
         for f in frames:
@@ -1004,7 +1008,7 @@ class SoftNic:
             self._fatal(f"IOMMU fault on QP {qp.id} receive: {exc}")
 
     def _respond(self, qp: Qp, op: int, psn: int, npkts: int, flags: int, va: int, rkey: int, dma_len: int,
-                 payload: memoryview) -> None:
+                 payload: memoryview | _Placed) -> None:
         if qp.state not in (hsi.QPS_RTR, hsi.QPS_RTS):
             self.counters["rx_bad_state"] += 1
             return
@@ -1065,7 +1069,7 @@ class SoftNic:
                 qp.rq_cons += 1
                 qp.resp_ctx = None
                 return self._nak(qp, psn, wire.SYN_NAK_INV, res_reason=2)
-            if n:
+            if n and not isinstance(payload, _Placed):  # never placed: _place takes WRITEs only
                 self._mr_write(ctx[1], ctx[2], payload)
             ctx[2] += n
             ctx[3] -= n
