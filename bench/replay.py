@@ -9,18 +9,28 @@ td.jit and replayed through each entry a user reaches for:
 
 next to the same forward pass in numpy and in PyTorch (one thread, no_grad, from_numpy in and
 numpy out), measured in the same run: medians of repeats, the sides alternating repeat by
-repeat. Then the breakdown — the parts timed on their own, the same way:
+repeat. Each line gives the thread's CPU time too: on a machine other work keeps busy the wall
+clock counts the waits for a core, the CPU time mostly not (the frame loop runs on the calling
+thread). Then the breakdown — the parts timed on their own, the same way:
 
     native        the linked entry point alone (the three kernels, addresses baked in)
-    frame         the host-frame function alone (copies in, the entry, copies out)
-    submission    one no-op command through the compute queue, inline (the runtime's floor)
-    Tensor(frame) making a Tensor from a frame (allocation + upload)
+    frame         the native frame function over buffers (copies in, the entry, copies out):
+                  what a Tensor replay runs
+    inline run    the entry run through `CommandQueue.run_if_idle` (the idle check and the
+                  submit lock held around it), less the entry: what every replay pays to run
+                  on the caller's thread in the queue's order
+    submission    one no-op command through the compute queue, inline: what a replay paid
+                  before, and still pays when the queue has unfinished work
+    host frame    `HostFrame.run`: call_numpy's work below the frontend (access checks, the
+                  inline run, numpy's copies into and out of views of the capture's buffers)
+    wrap          making the output Tensor around a computed buffer
+    Tensor(frame) making a Tensor from a frame and dropping it (allocation, upload, release)
     .numpy()      reading a computed Tensor back
 
-The rest of each entry's time is Python bookkeeping of the call: binding and checking the
-arguments, choosing output buffers, building the commands, wrapping the outputs.
+The rest of each entry's time is Python bookkeeping of the call: checking the arguments,
+choosing output buffers from the pool, the access checks, rebuilding the result.
 
-    .venv/bin/python bench/replay.py [--repeats 15] [--calls 2000] [--json PATH]
+    .venv/bin/python bench/replay.py [--json PATH]
 """
 
 from __future__ import annotations
@@ -40,27 +50,33 @@ if any(v in os.environ for v in OPENBLAS_VARS):  # numpy's baseline runs as Open
     os.execve(sys.executable, [sys.executable, *sys.argv], baseline_env())
 
 import tinydist as td  # noqa: E402
+from tinydist.lazy import buffer_node  # noqa: E402
 from tinydist.runtime.engine import get_engine  # noqa: E402
 
 TARGETS = {"tensor": 10.0, "fresh": 15.0, "numpy": 6.0}
 
 
-def per_call_us(fn: Callable[[], Any], calls: int) -> float:
-    start = time.perf_counter()
+def per_call_us(fn: Callable[[], Any], calls: int) -> tuple[float, float]:
+    """Microseconds per call, on the wall clock and in this thread's CPU time."""
+    start, start_cpu = time.perf_counter(), time.thread_time()
     for _ in range(calls):
         fn()
-    return (time.perf_counter() - start) / calls * 1e6
+    return (time.perf_counter() - start) / calls * 1e6, (time.thread_time() - start_cpu) / calls * 1e6
 
 
-def alternate(sides: dict[str, Callable[[], Any]], repeats: int, calls: int) -> dict[str, float]:
-    """Median microseconds per call of each side, the sides taking turns repeat by repeat."""
+def alternate(sides: dict[str, Callable[[], Any]], repeats: int, calls: int,
+              cpu: dict[str, float] | None = None) -> dict[str, float]:
+    """Median wall-clock microseconds per call of each side, the sides taking turns repeat by
+    repeat; the medians of this thread's CPU time go into `cpu`, when given."""
     for fn in sides.values():
         per_call_us(fn, max(calls // 10, 50))
-    times: dict[str, list[float]] = {name: [] for name in sides}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in sides}
     for _ in range(repeats):
         for name, fn in sides.items():
             times[name].append(per_call_us(fn, calls))
-    return {name: median(values) for name, values in times.items()}
+    if cpu is not None:
+        cpu.update({name: median([c for _, c in values]) for name, values in times.items()})
+    return {name: median([w for w, _ in values]) for name, values in times.items()}
 
 
 def main() -> None:
@@ -80,7 +96,7 @@ def main() -> None:
     for _ in range(3):
         np.testing.assert_allclose(step(x).numpy(), reference, rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(step.call_numpy(frame), reference, rtol=1e-4, atol=1e-4)
-    assert step.captured is not None and step.captured.strategy.name == "entry"
+    assert step.captured is not None and step.captured.strategy.name == "entry" and step.captured.capture.frame is not None
 
     sides: dict[str, Callable[[], Any]] = {
         "tensor": lambda: step(x).numpy(),
@@ -100,19 +116,24 @@ def main() -> None:
         sides["torch"] = torch_forward
     except ImportError:
         report.note("torch is not installed (pip install 'tinydist[bench]'): no PyTorch baseline")
-    result = alternate(sides, repeats, calls)
+    cpu: dict[str, float] = {}
+    result = alternate(sides, repeats, calls, cpu)
 
     entry = step.captured.strategy
-    frame_fn = step.captured.capture.frame
+    host = step.captured.capture.frame
     device = get_engine().device(x.device)
     queue = device.queues["compute"]
     noop = (device.host_copy(), (entry.output_copies[0][0], entry.output_copies[0][0], 0))
-    addresses = (frame.ctypes.data, np.empty((1, 10), np.float32).ctypes.data)
     computed = step(x)
+    addresses = (x.node.buffer.address, computed.node.buffer.address)
+    spec = step.captured.capture.output_specs[0]
     parts = alternate({
         "native": entry.entry.cfunc,
-        "frame": lambda: frame_fn.frame(*addresses),
+        "frame": lambda: host.frame(*addresses),
+        "inline run": lambda: queue.run_if_idle(entry.entry.cfunc, ()),
         "submission": lambda: queue.submit([noop], inline=True),
+        "host frame": lambda: host.run((frame,)),
+        "wrap": lambda: td.Tensor(buffer_node(computed.node.buffer, spec[1], spec[0], spec[2])),
         "Tensor(frame)": lambda: td.Tensor(frame),
         ".numpy()": computed.numpy,
     }, repeats, calls)
@@ -121,22 +142,26 @@ def main() -> None:
     for name, label in (("tensor", "step(x).numpy()"), ("fresh", "step(td.Tensor(frame)).numpy()"),
                         ("numpy", "step.call_numpy(frame)")):
         value = result[name]
-        detail = f"torch {result['torch']:.2f} us, torch/ours {result['torch'] / value:.2f}x" if "torch" in result else None
+        detail = f"thread CPU time {cpu[name]:.2f} us, numpy's {cpu['numpy-baseline']:.2f} us"
+        if "torch" in result:
+            detail += f"; torch {result['torch']:.2f} us, torch/ours {result['torch'] / value:.2f}x"
         report.add(f"replay/{name}", value, "us per frame", value_label=label, baseline=baseline,
                    baseline_label="numpy forward", ratio=baseline / value, ratio_label="numpy/ours", detail=detail,
                    target=f"<={TARGETS[name]:g} us", passed=value <= TARGETS[name], repeats=repeats)
-    floor = parts["submission"] + parts["native"]
+    run_cost = parts["inline run"] - parts["native"]
+    tensor_parts = parts["frame"] + run_cost + parts["wrap"] + parts[".numpy()"]
     report.add("replay/breakdown", result["tensor"], "us", value_label="step(x).numpy()",
-               detail=(f"native entry {parts['native']:.2f}, one inline submission {parts['submission']:.2f}, "
-                       f".numpy() {parts['.numpy()']:.2f}, Python bookkeeping of the call "
-                       f"{result['tensor'] - floor - parts['.numpy()']:.2f}"), repeats=repeats)
+               detail=(f"native entry {parts['native']:.2f}, frame copies {parts['frame'] - parts['native']:.2f}, "
+                       f"inline run on the idle queue {run_cost:.2f} (a submission would be {parts['submission']:.2f}), "
+                       f"output Tensor {parts['wrap']:.2f}, .numpy() {parts['.numpy()']:.2f}, Python bookkeeping of the "
+                       f"call {result['tensor'] - tensor_parts:.2f}"), repeats=repeats)
     report.add("replay/breakdown", result["fresh"], "us", value_label="step(td.Tensor(frame)).numpy()",
-               detail=(f"Tensor(frame) {parts['Tensor(frame)']:.2f} (its buffer freed again when the frame's "
-                       f"Tensor goes: the rest of {result['fresh'] - result['tensor']:.2f} over step(x))"), repeats=repeats)
+               detail=(f"Tensor(frame) made and dropped {parts['Tensor(frame)']:.2f}, step(x).numpy() {result['tensor']:.2f}, "
+                       f"the rest {result['fresh'] - result['tensor'] - parts['Tensor(frame)']:.2f}"), repeats=repeats)
     report.add("replay/breakdown", result["numpy"], "us", value_label="step.call_numpy(frame)",
-               detail=(f"frame function {parts['frame']:.2f} (of which the entry {parts['native']:.2f}), one inline "
-                       f"submission {parts['submission']:.2f}, Python bookkeeping "
-                       f"{result['numpy'] - parts['frame'] - parts['submission']:.2f}"), repeats=repeats)
+               detail=(f"host frame {parts['host frame']:.2f} (native entry {parts['native']:.2f}, inline run {run_cost:.2f}, "
+                       f"numpy copies and access checks {parts['host frame'] - parts['inline run']:.2f}), "
+                       f"frontend bookkeeping {result['numpy'] - parts['host frame']:.2f}"), repeats=repeats)
     report.finish()
 
 

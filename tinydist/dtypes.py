@@ -46,6 +46,11 @@ _BY_NUMPY = {d.np: d for d in SUPPORTED}
 _BY_NAME = {d.name: d for d in SUPPORTED}
 
 
+def of_numpy(dtype: np.dtype) -> DType | None:
+    """The DType of a numpy dtype, None when unsupported: one dict lookup (every frame's upload asks)."""
+    return _BY_NUMPY.get(dtype)
+
+
 def to_dtype(spec: Any) -> DType:
     """A DType from a DType, numpy dtype/type, or name; TypeError naming what is supported."""
     if isinstance(spec, DType):

@@ -109,6 +109,13 @@ class Tensor:
                 self.requires_grad_()
             return
         device = canonical_name(device or "CPU")
+        if type(data) is np.ndarray and dtype is None and data.flags.c_contiguous:  # a frame: upload it as it is
+            found = dtypes.of_numpy(data.dtype)
+            if found is not None:
+                self.node = _upload(data, found, device)
+                if requires_grad:
+                    self.requires_grad_()
+                return
         if isinstance(data, Tensor):
             data = data.numpy()
         array = np.asarray(data)
@@ -199,6 +206,12 @@ class Tensor:
 
     def numpy(self) -> np.ndarray:
         """The value as a numpy array (a synchronisation point)."""
+        node = self.node
+        buffer = node.buffer
+        if buffer is not None:  # computed, in host memory, nothing unfinished writes it: one copy
+            array = buffer.device.read_array(buffer, node.dtype.np, node.shape)
+            if array is not None:
+                return array
         out = np.empty(self.shape, self.dtype.np)
         if out.size == 0:
             return out
@@ -743,10 +756,9 @@ def _upload(array: np.ndarray, dtype: DType, device: str) -> LazyNode:
         return Tensor.full(array.shape, 0, dtype, device).node
     dev = get_engine().device(device)
     buffer = dev.allocator.alloc(array.nbytes)
-    flat = array.reshape(-1).view(np.uint8)
-    if not dev.write_now(buffer, flat):
+    if not dev.write_now(buffer, array):  # (C-contiguous: its bytes as they lie)
         batch = dev.batch("copy")
-        batch.write_from_host(buffer, flat)
+        batch.write_from_host(buffer, array)
         batch.submit(inline=True).wait_blocking()
     return buffer_node(buffer, dtype, array.shape, device)
 

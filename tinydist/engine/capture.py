@@ -42,6 +42,9 @@ class Capture:
         try:
             self.buffers = self.bound.buffers
             self.arg_slots = sorted((position, number) for number, position in arguments.items())
+            # the same, with each argument's shape and dtype (a frame loop's views of its buffers)
+            self.arg_layouts = [(position, number, (inputs[number].shape, inputs[number].dtype))
+                                for position, number in self.arg_slots]
             self.output_numbers = [schedule.aliases.get(n, n) for n in schedule.targets[:len(outputs)]]
             # inputs the function assigned to: their new value is copied back to the caller's buffer
             self.written_args = [(position, number) for position, number in self.arg_slots

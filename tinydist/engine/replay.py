@@ -6,8 +6,10 @@
              them baked at capture (`tinydist.engine.streams`)
     runs     anything else (copies, a remote device, no futex): one batch per run of calls on a
              device and queue, ordered by the runtime's access logs as a realize is
-    frame    the numpy frame loop over an `entry` replay on host memory: the caller's arrays are
-             copied straight into the capture's buffers, no buffers or batches made at all
+    frame    the frame loop over an `entry` replay on host memory, run on the caller's thread
+             while the queue is idle: numpy copies in and out of views of the capture's buffers
+             (call_numpy), or one native frame function over the Tensors' buffers (a Tensor
+             replay); no submission at all
 
 `choose` takes the first of entry → streams → runs that applies (streams only while
 TINYDIST_JIT_NATIVE_STREAMS is on), or the one a caller forces, and logs which and why. Each
@@ -31,7 +33,8 @@ from tinydist.engine.streams import NativeStreams, overlap, span
 from tinydist.errors import TinydistError
 from tinydist.logs import get_logger
 from tinydist.runtime.buffer import Buffer
-from tinydist.runtime.device import Completion, Device
+from tinydist.runtime.command_queue import BUSY
+from tinydist.runtime.device import Completion, Device, host_address
 from tinydist.runtime.engine import get_engine
 from tinydist.schedule.items import Call, KernelCall, MatmulCall
 
@@ -98,7 +101,7 @@ class EntryReplay:
         self.copy = self.device.host_copy()
         self.pools: list[list[Buffer]] = [[] for _ in capture.output_bytes]
 
-    def _outputs(self) -> list[Buffer]:
+    def outputs(self) -> list[Buffer]:
         """A buffer per output: one from its pool that nothing else references any more (the
         caller dropped the Tensor it was returned in), else a new one, kept for reuse while the
         pool is small. A frame loop then allocates nothing; its buffers were freed and
@@ -118,7 +121,7 @@ class EntryReplay:
 
     def replay(self, args: Sequence[Buffer], inline: bool) -> tuple[list[Buffer], list[Completion]]:
         copy = self.copy
-        outputs = self._outputs()
+        outputs = self.outputs()
         accesses = [(args[position], False) for position, _, _ in self.arg_copies]
         accesses += self.capture.accesses
         accesses += [(out, True) for out in outputs]
@@ -132,13 +135,21 @@ class EntryReplay:
 
 
 class HostFrame:
-    """numpy arrays in, numpy arrays out, over an entry replay on host memory: one native function
-    (`DeviceCompiler.link_frame`) copies the caller's arrays straight into the capture's buffers,
-    calls the entry point and copies the outputs into new arrays — one command in one
-    submission, run inline when the queue is idle, no buffers or Tensors made. The arrays stay
-    referenced here until the work is done: `run` waits for it.
-    An argument the function assigns to is not written back into the caller's array, as an
-    array given to `Tensor(...)` is not: the array is input only."""
+    """The frame loop over an entry replay on host memory, run on the caller's thread.
+
+    numpy arrays in, numpy arrays out (`run`): numpy copies the arrays into views of the
+    capture's argument buffers, the entry point runs, numpy copies the outputs out of views of
+    its output buffers into new arrays — all while the compute queue is idle and holds its
+    submit lock (`Device.run_now`), so no submission, no buffers and no Tensors are made.
+    Buffers in, new buffers out (`replay_now`, the Tensor API's replay): one native frame
+    function (`DeviceCompiler.link_frame`) copies the argument buffers in, calls the entry point
+    and copies the outputs into buffers from the entry replay's pool, the same way.
+
+    When the queue has unfinished work, `run` queues the frame function with the arrays'
+    addresses and waits for it (the arrays stay referenced until then); `replay_now` returns
+    BUSY and the caller replays through the queue. An argument the function assigns to is not
+    written back into the caller's array, as an array given to `Tensor(...)` is not: the array
+    is input only; a Tensor replay of such a function goes through the queue (its copy back)."""
     name: ClassVar[str] = "frame"
 
     @staticmethod
@@ -150,22 +161,51 @@ class HostFrame:
         return None
 
     def __init__(self, entry: EntryReplay) -> None:
-        self.device = entry.device
-        self.accesses = entry.capture.accesses
-        self.output_specs = [(shape, dtype.np) for shape, dtype, _ in entry.capture.output_specs]
+        capture = entry.capture
+        self.entry, self.device = entry, entry.device
+        self.accesses = capture.accesses
+        self.output_specs = [(shape, dtype.np) for shape, dtype, _ in capture.output_specs]
         self.positions = [position for position, _, _ in entry.arg_copies]
+        self.writes_args = bool(capture.written_args)
         self.frame = self.device.compiler.link_frame(entry.entry, [(address, nbytes) for _, address, nbytes in entry.arg_copies],
                                                      entry.output_copies).cfunc
+        host, b = self.device.host_array, capture.buffer
+        self.staging = [(position, host(b(number), dtype.np, shape)) for position, number, (shape, dtype) in capture.arg_layouts]
+        self.results = [host(b(number), dtype, shape) for number, (shape, dtype) in zip(capture.output_numbers, self.output_specs)]
 
     def run(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """The outputs for `arrays` (by argument position, of the captured shapes and dtypes)."""
+        outputs = self.device.run_now("compute", self.accesses, self._run_here, (arrays,))
+        return self._run_queued(arrays) if outputs is BUSY else outputs  # type: ignore[no-any-return]
+
+    def _run_here(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        for position, view in self.staging:
+            view[...] = arrays[position]
+        self.entry.entry.cfunc()
+        return [view.copy() for view in self.results]
+
+    def _run_queued(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        inputs = [np.ascontiguousarray(arrays[position]) for position in self.positions]
         outputs = [np.empty(shape, dtype) for shape, dtype in self.output_specs]
-        # the arrays' addresses: `ctypes.data` builds an object per array, the interface a dict
-        addresses = [arrays[position].__array_interface__["data"][0] for position in self.positions]
-        addresses += [out.__array_interface__["data"][0] for out in outputs]
-        completion = self.device.submit_commands("compute", [(self.frame, tuple(addresses))], self.accesses, inline=True)
+        addresses = tuple(host_address(array) for array in (*inputs, *outputs))
+        completion = self.device.submit_commands("compute", [(self.frame, addresses)], self.accesses, inline=True)
         if not completion.done():
             completion.wait_blocking()
         return outputs
+
+    def replay_now(self, args: Sequence[Buffer]) -> list[Buffer] | Any:
+        """New output buffers for the argument buffers `args` (by argument position), computed
+        on this thread now; BUSY, with nothing run, when unfinished work touches any of them or
+        the function assigns to an argument — replay through the queue then."""
+        if self.writes_args:
+            return BUSY
+        outputs = self.entry.outputs()
+        inputs = [args[position] for position in self.positions]
+        accesses = [(buffer, False) for buffer in inputs]
+        accesses += self.accesses
+        accesses += [(buffer, True) for buffer in outputs]
+        addresses = tuple([buffer.address for buffer in inputs] + [buffer.address for buffer in outputs])
+        return BUSY if self.device.run_now("compute", accesses, self.frame, addresses) is BUSY else outputs
 
 
 class _Run:

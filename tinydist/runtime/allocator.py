@@ -59,7 +59,9 @@ class Allocator(ABC):
         self._ledger: dict[int, int] = {}  # address -> bytes mapped
         self._cache: dict[int, list[int]] = {}  # nbytes -> addresses of freed blocks of that size
         self._cached_bytes = 0
-        self._bases: weakref.WeakSet[Buffer] = weakref.WeakSet()
+        # address -> its live base buffer, weakly (a dict entry and a plain weak reference: a WeakSet's
+        # callback per buffer costs more than the rest of an allocation); dropped when it is given back
+        self._bases: dict[int, weakref.ref[Buffer]] = {}
 
     # ---- back-end hooks ----------------------------------------------------------------------
 
@@ -107,7 +109,7 @@ class Allocator(ABC):
                 self._ledger[address] = nbytes
                 registered = True
             buffer = Buffer(self.device, nbytes, address, functools.partial(self._free, address, nbytes))
-            self._bases.add(buffer)
+            self._bases[address] = weakref.ref(buffer)
         except Exception as exc:
             if registered:
                 self._unregister(address)
@@ -150,7 +152,7 @@ class Allocator(ABC):
     def release_all(self) -> int:
         """Free every buffer still allocated and empty the cache (the device is closing); returns
         how many buffers were still live."""
-        live = [b for b in list(self._bases) if not b.freed]
+        live = [b for b in (ref() for ref in list(self._bases.values())) if b is not None and not b.freed]
         for buffer in live:
             for view in buffer.live_views():
                 view.release()
@@ -222,6 +224,7 @@ class Allocator(ABC):
                 while self._released:
                     address, nbytes = self._released.popleft()
                     del self._ledger[address]
+                    self._bases.pop(address, None)
                     self._reserved -= nbytes
                     if not self._cache_block(address, nbytes):
                         unmap.append((address, nbytes))

@@ -10,6 +10,7 @@ keeps external memory referenced until its last use.
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 
 class Buffer:
     __slots__ = ("device", "nbytes", "offset", "_parent", "accesses", "_address", "_finalizer",
-                 "_freed", "_views", "_external", "__weakref__")
+                 "_freed", "_views", "_external", "host_view", "__weakref__")
 
     def __init__(self, device: Device, nbytes: int, address: int, release: Callable[[], None],
                  *, external: bool = False, owner: Any = None) -> None:
@@ -36,11 +37,12 @@ class Buffer:
         self.accesses = AccessLog()
         self._address = address
         # The same path gives memory back on free() and when the buffer is garbage collected.
-        self._finalizer: weakref.finalize | None = weakref.finalize(self, _release_when_idle, self.accesses, release, owner)
-        self._finalizer.atexit = False
+        self._finalizer: _Release | None = _Release(self, self.accesses, release, owner)
         self._external = external
         self._freed = False
-        self._views: weakref.WeakSet[Buffer] = weakref.WeakSet()
+        self._views: weakref.WeakSet[Buffer] | None = None  # made with the first view
+        # a numpy array over this memory, kept by `Device.host_array` (host-memory devices only)
+        self.host_view: Any = None
 
     @classmethod
     def _view_of(cls, base: Buffer, offset: int, nbytes: int) -> Buffer:
@@ -50,8 +52,11 @@ class Buffer:
         view._address, view._finalizer, view._external = base._address, None, base._external
         # views of a view are views of the base: only the base's set is ever used, so share it
         # rather than building one per view (an allreduce's launches make dozens of views a call)
-        view._freed, view._views = False, base._views
-        base._views.add(view)
+        views = base._views
+        if views is None:
+            views = base._views = weakref.WeakSet()
+        view._freed, view._views, view.host_view = False, views, None
+        views.add(view)
         return view
 
     def __repr__(self) -> str:
@@ -102,10 +107,11 @@ class Buffer:
         if not self.is_view:
             raise TypeError(f"release() is for views; free the base {self!r} with free()")
         self._freed = True
-        self.base._views.discard(self)
+        self.base._views.discard(self)  # type: ignore[union-attr]
 
     def live_views(self) -> list[Buffer]:
-        return [v for v in self.base._views if not v._freed]
+        views = self.base._views
+        return [] if views is None else [v for v in views if not v._freed]
 
     def free(self) -> None:
         """Give the base's memory back once all device work on it has completed."""
@@ -119,6 +125,36 @@ class Buffer:
         self._freed = True
         assert self._finalizer is not None
         self._finalizer()
+
+
+# the weak reference of every base buffer whose memory is not given back yet: a reference only
+# the buffer held would die with it in a garbage-collected cycle, without calling back
+_RELEASES: set[weakref.ref[Buffer]] = set()
+
+
+class _Release:
+    """A base buffer's release, run once: by `free()`, or when the buffer is garbage collected,
+    as its weak reference's callback. A slotted object and a weak reference rather than a
+    `weakref.finalize` (~1.5 us to make and run, and every frame's `Tensor(array)` makes one);
+    like a finalize made with `atexit=False`, it gives nothing back once the interpreter is
+    shutting down."""
+
+    __slots__ = ("accesses", "owner", "ref", "release")
+
+    def __init__(self, buffer: Buffer, accesses: AccessLog, release: Callable[[], None], owner: Any) -> None:
+        self.ref: weakref.ref[Buffer] | None = weakref.ref(buffer, self)
+        self.accesses, self.release, self.owner = accesses, release, owner
+        _RELEASES.add(self.ref)
+
+    def __call__(self, _ref: object = None) -> None:
+        release = self.release
+        if release is None:
+            return
+        _RELEASES.discard(self.ref)  # type: ignore[arg-type]
+        self.ref = self.release = None  # type: ignore[assignment]
+        owner, self.owner = self.owner, None
+        if not sys.is_finalizing():
+            _release_when_idle(self.accesses, release, owner)
 
 
 def _release_when_idle(accesses: AccessLog, release: Callable[[], None], owner: Any) -> None:

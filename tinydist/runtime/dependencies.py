@@ -110,6 +110,8 @@ class AccessLog:
     def pending(self) -> dict[Timeline, int]:
         """The latest unfinished value per timeline that touches this base (any range, any mode)."""
         result: dict[Timeline, int] = {}
+        if not self._records:  # read without the lock, as in conflicts: every freed buffer asks
+            return result
         with self._lock:
             for r in self._records:
                 if r.timeline.value < r.value and result.get(r.timeline, -1) < r.value:

@@ -41,6 +41,9 @@ class Engine:
 
     def device(self, name: str) -> Device:
         """The engine's open device `name` (opened on first use)."""
+        device = self._devices.get(name)  # a canonical name already open: no parse, no lock (every upload asks)
+        if device is not None:
+            return device
         canonical = canonical_name(name)
         with self._lock:
             device = self._devices.get(canonical)
