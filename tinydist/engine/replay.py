@@ -176,7 +176,7 @@ class HostFrame:
     def run(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         """The outputs for `arrays` (by argument position, of the captured shapes and dtypes)."""
         outputs = self.device.run_now("compute", self.accesses, self._run_here, (arrays,))
-        return self._run_queued(arrays) if outputs is BUSY else outputs  # type: ignore[no-any-return]
+        return self._run_queued(arrays) if outputs is BUSY else outputs
 
     def _run_here(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         for position, view in self.staging:

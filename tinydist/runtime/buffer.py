@@ -150,7 +150,7 @@ class _Release:
         release = self.release
         if release is None:
             return
-        _RELEASES.discard(self.ref)  # type: ignore[arg-type]
+        _RELEASES.discard(self.ref)
         self.ref = self.release = None  # type: ignore[assignment]
         owner, self.owner = self.owner, None
         if not sys.is_finalizing():

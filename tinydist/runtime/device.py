@@ -299,7 +299,7 @@ class Device(ABC):
         address = buffer.address  # checks the buffer is alive
         cached = buffer.host_view
         if cached is not None and cached.dtype is dtype and cached.shape == shape:
-            return cached  # type: ignore[no-any-return]
+            return cached
         if not self.host_visible:
             raise DeviceError(f"{self.name}'s memory is not the host's: read {buffer!r} through a batch")
         if math.prod(shape) * dtype.itemsize != buffer.nbytes:
@@ -374,7 +374,7 @@ def host_address(array: np.ndarray) -> int:
     try:
         return ctypes.addressof(ctypes.c_char.from_buffer(array))  # type: ignore[arg-type]
     except (TypeError, ValueError):  # read-only, or no bytes at all
-        return array.ctypes.data  # type: ignore[no-any-return]
+        return array.ctypes.data
 
 
 def _host_view(data: Any, writable: bool) -> np.ndarray:
