@@ -55,6 +55,7 @@ def worker_tinydist(sizes: list[int], out: str) -> None:
     import numpy as np
 
     from tinydist import dist
+    from tinydist.collectives import choose
     dist.init()
     group, portal = dist.get_group(), dist._state["portal"]
     if dist.rank() == 0:
@@ -88,7 +89,7 @@ def worker_tinydist(sizes: list[int], out: str) -> None:
         results[f"{nbytes}/floor"] = statistics.median(times)
     if dist.rank() == 0:
         Path(out).write_text(json.dumps({"results": results, "auto": {
-            str(n): dist.choose_allreduce(dist.world_size(), n, group.same_host)[0] for n in sizes}}))
+            str(n): choose(group.medium, dist.world_size(), n)[0].value for n in sizes}}))
     dist.destroy()
 
 

@@ -135,7 +135,10 @@ for _setting in (
     Setting("COLLECTIVE_TIMEOUT", _positive_float, lambda: 60.0,
             "Seconds one process-group collective (tinydist.dist) may take before every rank raises."),
     Setting("ALLREDUCE", _choice("auto", "naive", "ring", "all2all"), lambda: "auto",
-            "Allreduce algorithm for tinydist.dist when a call says algorithm='auto'."),
+            "Allreduce algorithm where a call says algorithm='auto': auto (tinydist.collectives.choose), naive, ring "
+            "or all2all, legal on every medium (the devices of one process in tinydist.multi; processes on one host "
+            "or across hosts in tinydist.dist). `direct` (tinydist.multi, devices of one peer group) is only a "
+            "call's algorithm=, and auto picks it there. The cluster planner's stages follow its cost model."),
     Setting("SHM_SLOT_BYTES", _positive_int, lambda: 4 << 20,
             "Bytes each rank moves per round through the group's shared-memory segment (tinydist.dist on one host); "
             "larger messages take several rounds. Every rank of a job must use the same value."),

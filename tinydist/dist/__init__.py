@@ -25,11 +25,11 @@ import numpy as np
 
 from tinydist import metrics
 from tinydist.dist.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, RankFailed
-from tinydist.dist.group import ProcessGroup, choose_allreduce
+from tinydist.dist.group import ProcessGroup
 from tinydist.dist.rendezvous import parse_address
 
 __all__ = ["CollectiveError", "CollectiveMismatch", "CollectiveTimeout", "ProcessGroup", "RankFailed", "all_gather",
-           "all_reduce", "barrier", "broadcast", "choose_allreduce", "destroy", "fail", "get_group", "init", "is_initialized",
+           "all_reduce", "barrier", "broadcast", "destroy", "fail", "get_group", "init", "is_initialized",
            "rank", "reduce_scatter", "run_on_loop", "world_size"]
 
 _lock = threading.Lock()
