@@ -29,7 +29,8 @@ from typing import Any
 
 from scheduler.errors import PlanError
 from scheduler.topology import LinkModel, PeerGroup, Topology
-from tinydist.collectives import AUTO, LEGAL, Algorithm, Medium, Topology, check, choose
+from tinydist import collectives
+from tinydist.collectives import AUTO, LEGAL, Algorithm, Medium, check, choose
 from tinydist.logs import get_logger
 
 # what the stages run: tinydist.multi naive or ring inside a group (the formulas below), tinydist.dist
@@ -212,7 +213,7 @@ def plan_allreduce(topology: Topology, nbytes: int, *, executable: bool = True, 
         raise PlanError(str(exc)) from None
     # the one chooser (tinydist.collectives.choose), on this model's times for each stage
     best_intra = choose(Medium.DEVICES, g, nbytes,
-                        Topology(modelled_s={a: intra_cost(a, g, nbytes, intra) for a in INTRA_ALGORITHMS}))[0]
+                        collectives.Topology(modelled_s={a: intra_cost(a, g, nbytes, intra) for a in INTRA_ALGORITHMS}))[0]
     bcast = broadcast_cost(g, nbytes, intra)
     base = intra_cost(best_intra, g, nbytes, intra) + bcast
     inter_s: dict[str, float] = {}
@@ -227,7 +228,7 @@ def plan_allreduce(topology: Topology, nbytes: int, *, executable: bool = True, 
 
     if forced is not None and forced not in inter_s:
         raise PlanError(f"inter-group algorithm {inter!r} cannot run: a link between group leaders is dead")
-    across = forced or choose(Medium.NETWORK, G, nbytes, Topology(modelled_s=inter_s))[0]
+    across = forced or choose(Medium.NETWORK, G, nbytes, collectives.Topology(modelled_s=inter_s))[0]
     winner = f"hierarchical/{across}"
     usable = {winner: candidates[winner]}
     if not executable and inter == AUTO and (candidates["flat-ring"], "flat-ring") < (usable[winner], winner):

@@ -29,6 +29,7 @@ from tinydist.lazy import Op
 from tinydist.multi import allreduce, shard
 from tinydist.reduce_ops import COLLECTIVE_OPS, REDUCE_OPS, ReduceOp, collective_op
 
+
 @contextlib.contextmanager
 def _multi_choices() -> Iterator[list[str]]:
     """The algorithms tinydist.multi.allreduce logs while the block runs (its `allreduce` log line)."""
@@ -174,3 +175,72 @@ def test_tinydist_allreduce_is_checked_against_the_medium(monkeypatch: pytest.Mo
     monkeypatch.setenv("TINYDIST_ALLREDUCE", "direct")
     with pytest.raises(ValueError, match="TINYDIST_ALLREDUCE='direct' is invalid: expected one of auto, naive, ring, all2all"):
         fresh.ALLREDUCE
+
+
+# ---- one launch-variables reader ---------------------------------------------------------------
+
+
+def test_a_bad_rank_reads_the_same_everywhere(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    from tinydist import dist
+    from tinydist.dist.environment import apply, detect, launch
+    from tinydist.errors import LaunchError, TinydistError
+    from tinydist.observability.tracing import Tracer
+    monkeypatch.setenv("TINYDIST_RANK", "one")
+    monkeypatch.setenv("TINYDIST_WORLD_SIZE", "2")
+    expected = "TINYDIST_RANK='one' is not a non-negative integer (TINYDIST_RANK: This process's rank"
+    readers = [launch, dist.init, detect, apply, lambda: Tracer().write(tmp_path / "t.json")]
+    for read in readers:
+        with pytest.raises(LaunchError) as caught:
+            read()
+        assert str(caught.value).startswith(expected), (read, caught.value)
+        assert isinstance(caught.value, TinydistError) and isinstance(caught.value, ValueError)
+    assert not dist.is_initialized()
+
+
+def test_an_unset_rank_says_how_to_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tinydist.dist.environment import launch
+    from tinydist.errors import LaunchError
+    for name in ("TINYDIST_RANK", "TINYDIST_WORLD_SIZE", "SLURM_PROCID", "KUBERNETES_SERVICE_HOST"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(LaunchError, match=r"TINYDIST_RANK is not set; start the script with `tinydist launch --nproc N"):
+        launch()
+    assert launch(rank=1, world_size=3, env={}).coordinator == "127.0.0.1:29400"
+    with pytest.raises(LaunchError, match="rank 3 is outside 0..1"):
+        launch(env={"TINYDIST_RANK": "3", "TINYDIST_WORLD_SIZE": "2"})
+
+
+# ---- one bind policy, the rendezvous included --------------------------------------------------
+
+
+def test_the_rendezvous_binds_loopback_unless_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tinydist import dist
+    from tinydist.dist.rendezvous import coordinator_listener
+    from tinydist.errors import BindRefused
+    with pytest.raises(BindRefused, match=r"non-loopback address 10\.1\.2\.3: .*TINYDIST_COORDINATOR_ALLOW_REMOTE=1"):
+        coordinator_listener(("10.1.2.3", 0))
+    with pytest.raises(BindRefused, match="non-loopback"):           # td.dist.init's rank 0 goes the same way
+        dist.init(rank=0, world_size=2, coordinator="10.1.2.3:29400", timeout=5)
+    assert not dist.is_initialized()
+    with coordinator_listener(("localhost", 0)) as sock:
+        assert sock.getsockname()[0] == "127.0.0.1"
+    with td_settings.override(COORDINATOR_ALLOW_REMOTE="1"):
+        with pytest.raises(BindRefused, match="wildcard"):
+            coordinator_listener(("0.0.0.0", 0))
+        with pytest.raises(OSError) as caught:                      # allowed: the kernel, not the policy, refuses
+            coordinator_listener(("192.0.2.1", 0))                 # (TEST-NET-1: no interface has it)
+        assert not isinstance(caught.value, BindRefused)
+
+
+def test_every_server_parses_addresses_alike() -> None:
+    from tinydist import metrics
+    from tinydist.dist.rendezvous import parse_coordinator
+    from tinydist.errors import BindRefused
+    from tinydist.listen import bind_address, parse_host_port
+    for text in ("127.0.0.1:9464", "[::1]:9464"):
+        assert metrics.parse_address(text) == parse_coordinator(text) == parse_host_port(text)
+    assert parse_coordinator(":29400") == ("127.0.0.1", 29400) == metrics.parse_address(":29400")
+    for bad in (metrics.parse_address, parse_coordinator, bind_address):
+        with pytest.raises(BindRefused, match="must be HOST:PORT"):
+            bad("nonsense")
+    with pytest.raises(BindRefused, match="non-loopback"):
+        metrics.serve_metrics("10.1.2.3", 0)

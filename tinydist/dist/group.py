@@ -25,7 +25,6 @@ import contextlib
 import functools
 import json
 import math
-import os
 import socket
 import threading
 import time
@@ -36,12 +35,12 @@ from typing import Any, TypeVar
 import anyio
 import numpy as np
 
-from tinydist.config import settings
 from tinydist.collectives import Algorithm, Medium, check, resolve, shard_bounds
+from tinydist.config import settings
 from tinydist.dist import algorithms as algo
 from tinydist.dist import shm_algorithms as shm
 from tinydist.dist.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, RankFailed
-from tinydist.dist.rendezvous import connect_mesh, register, serve_coordinator
+from tinydist.dist.rendezvous import connect_mesh, coordinator_listener, register, serve_coordinator
 from tinydist.logs import get_logger
 from tinydist.reduce_ops import MEAN, collective_op
 from transports.base import Link, PeerFailed
@@ -98,7 +97,7 @@ class ProcessGroup:
             if world > 1:
                 if rank == 0:
                     if coordinator_sock is None:
-                        coordinator_sock = socket.create_server(coordinator, reuse_port=False)
+                        coordinator_sock = coordinator_listener(coordinator)
                     tg.start_soon(serve_coordinator, coordinator_sock, world, timeout)
                 table, listener = await register(coordinator, rank, world, timeout)
                 group.links = await connect_mesh(rank, world, table, listener, transport, group._on_link_failure, timeout)
