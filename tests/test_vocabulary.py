@@ -244,3 +244,23 @@ def test_every_server_parses_addresses_alike() -> None:
             bad("nonsense")
     with pytest.raises(BindRefused, match="non-loopback"):
         metrics.serve_metrics("10.1.2.3", 0)
+
+
+# ---- one event-loop portal ---------------------------------------------------------------------
+
+
+def test_dist_runs_on_the_engines_loop() -> None:
+    import threading
+
+    from tinydist import dist
+    from tinydist.runtime.engine import get_engine
+
+    async def loop_thread() -> int:
+        return threading.get_ident()
+    dist.init(rank=0, world_size=1)
+    try:
+        assert dist.run_on_loop(loop_thread) == get_engine().run(loop_thread) != threading.get_ident()
+        np.testing.assert_array_equal(dist.all_reduce(np.arange(3.0)).numpy(), np.arange(3.0))
+    finally:
+        dist.destroy()
+    assert get_engine().run(loop_thread)            # the loop outlives the group
