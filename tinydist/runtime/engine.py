@@ -45,7 +45,7 @@ class Engine:
         """The portal itself, for what lives on the loop longer than one call (an async context
         manager entered with `portal.wrap_async_context_manager`, as tinydist.dist's group)."""
         if self._portal is None:
-            raise ClosedResourceError("the tinydist engine is closed")
+            raise DeviceClosed("the tinydist engine is closed (Engine.close ran); create a new Engine()")
         return self._portal
 
     def device(self, name: str) -> Device:
