@@ -55,8 +55,9 @@ def worker_tinydist(sizes: list[int], out: str) -> None:
     import numpy as np
 
     from tinydist import dist
+    from tinydist.collectives import choose
     dist.init()
-    group, portal = dist.get_group(), dist._state["portal"]
+    group = dist.get_group()
     if dist.rank() == 0:
         threshold = None if group.shm is None else group.shm.single_copy_bytes
         single = "off" if threshold is None else f"from {threshold >> 20} MiB"
@@ -68,10 +69,10 @@ def worker_tinydist(sizes: list[int], out: str) -> None:
         for algorithm in ALGORITHMS:
             times = []
             for i in range(repeats_for(nbytes) + 1):
-                group.blocking("barrier", run_async=portal.call)
+                group.blocking("barrier", run_async=dist.run_on_loop)
                 start = time.perf_counter()
                 # the group's blocking API, in place: td.dist.all_reduce(x, out=x) adds only argument passing
-                group.blocking("all_reduce", x, "sum", algorithm, x, run_async=portal.call)
+                group.blocking("all_reduce", x, "sum", algorithm, x, run_async=dist.run_on_loop)
                 if i:
                     times.append(time.perf_counter() - start)
                 if x[0] != dist.world_size() or x[-1] != dist.world_size():
@@ -80,7 +81,7 @@ def worker_tinydist(sizes: list[int], out: str) -> None:
             results[f"{nbytes}/{algorithm}"] = statistics.median(times)
         times = []
         for i in range(repeats_for(nbytes) + 1):
-            group.blocking("barrier", run_async=portal.call)
+            group.blocking("barrier", run_async=dist.run_on_loop)
             start = time.perf_counter()
             np.add(x, 0, out=x)
             if i:
@@ -88,7 +89,7 @@ def worker_tinydist(sizes: list[int], out: str) -> None:
         results[f"{nbytes}/floor"] = statistics.median(times)
     if dist.rank() == 0:
         Path(out).write_text(json.dumps({"results": results, "auto": {
-            str(n): dist.choose_allreduce(dist.world_size(), n, group.same_host)[0] for n in sizes}}))
+            str(n): choose(group.medium, dist.world_size(), n)[0].value for n in sizes}}))
     dist.destroy()
 
 

@@ -7,8 +7,8 @@
 
 See docs/cluster.md. Modules: topology (nodes, peer groups, α–β links), plan (hierarchical planner),
 membership (join/heartbeat/death, clock injected), coordinator (gRPC service), node (node agent),
-execute (real hierarchical allreduce), placement (cluster-wide sharding), checkpoint, environment
-(Slurm / Kubernetes variables), sim (simulated cluster).
+execute (real hierarchical allreduce), placement (cluster-wide sharding), checkpoint, sim (simulated
+cluster). The Slurm / Kubernetes variables are mapped by tinydist/dist/environment.py.
 """
 
 from scheduler.errors import ClusterError, CoordinatorLost, MembershipError, NodeFailed, PlanError
@@ -17,7 +17,7 @@ __all__ = ["ClusterError", "ClusterJob", "CoordinatorLost", "Credentials", "Memb
            "PlanError", "Topology", "explain", "plan_allreduce"]
 
 
-def __getattr__(name: str):  # lazy: importing scheduler.environment must stay cheap (td.dist.init uses it)
+def __getattr__(name: str):  # lazy: `import scheduler` stays cheap
     if name == "ClusterJob":
         from scheduler.execute import ClusterJob
         return ClusterJob

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 from pathlib import Path
 
 import grpc
@@ -27,7 +26,7 @@ from scheduler._generated import cluster_pb2 as pb
 from scheduler._generated import cluster_pb2_grpc as pb_grpc
 from scheduler.errors import MembershipError
 from scheduler.membership import LinkRecord, MemberRecord, Membership
-from tinydist.listen import bind_address, split_bind
+from tinydist.listen import bind_address, is_loopback, parse_host_port, split_bind
 from tinydist.logs import get_logger
 
 MAX_WAIT_S = 300.0
@@ -36,11 +35,7 @@ MAX_WAIT_S = 300.0
 def _peer_is_loopback(peer: str) -> bool:
     # grpc peer strings: "ipv4:127.0.0.1:1234", "ipv6:[::1]:1234"
     kind, _, rest = peer.partition(":")
-    host = rest.rsplit(":", 1)[0].strip("[]")
-    try:
-        return kind in ("ipv4", "ipv6") and ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return kind in ("ipv4", "ipv6") and is_loopback(parse_host_port(rest, what="peer")[0])
 
 
 def member_message(record: MemberRecord, now: float) -> pb.Member:

@@ -27,7 +27,9 @@ from scheduler.errors import ClusterError, NodeFailed
 from scheduler.node import Credentials, NodeAgent
 from scheduler.plan import Plan, plan_allreduce
 from scheduler.topology import LinkModel, Topology
+from tinydist.collectives import AUTO
 from tinydist.logs import get_logger
+from tinydist.reduce_ops import MEAN, collective_op
 
 
 class ClusterJob:
@@ -119,20 +121,19 @@ class ClusterJob:
         from tinydist.tensor import Tensor
         if len(tensors) != len(self.devices):
             raise ValueError(f"all_reduce needs one tensor per local device ({self.devices}), got {len(tensors)}")
-        if op not in ("sum", "mean", "max", "min", "prod"):
-            raise ValueError(f"unknown op {op!r}")
+        reduce_op = collective_op(op)            # mean: summed here, divided by the devices below
         self._raise_failure()
         local = [t if isinstance(t, Tensor) else Tensor(np.asarray(t), device=d) for t, d in zip(tensors, self.devices)]
         nbytes = int(np.prod(local[0].shape, dtype=np.int64)) * local[0].dtype.itemsize
         plan = self.plan(nbytes, inter)
-        reduce_op = "sum" if op == "mean" else op
         if len(local) > 1:
-            mine = allreduce(local, reduce_op, plan.intra_algorithm if plan.intra_algorithm in ("naive", "ring") else "auto")[0]
+            mine = allreduce(local, reduce_op, plan.intra_algorithm)[0]
         else:
             mine = local[0]
         contribution = mine.numpy()
         if self.world_size > 1:
-            algorithm = plan.inter_algorithm if plan.inter_algorithm in ("naive", "ring", "all2all") else "auto"
+            # "none": one peer group spans every process (one host), its shared-memory stage folded in here
+            algorithm = AUTO if plan.inter_algorithm == "none" else plan.inter_algorithm
             try:
                 total = dist.all_reduce(contribution, reduce_op, algorithm=algorithm).numpy()
             except CollectiveError as exc:
@@ -140,7 +141,7 @@ class ClusterJob:
                 raise
         else:
             total = contribution
-        if op == "mean":
+        if op == MEAN:
             total = total / sum(len(n.devices) for n in self.topology().nodes)
         return [Tensor(np.ascontiguousarray(total), device=d) for d in self.devices]
 

@@ -27,14 +27,14 @@ from scheduler._generated import cluster_pb2_grpc as pb_grpc
 from scheduler.errors import ClusterError, CoordinatorLost, MembershipError, NodeFailed
 from scheduler.membership import LinkRecord
 from scheduler.topology import LinkModel, NodeSpec, Topology
+from tinydist.listen import format_address, is_loopback, parse_host_port
 from tinydist.logs import get_logger
 from tinydist.pki import ClientCredentials as Credentials
 
 
 def open_channel(target: str, credentials: Credentials | None) -> grpc.Channel:
     if credentials is None:
-        host = target.rsplit(":", 1)[0].strip("[]")
-        if host not in ("127.0.0.1", "::1", "localhost"):
+        if not is_loopback(parse_host_port(target, what="scheduler address")[0]):
             raise ClusterError(f"refusing an insecure channel to {target}: insecure mode is loopback-only")
         return grpc.insecure_channel(target)
     return grpc.secure_channel(target, credentials.channel_credentials())
@@ -88,15 +88,13 @@ class NodeAgent:
     # ---- membership ----------------------------------------------------------------------------
 
     def join(self, timeout: float = 30.0) -> int:
-        family = socket.AF_INET6 if ":" in self.address else socket.AF_INET
-        self._rendezvous = socket.socket(family, socket.SOCK_STREAM)
-        self._rendezvous.bind((self.address, 0))          # our tinydist.dist coordinator, should we be rank 0
-        self._rendezvous.listen(64)
+        from tinydist.dist.rendezvous import coordinator_listener
+        self._rendezvous = coordinator_listener((self.address, 0))   # our tinydist.dist coordinator, should we be rank 0
         host, port = self._rendezvous.getsockname()[:2]
         info = pb.NodeInfo(node_id=self.node_id, host_key=self.host_key, address=self.address,
                            devices=[pb.NodeDevice(name=d, kind=d.split(":")[0].lower()) for d in self.devices],
                            transports=list(self.transports), rank=self.requested_rank,
-                           rendezvous=f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}", pid=os.getpid())
+                           rendezvous=format_address(host, port), pid=os.getpid())
         deadline = time.monotonic() + timeout
         delay = 0.05
         while True:                                        # the coordinator may still be starting
@@ -212,14 +210,11 @@ class NodeAgent:
         me = self.table[self.node_id].node.rank
         root = next(m for m in self.table.values() if m.node.rank == 0)
         sock, self._rendezvous = self._rendezvous, None
-        if me == 0 and sock is not None:
-            os.environ["TINYDIST_COORDINATOR_FD"] = str(sock.detach())
-            os.environ["TINYDIST_COORDINATOR"] = root.node.rendezvous
-            dist.init(rank=0, world_size=len(self.table), timeout=timeout)
-        else:
-            if sock is not None:
-                sock.close()
-            dist.init(rank=me, world_size=len(self.table), coordinator=root.node.rendezvous, timeout=timeout)
+        if me != 0 and sock is not None:
+            sock.close()
+            sock = None
+        dist.init(rank=me, world_size=len(self.table), coordinator=root.node.rendezvous, timeout=timeout,
+                  coordinator_sock=sock)
 
         def fail_group(failure: ClusterError | NodeFailed) -> None:
             rank = failure.rank if isinstance(failure, NodeFailed) else self.rank

@@ -29,10 +29,14 @@ from typing import Any
 
 from scheduler.errors import PlanError
 from scheduler.topology import LinkModel, PeerGroup, Topology
+from tinydist import collectives
+from tinydist.collectives import AUTO, LEGAL, Algorithm, Medium, check, choose
 from tinydist.logs import get_logger
 
-INTRA_ALGORITHMS = ("naive", "ring")
-INTER_ALGORITHMS = ("naive", "ring", "all2all")
+# what the stages run: tinydist.multi naive or ring inside a group (the formulas below), tinydist.dist
+# between the group leaders
+INTRA_ALGORITHMS = (Algorithm.NAIVE, Algorithm.RING)
+INTER_ALGORITHMS = LEGAL[Medium.NETWORK]
 
 
 @dataclass
@@ -203,37 +207,43 @@ def plan_allreduce(topology: Topology, nbytes: int, *, executable: bool = True, 
     mesh_link = topology.all_pairs_slowest(leaders) if G > 1 else None
     mesh_ok = G <= 1 or not any(topology.link_dead(a.node_id, b.node_id) for (a, b) in _dead_pairs(topology, leaders))
 
-    candidates: dict[str, float] = {}
-    best_intra = min(INTRA_ALGORITHMS, key=lambda a: intra_cost(a, g, nbytes, intra))
+    try:
+        forced = check(inter, Medium.NETWORK, what="inter-group algorithm")
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
+    # the one chooser (tinydist.collectives.choose), on this model's times for each stage
+    best_intra = choose(Medium.DEVICES, g, nbytes,
+                        collectives.Topology(modelled_s={a: intra_cost(a, g, nbytes, intra) for a in INTRA_ALGORITHMS}))[0]
     bcast = broadcast_cost(g, nbytes, intra)
     base = intra_cost(best_intra, g, nbytes, intra) + bcast
-    allowed = INTER_ALGORITHMS if inter == "auto" else (inter,)
-    if inter not in ("auto", *INTER_ALGORITHMS):
-        raise PlanError(f"unknown inter-group algorithm {inter!r}; expected auto, {', '.join(INTER_ALGORITHMS)}")
+    inter_s: dict[str, float] = {}
     for algorithm in INTER_ALGORITHMS:
-        if G > 1 and algorithm in ("naive", "all2all") and not mesh_ok:
+        if G > 1 and algorithm is not Algorithm.RING and not mesh_ok:
             continue
-        link = ring_link if algorithm == "ring" else mesh_link
-        candidates[f"hierarchical/{algorithm}"] = base + (inter_cost(algorithm, G, nbytes, link) if link else 0.0)
+        link = ring_link if algorithm is Algorithm.RING else mesh_link
+        inter_s[algorithm] = inter_cost(algorithm, G, nbytes, link) if link else 0.0
+    candidates = {f"hierarchical/{a}": base + seconds for a, seconds in inter_s.items()}
     flat_link = intra if ring_link is None else max([intra, ring_link], key=lambda m: (m.beta, m.alpha))  # None: one group
     candidates["flat-ring"] = flat_ring_cost(D, nbytes, flat_link)
 
-    usable = {k: v for k, v in candidates.items() if k.startswith("hierarchical/") and k.split("/")[1] in allowed}
-    if not executable and inter == "auto":
-        usable["flat-ring"] = candidates["flat-ring"]
-    if not usable:
+    if forced is not None and forced not in inter_s:
         raise PlanError(f"inter-group algorithm {inter!r} cannot run: a link between group leaders is dead")
-    winner = min(usable, key=lambda k: (usable[k], k))
+    across = forced or choose(Medium.NETWORK, G, nbytes, collectives.Topology(modelled_s=inter_s))[0]
+    winner = f"hierarchical/{across}"
+    usable = {winner: candidates[winner]}
+    if not executable and inter == AUTO and (candidates["flat-ring"], "flat-ring") < (usable[winner], winner):
+        winner = "flat-ring"
+        usable[winner] = candidates[winner]
     if winner == "flat-ring":
         stages = [Stage("ring-over-all-devices", "ring", flat_link, D, candidates["flat-ring"],
                         f"2(D-1) steps of n/D = {_bytes(nbytes / max(D, 1))}")]
         strategy = "flat-ring"
     else:
-        algorithm = winner.split("/")[1]
-        link = ring_link if algorithm == "ring" else mesh_link
-        stages = [Stage("reduce-in-group", best_intra, intra, g, intra_cost(best_intra, g, nbytes, intra),
+        algorithm = across
+        link = ring_link if algorithm is Algorithm.RING else mesh_link
+        stages = [Stage("reduce-in-group", best_intra.value, intra, g, intra_cost(best_intra, g, nbytes, intra),
                         "tinydist.multi.allreduce" if all(len(grp.nodes) == 1 for grp in order) else "in-process + shared memory"),
-                  Stage("allreduce-across-groups", algorithm if G > 1 else "none", link, G,
+                  Stage("allreduce-across-groups", algorithm.value if G > 1 else "none", link, G,
                         inter_cost(algorithm, G, nbytes, link) if link else 0.0, "tinydist.dist between group leaders"),
                   Stage("broadcast-in-group", "direct", intra, g, bcast, "leader's result copied to each device")]
         strategy = "hierarchical"

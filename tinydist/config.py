@@ -2,18 +2,21 @@
 
 Each setting is declared once, here, with its type, default and meaning; `docs/env_vars.md`
 lists them. Code reads `settings.NAME`; tests override with `settings.override(NAME=value)`.
-The launch contract (`LAUNCH_VARIABLES`) is listed here too, but read where a process joins its
-job: launchers write it per child, and some of it is consumed once (a socket handed down).
+The launch contract (`LAUNCH_VARIABLES`) is listed here too, with the one parser of its integers
+(`launch_int`), but read where a process joins its job (tinydist/dist/environment.py): launchers
+write it per child, and some of it is consumed once (a socket handed down).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tinydist.errors import LaunchError
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,14 @@ for _setting in (
     Setting("COLLECTIVE_TIMEOUT", _positive_float, lambda: 60.0,
             "Seconds one process-group collective (tinydist.dist) may take before every rank raises."),
     Setting("ALLREDUCE", _choice("auto", "naive", "ring", "all2all"), lambda: "auto",
-            "Allreduce algorithm for tinydist.dist when a call says algorithm='auto'."),
+            "Allreduce algorithm where a call says algorithm='auto': auto (tinydist.collectives.choose), naive, ring "
+            "or all2all, legal on every medium (the devices of one process in tinydist.multi; processes on one host "
+            "or across hosts in tinydist.dist). `direct` (tinydist.multi, devices of one peer group) is only a "
+            "call's algorithm=, and auto picks it there. The cluster planner's stages follow its cost model."),
+    Setting("COORDINATOR_ALLOW_REMOTE", _choice("0", "1"), lambda: "0",
+            "Set to 1 to let rank 0's rendezvous (TINYDIST_COORDINATOR) and the ranks' mesh listeners bind a "
+            "non-loopback address. They have no authentication, so by default they bind loopback only; allow more "
+            "only where the network between the ranks is trusted (the Slurm and Kubernetes recipes in deploy/ do)."),
     Setting("SHM_SLOT_BYTES", _positive_int, lambda: 4 << 20,
             "Bytes each rank moves per round through the group's shared-memory segment (tinydist.dist on one host); "
             "larger messages take several rounds. Every rank of a job must use the same value."),
@@ -156,7 +166,7 @@ for _setting in (
 ):
     settings.declare(_setting)
 
-# What launchers (`tinydist launch`, the Slurm and Kubernetes mapping in scheduler/environment.py)
+# What launchers (`tinydist launch`, the Slurm and Kubernetes mapping in tinydist/dist/environment.py)
 # set for each process they start, and what a process reads to join its job or reach the cluster.
 LAUNCH_VARIABLES: dict[str, str] = {
     "TINYDIST_RANK": "This process's rank in its job (0 … world size − 1); set by `tinydist launch` or mapped from "
@@ -180,6 +190,23 @@ LAUNCH_VARIABLES: dict[str, str] = {
 }
 
 
+def launch_int(name: str, env: Mapping[str, str] | None = None, *, required: bool = True) -> int | None:
+    """The non-negative integer in launch variable `name` (TINYDIST_RANK, SLURM_PROCID, ...): the one
+    parse of them all, so a bad value reads the same wherever it is noticed. Unset (or empty): a
+    LaunchError when `required`, else None."""
+    env = os.environ if env is None else env
+    raw = env.get(name, "")
+    if not raw.strip():
+        if not required:
+            return None
+        raise LaunchError(f"{name} is not set; start the script with `tinydist launch --nproc N script.py` (or srun, "
+                          f"or a Kubernetes Indexed Job), or pass rank/world_size to td.dist.init()")
+    if not raw.strip().isdigit():
+        what = LAUNCH_VARIABLES.get(name, "set by the job's launcher")
+        raise LaunchError(f"{name}={raw!r} is not a non-negative integer ({name}: {what})")
+    return int(raw)
+
+
 def env_vars_markdown() -> str:
     """The text of docs/env_vars.md (the README's regeneration command writes it)."""
     lines = ["# Environment variables", "",
@@ -189,7 +216,7 @@ def env_vars_markdown() -> str:
              "| variable | meaning |", "|---|---|"]
     lines += [f"| `TINYDIST_{s.name}` | {s.doc} |" for s in settings.declared()]
     lines += ["", "## Launch contract", "",
-              "Set by `tinydist launch`, or mapped from Slurm and Kubernetes by `scheduler/environment.py`, for",
+              "Set by `tinydist launch`, or mapped from Slurm and Kubernetes by `tinydist/dist/environment.py`, for",
               "every process of a job; read where a process joins its job or reaches the cluster.", "",
               "| variable | meaning |", "|---|---|"]
     lines += [f"| `{name}` | {doc} |" for name, doc in LAUNCH_VARIABLES.items()]

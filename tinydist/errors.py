@@ -22,6 +22,8 @@ underscore, never seen outside their module) are not drawn, but are TinydistErro
     │   └── UseAfterFree                            freeing twice, or using a freed buffer
     ├── AllocationError (MemoryError)               an allocation failed; everything it took was given back
     ├── CompileError                                LLVM refused a kernel; carries LLVM's message
+    ├── LaunchError (ValueError)                    a launch variable (TINYDIST_RANK, ...) is missing or malformed
+    ├── BindRefused (ValueError)                    a listen address breaks the bind policy (tinydist.listen)
     ├── DriverUnavailable [tinydist.runtime.cuda.driver]    no usable CUDA driver here; says why
     ├── ScheduleCycleError (ValueError) [tinydist.schedule.linear]    the computation has no valid order
     ├── JitError (ValueError) [tinydist.jit]        a replay's arguments differ from the captured signature
@@ -143,3 +145,11 @@ class AllocationError(TinydistError, MemoryError):
 class CompileError(TinydistError):
     """LLVM rejected a kernel."""
 
+
+class LaunchError(TinydistError, ValueError):
+    """A launch variable (TINYDIST_RANK, TINYDIST_WORLD_SIZE, ... or the Slurm / Kubernetes ones they
+    are mapped from) is missing or malformed; the message names it and who sets it."""
+
+
+class BindRefused(TinydistError, ValueError):
+    """A listen address is malformed, or binding it would expose a server the policy keeps private."""

@@ -20,12 +20,12 @@ import contextlib
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from tinydist.dist.rendezvous import coordinator_listener
 from tinydist.launch_reaper import sweep_shm
 from tinydist.logs import get_logger
 
@@ -93,7 +93,7 @@ async def launch(nproc: int, target: Sequence[str], module: bool = False, grace:
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
     log = get_logger(component="launch")
     job = secrets.token_hex(4)
-    listener = socket.create_server(("127.0.0.1", 0))
+    listener = coordinator_listener(("127.0.0.1", 0))
     listener.set_inheritable(True)
     host, port = listener.getsockname()[:2]
     base = dict(os.environ if env is None else env)

@@ -60,7 +60,6 @@ BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.IDIV, Op.MOD, Op.POW, Op.
                     Op.CMPLT, Op.CMPLE, Op.CMPEQ, Op.CMPNE})
 ELEMENTWISE = UNARY | BINARY | {Op.WHERE}
 TRANSCENDENTAL = frozenset({Op.EXP, Op.EXP2, Op.LOG, Op.LOG2, Op.SIN, Op.COS, Op.POW})
-REDUCE_OPS = ("sum", "max", "min", "prod")
 
 _ids = itertools.count()
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ipaddress
 import threading
 import time
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from tinydist.listen import bind_policy, parse_host_port
 from tinydist.logs import get_logger
 
 log = get_logger(layer="metrics")
@@ -165,15 +165,6 @@ def render(registry: CollectorRegistry = REGISTRY) -> str:
 
 # ---- the HTTP endpoint -----------------------------------------------------------------------------
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 class MetricsServer:
     """A running `/metrics` endpoint; `close()` stops it."""
 
@@ -204,9 +195,9 @@ def serve_metrics(host: str = DEFAULT_ADDRESS[0], port: int = DEFAULT_ADDRESS[1]
     """Serve Prometheus text format at http://host:port/metrics on a daemon thread (port 0 picks a
     free one: read `.port`). Binds loopback only unless `allow_remote=True`: metrics name devices,
     methods and failure reasons, and the endpoint has no authentication."""
-    if not is_loopback(host) and not allow_remote:
-        raise ValueError(f"refusing to serve metrics on non-loopback address {host!r}; pass allow_remote=True "
-                         "(and put it behind something that authenticates) to expose it")
+    host, port = bind_policy(host, port, loopback_only=not allow_remote, allow_wildcard=allow_remote,
+                             remote_hint="the metrics endpoint has no authentication; pass allow_remote=True (and put "
+                                         "it behind something that authenticates) to expose it")
     server, thread = start_http_server(port, addr=host, registry=registry)
     handle = MetricsServer(server, thread, host)
     log.info("serving metrics", url=handle.url)
@@ -215,14 +206,7 @@ def serve_metrics(host: str = DEFAULT_ADDRESS[0], port: int = DEFAULT_ADDRESS[1]
 
 def parse_address(text: str) -> tuple[str, int]:
     """"127.0.0.1:9464", "[::1]:9464", ":9464" (loopback) or "9464" → (host, port)."""
-    text = text.strip()
-    if text.isdigit():
-        return DEFAULT_ADDRESS[0], int(text)
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"expected HOST:PORT for --metrics, got {text!r}")
-    host = host.strip("[]") or DEFAULT_ADDRESS[0]
-    return host, int(port)
+    return parse_host_port(text, what="--metrics address", default_host=DEFAULT_ADDRESS[0])
 
 
 def add_metrics_argument(parser: argparse.ArgumentParser) -> None:

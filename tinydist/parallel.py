@@ -42,8 +42,9 @@ import numpy as np
 
 from tinydist import autograd
 from tinydist.autograd import no_grad, queue_callback, register_grad_hook
+from tinydist.collectives import shard_sizes
 from tinydist.multi.allreduce import allreduce
-from tinydist.multi.sharded import MultiTensor, split_sizes
+from tinydist.multi.sharded import MultiTensor
 from tinydist.nn.module import Module, replicate
 from tinydist.engine.realize import realize
 from tinydist.runtime.registry import canonical_name
@@ -116,7 +117,7 @@ class DistributedDataParallel(Module):
             return self.module(x, *args, **kwargs)
         if not isinstance(x, Tensor):
             x = Tensor(np.asarray(x), device=self.devices[0])
-        sizes = split_sizes(x.shape[0], len(self.devices))
+        sizes = shard_sizes(x.shape[0], len(self.devices))
         outputs, start = [], 0
         for replica, device, size in zip(self.replicas, self.devices, sizes):
             outputs.append(replica(x[start:start + size].to(device), *args, **kwargs))

@@ -121,7 +121,7 @@ def test_kubernetes_indexed_job_headless_service_env_ports_and_secrets():
     assert listen.startswith("$(POD_IP):") and "0.0.0.0" not in listen
     assert sched["volumes"][0]["secret"]["secretName"] == "tinydist-scheduler-pki"
     # JOB_COMPLETION_INDEX + those variables give every pod its rank and the coordinator
-    from scheduler.environment import detect
+    from tinydist.dist.environment import detect
     found = detect({"KUBERNETES_SERVICE_HOST": "x", "JOB_COMPLETION_INDEX": "3", "HOSTNAME": f"{job['metadata']['name']}-3",
                     **{k: v["value"] for k, v in env.items() if "value" in v}})
     assert (found.rank, found.world_size, found.coordinator) == (3, 4, "train-0.train:29400")

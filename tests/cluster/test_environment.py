@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.environment import apply, detect, expand_nodelist
+from tinydist.dist.environment import apply, detect, expand_nodelist
 
 
 def test_expand_slurm_nodelist():

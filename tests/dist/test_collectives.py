@@ -87,18 +87,21 @@ def test_mismatches_raise_on_every_rank_and_group_survives(transport, no_shm_lea
 
 
 def test_auto_rule_is_deterministic_and_sees_size_world_and_link():
-    from tinydist.dist import choose_allreduce
-    assert choose_allreduce(4, 1024, True)[0] == "naive"
-    assert choose_allreduce(4, 1 << 20, True, cpus=2)[0] == "naive"       # ranks outnumber CPUs: one step is dear
-    assert choose_allreduce(4, 1 << 20, True, cpus=8)[0] == "all2all"
-    assert choose_allreduce(2, 256 << 10, True, cpus=2)[0] == "all2all"
-    assert choose_allreduce(2, 128 << 10, True, cpus=2)[0] == "naive"
-    assert choose_allreduce(4, 1 << 20, False)[0] == "ring"
-    assert choose_allreduce(2, 64 << 20, True)[0] == "all2all"
-    assert choose_allreduce(2, 64 << 20, False)[0] == "ring"
-    assert choose_allreduce(4, 64 << 20, True)[0] == "all2all"
-    assert choose_allreduce(4, 64 << 20, False)[0] == "ring"
-    assert all(reason for _, reason in (choose_allreduce(n, b, s) for n in (2, 3, 8) for b in (1, 1 << 30) for s in (True, False)))
+    from tinydist.collectives import Medium, Topology, choose
+
+    def pick(world: int, nbytes: int, same_host: bool, cpus: int | None = None) -> str:
+        return choose(Medium.SHM if same_host else Medium.NETWORK, world, nbytes, Topology(cpus=cpus))[0]
+    assert pick(4, 1024, True) == "naive"
+    assert pick(4, 1 << 20, True, cpus=2) == "naive"       # ranks outnumber CPUs: one step is dear
+    assert pick(4, 1 << 20, True, cpus=8) == "all2all"
+    assert pick(2, 256 << 10, True, cpus=2) == "all2all"
+    assert pick(2, 128 << 10, True, cpus=2) == "naive"
+    assert pick(4, 1 << 20, False) == "ring"
+    assert pick(2, 64 << 20, True) == "all2all"
+    assert pick(2, 64 << 20, False) == "ring"
+    assert pick(4, 64 << 20, True) == "all2all"
+    assert pick(4, 64 << 20, False) == "ring"
+    assert all(choose(m, n, b)[1] for n in (2, 3, 8) for b in (1, 1 << 30) for m in (Medium.SHM, Medium.NETWORK))
 
 
 def test_choice_is_logged_and_env_override_applies(no_shm_leak):

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tinydist.reduce_ops import REDUCE_OPS, ReduceOp
+
 VECTOR_BYTES = 64
 _FLOATS = {"f4": "float", "f8": "double"}
 _INTS = {1: "i8", 2: "i16", 4: "i32", 8: "i64"}
@@ -36,16 +38,15 @@ def supported(op: str, dtype: np.dtype) -> bool:
     """Whether `reduce_ir` compiles `op` over `dtype` (otherwise the caller uses numpy)."""
     if llvm_type(dtype) is None or dtype.byteorder == ">":
         return False
-    return op in ("sum", "prod") or (op in ("max", "min") and dtype.kind in "iu")
+    return op in REDUCE_OPS and ReduceOp(op).llvm(dtype.kind) is not None
 
 
 def _combine(op: str, dtype: np.dtype, ty: str, mask: str, a: str, b: str, out: str) -> str:
     """IR lines setting %out to `a op b` (operands of type `ty`, scalar or vector; `mask`: i1 of that shape)."""
-    if op in ("sum", "prod"):
-        code = {"sum": "add", "prod": "mul"}[op]
-        return f"  %{out} = {'f' + code if dtype.kind == 'f' else code} {ty} {a}, {b}\n"
-    cond = {("max", "i"): "sgt", ("min", "i"): "slt", ("max", "u"): "ugt", ("min", "u"): "ult"}[op, dtype.kind]
-    return f"  %{out}_c = icmp {cond} {ty} {a}, {b}\n  %{out} = select {mask} %{out}_c, {ty} {a}, {ty} {b}\n"
+    instruction = ReduceOp(op).llvm(dtype.kind)
+    if op in (ReduceOp.SUM, ReduceOp.PROD):
+        return f"  %{out} = {instruction} {ty} {a}, {b}\n"
+    return f"  %{out}_c = icmp {instruction} {ty} {a}, {b}\n  %{out} = select {mask} %{out}_c, {ty} {a}, {ty} {b}\n"
 
 
 def _body(op: str, dtype: np.dtype, ty: str, mask: str, sources: int, outputs: int, index: str, prefix: str) -> str:

@@ -9,14 +9,13 @@
 
 Inputs are td.Tensors or numpy arrays; results are td.Tensors (all_reduce with out=: that numpy
 array). The functions are a blocking facade over `ProcessGroup` (numpy in and out), whose links run
-on an event loop in a background thread; ranks on one host run the collective itself on the calling
-thread, over shared memory. Async code can use `ProcessGroup.open(...)` directly. See docs/collectives.md.
+on the process's one background event loop (the engine's, `tinydist.runtime.engine`); ranks on one
+host run the collective itself on the calling thread, over shared memory. Async code can use `ProcessGroup.open(...)` directly. See docs/collectives.md.
 """
 
 from __future__ import annotations
 
 import atexit
-import os
 import socket
 import threading
 from typing import Any
@@ -24,53 +23,41 @@ from typing import Any
 import numpy as np
 
 from tinydist import metrics
+from tinydist.dist.environment import launch
 from tinydist.dist.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, RankFailed
-from tinydist.dist.group import ProcessGroup, choose_allreduce
-from tinydist.dist.rendezvous import parse_address
+from tinydist.dist.group import ProcessGroup
+from tinydist.dist.rendezvous import parse_coordinator
+from tinydist.runtime.engine import get_engine
 
 __all__ = ["CollectiveError", "CollectiveMismatch", "CollectiveTimeout", "ProcessGroup", "RankFailed", "all_gather",
-           "all_reduce", "barrier", "broadcast", "choose_allreduce", "destroy", "fail", "get_group", "init", "is_initialized",
+           "all_reduce", "barrier", "broadcast", "destroy", "fail", "get_group", "init", "is_initialized",
            "rank", "reduce_scatter", "run_on_loop", "world_size"]
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
 
-def _env_int(name: str) -> int:
-    raw = os.environ.get(name)
-    if raw is None:
-        raise RuntimeError(f"{name} is not set; start the script with `tinydist launch --nproc N script.py` "
-                           f"or pass rank/world_size to td.dist.init()")
-    return int(raw)
-
-
 def init(rank: int | None = None, world_size: int | None = None, coordinator: str | None = None,
-         timeout: float | None = None) -> None:
-    """Join the process group (blocks until every rank has joined or the timeout passes)."""
-    from anyio.from_thread import start_blocking_portal
+         timeout: float | None = None, coordinator_sock: socket.socket | None = None) -> None:
+    """Join the process group (blocks until every rank has joined or the timeout passes).
+
+    What is not passed comes from the launch variables (`tinydist.dist.environment.launch`).
+    `coordinator_sock`: rank 0's rendezvous on a socket already bound and listening (the caller
+    bound the port before the other ranks learnt it, so no other process can take it); the group
+    owns it from here."""
     with _lock:
         if _state:
             raise RuntimeError("td.dist.init() was already called; call td.dist.destroy() first")
-        if rank is None and "TINYDIST_RANK" not in os.environ:
-            from scheduler.environment import apply   # Slurm (srun) / Kubernetes → TINYDIST_* variables
-            apply()
-        rank = _env_int("TINYDIST_RANK") if rank is None else rank
-        world = _env_int("TINYDIST_WORLD_SIZE") if world_size is None else world_size
-        address = parse_address(coordinator or os.environ.get("TINYDIST_COORDINATOR", "127.0.0.1:29400"))
-        sock = None
-        fd = os.environ.get("TINYDIST_COORDINATOR_FD")
-        if rank == 0 and fd is not None and coordinator is None:
-            sock = socket.socket(fileno=int(fd))
-            os.environ.pop("TINYDIST_COORDINATOR_FD")       # children of this rank must not reuse it
-        portal_cm = start_blocking_portal("asyncio")
-        portal = portal_cm.__enter__()
+        job = launch(rank, world_size, coordinator, coordinator_sock)
+        address = parse_coordinator(job.coordinator)
+        engine = get_engine()        # before the atexit below: the group leaves before the loop stops
+        group_cm = engine.portal.wrap_async_context_manager(
+            ProcessGroup.open(job.rank, job.world_size, address, job.coordinator_sock, timeout))
         try:
-            group_cm = portal.wrap_async_context_manager(ProcessGroup.open(rank, world, address, sock, timeout))
             group = group_cm.__enter__()
         except BaseException as exc:
-            portal_cm.__exit__(None, None, None)
             raise _sole_cause(exc) from None
-        _state.update(portal_cm=portal_cm, portal=portal, group_cm=group_cm, group=group)
+        _state.update(run=engine.run, group_cm=group_cm, group=group)
         atexit.register(destroy)
 
 
@@ -88,10 +75,7 @@ def destroy() -> None:
             return
         state = dict(_state)
         _state.clear()
-    try:
-        state["group_cm"].__exit__(None, None, None)
-    finally:
-        state["portal_cm"].__exit__(None, None, None)
+    state["group_cm"].__exit__(None, None, None)
 
 
 def fail(rank: int, reason: str) -> None:
@@ -100,7 +84,9 @@ def fail(rank: int, reason: str) -> None:
     with _lock:
         state = dict(_state)
     if state:
-        state["portal"].call(state["group"].fail, rank, reason)
+        async def fail_on_loop() -> None:        # where the links' own failures are handled
+            state["group"].fail(rank, reason)
+        state["run"](fail_on_loop)
 
 
 def is_initialized() -> bool:
@@ -134,13 +120,13 @@ def run_on_loop(fn: Any, *args: Any) -> Any:
     """Run the coroutine function `fn(*args)` on the group's event loop (where the links are served) and
     return its result; for code that uses the links directly, such as scheduler.probe's ping-pong."""
     get_group()
-    return _state["portal"].call(fn, *args)
+    return _state["run"](fn, *args)
 
 
 def _call(collective: str, *args: Any, algorithm: str = "") -> Any:
     group = get_group()
     with metrics.time_collective(collective, algorithm):  # latency histogram / error counter
-        return group.blocking(collective, *args, run_async=_state["portal"].call)
+        return group.blocking(collective, *args, run_async=_state["run"])
 
 
 def _tensor(arr: np.ndarray) -> Any:

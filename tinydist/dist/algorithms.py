@@ -30,17 +30,6 @@ Ufunc = Callable[..., np.ndarray]
 Bounds = list[tuple[int, int]]
 
 
-def split_bounds(n: int, parts: int) -> Bounds:
-    """`parts` contiguous ranges covering 0..n; the first n % parts are one longer (np.array_split)."""
-    base, extra = divmod(n, parts)
-    out, start = [], 0
-    for i in range(parts):
-        stop = start + base + (1 if i < extra else 0)
-        out.append((start, stop))
-        start = stop
-    return out
-
-
 def chunk_bounds(start: int, stop: int, chunk: int) -> Bounds:
     return [(a, min(a + chunk, stop)) for a in range(start, stop, chunk)]
 

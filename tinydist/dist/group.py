@@ -25,7 +25,6 @@ import contextlib
 import functools
 import json
 import math
-import os
 import socket
 import threading
 import time
@@ -36,51 +35,18 @@ from typing import Any, TypeVar
 import anyio
 import numpy as np
 
+from tinydist.collectives import Algorithm, Medium, check, resolve, shard_bounds
 from tinydist.config import settings
 from tinydist.dist import algorithms as algo
 from tinydist.dist import shm_algorithms as shm
 from tinydist.dist.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, RankFailed
-from tinydist.dist.rendezvous import connect_mesh, register, serve_coordinator
+from tinydist.dist.rendezvous import connect_mesh, coordinator_listener, register, serve_coordinator
 from tinydist.logs import get_logger
+from tinydist.reduce_ops import MEAN, collective_op
 from transports.base import Link, PeerFailed
 from transports.shm_group import ShmGroup, WaitTimeout, open_group
 
 T = TypeVar("T")
-
-OPS: dict[str, Callable[..., np.ndarray]] = {
-    "sum": np.add, "mean": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
-ALGORITHMS = ("naive", "ring", "all2all")
-
-# auto-selection thresholds (bytes of the whole tensor); bench/allreduce.py measured them.
-SMALL_BYTES = 64 * 1024          # over the network: one naive step of small messages beats 2(N-1) steps
-# On shared memory naive's single step beats all2all's two while every rank has a CPU up to here
-# (2 ranks, 2 vCPUs: 64 KiB naive 0.043 ms vs all2all 0.051; 256 KiB 0.096 vs 0.076; 1 MiB 0.17 vs 0.11),
-# and, where ranks outnumber CPUs and every step waits for the scheduler to run them all, up to
-# SMALL_CROWDED_BYTES (4 ranks, 2 vCPUs: 512 KiB 0.45 vs 0.63 ms; 1 MiB 0.49-0.72 vs 0.45-0.52).
-SMALL_SHARED_BYTES = 128 * 1024
-SMALL_CROWDED_BYTES = 1 << 20
-
-
-def choose_allreduce(world: int, nbytes: int, same_host: bool, cpus: int | None = None) -> tuple[str, str]:
-    """The algorithm `auto` picks, and why. Deterministic in its inputs, so every rank agrees
-    (`cpus`, the host's CPU count by default, is the same for ranks on one host).
-
-    Measured (bench/allreduce.py, docs/collectives.md): naive wins only for small messages (one
-    step instead of two on shared memory, or 2(N-1) over the network); past that every rank
-    reduces all N inputs instead of 1/N of them (at 4-8 MiB: 1.7-2.2x slower on shared memory).
-    """
-    if world <= 1:
-        return "naive", "one rank"
-    if same_host:
-        cpus = (os.cpu_count() or 1) if cpus is None else cpus
-        small = SMALL_CROWDED_BYTES if world > cpus else SMALL_SHARED_BYTES
-        if nbytes <= small:
-            return "naive", (f"{nbytes} B <= {small} B on shared memory ({world} ranks, {cpus} CPUs): one step, "
-                             f"each rank reads every input")
-        return "all2all", "shared memory: each rank reduces 1/N of the data straight from the peers' memory, two steps"
-    if nbytes <= SMALL_BYTES:
-        return "naive", f"{nbytes} B <= {SMALL_BYTES} B: one step of small messages beats 2(N-1) steps"
-    return "ring", "network: bandwidth-optimal 2(N-1)/N of the bytes, one neighbour per step"
 
 
 @dataclass
@@ -109,6 +75,11 @@ class ProcessGroup:
         self._tg: anyio.abc.TaskGroup | None = None
         self._last_choice: dict[str, str] = {}
 
+    @property
+    def medium(self) -> Medium:
+        """What an allreduce moves through: one host's shared memory, or the network."""
+        return Medium.SHM if self.same_host else Medium.NETWORK
+
     # ---- life cycle -------------------------------------------------------------------------
 
     @classmethod
@@ -126,7 +97,7 @@ class ProcessGroup:
             if world > 1:
                 if rank == 0:
                     if coordinator_sock is None:
-                        coordinator_sock = socket.create_server(coordinator, reuse_port=False)
+                        coordinator_sock = coordinator_listener(coordinator)
                     tg.start_soon(serve_coordinator, coordinator_sock, world, timeout)
                 table, listener = await register(coordinator, rank, world, timeout)
                 group.links = await connect_mesh(rank, world, table, listener, transport, group._on_link_failure, timeout)
@@ -355,45 +326,45 @@ class ProcessGroup:
 
     def _all_reduce(self, x: np.ndarray, op: str, algorithm: str, out: np.ndarray | None = None) -> _Call:
         x = np.asarray(x, order="C")
-        error = _check_op(op) or _check_algorithm(algorithm)
-        error = error or _check_out(out, x, np.dtype(np.float64) if op == "mean" and x.dtype.kind not in "fc" else x.dtype)
-        chosen, reason = algorithm, "requested"
-        if not error and algorithm == "auto":
-            if settings.ALLREDUCE != "auto":
-                chosen, reason = settings.ALLREDUCE, "TINYDIST_ALLREDUCE"
-            else:
-                chosen, reason = choose_allreduce(self.world, x.nbytes, self.same_host)
-        header = {"coll": "all_reduce", "op": op, "dtype": x.dtype.str, "shape": list(x.shape), "algorithm": chosen, "error": error}
+        error = _check_op(op) or _check_out(out, x, np.dtype(np.float64) if op == MEAN and x.dtype.kind not in "fc" else x.dtype)
+        chosen, reason = Algorithm.NAIVE, ""
+        if not error:
+            try:
+                chosen, reason = resolve(algorithm, self.medium, self.world, x.nbytes)
+            except ValueError as exc:
+                error = str(exc)
+        header = {"coll": "all_reduce", "op": op, "dtype": x.dtype.str, "shape": list(x.shape), "algorithm": algorithm if error else chosen.value,
+                  "error": error}
         on_segment = self.shm is not None and not error and chosen != "ring"
         threshold = None if self.shm is None else self.shm.single_copy_bytes
         single_copy = on_segment and chosen == "all2all" and threshold is not None and x.nbytes >= threshold
         if not error:
             link = "single copy" if single_copy else "shm segment" if on_segment else "shm" if self.same_host else "tcp"
-            self._log_choice("all_reduce", chosen, reason, nbytes=x.nbytes, link=link)
+            self._log_choice("all_reduce", chosen.value, reason, nbytes=x.nbytes, link=link)
         # `out` passed `_check_out`: C-contiguous, so its flat view shares its memory
         flat_out = None if out is None else out.reshape(-1)
 
         async def body(_: dict[int, dict[str, Any]]) -> np.ndarray:
             flat = x.reshape(-1)
-            ufunc = OPS[op]
+            ufunc = collective_op(op).ufunc
             if self.world == 1:
                 acc = flat.copy()
             elif chosen == "naive":
                 acc = await algo.naive(self.links, self.rank, self.world, flat, ufunc)
             elif chosen == "ring":
                 acc = flat.copy()
-                await algo.ring(self.links, self.rank, self.world, acc, algo.split_bounds(flat.size, self.world),
+                await algo.ring(self.links, self.rank, self.world, acc, shard_bounds(flat.size, self.world),
                                 self.rank, self.world - 1, self.world - 1, ufunc)
             else:
                 acc = np.empty_like(flat)
-                await algo.all2all(self.links, self.rank, self.world, flat, acc, algo.split_bounds(flat.size, self.world), ufunc)
+                await algo.all2all(self.links, self.rank, self.world, flat, acc, shard_bounds(flat.size, self.world), ufunc)
             return _result(_finish(acc, op, self.world, flat_out), x.shape, out)
 
         def segment(session: shm.Session) -> np.ndarray:
             run = shm.allreduce_single_copy if single_copy else shm.allreduce_naive if chosen == "naive" else shm.allreduce_all2all
             # reduce straight into `out` when it has the input's dtype (integer mean's float64 `out` does not)
             acc = flat_out if flat_out is not None and flat_out.dtype == x.dtype else np.empty(x.size, x.dtype)
-            run(session, x.reshape(-1), acc, OPS[op])
+            run(session, x.reshape(-1), acc, collective_op(op))
             return _result(_finish(acc, op, self.world, flat_out), x.shape, out)
 
         return _Call(header, body, segment if on_segment else None)
@@ -442,7 +413,7 @@ class ProcessGroup:
 
     def _reduce_scatter(self, x: np.ndarray, op: str, axis: int, algorithm: str) -> _Call:
         x = np.asarray(x, order="C")
-        error = _check_op(op) or _check_algorithm(algorithm)
+        error = _check_op(op) or _check_algorithm(algorithm, self.medium)
         if x.ndim == 0:
             error = error or "reduce_scatter needs at least one dimension"
         elif not -x.ndim <= axis < x.ndim:
@@ -459,7 +430,7 @@ class ProcessGroup:
         def layout() -> tuple[np.ndarray, list[tuple[int, int]], list[tuple[int, int]]]:
             rows = np.asarray(np.moveaxis(x, ax, 0), order="C")
             row = math.prod(rows.shape[1:])
-            parts = algo.split_bounds(rows.shape[0], self.world)
+            parts = shard_bounds(rows.shape[0], self.world)
             return rows, parts, [(a * row, b * row) for a, b in parts]
 
         def finish(rows: np.ndarray, parts: list[tuple[int, int]], piece: np.ndarray) -> np.ndarray:
@@ -469,7 +440,7 @@ class ProcessGroup:
         async def body(_: dict[int, dict[str, Any]]) -> np.ndarray:
             rows, parts, bounds = layout()
             flat = rows.reshape(-1)
-            ufunc = OPS[op]
+            ufunc = collective_op(op).ufunc
             a, b = bounds[self.rank]
             if self.world == 1:
                 piece = flat.copy()
@@ -485,7 +456,7 @@ class ProcessGroup:
 
         def segment(session: shm.Session) -> np.ndarray:
             rows, parts, bounds = layout()
-            return finish(rows, parts, shm.reduce_scatter(session, rows.reshape(-1), bounds, OPS[op]))
+            return finish(rows, parts, shm.reduce_scatter(session, rows.reshape(-1), bounds, collective_op(op)))
 
         return _Call(header, body, segment if self.shm is not None and not error and chosen != "ring" else None)
 
@@ -520,11 +491,19 @@ class ProcessGroup:
 # ---- helpers ----------------------------------------------------------------------------------
 
 def _check_op(op: str) -> str | None:
-    return None if op in OPS else f"unknown op {op!r}; expected one of {', '.join(OPS)}"
+    try:
+        collective_op(op)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
-def _check_algorithm(algorithm: str) -> str | None:
-    return None if algorithm in ("auto", *ALGORITHMS) else f"unknown algorithm {algorithm!r}; expected auto, {', '.join(ALGORITHMS)}"
+def _check_algorithm(algorithm: str, medium: Medium) -> str | None:
+    try:
+        check(algorithm, medium)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _check_out(out: Any, x: np.ndarray, dtype: np.dtype) -> str | None:
@@ -552,7 +531,7 @@ def _check_out(out: Any, x: np.ndarray, dtype: np.dtype) -> str | None:
 def _finish(acc: np.ndarray, op: str, world: int, out: np.ndarray | None) -> np.ndarray:
     """The collective's flat result from the flat reduction `acc`: divided by `world` for mean (integer
     mean is float64, as numpy's), and in `out` when given (copied there unless `acc` is `out`)."""
-    if op == "mean":
+    if op == MEAN:
         if acc.dtype.kind in "fc":
             acc /= world
         else:

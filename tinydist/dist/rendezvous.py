@@ -1,7 +1,8 @@
 """Rendezvous: ranks find each other through a coordinator, then connect a full mesh of links.
 
 The coordinator is a small TCP/JSON-lines server run by rank 0 (on the socket `tinydist launch`
-hands it, or bound at TINYDIST_COORDINATOR). Each rank sends one line
+hands it, or bound at TINYDIST_COORDINATOR; either way under `tinydist.listen`'s bind policy:
+loopback unless TINYDIST_COORDINATOR_ALLOW_REMOTE=1). Each rank sends one line
 
     {"rank": r, "world_size": n, "host": host_key, "addr": [ip, port]}
 
@@ -27,6 +28,8 @@ from typing import Any
 
 import anyio
 
+from tinydist.config import settings
+from tinydist.listen import bind_policy, parse_host_port
 from tinydist.logs import get_logger
 from transports.base import FailureCallback, Link, TransportError
 from transports.shm import ShmLink
@@ -41,11 +44,25 @@ def host_key() -> str:
     return f"{socket.gethostname()}/{boot.read_text().strip() if boot.exists() else '?'}"
 
 
-def parse_address(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"TINYDIST_COORDINATOR must be host:port, got {text!r}")
-    return host.strip("[]") or "127.0.0.1", int(port)
+def parse_coordinator(text: str) -> tuple[str, int]:
+    """(host, port) of a TINYDIST_COORDINATOR value (`host:port`, `[::1]:port`; a missing host is loopback)."""
+    return parse_host_port(text, what="TINYDIST_COORDINATOR", default_host="127.0.0.1")
+
+
+def _bindable(host: str, port: int, what: str) -> tuple[str, int]:
+    """`tinydist.listen`'s bind policy for the rendezvous and the mesh: loopback unless
+    TINYDIST_COORDINATOR_ALLOW_REMOTE=1 (neither authenticates its peers), never the wildcard, a
+    host name resolved once (the launch contract names hosts on Slurm and Kubernetes)."""
+    return bind_policy(host, port, loopback_only=settings.COORDINATOR_ALLOW_REMOTE != "1", resolve=True, what=what,
+                       remote_hint="the rendezvous has no authentication; set TINYDIST_COORDINATOR_ALLOW_REMOTE=1 "
+                                   "where the network between the ranks is trusted, or use a loopback coordinator",
+                       wildcard_hint="set TINYDIST_COORDINATOR to the address the other ranks reach")
+
+
+def coordinator_listener(address: tuple[str, int]) -> socket.socket:
+    """Rank 0's rendezvous socket, bound at `address` under the bind policy and listening."""
+    host, port = _bindable(*address, what="TINYDIST_COORDINATOR host")
+    return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, reuse_port=False)
 
 
 async def serve_coordinator(listener: socket.socket, world: int, timeout: float) -> None:
@@ -115,7 +132,7 @@ async def register(coordinator: tuple[str, int], rank: int, world: int, timeout:
             await anyio.sleep(delay)
             delay = min(delay * 2, 0.25)
     try:
-        local_ip = writer.get_extra_info("sockname")[0]
+        local_ip, _ = _bindable(writer.get_extra_info("sockname")[0], 0, what="mesh listener host")
         listener = socket.socket(socket.AF_INET6 if ":" in local_ip else socket.AF_INET, socket.SOCK_STREAM)
         listener.bind((local_ip, 0))
         listener.listen(max(world, 8))

@@ -34,8 +34,9 @@ from typing import Any
 import numpy as np
 
 from tinydist.codegen.reduce import supported
-from tinydist.dist.algorithms import Ufunc, split_bounds
+from tinydist.collectives import shard_bounds
 from tinydist.dist.errors import RankFailed
+from tinydist.reduce_ops import ReduceOp
 from tinydist.runtime.compiler import host_reduce
 from transports import cma
 from transports.shm_group import ShmGroup
@@ -96,30 +97,27 @@ PIECE_BYTES = 512 << 10
 # while process_vm_readv/writev pin every page per call: 1.16 vs 0.84 ms, 2 ranks); from 8 MiB single
 # copy wins (1.03 vs 1.33 ms; at 64 MiB 7.3 vs 25.8 ms), its traffic being half the slots'.
 SINGLE_COPY_MIN_BYTES = 8 << 20
-# the ops `tinydist.codegen.reduce` compiles, by the ufunc the group passes in
-_COMPILED_OPS: dict[Any, str] = {np.add: "sum", np.multiply: "prod", np.maximum: "max", np.minimum: "min"}
 
 
-def _reduce_into(ufunc: Ufunc, dsts: Sequence[np.ndarray], sources: Sequence[np.ndarray]) -> None:
+def _reduce_into(op: ReduceOp, dsts: Sequence[np.ndarray], sources: Sequence[np.ndarray]) -> None:
     """Every `dsts[d][i]` = sources[0][i] op sources[1][i] op ... in source order (what numpy's binary
     ufuncs compute), in one compiled pass over the memory where that saves numpy passes, the op and
     dtype are compiled (`tinydist.codegen.reduce.supported`) and the part is big enough to pay, else
     as numpy passes."""
     dst = dsts[0]
     if (len(dsts) > 1 or len(sources) > 2) and dst.nbytes >= COMPILED_MIN_BYTES:   # cheap tests first: small calls
-        op = _COMPILED_OPS.get(ufunc)
-        if op is not None and supported(op, dst.dtype):
+        if supported(op, dst.dtype):
             kernel = host_reduce(op, dst.dtype, len(sources), len(dsts)).cfunc
             kernel(*[a.ctypes.data for a in dsts], *[a.ctypes.data for a in sources], dst.size)
             return
-    ufunc(sources[0], sources[1], out=dst)
+    op.ufunc(sources[0], sources[1], out=dst)
     for src in sources[2:]:
-        ufunc(dst, src, out=dst)
+        op.ufunc(dst, src, out=dst)
     for other in dsts[1:]:
         other[:] = dst
 
 
-def allreduce_naive(s: Session, x: np.ndarray, out: np.ndarray, ufunc: Ufunc) -> None:
+def allreduce_naive(s: Session, x: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
     """The reduction of every rank's flat `x` into `out` (which may be `x`: round k reads only x's chunk k,
     all of it into the slot, before writing out's chunk k)."""
     grp = s.grp
@@ -127,10 +125,10 @@ def allreduce_naive(s: Session, x: np.ndarray, out: np.ndarray, ufunc: Ufunc) ->
         p = s.round()
         grp.region(grp.rank, p, x.dtype, b - a)[:] = x[a:b]
         s.sync()
-        _reduce_into(ufunc, [out[a:b]], [grp.region(r, p, x.dtype, b - a) for r in range(grp.world)])
+        _reduce_into(op, [out[a:b]], [grp.region(r, p, x.dtype, b - a) for r in range(grp.world)])
 
 
-def allreduce_all2all(s: Session, x: np.ndarray, out: np.ndarray, ufunc: Ufunc) -> None:
+def allreduce_all2all(s: Session, x: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
     """The reduction of every rank's flat `x` into `out` (which may be `x`: round k has read x's chunk k
     into the slot and reduced it before it writes out's chunk k)."""
     grp = s.grp
@@ -140,7 +138,7 @@ def allreduce_all2all(s: Session, x: np.ndarray, out: np.ndarray, ufunc: Ufunc) 
     def fill(a: int, b: int) -> None:
         """Begin a round and copy in all of its chunk but my part (which I read from `x` when reducing)."""
         p = s.round()
-        parts = split_bounds(b - a, grp.world)
+        parts = shard_bounds(b - a, grp.world)
         m0, m1 = parts[grp.rank]
         mine = grp.region(grp.rank, p, x.dtype, b - a)
         mine[:m0] = x[a:a + m0]
@@ -154,7 +152,7 @@ def allreduce_all2all(s: Session, x: np.ndarray, out: np.ndarray, ufunc: Ufunc) 
         m0, m1 = parts[grp.rank]
         peers = [grp.region(r, p, x.dtype, b - a)[m0:m1] for r in grp.peers]
         # my part goes to my result and to my slot, from where the peers copy it out
-        _reduce_into(ufunc, [out[a + m0:a + m1], mine[m0:m1]], [x[a + m0:a + m1], *peers])
+        _reduce_into(op, [out[a + m0:a + m1], mine[m0:m1]], [x[a + m0:a + m1], *peers])
         # while the peers finish their parts, fill round k+1: its slot is round k-1's, which every
         # peer finished reading before it began round k
         s.sync(functools.partial(fill, *rounds[k + 1]) if k + 1 < len(rounds) else None)
@@ -163,7 +161,7 @@ def allreduce_all2all(s: Session, x: np.ndarray, out: np.ndarray, ufunc: Ufunc) 
             out[a + c0:a + c1] = grp.region(r, p, x.dtype, b - a)[c0:c1]
 
 
-def allreduce_single_copy(s: Session, x: np.ndarray, out: np.ndarray, ufunc: Ufunc) -> None:
+def allreduce_single_copy(s: Session, x: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
     """The reduction of every rank's flat `x` into `out` (which may be `x`), copying straight between
     the ranks' memory (`transports.cma`; the group agreed it may, `ShmGroup.single_copy_bytes`).
 
@@ -179,7 +177,7 @@ def allreduce_single_copy(s: Session, x: np.ndarray, out: np.ndarray, ufunc: Ufu
     grp.region(grp.rank, p, np.dtype(np.uint64), 2)[:] = (x.ctypes.data, out.ctypes.data)
     s.sync()
     where = {r: [int(a) for a in grp.region(r, p, np.dtype(np.uint64), 2)] for r in grp.peers}
-    m0, m1 = split_bounds(x.size, grp.world)[grp.rank]
+    m0, m1 = shard_bounds(x.size, grp.world)[grp.rank]
     size = x.dtype.itemsize
     step = max(1, PIECE_BYTES // size)
     scratch = grp.scratch(len(grp.peers) * step * size).view(x.dtype)
@@ -190,7 +188,7 @@ def allreduce_single_copy(s: Session, x: np.ndarray, out: np.ndarray, ufunc: Ufu
         for r in grp.peers:
             _peer_copy(cma.read, grp, r, where[r][0] + at, buffers[r][:b - a])
         # my own piece first: `out` may be `x`, and the first pass reads it before writing there
-        _reduce_into(ufunc, [out[a:b]], [x[a:b], *(buffers[r][:b - a] for r in grp.peers)])
+        _reduce_into(op, [out[a:b]], [x[a:b], *(buffers[r][:b - a] for r in grp.peers)])
         for r in grp.peers:
             _peer_copy(cma.write, grp, r, where[r][1] + at, out[a:b])
     s.sync()
@@ -204,7 +202,7 @@ def _peer_copy(copy: Callable[[int, int, np.ndarray], None], grp: ShmGroup, rank
         raise RankFailed(rank, f"its process (pid {grp.pids[rank]}) is gone") from None
 
 
-def reduce_scatter(s: Session, x: np.ndarray, bounds: Sequence[tuple[int, int]], ufunc: Ufunc) -> np.ndarray:
+def reduce_scatter(s: Session, x: np.ndarray, bounds: Sequence[tuple[int, int]], op: ReduceOp) -> np.ndarray:
     """This rank's range `bounds[rank]` of the reduction of every rank's flat `x`."""
     grp = s.grp
     lo, hi = bounds[grp.rank]
@@ -218,7 +216,7 @@ def reduce_scatter(s: Session, x: np.ndarray, bounds: Sequence[tuple[int, int]],
         s.sync()
         if m1 > m0:
             peers = [grp.region(r, p, x.dtype, b - a)[m0:m1] for r in grp.peers]
-            _reduce_into(ufunc, [piece[a + m0 - lo:a + m1 - lo]], [x[a + m0:a + m1], *peers])
+            _reduce_into(op, [piece[a + m0 - lo:a + m1 - lo]], [x[a + m0:a + m1], *peers])
     return piece
 
 

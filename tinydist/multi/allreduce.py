@@ -19,9 +19,10 @@ With S bytes per device and N devices, memory traffic (reads + writes, all devic
   all2all  device i reduces chunk i reading every device (reduce-scatter, (N+1)·S), then each
            device gathers the N reduced chunks (allgather, copies: 2·N·S): (3·N+1)·S
 
-The floor is 2·N·S (read every input once, write every output once). `choose` picks one (rule in
-its docstring); the choice is logged and can be forced per call, or with TINYDIST_ALLREDUCE
-(naive, ring or all2all: the setting is shared with tinydist.dist, which has no `direct`).
+The floor is 2·N·S (read every input once, write every output once). `tinydist.collectives.choose`
+picks one (medium `devices`; the rule in its docstring); the choice is logged and can be forced per
+call, or with TINYDIST_ALLREDUCE (naive, ring or all2all: the setting is shared with tinydist.dist,
+which has no `direct`).
 """
 
 from __future__ import annotations
@@ -30,54 +31,21 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from tinydist.config import settings
+from tinydist.collectives import LEGAL, Algorithm, Medium, Topology, resolve, shard_bounds
 from tinydist.lazy import LazyNode, Op
 from tinydist.logs import get_logger
+from tinydist.reduce_ops import reduce_op
 from tinydist.runtime.registry import peer_group
 from tinydist.tensor import Tensor, cat
 
 log = get_logger(layer="multi")
 
-ALGORITHMS = ("direct", "naive", "ring", "all2all")
-REDUCE_OPS = ("sum", "max", "min", "prod")
-# Below this many elements the extra graph of all2all (N chunks, N gathers: milliseconds of
-# Python at 4 devices) costs more than the traffic it saves (bench/multidevice.py).
-ALL2ALL_MIN_ELEMENTS = 1 << 21
-
-
-def _combine(op: str) -> Callable[[Tensor, Tensor], Tensor]:
-    return {"sum": lambda a, b: a + b, "prod": lambda a, b: a * b,
-            "max": lambda a, b: a.maximum(b), "min": lambda a, b: a.minimum(b)}[op]
-
-
-def choose(devices: int, elements: int, requested: str = "auto", direct: bool = False) -> str:
-    """`requested` if explicit; else TINYDIST_ALLREDUCE if set to an algorithm; else `direct` where
-    it can run (`direct`: the inputs are on one peer group and need no gradient) — the least
-    traffic and one kernel per device at every size; else naive for two devices (N·(N+1) = 6 <
-    3·N+1 = 7 bytes of traffic per input byte) or small inputs (one kernel per device, the fewest
-    calls), all2all beyond that (traffic linear in N, not quadratic)."""
-    if requested == "auto":
-        requested = settings.ALLREDUCE
-    if requested != "auto":
-        if requested not in ALGORITHMS:
-            raise ValueError(f"unknown allreduce algorithm {requested!r}; choose one of {', '.join(ALGORITHMS)} or 'auto'")
-        if requested == "direct" and not direct:
-            raise ValueError("allreduce 'direct' needs inputs on devices of one peer group, without gradients")
-        return requested
-    if direct:
-        return "direct"
-    return "naive" if devices <= 2 or elements < ALL2ALL_MIN_ELEMENTS else "all2all"
-
-
-def _chunks(n: int, parts: int) -> list[tuple[int, int]]:
-    edges = np.linspace(0, n, parts + 1).round().astype(int)
-    return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
+ALGORITHMS: tuple[str, ...] = tuple(a.value for a in LEGAL[Medium.DEVICES])
 
 
 def allreduce(inputs: Sequence[Tensor], op: str = "sum", algorithm: str = "auto") -> list[Tensor]:
     """One result per input, on the input's device, each the `op`-reduction of all inputs."""
-    if op not in REDUCE_OPS:
-        raise ValueError(f"unknown reduce op {op!r}; choose one of {', '.join(REDUCE_OPS)}")
+    reduce = reduce_op(op)
     shapes = {t.shape for t in inputs}
     if len(shapes) != 1 or len({t.dtype for t in inputs}) != 1:
         raise ValueError(f"allreduce inputs must agree in shape and dtype, got {[(t.shape, t.dtype.name) for t in inputs]}")
@@ -88,17 +56,20 @@ def allreduce(inputs: Sequence[Tensor], op: str = "sum", algorithm: str = "auto"
     elements = int(np.prod(shape, dtype=np.int64))
     groups = {peer_group(t.device) for t in inputs}
     direct = None not in groups and len(groups) == 1 and not any(t.requires_grad for t in inputs)
-    chosen = choose(n, elements, algorithm, direct=direct)
-    log.info("allreduce", algorithm=chosen, devices=[t.device for t in inputs], elements=elements, op=op)
-    if chosen == "direct":
+    chosen, reason = resolve(algorithm, Medium.DEVICES, n, elements * inputs[0].dtype.itemsize, Topology(peers=direct))
+    log.info("allreduce", algorithm=str(chosen), reason=reason, devices=[t.device for t in inputs], elements=elements, op=op)
+    if chosen is Algorithm.DIRECT:
         srcs = tuple(t.node for t in inputs)
         return [Tensor(LazyNode(Op.ALLREDUCE, srcs, (op, i), t.dtype, t.shape, t.device)) for i, t in enumerate(inputs)]
-    combine = _combine(op)
-    if chosen == "naive" or elements < n:
+
+    def combine(a: Tensor, b: Tensor) -> Tensor:
+        return a._binary(b, Op(reduce.binary))
+
+    if chosen is Algorithm.NAIVE or elements < n:
         return [_reduce_all([t.to(inputs[i].device) for t in inputs], combine) for i in range(n)]
     flat = [t.reshape(-1) for t in inputs]
-    bounds = _chunks(elements, n)
-    if chosen == "ring":
+    bounds = shard_bounds(elements, n)
+    if chosen is Algorithm.RING:
         reduced = _ring_reduce_scatter(flat, bounds, combine)
     else:
         reduced = [_reduce_all([flat[j][lo:hi].to(flat[i].device) for j in range(n)], combine)

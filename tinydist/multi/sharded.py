@@ -21,18 +21,13 @@ from typing import Any
 import numpy as np
 
 from tinydist import dtypes
+from tinydist.collectives import shard_sizes
 from tinydist.dtypes import DType
 from tinydist.errors import TinydistError
 from tinydist.multi.allreduce import allreduce
 from tinydist.engine.realize import realize
 from tinydist.runtime.registry import canonical_name
 from tinydist.tensor import Tensor, _normalize_axes, _normalize_axis, cat
-
-
-def split_sizes(total: int, parts: int) -> list[int]:
-    """numpy.array_split's sizes: the first `total % parts` pieces get one more element."""
-    base, extra = divmod(total, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
 class ShardError(TinydistError, ValueError):
@@ -58,7 +53,7 @@ class MultiTensor:
         if axis is None:
             return MultiTensor([tensor.to(d) for d in devices], None)
         axis = _normalize_axis(axis, tensor.ndim)
-        sizes = split_sizes(tensor.shape[axis], len(devices))
+        sizes = shard_sizes(tensor.shape[axis], len(devices))
         shards, start = [], 0
         for device, size in zip(devices, sizes):
             index = tuple(slice(start, start + size) if i == axis else slice(None) for i in range(tensor.ndim))

@@ -31,7 +31,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from tinydist.config import settings
+from tinydist.config import launch_int, settings
 from tinydist.errors import DeviceError, TinydistError
 from tinydist.runtime import command_queue as _hooks
 from tinydist.runtime.timeline import Timeline
@@ -152,7 +152,7 @@ class Tracer:
 
     def write(self, path: str | os.PathLike[str], rank: int | None = None) -> Path:
         """Write the trace to `path` (with `.rank{N}` before the suffix in a multi-process job)."""
-        rank = _env_rank() if rank is None else rank
+        rank = launch_int("TINYDIST_RANK", required=False) if rank is None else rank
         target = rank_path(Path(path), rank)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(target.name + ".tmp")
@@ -160,14 +160,6 @@ class Tracer:
             json.dump(self.chrome(rank), f, separators=(",", ":"))
         os.replace(tmp, target)
         return target
-
-
-def _env_rank() -> int | None:
-    raw = os.environ.get("TINYDIST_RANK")
-    try:
-        return int(raw) if raw not in (None, "") else None
-    except ValueError:
-        return None
 
 
 def rank_path(path: Path, rank: int | None) -> Path:

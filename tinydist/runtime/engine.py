@@ -2,7 +2,8 @@
 
 The engine owns an anyio blocking portal (an event loop in a thread, with its own task group) and
 the devices it opened for sync callers. `engine.run(async_fn, *args)` runs a coroutine function on
-it and returns its result, so the sync path and the async path are the same engine.
+it and returns its result, so the sync path and the async path are the same engine. It is the
+process's one portal: tinydist.dist serves its process group's links on the same loop (`portal`).
 
     engine = get_engine()
     dev = engine.device("CPU:1")                 # opened once, closed at exit or engine.close()
@@ -38,6 +39,14 @@ class Engine:
         if self._portal is None:
             raise DeviceClosed("the tinydist engine is closed (Engine.close ran); create a new Engine()")
         return self._portal.call(fn, *args)
+
+    @property
+    def portal(self) -> BlockingPortal:
+        """The portal itself, for what lives on the loop longer than one call (an async context
+        manager entered with `portal.wrap_async_context_manager`, as tinydist.dist's group)."""
+        if self._portal is None:
+            raise DeviceClosed("the tinydist engine is closed (Engine.close ran); create a new Engine()")
+        return self._portal
 
     def device(self, name: str) -> Device:
         """The engine's open device `name` (opened on first use)."""

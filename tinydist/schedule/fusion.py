@@ -30,7 +30,9 @@ from tinydist.codegen import kernel as K
 from tinydist.codegen.kernel import KernelAST, KNode
 from tinydist.codegen.lowering import STREAMING_STORE_BYTES, VECTOR_BYTES
 from tinydist.codegen.matmul import StridedOperand, workspace_bytes
+from tinydist.collectives import shard_bounds
 from tinydist.lazy import ELEMENTWISE, MAX_FUSED_OPS, TRANSCENDENTAL, LazyNode, Op
+from tinydist.reduce_ops import ReduceOp
 from tinydist.runtime.registry import peer_group
 from tinydist.schedule.items import BufferSpec, Call, CopyCall, GatherCall, KernelCall, MatmulCall, SliceCall
 from tinydist.shape import ShapeTracker, prod
@@ -344,20 +346,20 @@ class _Fuser:
                 self.graph.number[id(other)] = outs[-1]
         itemsize = node.dtype.itemsize
         align = max(1, VECTOR_BYTES // itemsize)  # ranges start on a vector: the kernels' stores are aligned
-        blocks = -(-node.numel // align)
-        edges = [min(node.numel, round(blocks * d / len(inputs)) * align) for d in range(len(inputs) + 1)]
+        ranges = [(min(node.numel, lo * align), min(node.numel, hi * align))
+                  for lo, hi in shard_bounds(-(-node.numel // align), len(inputs))]
         slots = tuple(range(len(inputs)))
         # The devices' kernels together read and write 2·N·S bytes through the last-level cache
         # they share. From about half of it, the outputs are evicted before anyone reads them and
         # streaming stores pay (measured: 2 devices × 8 MiB and 4 × 2 MiB gain, 4 × 1 MiB loses).
         stream = 2 * len(inputs) * node.nbytes >= STREAMING_STORE_BYTES // 2
-        for src, lo, hi in zip(node.srcs, edges, edges[1:]):
+        for src, (lo, hi) in zip(node.srcs, ranges):
             if hi == lo:
                 continue
             tracker = ShapeTracker.contiguous((hi - lo,))
             root = K.load(0, tracker, node.dtype)
             for slot in slots[1:]:
-                root = KNode(_COMBINE[op], (root, K.load(slot, tracker, node.dtype)), None, node.dtype)
+                root = KNode(ReduceOp(op).binary, (root, K.load(slot, tracker, node.dtype)), None, node.dtype)
             ast = KernelAST((hi - lo,), (), root, (node.dtype,) * len(inputs), node.dtype, outputs=len(outs), stream_stores=stream)
             self.graph.calls.append(SliceCall(ast, tuple(outs), inputs, lo * itemsize, (hi - lo) * itemsize, src.device))
 
@@ -460,9 +462,6 @@ def _reads_aliased_in_place(call: KernelCall) -> bool:
             if ast.reduce_axes or node.arg[1] != identity:
                 return False
     return True
-
-
-_COMBINE = {"sum": Op.ADD.value, "prod": Op.MUL.value, "max": Op.MAX.value, "min": Op.MIN.value}
 
 
 def fuse(targets: list[LazyNode], inputs: list[LazyNode]) -> FusedGraph:

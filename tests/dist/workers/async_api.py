@@ -6,12 +6,12 @@ import anyio
 import numpy as np
 
 from tinydist.dist import ProcessGroup
-from tinydist.dist.rendezvous import parse_address
+from tinydist.dist.rendezvous import parse_coordinator
 
 
 async def main() -> None:
     rank, world = int(os.environ["TINYDIST_RANK"]), int(os.environ["TINYDIST_WORLD_SIZE"])
-    async with ProcessGroup.open(rank, world, parse_address(os.environ["TINYDIST_COORDINATOR"])) as group:
+    async with ProcessGroup.open(rank, world, parse_coordinator(os.environ["TINYDIST_COORDINATOR"])) as group:
         if group.shm is None:
             raise AssertionError("ranks on one host should share a group segment")
         want = sum(np.arange(1001.0) * (r + 1) for r in range(world))

@@ -1,6 +1,8 @@
-"""Where am I in the job? The same answer from `tinydist launch`, Slurm (srun) and Kubernetes.
+"""Where am I in the job? The one reader of the launch variables, the same answer from `tinydist
+launch`, Slurm (srun) and Kubernetes.
 
-td.dist.init() consults `apply()` when TINYDIST_RANK is not set, so one script runs unchanged:
+`launch()` is what td.dist.init() reads: its rank, world size, coordinator and the socket a
+launcher handed down. It consults `apply()` when TINYDIST_RANK is not set, so one script runs unchanged:
 
 | source | rank | world size | tinydist.dist coordinator |
 |---|---|---|---|
@@ -11,17 +13,23 @@ td.dist.init() consults `apply()` when TINYDIST_RANK is not set, so one script r
 
 TINYDIST_PORT defaults to 29400. Local rank: SLURM_LOCALID, else 0 (one pod per rank). The node id
 for the cluster scheduler: TINYDIST_NODE_ID, else the pod name, else `<SLURMD_NODENAME>-<localid>`,
-else `node-<rank>`. This module uses the standard library only (td.dist imports it lazily).
+else `node-<rank>`. Every integer is parsed by `tinydist.config.launch_int`, so a bad TINYDIST_RANK
+(or SLURM_PROCID, ...) raises the same LaunchError wherever it is read.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import socket
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 
+from tinydist.config import launch_int
+from tinydist.errors import LaunchError
+
 DEFAULT_PORT = 29400
+DEFAULT_COORDINATOR = f"127.0.0.1:{DEFAULT_PORT}"
 
 
 @dataclass(frozen=True)
@@ -72,20 +80,24 @@ def _split_top(text: str) -> list[str]:
 
 
 def _int(env: MutableMapping[str, str], name: str) -> int:
-    raw = env.get(name, "")
-    if not raw.strip().isdigit():
-        raise ValueError(f"{name}={raw!r} is not a non-negative integer")
-    return int(raw)
+    value = launch_int(name, env)
+    assert value is not None          # required: unset raised
+    return value
+
+
+def _optional_int(env: MutableMapping[str, str], name: str, default: int) -> int:
+    value = launch_int(name, env, required=False)
+    return default if value is None else value
 
 
 def detect(env: MutableMapping[str, str] | None = None) -> JobEnvironment | None:
     """The job environment, or None outside any launcher. Raises ValueError on inconsistent variables."""
     env = os.environ if env is None else env
-    port = int(env.get("TINYDIST_PORT", DEFAULT_PORT))
+    port = _optional_int(env, "TINYDIST_PORT", DEFAULT_PORT)
     scheduler = env.get("TINYDIST_SCHEDULER") or None
     if "TINYDIST_RANK" in env:
         rank, world = _int(env, "TINYDIST_RANK"), _int(env, "TINYDIST_WORLD_SIZE")
-        return JobEnvironment("tinydist", rank, world, int(env.get("TINYDIST_LOCAL_RANK", 0)),
+        return JobEnvironment("tinydist", rank, world, _optional_int(env, "TINYDIST_LOCAL_RANK", 0),
                               env.get("TINYDIST_COORDINATOR", f"127.0.0.1:{port}"),
                               env.get("TINYDIST_NODE_ID", f"node-{rank}"), scheduler)
     if "SLURM_PROCID" in env:
@@ -95,10 +107,10 @@ def detect(env: MutableMapping[str, str] | None = None) -> JobEnvironment | None
         if not nodelist:
             raise ValueError("SLURM_PROCID is set but no SLURM_STEP_NODELIST / SLURM_NODELIST names the nodes")
         first = expand_nodelist(nodelist)[0]
-        local = int(env.get("SLURM_LOCALID", 0))
+        local = _optional_int(env, "SLURM_LOCALID", 0)
         node_id = env.get("TINYDIST_NODE_ID") or f"{env.get('SLURMD_NODENAME', 'slurm')}-{local}"
         return JobEnvironment("slurm", rank, world, local, env.get("TINYDIST_COORDINATOR", f"{first}:{port}"),
-                              node_id, scheduler or f"{first}:{int(env.get('TINYDIST_SCHEDULER_PORT', 29500))}")
+                              node_id, scheduler or f"{first}:{_optional_int(env, 'TINYDIST_SCHEDULER_PORT', 29500)}")
     hostname = env.get("HOSTNAME", "")
     ordinal = re.match(r"^(.*)-(\d+)$", hostname)
     if "KUBERNETES_SERVICE_HOST" in env and ("JOB_COMPLETION_INDEX" in env or ordinal):
@@ -123,8 +135,40 @@ def apply(env: MutableMapping[str, str] | None = None) -> JobEnvironment | None:
     env = os.environ if env is None else env
     found = detect(env)
     if found is not None and found.world_size > 0 and not 0 <= found.rank < found.world_size:
-        raise ValueError(f"{found.source}: rank {found.rank} is outside 0..{found.world_size - 1}")
+        raise LaunchError(f"{found.source}: rank {found.rank} is outside 0..{found.world_size - 1}")
     if found is not None:
         for name, value in found.variables().items():
             env.setdefault(name, value)
     return found
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What a process needs to join its job's process group."""
+
+    rank: int
+    world_size: int
+    coordinator: str                          # HOST:PORT of rank 0's rendezvous
+    coordinator_sock: socket.socket | None    # rank 0's listening socket, bound by the launcher
+
+
+def launch(rank: int | None = None, world_size: int | None = None, coordinator: str | None = None,
+           coordinator_sock: socket.socket | None = None, env: MutableMapping[str, str] | None = None) -> Launch:
+    """The arguments of td.dist.init() completed from the launch variables: what is passed wins, the
+    rest comes from TINYDIST_* (mapped from Slurm or Kubernetes first when TINYDIST_RANK is unset).
+    Rank 0 takes the socket `tinydist launch` bound (TINYDIST_COORDINATOR_FD, consumed: removed from
+    `env` so this process's own children cannot reuse it) unless a socket or coordinator is passed."""
+    env = os.environ if env is None else env
+    if rank is None and "TINYDIST_RANK" not in env:
+        apply(env)
+    rank = _int(env, "TINYDIST_RANK") if rank is None else rank
+    world = _int(env, "TINYDIST_WORLD_SIZE") if world_size is None else world_size
+    if not 0 <= rank < world:
+        raise LaunchError(f"rank {rank} is outside 0..{world - 1} (world size {world})")
+    address = coordinator or env.get("TINYDIST_COORDINATOR") or DEFAULT_COORDINATOR
+    if rank == 0 and coordinator_sock is None and coordinator is None:
+        fd = launch_int("TINYDIST_COORDINATOR_FD", env, required=False)
+        if fd is not None:
+            coordinator_sock = socket.socket(fileno=fd)
+            env.pop("TINYDIST_COORDINATOR_FD")
+    return Launch(rank, world, address, coordinator_sock)
