@@ -174,7 +174,7 @@ def test_tinydist_allreduce_is_checked_against_the_medium(monkeypatch: pytest.Mo
         fresh.declare(declared)
     monkeypatch.setenv("TINYDIST_ALLREDUCE", "direct")
     with pytest.raises(ValueError, match="TINYDIST_ALLREDUCE='direct' is invalid: expected one of auto, naive, ring, all2all"):
-        fresh.ALLREDUCE
+        _ = fresh.ALLREDUCE
 
 
 # ---- one launch-variables reader ---------------------------------------------------------------
