@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import tinydist as td
+from tinydist.onnx.ops.attention import op_attention, op_rotary_embedding
 from tinydist.onnx.ops._common import SUPPORTED_NP, erf, require_float, scalar_like, tanh
 from tinydist.onnx.ops.elementwise import (
     _variadic, op_cast, op_cast_like, op_clip, op_div, op_dropout, op_elu, op_gelu, op_hard_sigmoid,
@@ -184,6 +185,11 @@ OPS: dict[str, OpSpec] = {
     "SpaceToDepth": OpSpec(op_space_to_depth, attrs=("blocksize", "mode")),
     "Constant": OpSpec(op_constant, attrs=("value", "value_float", "value_floats", "value_int", "value_ints", "sparse_value",
                                            "value_string", "value_strings"), min_inputs=0),
+    "Attention": OpSpec(op_attention, attrs=("is_causal", "kv_num_heads", "q_num_heads", "qk_matmul_output_mode", "scale",
+                                             "softcap", "softmax_precision", "left_window_size", "right_window_size"),
+                        min_inputs=3),
+    "RotaryEmbedding": OpSpec(op_rotary_embedding, params=(1, 2), attrs=("interleaved", "num_heads", "rotary_embedding_dim"),
+                              min_inputs=3),
 }
 
 # The since_versions each handler implements, from opset 7 (the oldest accepted) to the installed
@@ -222,7 +228,7 @@ VERSIONS: dict[str, tuple[int, ...]] = {
     "ScatterND": (11, 13, 16, 18), "OneHot": (9, 11, 28), "Trilu": (14,), "CumSum": (11, 14), "TopK": (1, 10, 11, 24),
     "InstanceNormalization": (6, 22), "GroupNormalization": (18, 21), "RMSNormalization": (23,),
     "LpNormalization": (1, 22), "MeanVarianceNormalization": (9, 13), "LRN": (1, 13),
-    "DepthToSpace": (1, 11, 13, 28), "SpaceToDepth": (1, 13, 28),
+    "DepthToSpace": (1, 11, 13, 28), "SpaceToDepth": (1, 13, 28), "Attention": (23, 24, 25), "RotaryEmbedding": (23,),
 }
 for _name, _spec in OPS.items():
     _spec.versions = frozenset(VERSIONS.get(_name, ()))  # an op missing here is refused at every version
