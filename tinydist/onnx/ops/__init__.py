@@ -33,6 +33,7 @@ from tinydist.onnx.ops.folds import FOLDS
 from tinydist.onnx.ops.indexing import (
     op_cumsum, op_gather_elements, op_gather_nd, op_one_hot, op_scatter_elements, op_scatter_nd, op_top_k, op_trilu,
 )
+from tinydist.onnx.ops.loss import op_nll_loss, op_softmax_cross_entropy
 from tinydist.onnx.ops.norm import (
     op_depth_to_space, op_group_norm, op_instance_norm, op_lp_norm, op_lrn, op_mean_variance_norm, op_rms_norm,
     op_space_to_depth,
@@ -190,6 +191,8 @@ OPS: dict[str, OpSpec] = {
                         min_inputs=3),
     "RotaryEmbedding": OpSpec(op_rotary_embedding, params=(1, 2), attrs=("interleaved", "num_heads", "rotary_embedding_dim"),
                               min_inputs=3),
+    "NegativeLogLikelihoodLoss": OpSpec(op_nll_loss, params=(2,), attrs=("ignore_index", "reduction"), min_inputs=2),
+    "SoftmaxCrossEntropyLoss": OpSpec(op_softmax_cross_entropy, params=(2,), attrs=("ignore_index", "reduction"), min_inputs=2),
 }
 
 # The since_versions each handler implements, from opset 7 (the oldest accepted) to the installed
@@ -229,6 +232,7 @@ VERSIONS: dict[str, tuple[int, ...]] = {
     "InstanceNormalization": (6, 22), "GroupNormalization": (18, 21), "RMSNormalization": (23,),
     "LpNormalization": (1, 22), "MeanVarianceNormalization": (9, 13), "LRN": (1, 13),
     "DepthToSpace": (1, 11, 13, 28), "SpaceToDepth": (1, 13, 28), "Attention": (23, 24, 25), "RotaryEmbedding": (23,),
+    "NegativeLogLikelihoodLoss": (12, 13, 22), "SoftmaxCrossEntropyLoss": (12, 13),
 }
 for _name, _spec in OPS.items():
     _spec.versions = frozenset(VERSIONS.get(_name, ()))  # an op missing here is refused at every version
