@@ -31,7 +31,7 @@ from tinydist.onnx.ops.elementwise import (
 )
 from tinydist.onnx.ops.folds import FOLDS
 from tinydist.onnx.ops.indexing import (
-    op_cumsum, op_gather_elements, op_gather_nd, op_one_hot, op_scatter_elements, op_scatter_nd, op_top_k, op_trilu,
+    op_cumprod, op_cumsum, op_gather_elements, op_gather_nd, op_one_hot, op_scatter_elements, op_scatter_nd, op_top_k, op_trilu,
 )
 from tinydist.onnx.ops.loss import op_nll_loss, op_softmax_cross_entropy
 from tinydist.onnx.ops.norm import (
@@ -39,7 +39,7 @@ from tinydist.onnx.ops.norm import (
     op_space_to_depth,
 )
 from tinydist.onnx.ops.nn import (
-    _softmax_like, op_average_pool, op_batch_norm, op_conv, op_conv_transpose, op_gemm,
+    _softmax_like, op_average_pool, op_lp_pool, op_batch_norm, op_conv, op_conv_transpose, op_gemm,
     op_global_average_pool, op_global_max_pool, op_hardmax, op_layer_norm, op_matmul, op_max_pool, op_resize,
     op_upsample,
 )
@@ -191,6 +191,9 @@ OPS: dict[str, OpSpec] = {
                         min_inputs=3),
     "RotaryEmbedding": OpSpec(op_rotary_embedding, params=(1, 2), attrs=("interleaved", "num_heads", "rotary_embedding_dim"),
                               min_inputs=3),
+    "LpPool": OpSpec(op_lp_pool, attrs=_POOL + ("dilations", "p")),
+    "CumProd": OpSpec(op_cumprod, static=(1,), attrs=("exclusive", "reverse"), min_inputs=2),
+    "ReduceLogSum": OpSpec(_reduce("logsum", 18), static=(1,), attrs=_REDUCE),
     "NegativeLogLikelihoodLoss": OpSpec(op_nll_loss, params=(2,), attrs=("ignore_index", "reduction"), min_inputs=2),
     "SoftmaxCrossEntropyLoss": OpSpec(op_softmax_cross_entropy, params=(2,), attrs=("ignore_index", "reduction"), min_inputs=2),
 }
@@ -233,6 +236,7 @@ VERSIONS: dict[str, tuple[int, ...]] = {
     "LpNormalization": (1, 22), "MeanVarianceNormalization": (9, 13), "LRN": (1, 13),
     "DepthToSpace": (1, 11, 13, 28), "SpaceToDepth": (1, 13, 28), "Attention": (23, 24, 25), "RotaryEmbedding": (23,),
     "NegativeLogLikelihoodLoss": (12, 13, 22), "SoftmaxCrossEntropyLoss": (12, 13),
+    "LpPool": (1, 2, 11, 18, 22), "CumProd": (26,), "ReduceLogSum": (1, 11, 13, 18, 28),
 }
 for _name, _spec in OPS.items():
     _spec.versions = frozenset(VERSIONS.get(_name, ()))  # an op missing here is refused at every version

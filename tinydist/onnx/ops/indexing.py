@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from tinydist import dtypes
-from tinydist.onnx.ops._common import Value, as_tensor, ints, lowest, norm_axis, static
+from tinydist.onnx.ops._common import Value, as_tensor, highest, ints, lowest, norm_axis, static
 from tinydist.onnx.ops.nn import pad_value
 from tinydist.tensor import Tensor
 
@@ -50,12 +50,6 @@ def _select_sum(mask: Tensor, values: Tensor, axis: int, dtype: Any) -> Tensor:
     if dtype.is_bool:
         return mask.where(values, False).any(axis)
     return mask.where(values, 0).sum(axis, dtype=dtype)
-
-
-def _highest(dtype: Any) -> Any:
-    if dtype.is_float:
-        return float("inf")
-    return (1 << (dtype.itemsize * 8 - 1)) - 1
 
 
 def op_gather_elements(ctx: Any, data: Value, indices: Value) -> Tensor:
@@ -110,7 +104,7 @@ def _reduce_into(ctx: Any, base: Tensor, mask: Tensor, updates: Tensor, axis: in
     if reduction == "max":
         return hit.where(base.maximum(mask.where(updates, lowest(dtype)).max(axis)), base)
     if reduction == "min":
-        return hit.where(base.minimum(mask.where(updates, _highest(dtype)).min(axis)), base)
+        return hit.where(base.minimum(mask.where(updates, highest(dtype)).min(axis)), base)
     raise ctx.error(f"reduction={reduction!r} is not supported (none, add, mul, max, min)")
 
 
@@ -176,6 +170,16 @@ def op_trilu(ctx: Any, x: Tensor, k: Value = None) -> Tensor:
 
 
 def op_cumsum(ctx: Any, x: Tensor, axis: Value) -> Tensor:
+    return _cumulative(ctx, x, axis, "sum")
+
+
+def op_cumprod(ctx: Any, x: Tensor, axis: Value) -> Tensor:
+    return _cumulative(ctx, x, axis, "prod")
+
+
+def _cumulative(ctx: Any, x: Tensor, axis: Value, kind: str) -> Tensor:
+    """CumSum / CumProd as a masked reduction over an (n, n) triangle of which inputs reach each
+    output: O(n²) along the axis, exact (masked-out terms are the identity, 0 or 1)."""
     a = norm_axis(ctx, ints(ctx, axis, "axis")[0], x.ndim)
     n = x.shape[a]
     i, j = np.arange(n)[:, None], np.arange(n)[None, :]
@@ -183,7 +187,10 @@ def op_cumsum(ctx: Any, x: Tensor, axis: Value) -> Tensor:
     take = (j > i if exclusive else j >= i) if reverse else (j < i if exclusive else j <= i)
     moved, back = _to_last(x, a)
     mask = ctx.lift(("cum", n, bool(exclusive), bool(reverse)), take)
-    return _select_sum(mask, moved.reshape(moved.shape[:-1] + (1, n)), -1, x.dtype).permute(back)
+    values = moved.reshape(moved.shape[:-1] + (1, n))
+    if kind == "prod":
+        return mask.where(values, 1).prod(-1, dtype=x.dtype).permute(back)
+    return _select_sum(mask, values, -1, x.dtype).permute(back)
 
 
 def op_top_k(ctx: Any, x: Tensor, k: Value = None) -> tuple[Tensor, Tensor]:

@@ -176,8 +176,8 @@ def op_conv_transpose(ctx: Any, x: Tensor, w: Value, b: Value = None) -> Tensor:
 
 def _pool_setup(ctx: Any, x: Tensor, dilation_ok: bool) -> tuple[Tensor, list[int], list[int], list[int], list[tuple[int, int]], list[int], int]:
     nd = x.ndim - 2
-    if nd not in (1, 2):
-        raise ctx.error(f"{nd}-D pooling is not supported (1-D and 2-D only)")
+    if nd not in (1, 2, 3):
+        raise ctx.error(f"{nd}-D pooling is not supported (1-D, 2-D and 3-D only)")
     kernel = list(ctx.attr("kernel_shape"))
     if len(kernel) != nd:
         raise ctx.error(f"kernel_shape {kernel} does not match {nd} spatial axes")
@@ -239,6 +239,18 @@ def op_max_pool(ctx: Any, x: Tensor) -> Any:
     x, kernel, strides, dilations, pairs, outs, nd = _pool_setup(ctx, x, True)
     y = _pool_reduce(x, kernel, strides, dilations, pairs, outs, lowest(x.dtype), "max")
     return (y, None) if ctx.n_outputs > 1 else y
+
+
+def op_lp_pool(ctx: Any, x: Tensor) -> Tensor:
+    """(Σ |x|^p over the window, zero padding)^(1/p); p=2 as x·x and sqrt (the exact path)."""
+    require_float(ctx, x)
+    p = ctx.attr("p", 2.0 if ctx.since < 2 else 2)
+    if p <= 0:
+        raise ctx.error(f"p={p} must be positive")
+    x, kernel, strides, dilations, pairs, outs, nd = _pool_setup(ctx, x, ctx.since >= 18)
+    powered = x * x if p == 2 else x.abs().pow(float(p))
+    total = _pool_reduce(powered, kernel, strides, dilations, pairs, outs, 0, "sum")
+    return total.sqrt() if p == 2 else total.pow(1.0 / p)
 
 
 def op_average_pool(ctx: Any, x: Tensor) -> Tensor:

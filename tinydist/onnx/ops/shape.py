@@ -11,7 +11,7 @@ import numpy as np
 import tinydist as td
 from tinydist import dtypes
 from tinydist.onnx.ops._common import (
-    Value, as_tensor, gather_where, ints, norm_axes, norm_axis, pad_or_crop, require_float, scalar_like,
+    Value, as_tensor, gather_where, highest, ints, lowest, norm_axes, norm_axis, pad_or_crop, require_float, scalar_like,
     shrink_axis, static,
 )
 from tinydist.onnx.ops.nn import pad_value
@@ -34,6 +34,15 @@ def _reduce(kind: str, axes_input_since: int) -> Callable[..., Tensor]:
                 return x
             axes = list(range(x.ndim))
         axes = norm_axes(ctx, axes, x.ndim)
+        if any(x.shape[a] == 0 for a in axes) and kind in ("max", "min", "logsumexp"):
+            # an empty reduction has no element to compare: the identity (-inf / lowest, +inf / highest)
+            shape = tuple(1 if i in axes else s for i, s in enumerate(x.shape)) if keep else \
+                tuple(s for i, s in enumerate(x.shape) if i not in axes)
+            if x.dtype.is_bool:
+                fill: Any = kind == "min"
+            else:
+                fill = highest(x.dtype) if kind == "min" else lowest(x.dtype)
+            return Tensor.full(shape, fill, x.dtype, x.device)
         if kind == "sum":
             return x.sum(axes, keepdim=keep, dtype=x.dtype)
         if kind == "mean":
@@ -49,6 +58,9 @@ def _reduce(kind: str, axes_input_since: int) -> Callable[..., Tensor]:
             return (x * x).sum(axes, keepdim=keep).sqrt()
         if kind == "l1":
             return x.abs().sum(axes, keepdim=keep, dtype=x.dtype)
+        if kind == "logsum":
+            require_float(ctx, x)
+            return x.sum(axes, keepdim=keep, dtype=x.dtype).log()
         if kind == "logsumexp":
             require_float(ctx, x)
             m = x.max(axes, keepdim=True)
