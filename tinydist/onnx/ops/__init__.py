@@ -21,6 +21,7 @@ from typing import Any
 import tinydist as td
 from tinydist.onnx.ops.attention import op_attention, op_rotary_embedding
 from tinydist.onnx.ops._common import SUPPORTED_NP, erf, require_float, scalar_like, tanh
+from tinydist.onnx.ops.einsum import op_einsum
 from tinydist.onnx.ops.elementwise import (
     _variadic, op_cast, op_cast_like, op_clip, op_div, op_dropout, op_elu, op_gelu, op_hard_sigmoid,
     op_hard_swish, op_identity, op_leaky_relu, op_mean, op_pow, op_softplus,
@@ -191,6 +192,7 @@ OPS: dict[str, OpSpec] = {
                         min_inputs=3),
     "RotaryEmbedding": OpSpec(op_rotary_embedding, params=(1, 2), attrs=("interleaved", "num_heads", "rotary_embedding_dim"),
                               min_inputs=3),
+    "Einsum": OpSpec(op_einsum, attrs=("equation",)),
     "LpPool": OpSpec(op_lp_pool, attrs=_POOL + ("dilations", "p")),
     "CumProd": OpSpec(op_cumprod, static=(1,), attrs=("exclusive", "reverse"), min_inputs=2),
     "ReduceLogSum": OpSpec(_reduce("logsum", 18), static=(1,), attrs=_REDUCE),
@@ -237,6 +239,7 @@ VERSIONS: dict[str, tuple[int, ...]] = {
     "DepthToSpace": (1, 11, 13, 28), "SpaceToDepth": (1, 13, 28), "Attention": (23, 24, 25), "RotaryEmbedding": (23,),
     "NegativeLogLikelihoodLoss": (12, 13, 22), "SoftmaxCrossEntropyLoss": (12, 13),
     "LpPool": (1, 2, 11, 18, 22), "CumProd": (26,), "ReduceLogSum": (1, 11, 13, 18, 28),
+    "Einsum": (12, 28),
 }
 for _name, _spec in OPS.items():
     _spec.versions = frozenset(VERSIONS.get(_name, ()))  # an op missing here is refused at every version

