@@ -1,6 +1,7 @@
 """Ops added for the node suite's biggest failing families, checked beyond the suite's few cases:
-Einsum equations the suite lacks, Attention with a run-time mask and past cache, the losses with
-out-of-range ignore_index — each tinydist vs onnxruntime."""
+Einsum equations the suite lacks, the losses with weights and an out-of-range ignore_index, RNN /
+GRU / LSTM with biases, clip, activations and a run-time sequence_lens — each tinydist vs
+onnxruntime."""
 
 from __future__ import annotations
 
@@ -52,3 +53,39 @@ def test_losses_with_weights_and_ignore_index(check, rng, op, reduction):
     target = np.array([[0, 4], [-1, 2], [3, -1]], I64)   # -1: ignored, outside [0, C)
     check([N(op, ["x", "t", "w"], ["y"], reduction=reduction, ignore_index=-1)], {"x": x, "t": target},
           inits={"w": rng.uniform(0.5, 2.0, 5).astype(F32)}, opset=13, rtol=1e-5, atol=1e-6)
+
+
+def _recurrent_inits(rng, op, dirs, hidden, inputs, peepholes=False):
+    gates = {"RNN": 1, "GRU": 3, "LSTM": 4}[op]
+    inits = {"W": f(rng, dirs, gates * hidden, inputs) * 0.5, "R": f(rng, dirs, gates * hidden, hidden) * 0.5,
+             "B": f(rng, dirs, 2 * gates * hidden) * 0.5}
+    if peepholes:
+        inits["P"] = f(rng, dirs, 3 * hidden) * 0.5
+    return inits
+
+
+@pytest.mark.parametrize("op,attrs", [
+    ("RNN", {"direction": "bidirectional", "activations": ["Relu", "Tanh"]}),
+    ("GRU", {"linear_before_reset": 1}),
+    ("GRU", {"direction": "reverse", "clip": 0.5}),
+    ("LSTM", {"direction": "bidirectional"}),
+    ("LSTM", {"clip": 1.0, "input_forget": 1}),
+])
+def test_recurrent_vs_onnxruntime(check, rng, op, attrs):
+    dirs, hidden, seq, batch, inputs = (2 if attrs.get("direction") == "bidirectional" else 1), 5, 4, 3, 6
+    x = f(rng, seq, batch, inputs)
+    outs = ["Y", "Y_h"] + (["Y_c"] if op == "LSTM" else [])
+    check([N(op, ["x", "W", "R", "B"], outs, hidden_size=hidden, **attrs)], {"x": x},
+          inits=_recurrent_inits(rng, op, dirs, hidden, inputs), outputs=outs, opset=14, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["RNN", "GRU", "LSTM"])
+def test_recurrent_sequence_lens_at_run_time(check, rng, op):
+    hidden, seq, batch, inputs = 4, 5, 3, 2
+    outs = ["Y", "Y_h"] + (["Y_c"] if op == "LSTM" else [])
+    names = ["x", "W", "R", "B", "lens", "h0"] + (["c0", "P"] if op == "LSTM" else [])
+    feeds = {"x": f(rng, seq, batch, inputs), "lens": np.array([5, 2, 3], np.int32), "h0": f(rng, 1, batch, hidden)}
+    if op == "LSTM":
+        feeds["c0"] = f(rng, 1, batch, hidden)
+    check([N(op, names, outs, hidden_size=hidden)], feeds, inits=_recurrent_inits(rng, op, 1, hidden, inputs, op == "LSTM"),
+          outputs=outs, opset=14, rtol=1e-4, atol=1e-5)

@@ -35,6 +35,7 @@ from tinydist.onnx.ops.indexing import (
     op_cumprod, op_cumsum, op_gather_elements, op_gather_nd, op_one_hot, op_scatter_elements, op_scatter_nd, op_top_k, op_trilu,
 )
 from tinydist.onnx.ops.loss import op_nll_loss, op_softmax_cross_entropy
+from tinydist.onnx.ops.recurrent import op_recurrent
 from tinydist.onnx.ops.norm import (
     op_depth_to_space, op_group_norm, op_instance_norm, op_lp_norm, op_lrn, op_mean_variance_norm, op_rms_norm,
     op_space_to_depth,
@@ -192,6 +193,9 @@ OPS: dict[str, OpSpec] = {
                         min_inputs=3),
     "RotaryEmbedding": OpSpec(op_rotary_embedding, params=(1, 2), attrs=("interleaved", "num_heads", "rotary_embedding_dim"),
                               min_inputs=3),
+    **{op: OpSpec(op_recurrent, params=(4,), min_inputs=3,
+                  attrs=("activation_alpha", "activation_beta", "activations", "clip", "direction", "hidden_size", "layout",
+                         "linear_before_reset", "input_forget")) for op in ("RNN", "GRU", "LSTM")},
     "Einsum": OpSpec(op_einsum, attrs=("equation",)),
     "LpPool": OpSpec(op_lp_pool, attrs=_POOL + ("dilations", "p")),
     "CumProd": OpSpec(op_cumprod, static=(1,), attrs=("exclusive", "reverse"), min_inputs=2),
@@ -239,7 +243,7 @@ VERSIONS: dict[str, tuple[int, ...]] = {
     "DepthToSpace": (1, 11, 13, 28), "SpaceToDepth": (1, 13, 28), "Attention": (23, 24, 25), "RotaryEmbedding": (23,),
     "NegativeLogLikelihoodLoss": (12, 13, 22), "SoftmaxCrossEntropyLoss": (12, 13),
     "LpPool": (1, 2, 11, 18, 22), "CumProd": (26,), "ReduceLogSum": (1, 11, 13, 18, 28),
-    "Einsum": (12, 28),
+    "Einsum": (12, 28), "RNN": (7, 14, 22), "GRU": (7, 14, 22), "LSTM": (7, 14, 22),
 }
 for _name, _spec in OPS.items():
     _spec.versions = frozenset(VERSIONS.get(_name, ()))  # an op missing here is refused at every version
