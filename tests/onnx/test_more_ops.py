@@ -89,3 +89,30 @@ def test_recurrent_sequence_lens_at_run_time(check, rng, op):
         feeds["c0"] = f(rng, 1, batch, hidden)
     check([N(op, names, outs, hidden_size=hidden)], feeds, inits=_recurrent_inits(rng, op, 1, hidden, inputs, op == "LSTM"),
           outputs=outs, opset=14, rtol=1e-4, atol=1e-5)
+
+
+def test_nonzero_and_compress_follow_the_run_time_values(rng):
+    import tinydist.onnx as tdo
+    from tests.onnx.conftest import make_model, reference
+    model = make_model([N("NonZero", ["x"], ["nz"]), N("Compress", ["d", "c"], ["y"], axis=1)],
+                       {"x": f(rng, 3, 4), "d": f(rng, 2, 5), "c": np.ones(5, bool)}, ["nz", "y"], opset=13)
+    loaded = tdo.load(model)
+    for _ in range(3):  # new values: new output shapes, each equal to onnxruntime's
+        feeds = {"x": (rng.uniform(size=(3, 4)) > 0.5).astype(F32), "d": f(rng, 2, 5), "c": rng.uniform(size=5) > 0.4}
+        got = loaded(feeds)
+        for (name, have), want in zip(got.items(), reference(model, feeds)):
+            np.testing.assert_array_equal(have, want, err_msg=name)
+
+
+def test_nonzero_of_a_large_run_time_input_is_refused_saying_why(rng):
+    import tinydist.onnx as tdo
+    from tests.onnx.conftest import make_model
+    model = make_model([N("Relu", ["x"], ["r"]), N("NonZero", ["r"], ["y"])], {"x": f(rng, 10, 10)}, ["y"], opset=13)
+    with pytest.raises(tdo.UnsupportedModelError, match="output shape depends on the values of input 'X'"):
+        tdo.load(model)
+
+
+@pytest.mark.parametrize("attrs", [{}, {"sorted": 0}, {"axis": 0}, {"axis": 1, "sorted": 1}])
+def test_unique(check, attrs):
+    x = np.array([[1, 3, 1], [2, 0, 2], [1, 3, 1]], F32)
+    check([N("Unique", ["x"], ["y", "i", "inv", "n"], **attrs)], {"x": x}, outputs=("y", "i", "inv", "n"), opset=11)

@@ -21,6 +21,7 @@ from typing import Any
 import tinydist as td
 from tinydist.onnx.ops.attention import op_attention, op_rotary_embedding
 from tinydist.onnx.ops._common import SUPPORTED_NP, erf, require_float, scalar_like, tanh
+from tinydist.onnx.ops.data_dependent import op_compress, op_nonzero, op_unique
 from tinydist.onnx.ops.einsum import op_einsum
 from tinydist.onnx.ops.elementwise import (
     _variadic, op_cast, op_cast_like, op_clip, op_div, op_dropout, op_elu, op_gelu, op_hard_sigmoid,
@@ -196,6 +197,8 @@ OPS: dict[str, OpSpec] = {
     **{op: OpSpec(op_recurrent, params=(4,), min_inputs=3,
                   attrs=("activation_alpha", "activation_beta", "activations", "clip", "direction", "hidden_size", "layout",
                          "linear_before_reset", "input_forget")) for op in ("RNN", "GRU", "LSTM")},
+    "NonZero": OpSpec(op_nonzero, static=(0,)), "Unique": OpSpec(op_unique, static=(0,), attrs=("axis", "sorted")),
+    "Compress": OpSpec(op_compress, params=(0,), static=(1,), attrs=("axis",), min_inputs=2),
     "Einsum": OpSpec(op_einsum, attrs=("equation",)),
     "LpPool": OpSpec(op_lp_pool, attrs=_POOL + ("dilations", "p")),
     "CumProd": OpSpec(op_cumprod, static=(1,), attrs=("exclusive", "reverse"), min_inputs=2),
@@ -243,7 +246,8 @@ VERSIONS: dict[str, tuple[int, ...]] = {
     "DepthToSpace": (1, 11, 13, 28), "SpaceToDepth": (1, 13, 28), "Attention": (23, 24, 25), "RotaryEmbedding": (23,),
     "NegativeLogLikelihoodLoss": (12, 13, 22), "SoftmaxCrossEntropyLoss": (12, 13),
     "LpPool": (1, 2, 11, 18, 22), "CumProd": (26,), "ReduceLogSum": (1, 11, 13, 18, 28),
-    "Einsum": (12, 28), "RNN": (7, 14, 22), "GRU": (7, 14, 22), "LSTM": (7, 14, 22),
+    "Einsum": (12, 28), "RNN": (7, 14, 22),
+    "NonZero": (9, 13), "Unique": (11, 28), "Compress": (9, 11, 28), "GRU": (7, 14, 22), "LSTM": (7, 14, 22),
 }
 for _name, _spec in OPS.items():
     _spec.versions = frozenset(VERSIONS.get(_name, ()))  # an op missing here is refused at every version
