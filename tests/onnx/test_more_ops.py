@@ -1,7 +1,7 @@
 """Ops added for the node suite's biggest failing families, checked beyond the suite's few cases:
 Einsum equations the suite lacks, the losses with weights and an out-of-range ignore_index, RNN /
-GRU / LSTM with biases, clip, activations and a run-time sequence_lens — each tinydist vs
-onnxruntime."""
+GRU / LSTM with biases, clip, activations and a run-time sequence_lens, NonZero / Compress / Unique
+on run-time values, ConvTranspose with run-time weights — each tinydist vs onnxruntime."""
 
 from __future__ import annotations
 
@@ -116,3 +116,8 @@ def test_nonzero_of_a_large_run_time_input_is_refused_saying_why(rng):
 def test_unique(check, attrs):
     x = np.array([[1, 3, 1], [2, 0, 2], [1, 3, 1]], F32)
     check([N("Unique", ["x"], ["y", "i", "inv", "n"], **attrs)], {"x": x}, outputs=("y", "i", "inv", "n"), opset=11)
+
+
+@pytest.mark.parametrize("kw", [dict(strides=[2, 2], group=2), dict(strides=[3, 2], output_shape=[10, 8])])
+def test_conv_transpose_with_run_time_weights(check, rng, kw):
+    check([N("ConvTranspose", ["x", "w"], ["y"], **kw)], {"x": f(rng, 1, 4, 3, 3), "w": f(rng, 4, 2, 3, 3)}, opset=11)

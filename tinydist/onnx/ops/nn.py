@@ -126,7 +126,6 @@ def op_conv_transpose(ctx: Any, x: Tensor, w: Value, b: Value = None) -> Tensor:
     if nd not in (1, 2):
         raise ctx.error(f"{nd}-D ConvTranspose is not supported (1-D and 2-D only)")
     require_float(ctx, x)
-    w = static(ctx, w, "W")  # flipping the kernel needs its values at load
     groups = ctx.attr("group", 1)
     cin, ocg = w.shape[0], w.shape[1]
     oc = ocg * groups
@@ -144,9 +143,8 @@ def op_conv_transpose(ctx: Any, x: Tensor, w: Value, b: Value = None) -> Tensor:
             target = list(ctx.attr("output_shape"))[-nd:]
         else:
             target = [i * s for i, s in zip(in_sizes, strides)]
+        # a negative total (output_shape past the full output) is a negative crop: zeros appended at the end
         totals = [f - t for f, t in zip(full, target)]
-        if any(t < 0 for t in totals):
-            raise ctx.error(f"output_shape {target} is larger than the full output {full}")
         upper = auto_pad == "SAME_UPPER"
         pairs = [(t // 2, t - t // 2) if upper else (t - t // 2, t // 2) for t in totals]
     elif auto_pad in ("NOTSET", "VALID"):
@@ -155,8 +153,12 @@ def op_conv_transpose(ctx: Any, x: Tensor, w: Value, b: Value = None) -> Tensor:
     else:
         raise ctx.error(f"auto_pad={auto_pad!r} is not supported")
     # ConvTranspose = zero-stuffed input, padded by d(k-1) - pad, convolved with the flipped kernel
-    wflip = w[(slice(None), slice(None)) + (slice(None, None, -1),) * nd]
-    wconv = wflip.reshape((groups, cin // groups, ocg) + tuple(kernel)).swapaxes(1, 2).reshape((oc, cin // groups) + tuple(kernel))
+    regroup = ((groups, cin // groups, ocg) + tuple(kernel), (oc, cin // groups) + tuple(kernel))
+    if isinstance(w, np.ndarray):  # constant: flipped and regrouped once, at load
+        wflip = w[(slice(None), slice(None)) + (slice(None, None, -1),) * nd]
+        wconv: Value = wflip.reshape(regroup[0]).swapaxes(1, 2).reshape(regroup[1])
+    else:  # run-time weights: the flip is a negative-stride view, the regroup a permute
+        wconv = _flip_spatial(w, nd).reshape(regroup[0]).permute((0, 2, 1) + tuple(range(3, 3 + nd))).reshape(regroup[1])
     if nd == 1:
         x = _to_2d(x)
         wconv = wconv.reshape(wconv.shape[:2] + (1,) + wconv.shape[2:])
@@ -172,6 +174,17 @@ def op_conv_transpose(ctx: Any, x: Tensor, w: Value, b: Value = None) -> Tensor:
     if b is not None:
         out = out + as_tensor(ctx, b, "bias").reshape(1, oc, 1, 1)
     return out.reshape(out.shape[:2] + out.shape[3:]) if nd == 1 else out
+
+
+def _flip_spatial(w: Tensor, nd: int) -> Tensor:
+    """w reversed along its last `nd` axes (a strided view with negative strides)."""
+    strides, acc = [], 1
+    for size in reversed(w.shape):
+        strides.append(acc)
+        acc *= size
+    strides.reverse()
+    offset = sum((size - 1) * st for size, st in zip(w.shape[2:], strides[2:]))
+    return w._as_strided(w.shape, tuple(strides[:2]) + tuple(-st for st in strides[2:]), offset)
 
 
 def _pool_setup(ctx: Any, x: Tensor, dilation_ok: bool) -> tuple[Tensor, list[int], list[int], list[int], list[tuple[int, int]], list[int], int]:
