@@ -29,7 +29,7 @@ from tinydist.onnx.ops.elementwise import (
 )
 from tinydist.onnx.ops.elementwise import (
     ceil, op_celu, op_is_inf, op_is_nan, op_mish, op_mod, op_prelu, op_selu, op_shrink, op_sign, op_softsign,
-    op_swish, op_thresholded_relu, op_trig, round_half_even,
+    op_swiglu, op_swish, op_thresholded_relu, op_trig, round_half_even,
 )
 from tinydist.onnx.ops.folds import FOLDS
 from tinydist.onnx.ops.indexing import (
@@ -47,7 +47,7 @@ from tinydist.onnx.ops.nn import (
     op_upsample,
 )
 from tinydist.onnx.ops.shape import (
-    _arg, _reduce, op_concat, op_constant, op_constant_of_shape, op_expand, op_flatten, op_gather,
+    _arg, _reduce, op_center_crop_pad, op_eye_like, op_window, op_concat, op_constant, op_constant_of_shape, op_expand, op_flatten, op_gather,
     op_pad, op_range, op_reshape, op_shape, op_size, op_slice, op_split, op_squeeze, op_tile,
     op_transpose, op_unsqueeze,
 )
@@ -199,6 +199,11 @@ OPS: dict[str, OpSpec] = {
                          "linear_before_reset", "input_forget")) for op in ("RNN", "GRU", "LSTM")},
     "NonZero": OpSpec(op_nonzero, static=(0,)), "Unique": OpSpec(op_unique, static=(0,), attrs=("axis", "sorted")),
     "Compress": OpSpec(op_compress, params=(0,), static=(1,), attrs=("axis",), min_inputs=2),
+    "SwiGLU": OpSpec(op_swiglu, attrs=("alpha",), min_inputs=2),
+    **{f"{kind.capitalize()}Window": OpSpec(op_window(kind), static=(0,), attrs=("output_datatype", "periodic"))
+       for kind in ("hann", "hamming", "blackman")},
+    "EyeLike": OpSpec(op_eye_like, params=(0,), attrs=("dtype", "k")),
+    "CenterCropPad": OpSpec(op_center_crop_pad, static=(1,), attrs=("axes",), min_inputs=2),
     "Einsum": OpSpec(op_einsum, attrs=("equation",)),
     "LpPool": OpSpec(op_lp_pool, attrs=_POOL + ("dilations", "p")),
     "CumProd": OpSpec(op_cumprod, static=(1,), attrs=("exclusive", "reverse"), min_inputs=2),
@@ -247,7 +252,8 @@ VERSIONS: dict[str, tuple[int, ...]] = {
     "NegativeLogLikelihoodLoss": (12, 13, 22), "SoftmaxCrossEntropyLoss": (12, 13),
     "LpPool": (1, 2, 11, 18, 22), "CumProd": (26,), "ReduceLogSum": (1, 11, 13, 18, 28),
     "Einsum": (12, 28), "RNN": (7, 14, 22),
-    "NonZero": (9, 13), "Unique": (11, 28), "Compress": (9, 11, 28), "GRU": (7, 14, 22), "LSTM": (7, 14, 22),
+    "SwiGLU": (28,), "HannWindow": (17,), "HammingWindow": (17,), "BlackmanWindow": (17,), "EyeLike": (9, 22),
+    "CenterCropPad": (18,), "NonZero": (9, 13), "Unique": (11, 28), "Compress": (9, 11, 28), "GRU": (7, 14, 22), "LSTM": (7, 14, 22),
 }
 for _name, _spec in OPS.items():
     _spec.versions = frozenset(VERSIONS.get(_name, ()))  # an op missing here is refused at every version

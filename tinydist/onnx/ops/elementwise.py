@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from tinydist import dtypes
-from tinydist.onnx.ops._common import Value, as_tensor, erf, scalar_like, static, tanh
+from tinydist.onnx.ops._common import Value, as_tensor, erf, require_float, scalar_like, static, tanh
 from tinydist.tensor import Tensor
 
 
@@ -250,6 +250,14 @@ def op_thresholded_relu(ctx: Any, x: Tensor) -> Tensor:
 
 def op_swish(ctx: Any, x: Tensor) -> Tensor:
     return x * (x * ctx.attr("alpha", 1.0)).sigmoid()
+
+
+def op_swiglu(ctx: Any, a: Tensor, b: Tensor) -> Tensor:
+    """Swish_alpha(a) · b, a and b of one shape (SwiGLU, 28)."""
+    require_float(ctx, a)
+    if a.shape != b.shape:
+        raise ctx.error(f"A {a.shape} and B {b.shape} must have the same shape (no broadcasting)")
+    return a * (a * ctx.attr("alpha", 1.0)).sigmoid() * b
 
 
 def op_is_inf(ctx: Any, x: Tensor) -> Tensor:
