@@ -121,3 +121,25 @@ def test_unique(check, attrs):
 @pytest.mark.parametrize("kw", [dict(strides=[2, 2], group=2), dict(strides=[3, 2], output_shape=[10, 8])])
 def test_conv_transpose_with_run_time_weights(check, rng, kw):
     check([N("ConvTranspose", ["x", "w"], ["y"], **kw)], {"x": f(rng, 1, 4, 3, 3), "w": f(rng, 4, 2, 3, 3)}, opset=11)
+
+
+@pytest.mark.parametrize("attrs,scales,sizes", [
+    ({"mode": "cubic"}, [1, 1, 2, 1.5], None),
+    ({"mode": "cubic", "cubic_coeff_a": -0.5, "exclude_outside": 1}, [1, 1, 0.6, 1.4], None),
+    ({"mode": "cubic", "coordinate_transformation_mode": "asymmetric"}, [1, 1, 2, 2], None),
+    ({"mode": "cubic", "coordinate_transformation_mode": "pytorch_half_pixel"}, None, [2, 3, 9, 5]),
+    ({"mode": "linear", "antialias": 1}, None, [2, 3, 3, 4]),
+    ({"mode": "cubic", "antialias": 1}, [1, 1, 0.5, 0.7], None),
+    ({"mode": "nearest", "keep_aspect_ratio_policy": "not_larger", "axes": [2, 3]}, None, [4, 4]),
+    ({"mode": "nearest", "keep_aspect_ratio_policy": "not_smaller", "axes": [2, 3]}, None, [4, 4]),
+])
+def test_resize_modes(check, rng, attrs, scales, sizes):
+    inits = {"scales": np.array(scales, F32)} if scales else {"sizes": np.array(sizes, I64)}
+    inputs = ["x", "", "scales"] if scales else ["x", "", "", "sizes"]
+    check([N("Resize", inputs, ["y"], **attrs)], {"x": f(rng, 2, 3, 7, 6)}, inits=inits, opset=19, rtol=1e-4, atol=1e-5)
+
+
+def test_resize_tf_crop_and_resize(check, rng):
+    check([N("Resize", ["x", "roi", "", "sizes"], ["y"], mode="linear", coordinate_transformation_mode="tf_crop_and_resize",
+             extrapolation_value=-3.0)], {"x": f(rng, 1, 2, 6, 5)},
+          inits={"roi": np.array([0, 0, -0.2, 0.1, 1, 1, 0.9, 1.3], F32), "sizes": np.array([1, 2, 4, 6], I64)}, opset=13)
