@@ -143,3 +143,19 @@ def test_resize_tf_crop_and_resize(check, rng):
     check([N("Resize", ["x", "roi", "", "sizes"], ["y"], mode="linear", coordinate_transformation_mode="tf_crop_and_resize",
              extrapolation_value=-3.0)], {"x": f(rng, 1, 2, 6, 5)},
           inits={"roi": np.array([0, 0, -0.2, 0.1, 1, 1, 0.9, 1.3], F32), "sizes": np.array([1, 2, 4, 6], I64)}, opset=13)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("direction", ["LEFT", "RIGHT"])
+def test_bit_shift_against_numpy(rng, dtype, direction):
+    # onnxruntime has BitShift for unsigned types only: numpy's shifts are the reference here
+    import tinydist.onnx as tdo
+    from tests.onnx.conftest import make_model
+    width = np.iinfo(dtype).bits
+    x = rng.integers(np.iinfo(dtype).min, np.iinfo(dtype).max, 200, dtype=dtype)
+    y = rng.integers(0, width, 200).astype(dtype)
+    model = make_model([N("BitShift", ["x", "y"], ["z"], direction=direction)], {"x": x, "y": y}, ["z"], opset=11)
+    got = tdo.load(model)({"x": x, "y": y})["z"]
+    want = np.left_shift(x.view(f"u{x.itemsize}"), y.astype(f"u{x.itemsize}")).view(dtype) if direction == "LEFT" \
+        else np.right_shift(x, y)
+    np.testing.assert_array_equal(got, want)

@@ -14,7 +14,7 @@ from tinydist.onnx.ops._common import (
     Value, as_tensor, gather_where, ints, lowest, norm_axes, norm_axis, pad_or_crop, require_float,
     scalar_like, static,
 )
-from tinydist.tensor import Tensor
+from tinydist.tensor import Tensor, cat
 
 
 # ---- matmul, gemm --------------------------------------------------------------------------------
@@ -174,6 +174,30 @@ def op_conv_transpose(ctx: Any, x: Tensor, w: Value, b: Value = None) -> Tensor:
     if b is not None:
         out = out + as_tensor(ctx, b, "bias").reshape(1, oc, 1, 1)
     return out.reshape(out.shape[:2] + out.shape[3:]) if nd == 1 else out
+
+
+def op_causal_conv_with_state(ctx: Any, x: Tensor, w: Value, b: Value = None, past: Value = None) -> tuple[Tensor, Tensor]:
+    """Depthwise causal 1-D conv (27): [past_state or zeros | input] convolved per channel with a
+    kernel of k, optional SiLU; present_state = the last k - 1 steps of that concatenation."""
+    require_float(ctx, x)
+    if x.ndim != 3 or w.ndim != 3 or w.shape[1] != 1 or w.shape[0] != x.shape[1]:
+        raise ctx.error(f"input (N, C, L) {x.shape} and weight (C, 1, k) {w.shape} do not match")
+    activation = ctx.attr("activation", "none")
+    if activation not in ("none", "silu", "swish"):
+        raise ctx.error(f"activation={activation!r} is not supported (none, silu, swish)")
+    n, c, _ = x.shape
+    k = w.shape[2]
+    state = as_tensor(ctx, past, "past_state") if past is not None else Tensor.zeros((n, c, k - 1), dtype=x.dtype, device=x.device)
+    padded = cat([state, x], 2) if k > 1 else x
+    out = conv2d(_to_2d(padded), as_tensor(ctx, w, "W").reshape(c, 1, 1, k), None, 1, 0, 1, c)
+    out = out.reshape(out.shape[:2] + out.shape[3:])
+    if b is not None:
+        out = out + as_tensor(ctx, b, "bias").reshape(1, c, 1)
+    if activation != "none":
+        out = out * out.sigmoid()
+    length = padded.shape[2]
+    present = padded[:, :, length - (k - 1):] if k > 1 else Tensor.zeros((n, c, 0), dtype=x.dtype, device=x.device)
+    return out, present
 
 
 def _flip_spatial(w: Tensor, nd: int) -> Tensor:
