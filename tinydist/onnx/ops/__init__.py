@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import tinydist as td
-from tinydist.onnx.ops.attention import op_attention, op_rotary_embedding
+from tinydist.onnx.ops.attention import op_attention, op_linear_attention, op_rotary_embedding
 from tinydist.onnx.ops._common import SUPPORTED_NP, erf, require_float, scalar_like, tanh
 from tinydist.onnx.ops.data_dependent import op_compress, op_nonzero, op_unique
 from tinydist.onnx.ops.einsum import op_einsum
@@ -192,6 +192,8 @@ OPS: dict[str, OpSpec] = {
     "Attention": OpSpec(op_attention, attrs=("is_causal", "kv_num_heads", "q_num_heads", "qk_matmul_output_mode", "scale",
                                              "softcap", "softmax_precision", "left_window_size", "right_window_size"),
                         min_inputs=3),
+    "LinearAttention": OpSpec(op_linear_attention, attrs=("chunk_size", "kv_num_heads", "q_num_heads", "scale", "update_rule"),
+                              min_inputs=3),
     "RotaryEmbedding": OpSpec(op_rotary_embedding, params=(1, 2), attrs=("interleaved", "num_heads", "rotary_embedding_dim"),
                               min_inputs=3),
     **{op: OpSpec(op_recurrent, params=(4,), min_inputs=3,
@@ -250,7 +252,7 @@ VERSIONS: dict[str, tuple[int, ...]] = {
     "ScatterND": (11, 13, 16, 18), "OneHot": (9, 11, 28), "Trilu": (14,), "CumSum": (11, 14), "TopK": (1, 10, 11, 24),
     "InstanceNormalization": (6, 22), "GroupNormalization": (18, 21), "RMSNormalization": (23,),
     "LpNormalization": (1, 22), "MeanVarianceNormalization": (9, 13), "LRN": (1, 13),
-    "DepthToSpace": (1, 11, 13, 28), "SpaceToDepth": (1, 13, 28), "Attention": (23, 24, 25), "RotaryEmbedding": (23,),
+    "DepthToSpace": (1, 11, 13, 28), "SpaceToDepth": (1, 13, 28), "Attention": (23, 24, 25), "RotaryEmbedding": (23,), "LinearAttention": (27,),
     "NegativeLogLikelihoodLoss": (12, 13, 22), "SoftmaxCrossEntropyLoss": (12, 13),
     "LpPool": (1, 2, 11, 18, 22), "CumProd": (26,), "ReduceLogSum": (1, 11, 13, 18, 28),
     "Einsum": (12, 28), "RNN": (7, 14, 22),

@@ -184,3 +184,47 @@ def op_rotary_embedding(ctx: Any, x: Tensor, cos_cache: Value, sin_cache: Value,
         rotated = cat([real, imag], -1)
     out = cat([rotated, keep], -1) if rot < d else rotated
     return out.reshape(shape) if len(shape) == 3 else out.permute(0, 2, 1, 3)
+
+
+def op_linear_attention(ctx: Any, q: Tensor, k: Tensor, v: Tensor, past_state: Tensor | None = None,
+                        decay: Tensor | None = None, beta: Tensor | None = None) -> tuple[Tensor, ...]:
+    """LinearAttention (27), unrolled over the static sequence: a (d_k, d_v) state per KV head,
+    decayed by exp(decay) (gated), corrected by beta·(v − Sᵀk) (delta), grown by k vᵀ; each
+    query reads scale · qᵀS from its KV head's state."""
+    require_float(ctx, q)
+    rule = ctx.attr("update_rule", "gated_delta")
+    if rule not in ("linear", "gated", "delta", "gated_delta"):
+        raise ctx.error(f"update_rule={rule!r} is not supported (linear, gated, delta, gated_delta)")
+    gating, delta = rule in ("gated", "gated_delta"), rule in ("delta", "gated_delta")
+    if gating != (decay is not None) or delta != (beta is not None):
+        raise ctx.error(f"update_rule={rule!r} needs {'a' if gating else 'no'} decay and {'a' if delta else 'no'} beta input")
+    hq, hk = ctx.attr("q_num_heads", 0), ctx.attr("kv_num_heads", 0)
+    if hq <= 0 or hk <= 0 or hq % hk:
+        raise ctx.error(f"q_num_heads {hq} must be a positive multiple of kv_num_heads {hk}")
+    if not q.ndim == k.ndim == v.ndim == 3:
+        raise ctx.error(f"query, key and value must be 3-D (B, T, H·D), got {q.shape}, {k.shape}, {v.shape}")
+    b, t, _ = q.shape
+    q4, k4, v4 = _heads(q, hq), _heads(k, hk), _heads(v, hk)           # (B, H, T, D)
+    dk, dv = q4.shape[3], v4.shape[3]
+    group = hq // hk
+    if decay is not None:
+        g4 = decay.reshape(b, t, hk, 1).permute(0, 2, 1, 3) if decay.shape[-1] == hk else _heads(decay, hk)
+    if beta is not None:
+        b4 = beta.reshape(b, t, beta.shape[-1], 1).permute(0, 2, 1, 3)
+    state = past_state if past_state is not None else Tensor.zeros((b, hk, dk, dv), dtype=q.dtype, device=q.device)
+    if state.shape != (b, hk, dk, dv):
+        raise ctx.error(f"past_state shape {state.shape} is not {(b, hk, dk, dv)}")
+    scale = ctx.attr("scale", 0.0) or 1.0 / math.sqrt(dk)
+    outs = []
+    for i in range(t):
+        kt, vt = k4[:, :, i, :], v4[:, :, i, :]                            # (B, Hk, dk), (B, Hk, dv)
+        if decay is not None:
+            state = state * g4[:, :, i, :].exp().reshape(b, hk, -1, 1)
+        if beta is not None:
+            retrieved = (state * kt.reshape(b, hk, dk, 1)).sum(2)          # (B, Hk, dv)
+            vt = b4[:, :, i, :] * (vt - retrieved)
+        state = state + kt.reshape(b, hk, dk, 1) * vt.reshape(b, hk, 1, dv)
+        read = state.reshape(b, hk, 1, dk, dv).expand(b, hk, group, dk, dv).reshape(b, hq, dk, dv) if group > 1 else state
+        outs.append(((q4[:, :, i, :].reshape(b, hq, dk, 1) * read).sum(2) * scale).reshape(b, hq, 1, dv))
+    y = cat(outs, 2).permute(0, 2, 1, 3).reshape(b, t, hq * dv)
+    return (y, state)[:max(ctx.n_outputs, 1)]
