@@ -159,3 +159,9 @@ def test_bit_shift_against_numpy(rng, dtype, direction):
     want = np.left_shift(x.view(f"u{x.itemsize}"), y.astype(f"u{x.itemsize}")).view(dtype) if direction == "LEFT" \
         else np.right_shift(x, y)
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("attrs,last", [({"axis": 1}, 1), ({"axis": 2, "onesided": 1}, 1), ({"axis": 1}, 2),
+                                        ({"axis": 1, "inverse": 1}, 2)])
+def test_dft(check, rng, attrs, last):
+    check([N("DFT", ["x"], ["y"], **attrs)], {"x": f(rng, 2, 8, 6, last)}, opset=17, rtol=1e-4, atol=1e-4)

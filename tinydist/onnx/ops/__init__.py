@@ -42,7 +42,7 @@ from tinydist.onnx.ops.norm import (
     op_space_to_depth,
 )
 from tinydist.onnx.ops.nn import (
-    _softmax_like, op_average_pool, op_causal_conv_with_state, op_lp_pool, op_batch_norm, op_conv, op_conv_transpose, op_gemm,
+    _softmax_like, op_average_pool, op_causal_conv_with_state, op_dft, op_lp_pool, op_batch_norm, op_conv, op_conv_transpose, op_gemm,
     op_global_average_pool, op_global_max_pool, op_hardmax, op_layer_norm, op_matmul, op_max_pool, op_resize,
     op_upsample,
 )
@@ -201,6 +201,7 @@ OPS: dict[str, OpSpec] = {
                          "linear_before_reset", "input_forget")) for op in ("RNN", "GRU", "LSTM")},
     "NonZero": OpSpec(op_nonzero, static=(0,)), "Unique": OpSpec(op_unique, static=(0,), attrs=("axis", "sorted")),
     "Compress": OpSpec(op_compress, params=(0,), static=(1,), attrs=("axis",), min_inputs=2),
+    "DFT": OpSpec(op_dft, static=(1, 2), attrs=("axis", "inverse", "onesided")),
     "CausalConvWithState": OpSpec(op_causal_conv_with_state, attrs=("activation",), min_inputs=2),
     "BitShift": OpSpec(op_bit_shift, attrs=("direction",), min_inputs=2),
     "SwiGLU": OpSpec(op_swiglu, attrs=("alpha",), min_inputs=2),
@@ -256,7 +257,7 @@ VERSIONS: dict[str, tuple[int, ...]] = {
     "NegativeLogLikelihoodLoss": (12, 13, 22), "SoftmaxCrossEntropyLoss": (12, 13),
     "LpPool": (1, 2, 11, 18, 22), "CumProd": (26,), "ReduceLogSum": (1, 11, 13, 18, 28),
     "Einsum": (12, 28), "RNN": (7, 14, 22),
-    "BitShift": (11, 28), "CausalConvWithState": (27,), "SwiGLU": (28,), "HannWindow": (17,), "HammingWindow": (17,), "BlackmanWindow": (17,), "EyeLike": (9, 22),
+    "BitShift": (11, 28), "CausalConvWithState": (27,), "DFT": (17, 20), "SwiGLU": (28,), "HannWindow": (17,), "HammingWindow": (17,), "BlackmanWindow": (17,), "EyeLike": (9, 22),
     "CenterCropPad": (18,), "NonZero": (9, 13), "Unique": (11, 28), "Compress": (9, 11, 28), "GRU": (7, 14, 22), "LSTM": (7, 14, 22),
 }
 for _name, _spec in OPS.items():

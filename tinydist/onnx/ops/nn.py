@@ -563,3 +563,60 @@ def _hardmax(ctx: Any, x: Tensor, axis: int) -> Tensor:
         tuple(-1 if i == axis else 1 for i in range(x.ndim))))
     first = (x == x.max(axis, keepdim=True)).where(positions, n).min(axis, keepdim=True)
     return (positions == first).cast(x.dtype)
+
+
+# ---- DFT --------------------------------------------------------------------------------------
+
+def _dft_matrix(n_in: int, length: int, inverse: bool, onesided: bool) -> np.ndarray:
+    """The transform as a real (2·n_in, 2·n_out) matrix on [re | im] (irfft: (2·n_in, n_out)),
+    found by transforming each basis vector with numpy's FFT once, at load (it is linear)."""
+    rows = []
+    for part in (1.0, 1j):
+        for j in range(n_in):
+            e = np.zeros(n_in, np.complex128)
+            e[j] = part
+            if inverse and onesided:
+                rows.append(np.fft.irfft(e, n=length))
+                continue
+            r = np.fft.ifft(e, n=length) if inverse else np.fft.fft(e, n=length)
+            if onesided:
+                r = r[:length // 2 + 1]
+            rows.append(np.concatenate([r.real, r.imag]))
+    return np.array(rows)
+
+
+def op_dft(ctx: Any, x: Tensor, dft_length: Value = None, axis_in: Value = None) -> Tensor:
+    """DFT 17 (axis attribute, default 1) and 20 (axis input, default -2): real (…, 1) or complex
+    (…, 2) input along `axis`, as one matmul with a constant matrix (O(n²), no FFT)."""
+    require_float(ctx, x)
+    if x.ndim < 2 or x.shape[-1] not in (1, 2):
+        raise ctx.error(f"input must end in a real (1) or complex (2) axis, got shape {x.shape}")
+    if ctx.since >= 20:
+        axis = ints(ctx, axis_in, "axis")[0] if axis_in is not None else -2
+    else:
+        axis = ctx.attr("axis", 1)
+    axis = norm_axis(ctx, axis, x.ndim)
+    if axis == x.ndim - 1:
+        raise ctx.error("axis must not be the last (real / imaginary) axis")
+    inverse, onesided = bool(ctx.attr("inverse", 0)), bool(ctx.attr("onesided", 0))
+    n_in = x.shape[axis]
+    length = ints(ctx, dft_length, "dft_length")[0] if dft_length is not None else (
+        2 * (n_in - 1) if inverse and onesided else n_in)
+    if length <= 0:
+        raise ctx.error(f"dft_length {length} must be positive")
+    order = [i for i in range(x.ndim - 1) if i != axis] + [axis, x.ndim - 1]
+    moved = x.permute(tuple(order))                                    # (…, n_in, 1|2)
+    lead = moved.shape[:-2]
+    parts = moved.permute(tuple(range(len(lead))) + (len(lead) + 1, len(lead)))   # (…, 1|2, n_in)
+    if x.shape[-1] == 1:
+        parts = cat([parts, Tensor.zeros(parts.shape, dtype=x.dtype, device=x.device)], -2)
+    matrix = _dft_matrix(n_in, length, inverse, onesided)
+    m = ctx.lift(("dft", n_in, length, inverse, onesided), np.ascontiguousarray(matrix.astype(x.dtype.np)).reshape((1,) + matrix.shape))
+    y = parts.reshape(1, -1, 2 * n_in).matmul(m)
+    out_n = matrix.shape[1] if inverse and onesided else matrix.shape[1] // 2
+    comps = 1 if inverse and onesided else 2
+    y = y.reshape(lead + (comps, out_n)).permute(tuple(range(len(lead))) + (len(lead) + 1, len(lead)))  # (…, n_out, c)
+    back = [0] * x.ndim
+    for pos, src in enumerate(order):
+        back[src] = pos
+    return y.permute(tuple(back))
