@@ -165,3 +165,12 @@ def test_bit_shift_against_numpy(rng, dtype, direction):
                                         ({"axis": 1, "inverse": 1}, 2)])
 def test_dft(check, rng, attrs, last):
     check([N("DFT", ["x"], ["y"], **attrs)], {"x": f(rng, 2, 8, 6, last)}, opset=17, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("batch_axis,time_axis", [(1, 0), (0, 1)])
+def test_reverse_sequence(check, rng, batch_axis, time_axis):
+    x = f(rng, 5, 3, 2) if batch_axis == 1 else f(rng, 3, 5, 2)
+    lens = np.array([5, 1, 3], I64)
+    node = N("ReverseSequence", ["x", "lens"], ["y"], batch_axis=batch_axis, time_axis=time_axis)
+    check([node], {"x": x, "lens": lens}, opset=10)                 # run-time lengths
+    check([node], {"x": x}, inits={"lens": lens}, opset=10)         # constant lengths

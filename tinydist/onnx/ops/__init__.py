@@ -33,7 +33,7 @@ from tinydist.onnx.ops.elementwise import (
 )
 from tinydist.onnx.ops.folds import FOLDS
 from tinydist.onnx.ops.indexing import (
-    op_cumprod, op_cumsum, op_gather_elements, op_gather_nd, op_one_hot, op_scatter_elements, op_scatter_nd, op_top_k, op_trilu,
+    op_cumprod, op_cumsum, op_gather_elements, op_reverse_sequence, op_gather_nd, op_one_hot, op_scatter_elements, op_scatter_nd, op_top_k, op_trilu,
 )
 from tinydist.onnx.ops.loss import op_nll_loss, op_softmax_cross_entropy
 from tinydist.onnx.ops.recurrent import op_recurrent
@@ -201,6 +201,7 @@ OPS: dict[str, OpSpec] = {
                          "linear_before_reset", "input_forget")) for op in ("RNN", "GRU", "LSTM")},
     "NonZero": OpSpec(op_nonzero, static=(0,)), "Unique": OpSpec(op_unique, static=(0,), attrs=("axis", "sorted")),
     "Compress": OpSpec(op_compress, params=(0,), static=(1,), attrs=("axis",), min_inputs=2),
+    "ReverseSequence": OpSpec(op_reverse_sequence, params=(1,), attrs=("batch_axis", "time_axis"), min_inputs=2),
     "DFT": OpSpec(op_dft, static=(1, 2), attrs=("axis", "inverse", "onesided")),
     "CausalConvWithState": OpSpec(op_causal_conv_with_state, attrs=("activation",), min_inputs=2),
     "BitShift": OpSpec(op_bit_shift, attrs=("direction",), min_inputs=2),
@@ -257,7 +258,7 @@ VERSIONS: dict[str, tuple[int, ...]] = {
     "NegativeLogLikelihoodLoss": (12, 13, 22), "SoftmaxCrossEntropyLoss": (12, 13),
     "LpPool": (1, 2, 11, 18, 22), "CumProd": (26,), "ReduceLogSum": (1, 11, 13, 18, 28),
     "Einsum": (12, 28), "RNN": (7, 14, 22),
-    "BitShift": (11, 28), "CausalConvWithState": (27,), "DFT": (17, 20), "SwiGLU": (28,), "HannWindow": (17,), "HammingWindow": (17,), "BlackmanWindow": (17,), "EyeLike": (9, 22),
+    "BitShift": (11, 28), "CausalConvWithState": (27,), "DFT": (17, 20), "ReverseSequence": (10, 28), "SwiGLU": (28,), "HannWindow": (17,), "HammingWindow": (17,), "BlackmanWindow": (17,), "EyeLike": (9, 22),
     "CenterCropPad": (18,), "NonZero": (9, 13), "Unique": (11, 28), "Compress": (9, 11, 28), "GRU": (7, 14, 22), "LSTM": (7, 14, 22),
 }
 for _name, _spec in OPS.items():

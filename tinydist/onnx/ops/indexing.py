@@ -212,3 +212,27 @@ def op_top_k(ctx: Any, x: Tensor, k: Value = None) -> tuple[Tensor, Tensor]:
     values = _select_sum(onehot, a, -2, x.dtype)
     index = onehot.where(_positions(ctx, n, dtypes.int64, (n, 1)), 0).sum(-2, dtype=dtypes.int64)
     return values.permute(back), index.permute(back)
+
+
+def op_reverse_sequence(ctx: Any, x: Tensor, lens: Value) -> Tensor:
+    """Reverses the first lens[b] steps along time_axis of each batch entry: a one-hot select
+    over (batch, time out, time in); run-time lengths stay tensors (no value input needed)."""
+    batch_axis, time_axis = ctx.attr("batch_axis", 1), ctx.attr("time_axis", 0)
+    if {batch_axis, time_axis} != {0, 1} or x.ndim < 2:
+        raise ctx.error(f"batch_axis {batch_axis} / time_axis {time_axis} must be 0 and 1 (in either order) of a rank ≥ 2 input")
+    moved = x if batch_axis == 0 else x.permute((1, 0) + tuple(range(2, x.ndim)))   # (B, T, …)
+    b, t = moved.shape[:2]
+    steps = np.arange(t, dtype=np.int64)
+    if isinstance(lens, np.ndarray):
+        n = lens.astype(np.int64).reshape(b, 1)
+        src = np.where(steps[None, :] < n, n - 1 - steps[None, :], steps[None, :])
+        onehot = ctx.lift(("rev", b, t), src[:, :, None] == steps[None, None, :])
+    else:
+        n = lens.cast(dtypes.int64).reshape(b, 1)
+        out_t = ctx.lift(("steps", t), steps.reshape(1, t))
+        src = (out_t < n).where(n - 1 - out_t, out_t)
+        onehot = src.reshape(b, t, 1) == ctx.lift(("steps_in", t), steps.reshape(1, 1, t))
+    rest = moved.shape[2:]
+    mask = onehot.reshape((b, t, t) + (1,) * len(rest))
+    picked = _select_sum(mask, moved.reshape((b, 1, t) + rest), 2, x.dtype)
+    return picked if batch_axis == 0 else picked.permute((1, 0) + tuple(range(2, x.ndim)))
