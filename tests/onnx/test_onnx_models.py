@@ -159,7 +159,7 @@ def test_unsupported_op_names_node_op_and_opset(make_model, rng):
 
 
 @pytest.mark.parametrize("node,match", [
-    (N("Resize", ["x", "", "sc"], ["y"], mode="cubic", name="rs"), r"node 'rs' \(Resize, opset 13\): mode='cubic'"),
+    (N("Resize", ["x", "", "sc"], ["y"], mode="bicubic", name="rs"), r"node 'rs' \(Resize, opset 13\): mode='bicubic'"),
     (N("Pad", ["x", "p"], ["y"], mode="bogus", name="pd"), r"node 'pd' \(Pad, opset 13\): mode='bogus'"),
     (N("Conv", ["x", "k"], ["y"], auto_pad="WEIRD", name="cv"), r"node 'cv' \(Conv, opset 13\): auto_pad='WEIRD'"),
     (N("Relu", ["x"], ["y"], name="r", extra=3), r"node 'r' \(Relu, opset 13\): attribute 'extra' is not supported"),

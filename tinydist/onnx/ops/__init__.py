@@ -19,30 +19,35 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import tinydist as td
+from tinydist.onnx.ops.attention import op_attention, op_linear_attention, op_rotary_embedding
 from tinydist.onnx.ops._common import SUPPORTED_NP, erf, require_float, scalar_like, tanh
+from tinydist.onnx.ops.data_dependent import op_compress, op_nonzero, op_unique
+from tinydist.onnx.ops.einsum import op_einsum
 from tinydist.onnx.ops.elementwise import (
     _variadic, op_cast, op_cast_like, op_clip, op_div, op_dropout, op_elu, op_gelu, op_hard_sigmoid,
     op_hard_swish, op_identity, op_leaky_relu, op_mean, op_pow, op_softplus,
 )
 from tinydist.onnx.ops.elementwise import (
     ceil, op_celu, op_is_inf, op_is_nan, op_mish, op_mod, op_prelu, op_selu, op_shrink, op_sign, op_softsign,
-    op_swish, op_thresholded_relu, op_trig, round_half_even,
+    op_bit_shift, op_swiglu, op_swish, op_thresholded_relu, op_trig, round_half_even,
 )
 from tinydist.onnx.ops.folds import FOLDS
 from tinydist.onnx.ops.indexing import (
-    op_cumsum, op_gather_elements, op_gather_nd, op_one_hot, op_scatter_elements, op_scatter_nd, op_top_k, op_trilu,
+    op_cumprod, op_cumsum, op_gather_elements, op_reverse_sequence, op_gather_nd, op_one_hot, op_scatter_elements, op_scatter_nd, op_top_k, op_trilu,
 )
+from tinydist.onnx.ops.loss import op_nll_loss, op_softmax_cross_entropy
+from tinydist.onnx.ops.recurrent import op_recurrent
 from tinydist.onnx.ops.norm import (
     op_depth_to_space, op_group_norm, op_instance_norm, op_lp_norm, op_lrn, op_mean_variance_norm, op_rms_norm,
     op_space_to_depth,
 )
 from tinydist.onnx.ops.nn import (
-    _softmax_like, op_average_pool, op_batch_norm, op_conv, op_conv_transpose, op_gemm,
+    _softmax_like, op_average_pool, op_causal_conv_with_state, op_dft, op_lp_pool, op_batch_norm, op_conv, op_conv_transpose, op_gemm,
     op_global_average_pool, op_global_max_pool, op_hardmax, op_layer_norm, op_matmul, op_max_pool, op_resize,
     op_upsample,
 )
 from tinydist.onnx.ops.shape import (
-    _arg, _reduce, op_concat, op_constant, op_constant_of_shape, op_expand, op_flatten, op_gather,
+    _arg, _reduce, op_center_crop_pad, op_eye_like, op_window, op_concat, op_constant, op_constant_of_shape, op_expand, op_flatten, op_gather,
     op_pad, op_range, op_reshape, op_shape, op_size, op_slice, op_split, op_squeeze, op_tile,
     op_transpose, op_unsqueeze,
 )
@@ -184,6 +189,33 @@ OPS: dict[str, OpSpec] = {
     "SpaceToDepth": OpSpec(op_space_to_depth, attrs=("blocksize", "mode")),
     "Constant": OpSpec(op_constant, attrs=("value", "value_float", "value_floats", "value_int", "value_ints", "sparse_value",
                                            "value_string", "value_strings"), min_inputs=0),
+    "Attention": OpSpec(op_attention, attrs=("is_causal", "kv_num_heads", "q_num_heads", "qk_matmul_output_mode", "scale",
+                                             "softcap", "softmax_precision", "left_window_size", "right_window_size"),
+                        min_inputs=3),
+    "LinearAttention": OpSpec(op_linear_attention, attrs=("chunk_size", "kv_num_heads", "q_num_heads", "scale", "update_rule"),
+                              min_inputs=3),
+    "RotaryEmbedding": OpSpec(op_rotary_embedding, params=(1, 2), attrs=("interleaved", "num_heads", "rotary_embedding_dim"),
+                              min_inputs=3),
+    **{op: OpSpec(op_recurrent, params=(4,), min_inputs=3,
+                  attrs=("activation_alpha", "activation_beta", "activations", "clip", "direction", "hidden_size", "layout",
+                         "linear_before_reset", "input_forget")) for op in ("RNN", "GRU", "LSTM")},
+    "NonZero": OpSpec(op_nonzero, static=(0,)), "Unique": OpSpec(op_unique, static=(0,), attrs=("axis", "sorted")),
+    "Compress": OpSpec(op_compress, params=(0,), static=(1,), attrs=("axis",), min_inputs=2),
+    "ReverseSequence": OpSpec(op_reverse_sequence, params=(1,), attrs=("batch_axis", "time_axis"), min_inputs=2),
+    "DFT": OpSpec(op_dft, static=(1, 2), attrs=("axis", "inverse", "onesided")),
+    "CausalConvWithState": OpSpec(op_causal_conv_with_state, attrs=("activation",), min_inputs=2),
+    "BitShift": OpSpec(op_bit_shift, attrs=("direction",), min_inputs=2),
+    "SwiGLU": OpSpec(op_swiglu, attrs=("alpha",), min_inputs=2),
+    **{f"{kind.capitalize()}Window": OpSpec(op_window(kind), static=(0,), attrs=("output_datatype", "periodic"))
+       for kind in ("hann", "hamming", "blackman")},
+    "EyeLike": OpSpec(op_eye_like, params=(0,), attrs=("dtype", "k")),
+    "CenterCropPad": OpSpec(op_center_crop_pad, static=(1,), attrs=("axes",), min_inputs=2),
+    "Einsum": OpSpec(op_einsum, attrs=("equation",)),
+    "LpPool": OpSpec(op_lp_pool, attrs=_POOL + ("dilations", "p")),
+    "CumProd": OpSpec(op_cumprod, static=(1,), attrs=("exclusive", "reverse"), min_inputs=2),
+    "ReduceLogSum": OpSpec(_reduce("logsum", 18), static=(1,), attrs=_REDUCE),
+    "NegativeLogLikelihoodLoss": OpSpec(op_nll_loss, params=(2,), attrs=("ignore_index", "reduction"), min_inputs=2),
+    "SoftmaxCrossEntropyLoss": OpSpec(op_softmax_cross_entropy, params=(2,), attrs=("ignore_index", "reduction"), min_inputs=2),
 }
 
 # The since_versions each handler implements, from opset 7 (the oldest accepted) to the installed
@@ -222,7 +254,12 @@ VERSIONS: dict[str, tuple[int, ...]] = {
     "ScatterND": (11, 13, 16, 18), "OneHot": (9, 11, 28), "Trilu": (14,), "CumSum": (11, 14), "TopK": (1, 10, 11, 24),
     "InstanceNormalization": (6, 22), "GroupNormalization": (18, 21), "RMSNormalization": (23,),
     "LpNormalization": (1, 22), "MeanVarianceNormalization": (9, 13), "LRN": (1, 13),
-    "DepthToSpace": (1, 11, 13, 28), "SpaceToDepth": (1, 13, 28),
+    "DepthToSpace": (1, 11, 13, 28), "SpaceToDepth": (1, 13, 28), "Attention": (23, 24, 25), "RotaryEmbedding": (23,), "LinearAttention": (27,),
+    "NegativeLogLikelihoodLoss": (12, 13, 22), "SoftmaxCrossEntropyLoss": (12, 13),
+    "LpPool": (1, 2, 11, 18, 22), "CumProd": (26,), "ReduceLogSum": (1, 11, 13, 18, 28),
+    "Einsum": (12, 28), "RNN": (7, 14, 22),
+    "BitShift": (11, 28), "CausalConvWithState": (27,), "DFT": (17, 20), "ReverseSequence": (10, 28), "SwiGLU": (28,), "HannWindow": (17,), "HammingWindow": (17,), "BlackmanWindow": (17,), "EyeLike": (9, 22),
+    "CenterCropPad": (18,), "NonZero": (9, 13), "Unique": (11, 28), "Compress": (9, 11, 28), "GRU": (7, 14, 22), "LSTM": (7, 14, 22),
 }
 for _name, _spec in OPS.items():
     _spec.versions = frozenset(VERSIONS.get(_name, ()))  # an op missing here is refused at every version

@@ -78,6 +78,12 @@ def lowest(dtype: Any) -> Any:
     return -(1 << (dtype.itemsize * 8 - 1))
 
 
+def highest(dtype: Any) -> Any:
+    if dtype.is_float:
+        return float("inf")
+    return (1 << (dtype.itemsize * 8 - 1)) - 1
+
+
 def erf(x: Tensor) -> Tensor:
     """erf(x) as a rational approximation (Eigen's / XLA's float32 erf: a few ulp over float32)."""
     x = x.maximum(-4.0).minimum(4.0)

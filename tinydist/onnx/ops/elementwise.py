@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from tinydist import dtypes
-from tinydist.onnx.ops._common import Value, as_tensor, erf, scalar_like, static, tanh
+from tinydist.onnx.ops._common import Value, as_tensor, erf, require_float, scalar_like, static, tanh
 from tinydist.tensor import Tensor
 
 
@@ -250,6 +250,40 @@ def op_thresholded_relu(ctx: Any, x: Tensor) -> Tensor:
 
 def op_swish(ctx: Any, x: Tensor) -> Tensor:
     return x * (x * ctx.attr("alpha", 1.0)).sigmoid()
+
+
+def op_bit_shift(ctx: Any, x: Tensor, y: Tensor) -> Tensor:
+    """x << y as x·2^y (wrapping), x >> y as floor(x / 2^y) (arithmetic for signed x); a shift
+    outside [0, bit width) gives 0 (right shift of a negative x: -1), as onnx's reference.
+    2^y is built from y's six low bits by selects (the engine has no shift op)."""
+    if x.dtype.is_float or x.dtype.is_bool:
+        raise ctx.error(f"input dtype {x.dtype.name} is not supported (int32 / int64)")
+    width = x.dtype.itemsize * 8
+    y = y.cast(x.dtype)
+    power = None
+    for k in range(width.bit_length() - 1):
+        bit = (y // (1 << k)) % 2 == 1
+        factor = bit.where(Tensor.full((), 1 << (1 << k), x.dtype, x.device), 1)
+        power = factor if power is None else power * factor
+    assert power is not None
+    negative = (x < 0).where(Tensor.full((), -1, x.dtype, x.device), 0)
+    if ctx.attr("direction") == "LEFT":
+        out_of_range: Any = 0
+        shifted = x * ((y == width - 1).where(Tensor.full((), -(1 << (width - 1)), x.dtype, x.device), power))
+    elif ctx.attr("direction") == "RIGHT":
+        out_of_range = negative
+        shifted = (y == width - 1).where(negative, x // (y == width - 1).where(1, power))
+    else:
+        raise ctx.error(f"direction={ctx.attr('direction')!r} must be LEFT or RIGHT")
+    return ((y < 0) | (y >= width)).where(out_of_range, shifted)
+
+
+def op_swiglu(ctx: Any, a: Tensor, b: Tensor) -> Tensor:
+    """Swish_alpha(a) · b, a and b of one shape (SwiGLU, 28)."""
+    require_float(ctx, a)
+    if a.shape != b.shape:
+        raise ctx.error(f"A {a.shape} and B {b.shape} must have the same shape (no broadcasting)")
+    return a * (a * ctx.attr("alpha", 1.0)).sigmoid() * b
 
 
 def op_is_inf(ctx: Any, x: Tensor) -> Tensor:

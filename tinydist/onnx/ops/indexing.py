@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from tinydist import dtypes
-from tinydist.onnx.ops._common import Value, as_tensor, ints, lowest, norm_axis, static
+from tinydist.onnx.ops._common import Value, as_tensor, highest, ints, lowest, norm_axis, static
 from tinydist.onnx.ops.nn import pad_value
 from tinydist.tensor import Tensor
 
@@ -50,12 +50,6 @@ def _select_sum(mask: Tensor, values: Tensor, axis: int, dtype: Any) -> Tensor:
     if dtype.is_bool:
         return mask.where(values, False).any(axis)
     return mask.where(values, 0).sum(axis, dtype=dtype)
-
-
-def _highest(dtype: Any) -> Any:
-    if dtype.is_float:
-        return float("inf")
-    return (1 << (dtype.itemsize * 8 - 1)) - 1
 
 
 def op_gather_elements(ctx: Any, data: Value, indices: Value) -> Tensor:
@@ -110,7 +104,7 @@ def _reduce_into(ctx: Any, base: Tensor, mask: Tensor, updates: Tensor, axis: in
     if reduction == "max":
         return hit.where(base.maximum(mask.where(updates, lowest(dtype)).max(axis)), base)
     if reduction == "min":
-        return hit.where(base.minimum(mask.where(updates, _highest(dtype)).min(axis)), base)
+        return hit.where(base.minimum(mask.where(updates, highest(dtype)).min(axis)), base)
     raise ctx.error(f"reduction={reduction!r} is not supported (none, add, mul, max, min)")
 
 
@@ -176,6 +170,16 @@ def op_trilu(ctx: Any, x: Tensor, k: Value = None) -> Tensor:
 
 
 def op_cumsum(ctx: Any, x: Tensor, axis: Value) -> Tensor:
+    return _cumulative(ctx, x, axis, "sum")
+
+
+def op_cumprod(ctx: Any, x: Tensor, axis: Value) -> Tensor:
+    return _cumulative(ctx, x, axis, "prod")
+
+
+def _cumulative(ctx: Any, x: Tensor, axis: Value, kind: str) -> Tensor:
+    """CumSum / CumProd as a masked reduction over an (n, n) triangle of which inputs reach each
+    output: O(n²) along the axis, exact (masked-out terms are the identity, 0 or 1)."""
     a = norm_axis(ctx, ints(ctx, axis, "axis")[0], x.ndim)
     n = x.shape[a]
     i, j = np.arange(n)[:, None], np.arange(n)[None, :]
@@ -183,7 +187,10 @@ def op_cumsum(ctx: Any, x: Tensor, axis: Value) -> Tensor:
     take = (j > i if exclusive else j >= i) if reverse else (j < i if exclusive else j <= i)
     moved, back = _to_last(x, a)
     mask = ctx.lift(("cum", n, bool(exclusive), bool(reverse)), take)
-    return _select_sum(mask, moved.reshape(moved.shape[:-1] + (1, n)), -1, x.dtype).permute(back)
+    values = moved.reshape(moved.shape[:-1] + (1, n))
+    if kind == "prod":
+        return mask.where(values, 1).prod(-1, dtype=x.dtype).permute(back)
+    return _select_sum(mask, values, -1, x.dtype).permute(back)
 
 
 def op_top_k(ctx: Any, x: Tensor, k: Value = None) -> tuple[Tensor, Tensor]:
@@ -205,3 +212,27 @@ def op_top_k(ctx: Any, x: Tensor, k: Value = None) -> tuple[Tensor, Tensor]:
     values = _select_sum(onehot, a, -2, x.dtype)
     index = onehot.where(_positions(ctx, n, dtypes.int64, (n, 1)), 0).sum(-2, dtype=dtypes.int64)
     return values.permute(back), index.permute(back)
+
+
+def op_reverse_sequence(ctx: Any, x: Tensor, lens: Value) -> Tensor:
+    """Reverses the first lens[b] steps along time_axis of each batch entry: a one-hot select
+    over (batch, time out, time in); run-time lengths stay tensors (no value input needed)."""
+    batch_axis, time_axis = ctx.attr("batch_axis", 1), ctx.attr("time_axis", 0)
+    if {batch_axis, time_axis} != {0, 1} or x.ndim < 2:
+        raise ctx.error(f"batch_axis {batch_axis} / time_axis {time_axis} must be 0 and 1 (in either order) of a rank ≥ 2 input")
+    moved = x if batch_axis == 0 else x.permute((1, 0) + tuple(range(2, x.ndim)))   # (B, T, …)
+    b, t = moved.shape[:2]
+    steps = np.arange(t, dtype=np.int64)
+    if isinstance(lens, np.ndarray):
+        n = lens.astype(np.int64).reshape(b, 1)
+        src = np.where(steps[None, :] < n, n - 1 - steps[None, :], steps[None, :])
+        onehot = ctx.lift(("rev", b, t), src[:, :, None] == steps[None, None, :])
+    else:
+        n = lens.cast(dtypes.int64).reshape(b, 1)
+        out_t = ctx.lift(("steps", t), steps.reshape(1, t))
+        src = (out_t < n).where(n - 1 - out_t, out_t)
+        onehot = src.reshape(b, t, 1) == ctx.lift(("steps_in", t), steps.reshape(1, 1, t))
+    rest = moved.shape[2:]
+    mask = onehot.reshape((b, t, t) + (1,) * len(rest))
+    picked = _select_sum(mask, moved.reshape((b, 1, t) + rest), 2, x.dtype)
+    return picked if batch_axis == 0 else picked.permute((1, 0) + tuple(range(2, x.ndim)))

@@ -14,7 +14,7 @@ from tinydist.onnx.ops._common import (
     Value, as_tensor, gather_where, ints, lowest, norm_axes, norm_axis, pad_or_crop, require_float,
     scalar_like, static,
 )
-from tinydist.tensor import Tensor
+from tinydist.tensor import Tensor, cat
 
 
 # ---- matmul, gemm --------------------------------------------------------------------------------
@@ -126,7 +126,6 @@ def op_conv_transpose(ctx: Any, x: Tensor, w: Value, b: Value = None) -> Tensor:
     if nd not in (1, 2):
         raise ctx.error(f"{nd}-D ConvTranspose is not supported (1-D and 2-D only)")
     require_float(ctx, x)
-    w = static(ctx, w, "W")  # flipping the kernel needs its values at load
     groups = ctx.attr("group", 1)
     cin, ocg = w.shape[0], w.shape[1]
     oc = ocg * groups
@@ -144,9 +143,8 @@ def op_conv_transpose(ctx: Any, x: Tensor, w: Value, b: Value = None) -> Tensor:
             target = list(ctx.attr("output_shape"))[-nd:]
         else:
             target = [i * s for i, s in zip(in_sizes, strides)]
+        # a negative total (output_shape past the full output) is a negative crop: zeros appended at the end
         totals = [f - t for f, t in zip(full, target)]
-        if any(t < 0 for t in totals):
-            raise ctx.error(f"output_shape {target} is larger than the full output {full}")
         upper = auto_pad == "SAME_UPPER"
         pairs = [(t // 2, t - t // 2) if upper else (t - t // 2, t // 2) for t in totals]
     elif auto_pad in ("NOTSET", "VALID"):
@@ -155,8 +153,12 @@ def op_conv_transpose(ctx: Any, x: Tensor, w: Value, b: Value = None) -> Tensor:
     else:
         raise ctx.error(f"auto_pad={auto_pad!r} is not supported")
     # ConvTranspose = zero-stuffed input, padded by d(k-1) - pad, convolved with the flipped kernel
-    wflip = w[(slice(None), slice(None)) + (slice(None, None, -1),) * nd]
-    wconv = wflip.reshape((groups, cin // groups, ocg) + tuple(kernel)).swapaxes(1, 2).reshape((oc, cin // groups) + tuple(kernel))
+    regroup = ((groups, cin // groups, ocg) + tuple(kernel), (oc, cin // groups) + tuple(kernel))
+    if isinstance(w, np.ndarray):  # constant: flipped and regrouped once, at load
+        wflip = w[(slice(None), slice(None)) + (slice(None, None, -1),) * nd]
+        wconv: Value = wflip.reshape(regroup[0]).swapaxes(1, 2).reshape(regroup[1])
+    else:  # run-time weights: the flip is a negative-stride view, the regroup a permute
+        wconv = _flip_spatial(w, nd).reshape(regroup[0]).permute((0, 2, 1) + tuple(range(3, 3 + nd))).reshape(regroup[1])
     if nd == 1:
         x = _to_2d(x)
         wconv = wconv.reshape(wconv.shape[:2] + (1,) + wconv.shape[2:])
@@ -174,10 +176,45 @@ def op_conv_transpose(ctx: Any, x: Tensor, w: Value, b: Value = None) -> Tensor:
     return out.reshape(out.shape[:2] + out.shape[3:]) if nd == 1 else out
 
 
+def op_causal_conv_with_state(ctx: Any, x: Tensor, w: Value, b: Value = None, past: Value = None) -> tuple[Tensor, Tensor]:
+    """Depthwise causal 1-D conv (27): [past_state or zeros | input] convolved per channel with a
+    kernel of k, optional SiLU; present_state = the last k - 1 steps of that concatenation."""
+    require_float(ctx, x)
+    if x.ndim != 3 or w.ndim != 3 or w.shape[1] != 1 or w.shape[0] != x.shape[1]:
+        raise ctx.error(f"input (N, C, L) {x.shape} and weight (C, 1, k) {w.shape} do not match")
+    activation = ctx.attr("activation", "none")
+    if activation not in ("none", "silu", "swish"):
+        raise ctx.error(f"activation={activation!r} is not supported (none, silu, swish)")
+    n, c, _ = x.shape
+    k = w.shape[2]
+    state = as_tensor(ctx, past, "past_state") if past is not None else Tensor.zeros((n, c, k - 1), dtype=x.dtype, device=x.device)
+    padded = cat([state, x], 2) if k > 1 else x
+    out = conv2d(_to_2d(padded), as_tensor(ctx, w, "W").reshape(c, 1, 1, k), None, 1, 0, 1, c)
+    out = out.reshape(out.shape[:2] + out.shape[3:])
+    if b is not None:
+        out = out + as_tensor(ctx, b, "bias").reshape(1, c, 1)
+    if activation != "none":
+        out = out * out.sigmoid()
+    length = padded.shape[2]
+    present = padded[:, :, length - (k - 1):] if k > 1 else Tensor.zeros((n, c, 0), dtype=x.dtype, device=x.device)
+    return out, present
+
+
+def _flip_spatial(w: Tensor, nd: int) -> Tensor:
+    """w reversed along its last `nd` axes (a strided view with negative strides)."""
+    strides, acc = [], 1
+    for size in reversed(w.shape):
+        strides.append(acc)
+        acc *= size
+    strides.reverse()
+    offset = sum((size - 1) * st for size, st in zip(w.shape[2:], strides[2:]))
+    return w._as_strided(w.shape, tuple(strides[:2]) + tuple(-st for st in strides[2:]), offset)
+
+
 def _pool_setup(ctx: Any, x: Tensor, dilation_ok: bool) -> tuple[Tensor, list[int], list[int], list[int], list[tuple[int, int]], list[int], int]:
     nd = x.ndim - 2
-    if nd not in (1, 2):
-        raise ctx.error(f"{nd}-D pooling is not supported (1-D and 2-D only)")
+    if nd not in (1, 2, 3):
+        raise ctx.error(f"{nd}-D pooling is not supported (1-D, 2-D and 3-D only)")
     kernel = list(ctx.attr("kernel_shape"))
     if len(kernel) != nd:
         raise ctx.error(f"kernel_shape {kernel} does not match {nd} spatial axes")
@@ -239,6 +276,18 @@ def op_max_pool(ctx: Any, x: Tensor) -> Any:
     x, kernel, strides, dilations, pairs, outs, nd = _pool_setup(ctx, x, True)
     y = _pool_reduce(x, kernel, strides, dilations, pairs, outs, lowest(x.dtype), "max")
     return (y, None) if ctx.n_outputs > 1 else y
+
+
+def op_lp_pool(ctx: Any, x: Tensor) -> Tensor:
+    """(Σ |x|^p over the window, zero padding)^(1/p); p=2 as x·x and sqrt (the exact path)."""
+    require_float(ctx, x)
+    p = ctx.attr("p", 2.0 if ctx.since < 2 else 2)
+    if p <= 0:
+        raise ctx.error(f"p={p} must be positive")
+    x, kernel, strides, dilations, pairs, outs, nd = _pool_setup(ctx, x, ctx.since >= 18)
+    powered = x * x if p == 2 else x.abs().pow(float(p))
+    total = _pool_reduce(powered, kernel, strides, dilations, pairs, outs, 0, "sum")
+    return total.sqrt() if p == 2 else total.pow(1.0 / p)
 
 
 def op_average_pool(ctx: Any, x: Tensor) -> Tensor:
@@ -367,23 +416,21 @@ def op_upsample(ctx: Any, x: Tensor, scales: Value = None) -> Tensor:
 def op_resize(ctx: Any, x: Tensor, roi: Value = None, scales: Value = None, sizes: Value = None) -> Tensor:
     if ctx.since < 11:  # version 10: inputs (X, scales)
         return _resize(ctx, x, roi, None, legacy=True)
-    return _resize(ctx, x, scales, sizes, legacy=False)
+    return _resize(ctx, x, scales, sizes, legacy=False, roi=roi)
 
 
-def _resize(ctx: Any, x: Tensor, scales: Value, sizes: Value, legacy: bool) -> Tensor:
+def _resize(ctx: Any, x: Tensor, scales: Value, sizes: Value, legacy: bool, roi: Value = None) -> Tensor:
     """Resize. `legacy` (Resize 10, Upsample): asymmetric coordinates, and nearest as onnxruntime's
     rule for those versions: the floor when an axis grows, the ceiling when it shrinks."""
     mode = ctx.attr("mode", "nearest")
-    if mode not in ("nearest", "linear"):
-        raise ctx.error(f"mode={mode!r} is not supported (nearest, linear)")
-    if ctx.attr("antialias", 0):
-        raise ctx.error("antialias=1 is not supported")
-    if ctx.attr("keep_aspect_ratio_policy", "stretch") != "stretch":
-        raise ctx.error(f"keep_aspect_ratio_policy={ctx.attr('keep_aspect_ratio_policy')!r} is not supported (stretch)")
+    if mode not in ("nearest", "linear", "cubic"):
+        raise ctx.error(f"mode={mode!r} is not supported (nearest, linear, cubic)")
+    antialias = bool(ctx.attr("antialias", 0)) and mode != "nearest"
+    policy = ctx.attr("keep_aspect_ratio_policy", "stretch")
+    if policy not in ("stretch", "not_larger", "not_smaller"):
+        raise ctx.error(f"keep_aspect_ratio_policy={policy!r} is not supported (stretch, not_larger, not_smaller)")
     ctm = "asymmetric" if legacy else ctx.attr("coordinate_transformation_mode", "half_pixel")
-    if ctm == "tf_crop_and_resize":
-        raise ctx.error("coordinate_transformation_mode='tf_crop_and_resize' is not supported")
-    if mode == "linear":
+    if mode != "nearest":
         require_float(ctx, x)
     axes = norm_axes(ctx, ctx.attr("axes", list(range(x.ndim))), x.ndim)
     scale_v = static(ctx, scales, "scales").astype(np.float64).reshape(-1) if scales is not None else np.zeros(0)
@@ -398,16 +445,33 @@ def _resize(ctx: Any, x: Tensor, scales: Value, sizes: Value, legacy: bool) -> T
     elif size_v:
         if len(size_v) != len(axes):
             raise ctx.error(f"sizes {size_v} do not match {len(axes)} axes")
-        outs = size_v
-        scale_list = [o / x.shape[a] for a, o in zip(axes, outs)]
+        if policy == "stretch":
+            outs = size_v
+            scale_list = [o / x.shape[a] for a, o in zip(axes, outs)]
+        else:  # one scale for every axis, the smallest (not_larger) or largest (not_smaller); sizes rounded half up
+            ratios = [o / x.shape[a] for a, o in zip(axes, size_v)]
+            common = min(ratios) if policy == "not_larger" else max(ratios)
+            outs = [int(common * x.shape[a] + 0.5) for a in axes]
+            scale_list = [common] * len(axes)
     else:
         raise ctx.error("one of scales and sizes must be given")
     rule = ctx.attr("nearest_mode", "round_prefer_floor")
-    for a, out, scale in zip(axes, outs, scale_list):
+    crop = None
+    if ctm == "tf_crop_and_resize":
+        crop = static(ctx, roi, "roi").astype(np.float64).reshape(-1) if roi is not None else np.zeros(0)
+        if crop.size != 2 * len(axes):
+            raise ctx.error(f"roi {crop.tolist()} must hold a start and an end for each of the {len(axes)} axes")
+    for k, (a, out, scale) in enumerate(zip(axes, outs, scale_list)):
         size = x.shape[a]
-        if out == size and scale == 1.0:
+        outside = None
+        if crop is not None:  # sample the roi [start, end] (fractions of size - 1); outside it: extrapolation_value
+            lo, hi = crop[k] * (size - 1), crop[k + len(axes)] * (size - 1)
+            coords = lo + np.arange(out) * (hi - lo) / (out - 1) if out > 1 else np.full(out, (lo + hi) / 2)
+            outside = (coords < 0) | (coords > size - 1)
+        elif out == size and scale == 1.0:
             continue
-        coords = _resize_coords(ctx, ctm, size, out, scale)
+        else:
+            coords = _resize_coords(ctx, ctm, size, out, scale)
         if mode == "nearest":
             idx = _nearest(ctx, ("ceil" if scale < 1 else "floor") if legacy else rule, coords, size)
             if out % size == 0 and np.array_equal(idx, np.arange(out) // (out // size)):
@@ -418,6 +482,10 @@ def _resize(ctx: Any, x: Tensor, scales: Value, sizes: Value, legacy: bool) -> T
             else:
                 mask = ctx.lift(("rmask", a), idx[:, None] == np.arange(size))
                 x = gather_where(x, mask, a, 1)
+        elif mode == "cubic" or antialias:
+            matrix = _kernel_matrix(mode, coords, size, scale, float(ctx.attr("cubic_coeff_a", -0.75)),
+                                    bool(ctx.attr("exclude_outside", 0)), antialias)
+            x = _apply_matrix(ctx, x, a, matrix)
         else:
             c = np.clip(coords, 0, size - 1)
             i0 = np.minimum(np.floor(c).astype(np.int64), size - 1)
@@ -429,15 +497,53 @@ def _resize(ctx: Any, x: Tensor, scales: Value, sizes: Value, legacy: bool) -> T
             matrix = np.zeros((out, size), np.float64)
             np.add.at(matrix, (np.arange(out), i0), w0)
             np.add.at(matrix, (np.arange(out), i1), w1)
-            m = ctx.lift(("rmat", a), np.ascontiguousarray(matrix.T.astype(x.dtype.np)).reshape(1, size, out))
-            order = [i for i in range(x.ndim) if i != a] + [a]
-            moved = x.permute(tuple(order))
-            y = moved.reshape(1, -1, size).matmul(m).reshape(moved.shape[:-1] + (out,))
-            back = [0] * x.ndim
-            for pos, src in enumerate(order):
-                back[src] = pos
-            x = y.permute(tuple(back))
+            x = _apply_matrix(ctx, x, a, matrix)
+        if outside is not None and outside.any():
+            mask = ctx.lift(("outside", a), outside.reshape(tuple(out if i == a else 1 for i in range(x.ndim))))
+            x = mask.where(Tensor.full((), float(ctx.attr("extrapolation_value", 0.0)), x.dtype, x.device), x)
     return x
+
+
+def _apply_matrix(ctx: Any, x: Tensor, a: int, matrix: np.ndarray) -> Tensor:
+    """y[..., i, ...] = Σ_j matrix[i, j] · x[..., j, ...] along axis a (one matmul)."""
+    out, size = matrix.shape
+    m = ctx.lift(("rmat", a), np.ascontiguousarray(matrix.T.astype(x.dtype.np)).reshape(1, size, out))
+    order = [i for i in range(x.ndim) if i != a] + [a]
+    moved = x.permute(tuple(order))
+    y = moved.reshape(1, -1, size).matmul(m).reshape(moved.shape[:-1] + (out,))
+    back = [0] * x.ndim
+    for pos, src in enumerate(order):
+        back[src] = pos
+    return y.permute(tuple(back))
+
+
+def _kernel_matrix(mode: str, coords: np.ndarray, size: int, scale: float, a: float, exclude_outside: bool,
+                   antialias: bool) -> np.ndarray:
+    """(out, size) interpolation weights, as onnx's reference: the cubic kernel with coefficient `a`
+    over the 4 neighbours, or with antialias (downscaling) the linear / cubic kernel stretched by
+    1/scale and normalised; neighbours past an edge read the edge (or, with exclude_outside, drop
+    out and the rest is renormalised)."""
+    s = min(scale, 1.0) if antialias else 1.0
+    reach = 2 if mode == "cubic" else 1
+    start = int(np.floor(-reach / s) + 1) if antialias else (-1 if mode == "cubic" else 0)
+    offsets = np.arange(start, 2 - start if antialias or mode == "cubic" else 2)
+    matrix = np.zeros((len(coords), size), np.float64)
+    for i, x in enumerate(coords):
+        base = int(np.ceil(x)) - 1          # the left neighbour: ratio in (0, 1]
+        ratio = x - base
+        d = np.abs(s * (offsets - ratio))
+        if mode == "cubic":
+            w = np.where(d <= 1, ((a + 2) * d - (a + 3)) * d * d + 1,
+                         np.where(d < 2, ((a * d - 5 * a) * d + 8 * a) * d - 4 * a, 0.0))
+        else:
+            w = np.clip(1 - d, 0, 1)
+        idx = base + offsets
+        if exclude_outside:
+            w = np.where((idx < 0) | (idx >= size), 0.0, w)
+        if antialias or exclude_outside:
+            w = w / w.sum()
+        np.add.at(matrix[i], np.clip(idx, 0, size - 1), w)
+    return matrix
 
 
 def op_hardmax(ctx: Any, x: Tensor) -> Tensor:
@@ -457,3 +563,60 @@ def _hardmax(ctx: Any, x: Tensor, axis: int) -> Tensor:
         tuple(-1 if i == axis else 1 for i in range(x.ndim))))
     first = (x == x.max(axis, keepdim=True)).where(positions, n).min(axis, keepdim=True)
     return (positions == first).cast(x.dtype)
+
+
+# ---- DFT --------------------------------------------------------------------------------------
+
+def _dft_matrix(n_in: int, length: int, inverse: bool, onesided: bool) -> np.ndarray:
+    """The transform as a real (2·n_in, 2·n_out) matrix on [re | im] (irfft: (2·n_in, n_out)),
+    found by transforming each basis vector with numpy's FFT once, at load (it is linear)."""
+    rows = []
+    for part in (1.0, 1j):
+        for j in range(n_in):
+            e = np.zeros(n_in, np.complex128)
+            e[j] = part
+            if inverse and onesided:
+                rows.append(np.fft.irfft(e, n=length))
+                continue
+            r = np.fft.ifft(e, n=length) if inverse else np.fft.fft(e, n=length)
+            if onesided:
+                r = r[:length // 2 + 1]
+            rows.append(np.concatenate([r.real, r.imag]))
+    return np.array(rows)
+
+
+def op_dft(ctx: Any, x: Tensor, dft_length: Value = None, axis_in: Value = None) -> Tensor:
+    """DFT 17 (axis attribute, default 1) and 20 (axis input, default -2): real (…, 1) or complex
+    (…, 2) input along `axis`, as one matmul with a constant matrix (O(n²), no FFT)."""
+    require_float(ctx, x)
+    if x.ndim < 2 or x.shape[-1] not in (1, 2):
+        raise ctx.error(f"input must end in a real (1) or complex (2) axis, got shape {x.shape}")
+    if ctx.since >= 20:
+        axis = ints(ctx, axis_in, "axis")[0] if axis_in is not None else -2
+    else:
+        axis = ctx.attr("axis", 1)
+    axis = norm_axis(ctx, axis, x.ndim)
+    if axis == x.ndim - 1:
+        raise ctx.error("axis must not be the last (real / imaginary) axis")
+    inverse, onesided = bool(ctx.attr("inverse", 0)), bool(ctx.attr("onesided", 0))
+    n_in = x.shape[axis]
+    length = ints(ctx, dft_length, "dft_length")[0] if dft_length is not None else (
+        2 * (n_in - 1) if inverse and onesided else n_in)
+    if length <= 0:
+        raise ctx.error(f"dft_length {length} must be positive")
+    order = [i for i in range(x.ndim - 1) if i != axis] + [axis, x.ndim - 1]
+    moved = x.permute(tuple(order))                                    # (…, n_in, 1|2)
+    lead = moved.shape[:-2]
+    parts = moved.permute(tuple(range(len(lead))) + (len(lead) + 1, len(lead)))   # (…, 1|2, n_in)
+    if x.shape[-1] == 1:
+        parts = cat([parts, Tensor.zeros(parts.shape, dtype=x.dtype, device=x.device)], -2)
+    matrix = _dft_matrix(n_in, length, inverse, onesided)
+    m = ctx.lift(("dft", n_in, length, inverse, onesided), np.ascontiguousarray(matrix.astype(x.dtype.np)).reshape((1,) + matrix.shape))
+    y = parts.reshape(1, -1, 2 * n_in).matmul(m)
+    out_n = matrix.shape[1] if inverse and onesided else matrix.shape[1] // 2
+    comps = 1 if inverse and onesided else 2
+    y = y.reshape(lead + (comps, out_n)).permute(tuple(range(len(lead))) + (len(lead) + 1, len(lead)))  # (…, n_out, c)
+    back = [0] * x.ndim
+    for pos, src in enumerate(order):
+        back[src] = pos
+    return y.permute(tuple(back))

@@ -11,7 +11,7 @@ import numpy as np
 import tinydist as td
 from tinydist import dtypes
 from tinydist.onnx.ops._common import (
-    Value, as_tensor, gather_where, ints, norm_axes, norm_axis, pad_or_crop, require_float, scalar_like,
+    Value, as_tensor, gather_where, highest, ints, lowest, norm_axes, norm_axis, pad_or_crop, require_float, scalar_like,
     shrink_axis, static,
 )
 from tinydist.onnx.ops.nn import pad_value
@@ -34,6 +34,15 @@ def _reduce(kind: str, axes_input_since: int) -> Callable[..., Tensor]:
                 return x
             axes = list(range(x.ndim))
         axes = norm_axes(ctx, axes, x.ndim)
+        if any(x.shape[a] == 0 for a in axes) and kind in ("max", "min", "logsumexp"):
+            # an empty reduction has no element to compare: the identity (-inf / lowest, +inf / highest)
+            shape = tuple(1 if i in axes else s for i, s in enumerate(x.shape)) if keep else \
+                tuple(s for i, s in enumerate(x.shape) if i not in axes)
+            if x.dtype.is_bool:
+                fill: Any = kind == "min"
+            else:
+                fill = highest(x.dtype) if kind == "min" else lowest(x.dtype)
+            return Tensor.full(shape, fill, x.dtype, x.device)
         if kind == "sum":
             return x.sum(axes, keepdim=keep, dtype=x.dtype)
         if kind == "mean":
@@ -49,6 +58,9 @@ def _reduce(kind: str, axes_input_since: int) -> Callable[..., Tensor]:
             return (x * x).sum(axes, keepdim=keep).sqrt()
         if kind == "l1":
             return x.abs().sum(axes, keepdim=keep, dtype=x.dtype)
+        if kind == "logsum":
+            require_float(ctx, x)
+            return x.sum(axes, keepdim=keep, dtype=x.dtype).log()
         if kind == "logsumexp":
             require_float(ctx, x)
             m = x.max(axes, keepdim=True)
@@ -363,3 +375,44 @@ def op_constant(ctx: Any) -> np.ndarray:
                 return v
             return np.array(v, dtype=np.float32 if "float" in name else np.int64)
     raise ctx.error("only value, value_float(s) and value_int(s) are supported")
+
+
+def op_window(kind: str) -> Callable[..., np.ndarray]:
+    """HannWindow / HammingWindow / BlackmanWindow (17): a constant of the size input's length."""
+    def handler(ctx: Any, size: Value) -> np.ndarray:
+        n = ints(ctx, size, "size")[0]
+        if n < 0:
+            raise ctx.error(f"window size {n} is negative")
+        period = n if ctx.attr("periodic", 1) else n - 1
+        phase = 2 * np.pi * np.arange(n, dtype=np.float64) / max(period, 1)
+        if kind == "hann":
+            w = 0.5 - 0.5 * np.cos(phase)
+        elif kind == "hamming":
+            w = 25.0 / 46.0 - (21.0 / 46.0) * np.cos(phase)
+        else:
+            w = 0.42 - 0.5 * np.cos(phase) + 0.08 * np.cos(2 * phase)
+        return w.astype(ctx.target_dtype(ctx.attr("output_datatype", 1)).np)
+    return handler
+
+
+def op_eye_like(ctx: Any, x: Value) -> np.ndarray:
+    """A constant: it depends only on x's static shape (and dtype, when no `dtype` attribute)."""
+    if len(x.shape) != 2:
+        raise ctx.error(f"input must be 2-D, got shape {x.shape}")
+    dtype = ctx.target_dtype(ctx.attr("dtype")).np if ctx.has_attr("dtype") else x.dtype.np if isinstance(x, Tensor) \
+        else x.dtype
+    return np.eye(x.shape[0], x.shape[1], k=ctx.attr("k", 0), dtype=dtype)
+
+
+def op_center_crop_pad(ctx: Any, x: Tensor, shape: Value) -> Tensor:
+    """Crop (start (d - s) // 2) or zero-pad (before (s - d) // 2) each listed axis to shape."""
+    target = ints(ctx, shape, "shape")
+    axes = norm_axes(ctx, ctx.attr("axes", list(range(x.ndim))), x.ndim)
+    if len(axes) != len(target):
+        raise ctx.error(f"shape {target} does not match axes {axes}")
+    pairs = [(0, 0)] * x.ndim
+    for a, s in zip(axes, target):
+        d = x.shape[a]
+        before = (s - d) // 2 if s >= d else -((d - s) // 2)
+        pairs[a] = (before, s - d - before)
+    return pad_or_crop(x, pairs)
