@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,8 @@ def _serve(args: argparse.Namespace) -> int:
                 stack.callback(endpoint.close)
             asyncio.run(serve(args.listen, args.pki, args.insecure_loopback_only, args.heartbeat_interval,
                               args.miss_limit, args.port_file))
-    except (ValueError, FileNotFoundError, OSError) as exc:
-        print(f"tinydist scheduler: {exc}")
-        return 2
+    except ValueError as exc:      # the listen address, bind policy or intervals: a usage error
+        args.parser.error(str(exc))
     return 0
 
 
@@ -72,10 +72,9 @@ def _status(args: argparse.Namespace) -> int:
     try:
         st = status(args.coordinator, _credentials(args), timeout=args.timeout)
     except PKIError as exc:
-        print(f"tinydist cluster status: {exc}")
-        return 2
+        args.parser.error(str(exc))
     except grpc.RpcError as exc:
-        print(f"tinydist cluster status: {args.coordinator}: {exc.code().name}: {exc.details()}")
+        print(f"{args.parser.prog}: error: {args.coordinator}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     if args.json:
         from google.protobuf.json_format import MessageToDict

@@ -23,9 +23,8 @@ def _serve(args: argparse.Namespace) -> int:
             if endpoint is not None:
                 stack.callback(endpoint.close)
             asyncio.run(serve(options))
-    except (FileNotFoundError, ValueError, OSError) as exc:
-        print(f"tinydist node serve: {exc}", file=sys.stderr)
-        return 2
+    except ValueError as exc:      # the listen address or bind policy: a usage error (a port in use is an OSError)
+        args.parser.error(str(exc))
     return 0
 
 

@@ -15,6 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tinydist.errors import TinydistError
+
+
+class SettingError(TinydistError, ValueError):
+    """A TINYDIST_* environment variable holds a value its setting does not accept; names both."""
+
 
 @dataclass(frozen=True)
 class Setting:
@@ -80,7 +86,7 @@ class Settings:
                 try:
                     values[name] = setting.parse(raw)
                 except ValueError as exc:
-                    raise ValueError(f"environment variable TINYDIST_{name}={raw!r} is invalid: {exc}") from None
+                    raise SettingError(f"environment variable TINYDIST_{name}={raw!r} is invalid: {exc}") from None
         return values[name]
 
     @contextlib.contextmanager

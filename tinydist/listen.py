@@ -7,7 +7,9 @@ loopback only. Host names are refused: what a name resolves to can change under 
 
 from __future__ import annotations
 
+import errno
 import ipaddress
+from typing import Any
 
 
 def bind_address(listen: str, *, allow_wildcard: bool = False, loopback_only: bool = False,
@@ -37,3 +39,19 @@ def split_bind(bind: str) -> tuple[str, int]:
     """(host without brackets, port) of a string `bind_address` returned."""
     host, _, port = bind.rpartition(":")
     return host.strip("[]"), int(port)
+
+
+def add_port(server: Any, bind: str, credentials: Any = None) -> int:
+    """Bind `bind` on a gRPC server (TLS with `credentials`, else plaintext); returns the port.
+
+    gRPC reports a refused bind as a RuntimeError that says only "Failed to bind"; this raises an
+    OSError (EADDRINUSE) naming the address and what to do, the way a socket bind would."""
+    cause: RuntimeError | None = None
+    try:
+        port = server.add_secure_port(bind, credentials) if credentials is not None else server.add_insecure_port(bind)
+    except RuntimeError as exc:
+        port, cause = 0, exc
+    if port == 0:
+        raise OSError(errno.EADDRINUSE, f"cannot listen on {bind}: the address is in use (or not this machine's); "
+                                        "pick another port or stop the process holding it") from cause
+    return int(port)
