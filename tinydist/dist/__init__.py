@@ -29,8 +29,8 @@ from tinydist.dist.group import ProcessGroup, choose_allreduce
 from tinydist.dist.rendezvous import parse_address
 
 __all__ = ["CollectiveError", "CollectiveMismatch", "CollectiveTimeout", "ProcessGroup", "RankFailed", "all_gather",
-           "all_reduce", "barrier", "broadcast", "choose_allreduce", "destroy", "fail", "get_group", "init", "is_initialized",
-           "rank", "reduce_scatter", "run_on_loop", "world_size"]
+           "all_reduce", "barrier", "broadcast", "choose_allreduce", "destroy", "fail", "get_group", "get_rank",
+           "get_world_size", "init", "is_initialized", "rank", "reduce_scatter", "run_on_loop", "world_size"]
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
@@ -39,7 +39,7 @@ _state: dict[str, Any] = {}
 def _env_int(name: str) -> int:
     raw = os.environ.get(name)
     if raw is None:
-        raise RuntimeError(f"{name} is not set; start the script with `tinydist launch --nproc N script.py` "
+        raise RuntimeError(f"{name} is not set; start the script with `tinydist launch --nproc-per-node N script.py` "
                            f"or pass rank/world_size to td.dist.init()")
     return int(raw)
 
@@ -119,6 +119,11 @@ def rank() -> int:
 
 def world_size() -> int:
     return get_group().world
+
+
+# torch.distributed's names, for code written against it
+get_rank = rank
+get_world_size = world_size
 
 
 def _array(t: Any) -> np.ndarray:
