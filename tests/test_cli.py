@@ -290,3 +290,14 @@ def test_interrupt_exits_130(monkeypatch, capsys) -> None:
     monkeypatch.setattr(cli, "_devices", interrupted)
     assert cli.main(["devices"]) == 130
     assert capsys.readouterr().err.strip() == "tinydist devices: interrupted"
+
+
+@pytest.mark.parametrize("argv,named", [
+    ([], ["--pki DIR", "--insecure-loopback-only"]),
+    (["--pki", "{empty}"], ["lacks ca.pem", "tinydist certs init"]),
+    (["--insecure-loopback-only", "--listen", "10.1.2.3:0"], ["loopback", "10.1.2.3"]),
+    (["--insecure-loopback-only", "--miss-limit", "0"], ["--miss-limit", "more than 0"]),
+], ids=["no-pki", "empty-pki", "not-loopback", "miss-limit"])
+def test_scheduler_serve_usage_errors(tmp_path, argv, named) -> None:
+    argv = [a.replace("{empty}", str(tmp_path)) for a in argv]
+    _user_error(_tinydist("scheduler", "serve", *argv), 2, "scheduler serve", *named)

@@ -15,16 +15,38 @@ def _serve(args: argparse.Namespace) -> int:
 
     from scheduler.coordinator import serve
     from tinydist import metrics
-    try:
-        with contextlib.ExitStack() as stack:
-            endpoint = metrics.serve_from_args(args)  # --metrics: Prometheus text on loopback
-            if endpoint is not None:
-                stack.callback(endpoint.close)
-            asyncio.run(serve(args.listen, args.pki, args.insecure_loopback_only, args.heartbeat_interval,
-                              args.miss_limit, args.port_file))
-    except ValueError as exc:      # the listen address, bind policy or intervals: a usage error
+    from tinydist.listen import bind_address
+    from transports.pci_remote.server import Pki
+    if args.pki is None and not args.insecure_loopback_only:
+        args.parser.error("give --pki DIR (mutual TLS) or --insecure-loopback-only (plaintext, loopback, for tests)")
+    try:    # what the flags name, checked before anything binds: a usage error
+        bind_address(args.listen, loopback_only=args.pki is None, wildcard_hint="bind the interface the nodes reach")
+        if args.pki is not None:
+            Pki.load(args.pki)
+    except (OSError, ValueError) as exc:
         args.parser.error(str(exc))
+    with contextlib.ExitStack() as stack:
+        try:
+            endpoint = metrics.serve_from_args(args)  # --metrics: Prometheus text on loopback
+        except ValueError as exc:   # not loopback (a port in use is an OSError: exit 1)
+            args.parser.error(str(exc))
+        if endpoint is not None:
+            stack.callback(endpoint.close)
+        asyncio.run(serve(args.listen, args.pki, args.insecure_loopback_only, args.heartbeat_interval,
+                          args.miss_limit, args.port_file))
     return 0
+
+
+def _positive(kind: type[int] | type[float]) -> Any:
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be more than 0, got {text!r}")
+        return value
+    return parse
 
 
 def _credentials(args: argparse.Namespace) -> Any:
@@ -93,8 +115,8 @@ def add_commands(subparsers: Any) -> None:
     serve.add_argument("--listen", default="127.0.0.1:29500", help="IP:port to bind (never the wildcard; port 0 picks one)")
     serve.add_argument("--pki", type=Path, help="certificate directory from `tinydist certs init` (mutual TLS)")
     serve.add_argument("--insecure-loopback-only", action="store_true", help="no TLS; loopback address and peers only (tests)")
-    serve.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between node heartbeats")
-    serve.add_argument("--miss-limit", type=int, default=5, help="missed heartbeats before a node is declared dead")
+    serve.add_argument("--heartbeat-interval", type=_positive(float), default=1.0, help="seconds between node heartbeats")
+    serve.add_argument("--miss-limit", type=_positive(int), default=5, help="missed heartbeats before a node is declared dead")
     serve.add_argument("--port-file", type=Path, help="write the bound host:port here once serving")
     serve.set_defaults(run=_serve)
 
@@ -107,6 +129,6 @@ def add_commands(subparsers: Any) -> None:
     st.add_argument("--key", help="client key (default TINYDIST_KEY)")
     st.add_argument("--ca", help="CA certificate (default TINYDIST_CA)")
     st.add_argument("--json", action="store_true", help="the ClusterStatus message as JSON")
-    st.add_argument("--plan-bytes", type=int, help="also print the allreduce plan for this many bytes")
-    st.add_argument("--timeout", type=float, default=10.0)
+    st.add_argument("--plan-bytes", type=_positive(int), help="also print the allreduce plan for this many bytes")
+    st.add_argument("--timeout", type=_positive(float), default=10.0, help="seconds to wait for the coordinator (default 10)")
     st.set_defaults(run=_status)
