@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from tinydist.launch_reaper import sweep_shm
+from tinydist import logs
 from tinydist.logs import get_logger
 
 _REAPER = Path(__file__).with_name("launch_reaper.py")
@@ -175,6 +176,13 @@ class _Reaper:
             self._process.wait(timeout=5)
 
 
+def _announce(message: str) -> None:
+    """The launcher's own line on stderr, `[launch] message`; not with JSON logs, whose stream must stay JSON
+    lines (the record the launcher logs beside it says the same)."""
+    if logs.rendering() != "json":
+        print(f"[launch] {message}", file=sys.stderr, flush=True)
+
+
 def check_topology(nproc: int, nnodes: int, node_rank: int, master_port: int) -> None:
     """Raises ValueError naming the flag, for a job shape no launcher could start."""
     if nproc < 1 or nnodes < 1:
@@ -211,7 +219,7 @@ async def launch(nproc: int, target: Sequence[str], module: bool = False, grace:
     command = [sys.executable, *(["-m"] if module else []), *target]
     procs: list[asyncio.subprocess.Process] = []
     pumps: list[asyncio.Task[None]] = []
-    logs = contextlib.ExitStack()
+    log_files = contextlib.ExitStack()
     reaper = _Reaper(job, grace)
     try:
         for local_rank in range(nproc):
@@ -231,7 +239,7 @@ async def launch(nproc: int, target: Sequence[str], module: bool = False, grace:
             files: list[BinaryIO | None] = [None, None]
             if log_dir is not None:
                 (log_dir / str(rank)).mkdir(parents=True, exist_ok=True)
-                files = [logs.enter_context(open(log_dir / str(rank) / f"{name}.log", "wb")) for name in ("stdout", "stderr")]
+                files = [log_files.enter_context(open(log_dir / str(rank) / f"{name}.log", "wb")) for name in ("stdout", "stderr")]
             show_out = log_dir is None or tee & 1
             show_err = log_dir is None or tee & 2
             pumps.append(asyncio.ensure_future(_pump(proc.stdout, rank, sys.stdout if show_out else None, files[0])))
@@ -249,7 +257,7 @@ async def launch(nproc: int, target: Sequence[str], module: bool = False, grace:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(signum, forward, signum)
 
-        waits = {asyncio.ensure_future(p.wait()): rank for rank, p in enumerate(procs)}
+        waits = {asyncio.ensure_future(p.wait()): node_rank * nproc + i for i, p in enumerate(procs)}
         failed: tuple[int, int] | None = None
         pending = set(waits)
         deadline = None if timeout is None else loop.time() + timeout
@@ -257,7 +265,8 @@ async def launch(nproc: int, target: Sequence[str], module: bool = False, grace:
             left = None if deadline is None else max(0.0, deadline - loop.time())
             done, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
             if not done:
-                print(f"[launch] job exceeded --timeout {timeout:g} s; stopping all ranks", file=sys.stderr, flush=True)
+                _announce(f"job exceeded --timeout {timeout:g} s; stopping all ranks")
+                log.warning("launch.timeout", timeout_s=timeout)
                 failed = (-1, 124)
                 break
             for fut in sorted(done, key=lambda f: waits[f]):
@@ -268,7 +277,7 @@ async def launch(nproc: int, target: Sequence[str], module: bool = False, grace:
             rank, rc = failed
             if rank >= 0:
                 how = f"signal {-rc}" if rc < 0 else f"code {rc}"
-                print(f"[launch] rank {rank} exited with {how}; stopping the other ranks", file=sys.stderr, flush=True)
+                _announce(f"rank {rank} exited with {how}; stopping the other ranks")
             log.warning("launch.rank_failed", rank=rank, returncode=rc)
             await _stop(procs, pending, grace)
         # collect everything that is left (bounded: every process has exited or been killed)
@@ -290,7 +299,7 @@ async def launch(nproc: int, target: Sequence[str], module: bool = False, grace:
             t.cancel()
         sweep_shm(job)
         reaper.close()
-        logs.close()
+        log_files.close()
 
 
 async def _stop(procs: list[asyncio.subprocess.Process], pending: set[asyncio.Task[int]], grace: float) -> None:

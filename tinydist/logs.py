@@ -52,6 +52,14 @@ def configure(log_format: str | None = None, level: str | None = None) -> None:
     _configured = (log_format, level)
 
 
+def rendering() -> str:
+    """"console" or "json": how records are rendered now (for code that prints lines of its own beside them)."""
+    if _configured is None:
+        get_logger()
+    assert _configured is not None
+    return _configured[0]
+
+
 def get_logger(**ids: Any) -> structlog.typing.FilteringBoundLogger:
     """A logger bound to `ids` (e.g. device="CPU:1", queue="compute")."""
     if _configured is None:

@@ -94,3 +94,17 @@ def test_log_dir_keeps_each_ranks_output_and_tee_0_keeps_the_console_quiet(tmp_p
         reports = [json.loads(line.removeprefix("ENV ")) for line in lines if line.startswith("ENV ")]   # unprefixed
         assert [r["RANK"] for r in reports] == [str(rank)]
         assert (tmp_path / str(rank) / "stderr.log").exists()
+
+
+def test_a_failing_job_under_json_logs_adds_no_plain_launcher_line(tmp_path: Path) -> None:
+    """The launcher's own report of a failed rank is a JSON record (with the job's rank, not a local index);
+    only the ranks' own plain prints carry `[rank N] `."""
+    result = subprocess.run(_tinydist("--log-format", "json", "launch", "--nproc", "2", "--grace", "1",
+                                      str(WORKERS / "launcher_fail.py"), str(tmp_path)),
+                            env=_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 3, result.stderr[-3000:]
+    lines = result.stderr.splitlines()
+    assert "[rank 1] rank 1 fails" in lines
+    records = [json.loads(line) for line in lines if not line.startswith("[rank ")]
+    assert [(r["event"], r["rank"], r["returncode"]) for r in records if r.get("component") == "launch"] == \
+        [("launch.rank_failed", 1, 3)]
