@@ -296,7 +296,7 @@ def test_interrupt_exits_130(monkeypatch, capsys) -> None:
     ([], ["--pki DIR", "--insecure-loopback-only"]),
     (["--pki", "{empty}"], ["lacks ca.pem", "tinydist certs init"]),
     (["--insecure-loopback-only", "--listen", "10.1.2.3:0"], ["loopback", "10.1.2.3"]),
-    (["--insecure-loopback-only", "--miss-limit", "0"], ["--miss-limit", "more than 0"]),
+    (["--insecure-loopback-only", "--miss-limit", "0"], ["--miss-limit", "at least 1, got 0"]),
 ], ids=["no-pki", "empty-pki", "not-loopback", "miss-limit"])
 def test_scheduler_serve_usage_errors(tmp_path, argv, named) -> None:
     argv = [a.replace("{empty}", str(tmp_path)) for a in argv]

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tinydist.cli_types import integer, seconds
+
 
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
@@ -35,18 +37,6 @@ def _serve(args: argparse.Namespace) -> int:
         asyncio.run(serve(args.listen, args.pki, args.insecure_loopback_only, args.heartbeat_interval,
                           args.miss_limit, args.port_file))
     return 0
-
-
-def _positive(kind: type[int] | type[float]) -> Any:
-    def parse(text: str) -> int | float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be more than 0, got {text!r}")
-        return value
-    return parse
 
 
 def _credentials(args: argparse.Namespace) -> Any:
@@ -115,8 +105,8 @@ def add_commands(subparsers: Any) -> None:
     serve.add_argument("--listen", default="127.0.0.1:29500", help="IP:port to bind (never the wildcard; port 0 picks one)")
     serve.add_argument("--pki", type=Path, help="certificate directory from `tinydist certs init` (mutual TLS)")
     serve.add_argument("--insecure-loopback-only", action="store_true", help="no TLS; loopback address and peers only (tests)")
-    serve.add_argument("--heartbeat-interval", type=_positive(float), default=1.0, help="seconds between node heartbeats")
-    serve.add_argument("--miss-limit", type=_positive(int), default=5, help="missed heartbeats before a node is declared dead")
+    serve.add_argument("--heartbeat-interval", type=seconds, default=1.0, help="seconds between node heartbeats")
+    serve.add_argument("--miss-limit", type=integer(1), default=5, help="missed heartbeats before a node is declared dead")
     serve.add_argument("--port-file", type=Path, help="write the bound host:port here once serving")
     serve.set_defaults(run=_serve)
 
@@ -129,6 +119,6 @@ def add_commands(subparsers: Any) -> None:
     st.add_argument("--key", help="client key (default TINYDIST_KEY)")
     st.add_argument("--ca", help="CA certificate (default TINYDIST_CA)")
     st.add_argument("--json", action="store_true", help="the ClusterStatus message as JSON")
-    st.add_argument("--plan-bytes", type=_positive(int), help="also print the allreduce plan for this many bytes")
-    st.add_argument("--timeout", type=_positive(float), default=10.0, help="seconds to wait for the coordinator (default 10)")
+    st.add_argument("--plan-bytes", type=integer(1), help="also print the allreduce plan for this many bytes")
+    st.add_argument("--timeout", type=seconds, default=10.0, help="seconds to wait for the coordinator (default 10)")
     st.set_defaults(run=_status)

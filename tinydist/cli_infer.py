@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from tinydist.cli_types import integer
+
 
 def _parse_input(text: str) -> tuple[str, str]:
     name, sep, path = text.partition("=")
@@ -33,16 +35,6 @@ def _parse_device(text: str) -> str:
 def _output_file(directory: Path, name: str) -> Path:
     """DIR/NAME.npy, with the characters exporters put in names ('/', ':') that a path cannot hold replaced."""
     return directory / (re.sub(r"[^\w.-]", "_", name) + ".npy")
-
-
-def _nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected 0 or more, got {text!r}")
-    return value
 
 
 def _read_model(args: argparse.Namespace) -> Any:
@@ -137,8 +129,8 @@ def add_commands(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("model", help="path of the .onnx file")
     parser.add_argument("--input", action="append", type=_parse_input, metavar="NAME=FILE.npy",
                         help="a graph input from a .npy file (repeat for each input)")
-    parser.add_argument("--bench", type=_nonnegative_int, default=0, metavar="N", help="also time N frames: p50/p90/p99 latency")
-    parser.add_argument("--warmup", type=_nonnegative_int, default=10, metavar="N", help="untimed frames before --bench (default 10)")
+    parser.add_argument("--bench", type=integer(0), default=0, metavar="N", help="also time N frames: p50/p90/p99 latency")
+    parser.add_argument("--warmup", type=integer(0), default=10, metavar="N", help="untimed frames before --bench (default 10)")
     parser.add_argument("--device", default="CPU", type=_parse_device, help="device to run on, e.g. CPU:1 (default CPU)")
     parser.add_argument("--save-outputs", type=Path, metavar="DIR",
                         help="write each output of the first frame to DIR/NAME.npy")

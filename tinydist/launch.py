@@ -40,72 +40,30 @@ from typing import Any, BinaryIO
 
 from tinydist.launch_reaper import sweep_shm
 from tinydist import logs
+from tinydist.cli_types import endpoint, integer, port, seconds
 from tinydist.logs import get_logger
 
 _REAPER = Path(__file__).with_name("launch_reaper.py")
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _index(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    if not text.isdigit() or int(text) > 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {text!r}")
-    return int(text)
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text!r}")
-    return value
-
-
-def _endpoint(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
-    return host.strip("[]"), _port(port)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nproc-per-node", "--nproc", dest="nproc", type=_count, default=1, metavar="N",
+    parser.add_argument("--nproc-per-node", "--nproc", dest="nproc", type=integer(1), default=1, metavar="N",
                         help="ranks (processes) to start on this node (default 1)")
-    parser.add_argument("--nnodes", type=_count, default=1, help="nodes (launchers) in the job (default 1)")
-    parser.add_argument("--node-rank", type=_index, default=0, help="this node's index, 0 … nnodes-1 (default 0)")
+    parser.add_argument("--nnodes", type=integer(1), default=1, help="nodes (launchers) in the job (default 1)")
+    parser.add_argument("--node-rank", type=integer(0), default=0, help="this node's index, 0 … nnodes-1 (default 0)")
     parser.add_argument("--master-addr", default=None, metavar="HOST",
                         help="address of node 0, where the rendezvous listens (default 127.0.0.1)")
-    parser.add_argument("--master-port", type=_port, default=None, metavar="PORT",
+    parser.add_argument("--master-port", type=port, default=None, metavar="PORT",
                         help="port of the rendezvous on node 0 (default: a free one; needed with --nnodes > 1)")
-    parser.add_argument("--rdzv-endpoint", type=_endpoint, default=None, metavar="HOST:PORT",
+    parser.add_argument("--rdzv-endpoint", type=endpoint, default=None, metavar="HOST:PORT",
                         help="--master-addr and --master-port in one")
     parser.add_argument("--log-dir", type=Path, default=None, metavar="DIR",
                         help="also write each rank's output to DIR/<rank>/stdout.log and stderr.log")
     parser.add_argument("--tee", type=int, choices=range(4), default=3,
                         help="with --log-dir, the streams still shown here: 0 none, 1 stdout, 2 stderr, 3 both (default)")
-    parser.add_argument("--grace", type=_seconds, default=5.0,
+    parser.add_argument("--grace", type=seconds, default=5.0,
                         help="seconds between SIGTERM and SIGKILL when one rank fails (default 5)")
-    parser.add_argument("--timeout", type=_seconds, default=None, help="kill the whole job after this many seconds")
+    parser.add_argument("--timeout", type=seconds, default=None, help="kill the whole job after this many seconds")
     parser.add_argument("-m", dest="module", action="store_true", help="run the target as a module (python -m)")
     parser.add_argument("script", help="the Python script (or module with -m) every rank runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
