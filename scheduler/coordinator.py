@@ -26,7 +26,7 @@ from scheduler._generated import cluster_pb2 as pb
 from scheduler._generated import cluster_pb2_grpc as pb_grpc
 from scheduler.errors import MembershipError
 from scheduler.membership import LinkRecord, MemberRecord, Membership
-from tinydist.listen import bind_address, is_loopback, parse_host_port, split_bind
+from tinydist.listen import add_port, bind_address, is_loopback, parse_host_port, split_bind
 from tinydist.logs import get_logger
 
 MAX_WAIT_S = 300.0
@@ -181,10 +181,7 @@ class Coordinator:
         service = ClusterService(self.membership, trust_domain)
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_ClusterServicer_to_server(service, self.server)
-        self.port = (self.server.add_secure_port(bind, credentials) if credentials is not None
-                     else self.server.add_insecure_port(bind))
-        if self.port == 0:
-            raise OSError(f"could not bind {bind}")
+        self.port = add_port(self.server, bind, credentials)
         await self.server.start()
 
         async def sweep() -> None:

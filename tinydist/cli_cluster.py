@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import sys
 from pathlib import Path
 from typing import Any
+
+from tinydist.cli_types import integer, seconds
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -14,16 +17,25 @@ def _serve(args: argparse.Namespace) -> int:
 
     from scheduler.coordinator import serve
     from tinydist import metrics
-    try:
-        with contextlib.ExitStack() as stack:
+    from tinydist.listen import bind_address
+    from transports.pci_remote.server import Pki
+    if args.pki is None and not args.insecure_loopback_only:
+        args.parser.error("give --pki DIR (mutual TLS) or --insecure-loopback-only (plaintext, loopback, for tests)")
+    try:    # what the flags name, checked before anything binds: a usage error
+        bind_address(args.listen, loopback_only=args.pki is None, wildcard_hint="bind the interface the nodes reach")
+        if args.pki is not None:
+            Pki.load(args.pki)
+    except (OSError, ValueError) as exc:
+        args.parser.error(str(exc))
+    with contextlib.ExitStack() as stack:
+        try:
             endpoint = metrics.serve_from_args(args)  # --metrics: Prometheus text on loopback
-            if endpoint is not None:
-                stack.callback(endpoint.close)
-            asyncio.run(serve(args.listen, args.pki, args.insecure_loopback_only, args.heartbeat_interval,
-                              args.miss_limit, args.port_file))
-    except (ValueError, FileNotFoundError, OSError) as exc:
-        print(f"tinydist scheduler: {exc}")
-        return 2
+        except ValueError as exc:   # not loopback (a port in use is an OSError: exit 1)
+            args.parser.error(str(exc))
+        if endpoint is not None:
+            stack.callback(endpoint.close)
+        asyncio.run(serve(args.listen, args.pki, args.insecure_loopback_only, args.heartbeat_interval,
+                          args.miss_limit, args.port_file))
     return 0
 
 
@@ -72,10 +84,9 @@ def _status(args: argparse.Namespace) -> int:
     try:
         st = status(args.coordinator, _credentials(args), timeout=args.timeout)
     except PKIError as exc:
-        print(f"tinydist cluster status: {exc}")
-        return 2
+        args.parser.error(str(exc))
     except grpc.RpcError as exc:
-        print(f"tinydist cluster status: {args.coordinator}: {exc.code().name}: {exc.details()}")
+        print(f"{args.parser.prog}: error: {args.coordinator}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     if args.json:
         from google.protobuf.json_format import MessageToDict
@@ -94,8 +105,8 @@ def add_commands(subparsers: Any) -> None:
     serve.add_argument("--listen", default="127.0.0.1:29500", help="IP:port to bind (never the wildcard; port 0 picks one)")
     serve.add_argument("--pki", type=Path, help="certificate directory from `tinydist certs init` (mutual TLS)")
     serve.add_argument("--insecure-loopback-only", action="store_true", help="no TLS; loopback address and peers only (tests)")
-    serve.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between node heartbeats")
-    serve.add_argument("--miss-limit", type=int, default=5, help="missed heartbeats before a node is declared dead")
+    serve.add_argument("--heartbeat-interval", type=seconds, default=1.0, help="seconds between node heartbeats")
+    serve.add_argument("--miss-limit", type=integer(1), default=5, help="missed heartbeats before a node is declared dead")
     serve.add_argument("--port-file", type=Path, help="write the bound host:port here once serving")
     serve.set_defaults(run=_serve)
 
@@ -108,6 +119,6 @@ def add_commands(subparsers: Any) -> None:
     st.add_argument("--key", help="client key (default TINYDIST_KEY)")
     st.add_argument("--ca", help="CA certificate (default TINYDIST_CA)")
     st.add_argument("--json", action="store_true", help="the ClusterStatus message as JSON")
-    st.add_argument("--plan-bytes", type=int, help="also print the allreduce plan for this many bytes")
-    st.add_argument("--timeout", type=float, default=10.0)
+    st.add_argument("--plan-bytes", type=integer(1), help="also print the allreduce plan for this many bytes")
+    st.add_argument("--timeout", type=seconds, default=10.0, help="seconds to wait for the coordinator (default 10)")
     st.set_defaults(run=_status)

@@ -18,25 +18,54 @@ from pathlib import Path
 from typing import Any
 
 
+def _load_trace(args: argparse.Namespace, path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A saved trace, or a usage error naming the file and why it is not one."""
+    from tinydist.observability import chrome
+    try:
+        data = chrome.load(path)
+    except OSError as e:
+        args.parser.error(f"{path}: {e.strerror}")
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        args.parser.error(f"{path} is not a trace: not JSON ({e})")
+    if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
+        args.parser.error(f"{path} is not a trace: no traceEvents list (write one with `tinydist profile` or TINYDIST_TRACE)")
+    return data
+
+
+def _check_target(args: argparse.Namespace) -> None:
+    """The script or module exists, else a usage error naming it (as `python nosuch.py` would)."""
+    import importlib.util
+    if args.module:
+        try:
+            found = importlib.util.find_spec(args.script) is not None
+        except ImportError:    # a parent package is missing
+            found = False
+        if not found:
+            args.parser.error(f"-m {args.script}: no module named {args.script!r}")
+    elif not os.path.isfile(args.script):
+        args.parser.error(f"{args.script}: no such script")
+
+
 def _profile(args: argparse.Namespace) -> int:
     from tinydist.observability import chrome, tracing
 
     if args.merge:
         if len(args.merge) < 2:
-            print("tinydist profile --merge OUT IN [IN ...]: give the output and at least one input", file=sys.stderr)
-            return 2
+            args.parser.error("--merge OUT IN [IN ...]: give the output and at least one input")
         out, *inputs = args.merge
+        for path in inputs:
+            _load_trace(args, path)
         merged = chrome.merge_files(out, inputs)
         data = chrome.load(merged)
         print(f"merged {len(inputs)} trace(s) into {merged} ({len(data['traceEvents'])} events)")
         _report(data, args)
         return 0
     if args.source is not None:
-        _report(chrome.load(args.source), args)
+        _report(_load_trace(args, args.source), args)
         return 0
     if args.script is None:
-        print("tinydist profile: give a script (or -m MODULE), --from TRACE or --merge OUT IN...", file=sys.stderr)
-        return 2
+        args.parser.error("give a script (or -m MODULE), --from TRACE or --merge OUT IN...")
+    _check_target(args)
 
     code: Any = 0
     saved_argv, saved_path = sys.argv[:], sys.path[:]

@@ -12,20 +12,23 @@ from tinydist import metrics
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from nodes.daemon import NodeOptions, serve
+    from nodes.daemon import NodeOptions, prepare, serve
     options = NodeOptions(listen=args.listen, pki=Path(args.pki), policy=Path(args.policy) if args.policy else None,
                           devices=tuple(d.strip() for d in args.devices.split(",") if d.strip()),
                           allow_wildcard=args.allow_wildcard, insecure_loopback_only=args.insecure_loopback_only,
                           insecure_listen=args.insecure_listen, audit=args.audit, lease_ttl_s=args.lease_ttl)
-    try:
-        with contextlib.ExitStack() as stack:
+    try:    # the addresses, certificates and policy the flags name: what is wrong with them is a usage error
+        prepare(options)
+    except (OSError, ValueError) as exc:
+        args.parser.error(str(exc))
+    with contextlib.ExitStack() as stack:
+        try:
             endpoint = metrics.serve_from_args(args)  # --metrics: Prometheus text on loopback
-            if endpoint is not None:
-                stack.callback(endpoint.close)
-            asyncio.run(serve(options))
-    except (FileNotFoundError, ValueError, OSError) as exc:
-        print(f"tinydist node serve: {exc}", file=sys.stderr)
-        return 2
+        except ValueError as exc:   # not loopback (a port in use is an OSError: exit 1)
+            args.parser.error(str(exc))
+        if endpoint is not None:
+            stack.callback(endpoint.close)
+        asyncio.run(serve(options))
     return 0
 
 

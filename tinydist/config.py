@@ -16,7 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tinydist.errors import LaunchError
+from tinydist.errors import LaunchError, TinydistError
+
+
+class SettingError(TinydistError, ValueError):
+    """A TINYDIST_* environment variable holds a value its setting does not accept; names both."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,7 @@ class Settings:
                 try:
                     values[name] = setting.parse(raw)
                 except ValueError as exc:
-                    raise ValueError(f"environment variable TINYDIST_{name}={raw!r} is invalid: {exc}") from None
+                    raise SettingError(f"environment variable TINYDIST_{name}={raw!r} is invalid: {exc}") from None
         return values[name]
 
     @contextlib.contextmanager
@@ -187,6 +191,12 @@ LAUNCH_VARIABLES: dict[str, str] = {
     "TINYDIST_CERT": "Client certificate (PEM path) for mutual TLS to a node or the cluster scheduler.",
     "TINYDIST_KEY": "The client certificate's private key (PEM path).",
     "TINYDIST_CA": "The CA certificate (PEM path) that node and scheduler certificates must chain to.",
+    "RANK, LOCAL_RANK, WORLD_SIZE": "torchrun's names, set by `tinydist launch` beside TINYDIST_RANK, TINYDIST_LOCAL_RANK "
+                                    "and TINYDIST_WORLD_SIZE (tinydist reads its own).",
+    "LOCAL_WORLD_SIZE, GROUP_RANK": "Set by `tinydist launch`, as torchrun does: ranks on this node (--nproc-per-node), "
+                                    "and this node's rank (--node-rank).",
+    "MASTER_ADDR, MASTER_PORT": "Set by `tinydist launch`, as torchrun does: where node 0 holds the rendezvous "
+                                "(TINYDIST_COORDINATOR, split).",
 }
 
 

@@ -13,13 +13,14 @@ Kubernetes (`gpu02:29400`): it is resolved once, and the policy applies to the a
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import socket
+from typing import Any
 
 from tinydist.errors import BindRefused
 
 INSECURE_HINT = "an insecure port may only listen on loopback (127.0.0.1 or ::1)"
-
 
 def parse_host_port(text: str, *, what: str = "listen address", default_host: str | None = None) -> tuple[str, int]:
     """(host without brackets, port) of `text`: `127.0.0.1:7070`, `[::1]:7070`, `name:7070`; with a
@@ -92,3 +93,19 @@ def format_address(host: str, port: int) -> str:
 def split_bind(bind: str) -> tuple[str, int]:
     """(host without brackets, port) of a string `bind_address` returned."""
     return parse_host_port(bind)
+
+
+def add_port(server: Any, bind: str, credentials: Any = None) -> int:
+    """Bind `bind` on a gRPC server (TLS with `credentials`, else plaintext); returns the port.
+
+    gRPC reports a refused bind as a RuntimeError that says only "Failed to bind"; this raises an
+    OSError (EADDRINUSE) naming the address and what to do, the way a socket bind would."""
+    cause: RuntimeError | None = None
+    try:
+        port = server.add_secure_port(bind, credentials) if credentials is not None else server.add_insecure_port(bind)
+    except RuntimeError as exc:
+        port, cause = 0, exc
+    if port == 0:
+        raise OSError(errno.EADDRINUSE, f"cannot listen on {bind}: the address is in use (or not this machine's); "
+                                        "pick another port or stop the process holding it") from cause
+    return int(port)

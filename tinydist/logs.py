@@ -12,7 +12,7 @@ from typing import Any
 
 import structlog
 
-from tinydist.config import settings
+from tinydist.config import SettingError, settings
 
 _configured: tuple[str, str] | None = None
 
@@ -52,8 +52,20 @@ def configure(log_format: str | None = None, level: str | None = None) -> None:
     _configured = (log_format, level)
 
 
+def rendering() -> str:
+    """"console" or "json": how records are rendered now (for code that prints lines of its own beside them)."""
+    if _configured is None:
+        get_logger()
+    assert _configured is not None
+    return _configured[0]
+
+
 def get_logger(**ids: Any) -> structlog.typing.FilteringBoundLogger:
     """A logger bound to `ids` (e.g. device="CPU:1", queue="compute")."""
     if _configured is None:
-        configure()
+        try:
+            configure()
+        except SettingError as exc:     # at import time: a bad variable must not make `import tinydist` fail
+            configure("console", "warning")
+            structlog.get_logger("tinydist").warning(f"{exc}; logging to the console at warning level")
     return structlog.get_logger("tinydist").bind(**ids)

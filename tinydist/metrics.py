@@ -198,7 +198,10 @@ def serve_metrics(host: str = DEFAULT_ADDRESS[0], port: int = DEFAULT_ADDRESS[1]
     host, port = bind_policy(host, port, loopback_only=not allow_remote, allow_wildcard=allow_remote,
                              remote_hint="the metrics endpoint has no authentication; pass allow_remote=True (and put "
                                          "it behind something that authenticates) to expose it")
-    server, thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:      # the bare "[Errno 98] Address already in use" names no address
+        raise OSError(exc.errno, f"cannot serve metrics on {host}:{port}: {exc.strerror}") from exc
     handle = MetricsServer(server, thread, host)
     log.info("serving metrics", url=handle.url)
     return handle
@@ -209,9 +212,16 @@ def parse_address(text: str) -> tuple[str, int]:
     return parse_host_port(text, what="--metrics address", default_host=DEFAULT_ADDRESS[0])
 
 
+def _metrics_address(text: str) -> tuple[str, int]:
+    try:
+        return parse_address(text)
+    except ValueError as exc:   # argparse shows an ArgumentTypeError's own message, not "invalid value"
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_metrics_argument(parser: argparse.ArgumentParser) -> None:
     """`--metrics HOST:PORT` for daemons; pair with `serve_from_args(args)`."""
-    parser.add_argument("--metrics", metavar="HOST:PORT", type=parse_address, default=None,
+    parser.add_argument("--metrics", metavar="HOST:PORT", type=_metrics_address, default=None,
                         help="serve Prometheus metrics at http://HOST:PORT/metrics (loopback, e.g. 127.0.0.1:9464)")
 
 

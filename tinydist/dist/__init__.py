@@ -30,8 +30,8 @@ from tinydist.dist.rendezvous import parse_coordinator
 from tinydist.runtime.engine import get_engine
 
 __all__ = ["CollectiveError", "CollectiveMismatch", "CollectiveTimeout", "ProcessGroup", "RankFailed", "all_gather",
-           "all_reduce", "barrier", "broadcast", "destroy", "fail", "get_group", "init", "is_initialized",
-           "rank", "reduce_scatter", "run_on_loop", "world_size"]
+           "all_reduce", "barrier", "broadcast", "destroy", "fail", "get_group", "get_rank", "get_world_size", "init",
+           "is_initialized", "rank", "reduce_scatter", "run_on_loop", "world_size"]
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
@@ -105,6 +105,11 @@ def rank() -> int:
 
 def world_size() -> int:
     return get_group().world
+
+
+# torch.distributed's names, for code written against it
+get_rank = rank
+get_world_size = world_size
 
 
 def _array(t: Any) -> np.ndarray:

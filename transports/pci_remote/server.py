@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tinydist.listen import bind_address
+from tinydist.listen import add_port, bind_address
 from tinydist.logs import get_logger
 from tinydist.runtime.device import Device
 from tinydist.runtime.registry import open_device
@@ -100,12 +100,10 @@ class RemoteServer:
             self.health = health.aio.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
             credentials = grpc.ssl_server_credentials([(pki.key, pki.cert)], root_certificates=pki.ca, require_client_auth=True)
-            self.port = self.server.add_secure_port(listen, credentials)
-            if self.port == 0:
-                raise OSError(f"could not bind {listen}")
+            self.port = add_port(self.server, listen, credentials)
             if insecure_listen is not None:
                 # Health checks only: the device service refuses calls without a TLS identity.
-                self.insecure_port = self.server.add_insecure_port(insecure_listen)
+                self.insecure_port = add_port(self.server, insecure_listen)
             await self.server.start()
             await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
             await self.health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
