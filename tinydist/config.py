@@ -16,11 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tinydist.errors import LaunchError, TinydistError
-
-
-class SettingError(TinydistError, ValueError):
-    """A TINYDIST_* environment variable holds a value its setting does not accept; names both."""
+from tinydist.errors import LaunchError, SettingError
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ underscore, never seen outside their module) are not drawn, but are TinydistErro
     ├── AllocationError (MemoryError)               an allocation failed; everything it took was given back
     ├── CompileError                                LLVM refused a kernel; carries LLVM's message
     ├── LaunchError (ValueError)                    a launch variable (TINYDIST_RANK, ...) is missing or malformed
+    ├── SettingError (ValueError)                   a TINYDIST_* setting holds a value it does not accept
     ├── BindRefused (ValueError)                    a listen address breaks the bind policy (tinydist.listen)
     ├── DriverUnavailable [tinydist.runtime.cuda.driver]    no usable CUDA driver here; says why
     ├── ScheduleCycleError (ValueError) [tinydist.schedule.linear]    the computation has no valid order
@@ -144,6 +145,10 @@ class AllocationError(TinydistError, MemoryError):
 
 class CompileError(TinydistError):
     """LLVM rejected a kernel."""
+
+
+class SettingError(TinydistError, ValueError):
+    """A TINYDIST_* environment variable holds a value its setting does not accept; names both."""
 
 
 class LaunchError(TinydistError, ValueError):
