@@ -256,7 +256,7 @@ VERSIONS: dict[str, tuple[int, ...]] = {
     "LpNormalization": (1, 22), "MeanVarianceNormalization": (9, 13), "LRN": (1, 13),
     "DepthToSpace": (1, 11, 13, 28), "SpaceToDepth": (1, 13, 28), "Attention": (23, 24, 25), "RotaryEmbedding": (23,), "LinearAttention": (27,),
     "NegativeLogLikelihoodLoss": (12, 13, 22), "SoftmaxCrossEntropyLoss": (12, 13),
-    "LpPool": (1, 2, 11, 18, 22), "CumProd": (26,), "ReduceLogSum": (1, 11, 13, 18, 28),
+    "LpPool": (2, 11, 18, 22), "CumProd": (26,), "ReduceLogSum": (1, 11, 13, 18, 28),
     "Einsum": (12, 28), "RNN": (7, 14, 22),
     "BitShift": (11, 28), "CausalConvWithState": (27,), "DFT": (17, 20), "ReverseSequence": (10, 28), "SwiGLU": (28,), "HannWindow": (17,), "HammingWindow": (17,), "BlackmanWindow": (17,), "EyeLike": (9, 22),
     "CenterCropPad": (18,), "NonZero": (9, 13), "Unique": (11, 28), "Compress": (9, 11, 28), "GRU": (7, 14, 22), "LSTM": (7, 14, 22),

@@ -281,7 +281,7 @@ def op_max_pool(ctx: Any, x: Tensor) -> Any:
 def op_lp_pool(ctx: Any, x: Tensor) -> Tensor:
     """(Σ |x|^p over the window, zero padding)^(1/p); p=2 as x·x and sqrt (the exact path)."""
     require_float(ctx, x)
-    p = ctx.attr("p", 2.0 if ctx.since < 2 else 2)
+    p = ctx.attr("p", 2)
     if p <= 0:
         raise ctx.error(f"p={p} must be positive")
     x, kernel, strides, dilations, pairs, outs, nd = _pool_setup(ctx, x, ctx.since >= 18)
