@@ -43,7 +43,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/runtime.py
 
 env-doc: $(STAMP)
-	$(BIN)/python -c "from tinydist.config import env_vars_markdown; print(env_vars_markdown(), end='')" > docs/env_vars.md
+	$(BIN)/python -c "from tinydist.base.config import env_vars_markdown; print(env_vars_markdown(), end='')" > docs/env_vars.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache

@@ -55,7 +55,7 @@ def worker_tinydist(sizes: list[int], out: str) -> None:
     import numpy as np
 
     from tinydist import dist
-    from tinydist.collectives import choose
+    from tinydist.graph.collectives import choose
     dist.init()
     group = dist.get_group()
     if dist.rank() == 0:

@@ -55,9 +55,9 @@ def _torch_cublas(n: int, repeats: int) -> float | None:
 
 async def _bench(name: str, repeats: int) -> None:
     from tinydist.codegen.kernel import KernelAST, KNode, load
-    from tinydist import dtypes
+    from tinydist.graph import dtypes
     from tinydist.runtime.registry import open_device
-    from tinydist.shape import ShapeTracker, View
+    from tinydist.graph.shape import ShapeTracker, View
 
     async with open_device(name) as dev:
         drv = dev.driver

@@ -27,13 +27,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tinydist import pki  # noqa: E402
+from nodes.audit import AuditLog  # noqa: E402
+from nodes.server import RemoteServer, server_options  # noqa: E402
+from nodes.service import ServerConfig  # noqa: E402
+from tinydist.runtime.remote.client import CHUNK_BYTES, ClientCredentials, secure_channel  # noqa: E402
+from tinydist.runtime.remote.device import RemoteDevice  # noqa: E402
+from tinydist.security import pki  # noqa: E402
+from tinydist.security.pki import ServerCredentials  # noqa: E402
 from transports.pci_remote._generated import device_pb2 as pb  # noqa: E402
-from transports.pci_remote.audit import AuditLog  # noqa: E402
-from transports.pci_remote.client import CHUNK_BYTES, ClientCredentials, secure_channel  # noqa: E402
-from transports.pci_remote.device import RemoteDevice  # noqa: E402
-from transports.pci_remote.server import Pki, RemoteServer, server_options  # noqa: E402
-from transports.pci_remote.service import ServerConfig  # noqa: E402
 
 
 def _identity(x: bytes) -> bytes:
@@ -54,7 +55,7 @@ class Loop:
         self.thread.join(10)
 
 
-async def start_plain(pki_: Pki, config: ServerConfig, chunks: list[bytes]) -> tuple[grpc.aio.Server, int]:
+async def start_plain(pki_: ServerCredentials, config: ServerConfig, chunks: list[bytes]) -> tuple[grpc.aio.Server, int]:
     async def unary(request: bytes, context) -> bytes:  # noqa: ANN001
         return request
 
@@ -105,7 +106,7 @@ def main() -> int:
             "rpc_per_second = 2000", "rpc_per_second = 1000000").replace("rpc_burst = 4000", "rpc_burst = 1000000")
         (root / "policy.toml").write_text(policy)
         creds = ClientCredentials(issued.cert_path.read_bytes(), issued.key_path.read_bytes(), (root / "ca.pem").read_bytes())
-        server_pki = Pki.load(root)
+        server_pki = ServerCredentials.load(root)
         config = ServerConfig(listen="127.0.0.1:0")
         audit = AuditLog(root / "audit.jsonl")
         data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)

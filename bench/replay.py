@@ -50,7 +50,7 @@ if any(v in os.environ for v in OPENBLAS_VARS):  # numpy's baseline runs as Open
     os.execve(sys.executable, [sys.executable, *sys.argv], baseline_env())
 
 import tinydist as td  # noqa: E402
-from tinydist.lazy import buffer_node  # noqa: E402
+from tinydist.graph.lazy import buffer_node  # noqa: E402
 from tinydist.runtime.engine import get_engine  # noqa: E402
 
 TARGETS = {"tensor": 10.0, "fresh": 15.0, "numpy": 6.0}

@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import Report, median  # noqa: E402
 
+from tinydist.base.errors import DeviceFailed  # noqa: E402
 from tinydist.codegen.compile_cache import CompileCache  # noqa: E402
 from tinydist.codegen.compiler import HostCompiler  # noqa: E402
-from tinydist.errors import DeviceFailed  # noqa: E402
 from tinydist.observability import span, tracing  # noqa: E402
 from tinydist.runtime import command_queue  # noqa: E402
 from tinydist.runtime.command_queue import BatchTiming, CommandQueue  # noqa: E402

@@ -13,11 +13,12 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from tinydist.listen import bind_address
-from tinydist.logs import get_logger
-from transports.pci_remote.audit import AuditLog
-from transports.pci_remote.server import Pki, RemoteServer
-from transports.pci_remote.service import ServerConfig
+from nodes.audit import AuditLog
+from nodes.server import RemoteServer
+from nodes.service import ServerConfig
+from tinydist.base.logs import get_logger
+from tinydist.security.bind import bind_address
+from tinydist.security.pki import ServerCredentials
 
 
 
@@ -39,10 +40,10 @@ class NodeOptions:
     max_message_bytes: int = 8 << 20
 
 
-def prepare(options: NodeOptions) -> tuple[ServerConfig, Pki, Path, str | None]:
+def prepare(options: NodeOptions) -> tuple[ServerConfig, ServerCredentials, Path, str | None]:
     """Check everything that must hold before a socket is opened; raises with the reason."""
     bind_address(options.listen, allow_wildcard=options.allow_wildcard)
-    pki = Pki.load(options.pki)
+    pki = ServerCredentials.load(options.pki)
     policy = options.policy or (Path(options.pki) / "policy.toml")
     if not Path(policy).is_file():
         raise FileNotFoundError(f"no policy file {policy}; refusing to start (tinydist certs init writes a starter)")

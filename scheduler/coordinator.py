@@ -26,8 +26,8 @@ from scheduler._generated import cluster_pb2 as pb
 from scheduler._generated import cluster_pb2_grpc as pb_grpc
 from scheduler.errors import MembershipError
 from scheduler.membership import LinkRecord, MemberRecord, Membership
-from tinydist.listen import add_port, bind_address, is_loopback, parse_host_port, split_bind
-from tinydist.logs import get_logger
+from tinydist.base.logs import get_logger
+from tinydist.security.bind import add_port, bind_address, is_loopback, parse_host_port, split_bind
 
 MAX_WAIT_S = 300.0
 
@@ -65,7 +65,7 @@ class ClusterService(pb_grpc.ClusterServicer):
         self.changed = asyncio.Condition()
         self.log = get_logger(component="scheduler")
         if trust_domain is not None:
-            from transports.pci_remote.identity import PeerCache
+            from tinydist.security.identity import PeerCache
             self._cache = PeerCache()
 
     async def _who(self, context: grpc.aio.ServicerContext) -> str | None:
@@ -74,7 +74,7 @@ class ClusterService(pb_grpc.ClusterServicer):
             if not _peer_is_loopback(context.peer()):
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, "insecure coordinator: loopback peers only")
             return None
-        from transports.pci_remote.identity import IdentityError, peer_from_auth_context
+        from tinydist.security.identity import IdentityError, peer_from_auth_context
         try:
             peer = peer_from_auth_context(context.auth_context(), self.trust_domain, self._cache)
         except IdentityError as exc:
@@ -172,9 +172,9 @@ class Coordinator:
         trust_domain = None
         credentials = None
         if pki is not None:
-            from tinydist.pki import trust_domain_of
-            from transports.pci_remote.server import Pki
-            keys = Pki.load(Path(pki))
+            from tinydist.security.pki import trust_domain_of
+            from tinydist.security.pki import ServerCredentials
+            keys = ServerCredentials.load(Path(pki))
             trust_domain = trust_domain_of(Path(pki))
             credentials = grpc.ssl_server_credentials([(keys.key, keys.cert)], root_certificates=keys.ca,
                                                       require_client_auth=True)

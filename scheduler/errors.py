@@ -1,11 +1,11 @@
-"""Errors of the cluster scheduler (drawn with the rest of the tree in tinydist/errors.py): a
+"""Errors of the cluster scheduler (drawn with the rest of the tree in tinydist/base/errors.py): a
 ClusterError when the scheduler refuses or cannot do something, NodeFailed (a CollectiveError, so
 collective callers catch it) when a node of the job dies."""
 
 from __future__ import annotations
 
+from tinydist.base.errors import TinydistError
 from tinydist.dist.errors import CollectiveError
-from tinydist.errors import TinydistError
 
 
 class ClusterError(TinydistError):

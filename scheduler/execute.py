@@ -27,9 +27,9 @@ from scheduler.errors import ClusterError, NodeFailed
 from scheduler.node import Credentials, NodeAgent
 from scheduler.plan import Plan, plan_allreduce
 from scheduler.topology import LinkModel, Topology
-from tinydist.collectives import AUTO
-from tinydist.logs import get_logger
-from tinydist.reduce_ops import MEAN, collective_op
+from tinydist.base.logs import get_logger
+from tinydist.graph.collectives import AUTO
+from tinydist.graph.reduce_ops import MEAN, collective_op
 
 
 class ClusterJob:
@@ -118,7 +118,7 @@ class ClusterJob:
         from tinydist import dist
         from tinydist.dist import CollectiveError
         from tinydist.multi import allreduce
-        from tinydist.tensor import Tensor
+        from tinydist.frontend.tensor import Tensor
         if len(tensors) != len(self.devices):
             raise ValueError(f"all_reduce needs one tensor per local device ({self.devices}), got {len(tensors)}")
         reduce_op = collective_op(op)            # mean: summed here, divided by the devices below

@@ -27,9 +27,9 @@ from scheduler._generated import cluster_pb2_grpc as pb_grpc
 from scheduler.errors import ClusterError, CoordinatorLost, MembershipError, NodeFailed
 from scheduler.membership import LinkRecord
 from scheduler.topology import LinkModel, NodeSpec, Topology
-from tinydist.listen import format_address, is_loopback, parse_host_port
-from tinydist.logs import get_logger
-from tinydist.pki import ClientCredentials as Credentials
+from tinydist.base.logs import get_logger
+from tinydist.security.bind import format_address, is_loopback, parse_host_port
+from tinydist.security.pki import ClientCredentials as Credentials
 
 
 def open_channel(target: str, credentials: Credentials | None) -> grpc.Channel:

@@ -29,9 +29,9 @@ from typing import Any
 
 from scheduler.errors import PlanError
 from scheduler.topology import LinkModel, PeerGroup, Topology
-from tinydist import collectives
-from tinydist.collectives import AUTO, LEGAL, Algorithm, Medium, check, choose
-from tinydist.logs import get_logger
+from tinydist.base.logs import get_logger
+from tinydist.graph import collectives
+from tinydist.graph.collectives import AUTO, LEGAL, Algorithm, Medium, check, choose
 
 # what the stages run: tinydist.multi naive or ring inside a group (the formulas below), tinydist.dist
 # between the group leaders
@@ -211,7 +211,7 @@ def plan_allreduce(topology: Topology, nbytes: int, *, executable: bool = True, 
         forced = check(inter, Medium.NETWORK, what="inter-group algorithm")
     except ValueError as exc:
         raise PlanError(str(exc)) from None
-    # the one chooser (tinydist.collectives.choose), on this model's times for each stage
+    # the one chooser (tinydist.graph.collectives.choose), on this model's times for each stage
     best_intra = choose(Medium.DEVICES, g, nbytes,
                         collectives.Topology(modelled_s={a: intra_cost(a, g, nbytes, intra) for a in INTRA_ALGORITHMS}))[0]
     bcast = broadcast_cost(g, nbytes, intra)

@@ -1,6 +1,6 @@
 import pytest
 
-from tinydist.config import settings
+from tinydist.base.config import settings
 
 
 @pytest.fixture(autouse=True, scope="session")

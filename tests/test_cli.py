@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import structlog
 
-from tinydist import cli, logs
-from tinydist.config import settings
+from tinydist import cli
+from tinydist.base import logs
+from tinydist.base.config import settings
 
 
 @pytest.fixture(autouse=True)
@@ -191,7 +192,7 @@ def test_scheduler_serve_on_a_port_in_use() -> None:
 
 
 def test_node_serve_on_a_port_in_use(tmp_path) -> None:
-    from tinydist import pki
+    from tinydist.security import pki
     pki.init(tmp_path / "pki")
     held, port = _held_port()
     with held:
@@ -271,7 +272,7 @@ def test_a_bug_keeps_its_traceback_and_asks_for_a_report(monkeypatch, capsys) ->
 
 
 def test_traceback_flag_shows_a_user_errors_traceback(monkeypatch, capsys) -> None:
-    from tinydist.errors import DeviceFailed
+    from tinydist.base.errors import DeviceFailed
 
     def failing(args):
         raise DeviceFailed("CPU:0 was marked failed")

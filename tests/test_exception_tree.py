@@ -1,5 +1,5 @@
 """One exception tree: every exception class the project defines is a TinydistError and is drawn,
-under its real parent, in tinydist/errors.py; foreign errors are mapped where they enter, `from`
+under its real parent, in tinydist/base/errors.py; foreign errors are mapped where they enter, `from`
 the original."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-import tinydist.errors
-from tinydist.errors import ClosedResourceError, DeviceClosed, DeviceError, TinydistError
+import tinydist.base.errors
+from tinydist.base.errors import ClosedResourceError, DeviceClosed, DeviceError, TinydistError
 
 REPO = Path(__file__).resolve().parents[1]
 ROOTS = ("tinydist", "transports", "scheduler", "nodes")
@@ -57,10 +57,10 @@ def drawn_tree(doc: str) -> dict[str, tuple[str | None, tuple[str, ...]]]:
     stack: list[tuple[str, str]] = []   # (qualified name, module) of the ancestors of the next line
     for line in ("    TinydistError" + lines).splitlines():
         match = _LINE.fullmatch(line[4:])
-        assert match, f"tinydist/errors.py: tree line {line!r} does not parse"
+        assert match, f"tinydist/base/errors.py: tree line {line!r} does not parse"
         depth = 0 if match["indent"] == "" and not line[4:].startswith(("├", "└")) else len(match["indent"]) // 4 + 1
         del stack[depth:]
-        module = match["module"] or (stack[-1][1] if stack else "tinydist.errors")
+        module = match["module"] or (stack[-1][1] if stack else "tinydist.base.errors")
         qualified = f"{module}.{match['name']}"
         assert qualified not in tree, f"{qualified} is drawn twice"
         bases = tuple(b.strip() for b in match["bases"].split(",")) if match["bases"] else ()
@@ -76,11 +76,11 @@ def tree_problems(classes: dict[str, type[BaseException]], tree: dict[str, tuple
             continue
         if not issubclass(cls, TinydistError):
             problems.append(f"{name} is not a TinydistError (bases {[b.__name__ for b in cls.__bases__]}): "
-                            "derive it from the tree in tinydist/errors.py")
+                            "derive it from the tree in tinydist/base/errors.py")
         if cls.__name__.startswith("_"):
             continue   # a private signal: a TinydistError, not drawn
         if name not in tree:
-            problems.append(f"{name} is not drawn in tinydist/errors.py's tree")
+            problems.append(f"{name} is not drawn in tinydist/base/errors.py's tree")
             continue
         parent, others = tree[name]
         first, *rest = cls.__bases__
@@ -88,14 +88,14 @@ def tree_problems(classes: dict[str, type[BaseException]], tree: dict[str, tuple
         if parent != real_parent or others != tuple(b.__name__ for b in rest):
             problems.append(f"{name} is drawn under {parent} with {others}, but its bases are "
                             f"{real_parent} and {tuple(b.__name__ for b in rest)}")
-    problems += [f"{name} is drawn in tinydist/errors.py but no module defines it" for name in tree if name not in classes]
+    problems += [f"{name} is drawn in tinydist/base/errors.py but no module defines it" for name in tree if name not in classes]
     return problems
 
 
 def test_every_project_exception_is_a_tinydist_error_drawn_under_its_parent() -> None:
     classes = defined_exceptions(project_modules())
     assert len(classes) > 60, sorted(classes)   # the walk really found the transports and the scheduler
-    assert tree_problems(classes, drawn_tree(tinydist.errors.__doc__ or "")) == []
+    assert tree_problems(classes, drawn_tree(tinydist.base.errors.__doc__ or "")) == []
     for name in ALLOWED:
         assert name in classes and not issubclass(classes[name], TinydistError), name
 
@@ -105,13 +105,13 @@ def test_the_check_fails_on_a_foreign_rooted_error_and_on_a_stale_drawing() -> N
         pass
 
     Stray.__module__ = "tinydist.stray"
-    classes = {**defined_exceptions(["tinydist.errors"]), "tinydist.stray.Stray": Stray}
-    tree = drawn_tree(tinydist.errors.__doc__ or "")
-    problems = tree_problems(classes, {k: v for k, v in tree.items() if k.startswith("tinydist.errors.")})
+    classes = {**defined_exceptions(["tinydist.base.errors"]), "tinydist.stray.Stray": Stray}
+    tree = drawn_tree(tinydist.base.errors.__doc__ or "")
+    problems = tree_problems(classes, {k: v for k, v in tree.items() if k.startswith("tinydist.base.errors.")})
     assert problems == [("tinydist.stray.Stray is not a TinydistError (bases ['ValueError']): derive it from the tree "
-                         "in tinydist/errors.py"), "tinydist.stray.Stray is not drawn in tinydist/errors.py's tree"]
-    moved = {**tree, "tinydist.errors.DeviceHang": ("tinydist.errors.DeviceError", ("TimeoutError",))}
-    assert any("DeviceHang is drawn under" in p for p in tree_problems(defined_exceptions(["tinydist.errors"]), moved))
+                         "in tinydist/base/errors.py"), "tinydist.stray.Stray is not drawn in tinydist/base/errors.py's tree"]
+    moved = {**tree, "tinydist.base.errors.DeviceHang": ("tinydist.base.errors.DeviceError", ("TimeoutError",))}
+    assert any("DeviceHang is drawn under" in p for p in tree_problems(defined_exceptions(["tinydist.base.errors"]), moved))
 
 
 def test_closed_resources_share_one_class_and_keep_their_families() -> None:
@@ -184,8 +184,8 @@ def test_a_corrupt_onnx_file_is_a_model_load_error_naming_the_file(tmp_path: Pat
 
 
 def test_pki_and_policy_files_map_their_parsers_errors(tmp_path: Path) -> None:
-    from tinydist.pki import ClientCredentials, PKIError, load_ca
-    from transports.pci_remote.policy import PolicyError, parse_policy
+    from tinydist.security.pki import ClientCredentials, PKIError, load_ca
+    from tinydist.security.policy import PolicyError, parse_policy
 
     with pytest.raises(PKIError, match="cannot read the client certificate") as info:
         ClientCredentials.load(tmp_path / "none.pem", tmp_path / "none.key", tmp_path / "ca.pem")
@@ -207,7 +207,7 @@ def test_a_checkpoint_that_does_not_decode_is_a_checkpoint_error_caused_by_the_d
     import numpy as np
 
     import tinydist as td
-    from tinydist.serialization import CheckpointError
+    from tinydist.train.serialization import CheckpointError
 
     path = tmp_path / "ckpt.tdz"
     td.save({"w": td.Tensor(np.arange(6, dtype=np.float32))}, path)

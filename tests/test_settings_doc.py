@@ -1,9 +1,9 @@
-"""docs/env_vars.md is generated from tinydist.config, and names every TINYDIST_* variable the code reads."""
+"""docs/env_vars.md is generated from tinydist.base.config, and names every TINYDIST_* variable the code reads."""
 
 import re
 from pathlib import Path
 
-from tinydist.config import LAUNCH_VARIABLES, env_vars_markdown, settings
+from tinydist.base.config import LAUNCH_VARIABLES, env_vars_markdown, settings
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "env_vars.md"
@@ -21,4 +21,4 @@ def test_every_variable_the_code_names_is_declared() -> None:
             for name in re.findall(r"\bTINYDIST_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()):
                 named.setdefault(name, str(path.relative_to(ROOT)))
     undeclared = {name: where for name, where in named.items() if name not in declared}
-    assert not undeclared, f"environment variables read but not declared in tinydist/config.py: {undeclared}"
+    assert not undeclared, f"environment variables read but not declared in tinydist/base/config.py: {undeclared}"

@@ -20,14 +20,14 @@ from hypothesis import strategies as st
 import tinydist as td
 from scheduler.plan import plan_allreduce
 from scheduler.topology import NodeSpec, Topology
-from tinydist import collectives
-from tinydist.collectives import Algorithm, Medium, choose, resolve, shard_bounds, shard_sizes
-from tinydist.config import Settings
-from tinydist.config import settings as td_settings
+from tinydist.base.config import Settings
+from tinydist.base.config import settings as td_settings
 from tinydist.dist.group import ProcessGroup
-from tinydist.lazy import Op
+from tinydist.graph import collectives
+from tinydist.graph.collectives import Algorithm, Medium, choose, resolve, shard_bounds, shard_sizes
+from tinydist.graph.lazy import Op
+from tinydist.graph.reduce_ops import COLLECTIVE_OPS, REDUCE_OPS, ReduceOp, collective_op
 from tinydist.multi import allreduce, shard
-from tinydist.reduce_ops import COLLECTIVE_OPS, REDUCE_OPS, ReduceOp, collective_op
 
 
 @contextlib.contextmanager
@@ -183,7 +183,7 @@ def test_tinydist_allreduce_is_checked_against_the_medium(monkeypatch: pytest.Mo
 def test_a_bad_rank_reads_the_same_everywhere(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     from tinydist import dist
     from tinydist.dist.environment import apply, detect, launch
-    from tinydist.errors import LaunchError, TinydistError
+    from tinydist.base.errors import LaunchError, TinydistError
     from tinydist.observability.tracing import Tracer
     monkeypatch.setenv("TINYDIST_RANK", "one")
     monkeypatch.setenv("TINYDIST_WORLD_SIZE", "2")
@@ -199,7 +199,7 @@ def test_a_bad_rank_reads_the_same_everywhere(monkeypatch: pytest.MonkeyPatch, t
 
 def test_an_unset_rank_says_how_to_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     from tinydist.dist.environment import launch
-    from tinydist.errors import LaunchError
+    from tinydist.base.errors import LaunchError
     for name in ("TINYDIST_RANK", "TINYDIST_WORLD_SIZE", "SLURM_PROCID", "KUBERNETES_SERVICE_HOST"):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(LaunchError, match=r"TINYDIST_RANK is not set; start the script with `tinydist launch --nproc N"):
@@ -215,7 +215,7 @@ def test_an_unset_rank_says_how_to_launch(monkeypatch: pytest.MonkeyPatch) -> No
 def test_the_rendezvous_binds_loopback_unless_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
     from tinydist import dist
     from tinydist.dist.rendezvous import coordinator_listener
-    from tinydist.errors import BindRefused
+    from tinydist.base.errors import BindRefused
     with pytest.raises(BindRefused, match=r"non-loopback address 10\.1\.2\.3: .*TINYDIST_COORDINATOR_ALLOW_REMOTE=1"):
         coordinator_listener(("10.1.2.3", 0))
     with pytest.raises(BindRefused, match="non-loopback"):           # td.dist.init's rank 0 goes the same way
@@ -232,10 +232,10 @@ def test_the_rendezvous_binds_loopback_unless_allowed(monkeypatch: pytest.Monkey
 
 
 def test_every_server_parses_addresses_alike() -> None:
-    from tinydist import metrics
+    from tinydist.observability import metrics
     from tinydist.dist.rendezvous import parse_coordinator
-    from tinydist.errors import BindRefused
-    from tinydist.listen import bind_address, parse_host_port
+    from tinydist.base.errors import BindRefused
+    from tinydist.security.bind import bind_address, parse_host_port
     for text in ("127.0.0.1:9464", "[::1]:9464"):
         assert metrics.parse_address(text) == parse_coordinator(text) == parse_host_port(text)
     assert parse_coordinator(":29400") == ("127.0.0.1", 29400) == metrics.parse_address(":29400")

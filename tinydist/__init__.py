@@ -2,32 +2,35 @@
 
 The engine, in processing order: `Tensor` (lazy graph, autograd) → `schedule` (fusion, order,
 memory plan) → `codegen` (LLVM) → `runtime` (devices, queues, timelines). Subsystems that pull in
-heavier dependencies are imported on first use: `td.dist` (process collectives), `td.onnx`,
-`td.multi` (sharded tensors) — so `import tinydist` stays light and never loads gRPC.
+heavier dependencies are imported on first use: `td.dist` (process collectives, with its
+transports), `td.parallel` (data parallel, which lives in the dist layer), `td.onnx`, `td.multi`
+(sharded tensors) — so `import tinydist` stays light and never loads gRPC (tests/test_import_light.py).
 """
 
 from importlib import import_module
 from typing import Any
 
-from tinydist import autograd, nn, optim, parallel
-from tinydist.autograd import enable_grad, no_grad
-from tinydist.dtypes import DType, bool_, float32, float64, int32, int64
-from tinydist.errors import (AllocationError, BufferInUse, ClosedResourceError, CompileError, DeviceError, DeviceFailed,
-                             DeviceHang, DeviceNotFound, DeviceUnavailable, OutOfBounds, TinydistError, UseAfterFree)
-from tinydist.jit import JitError, TinyJit, jit
+from tinydist.base.errors import (AllocationError, BufferInUse, ClosedResourceError, CompileError, DeviceError, DeviceFailed,
+                                  DeviceHang, DeviceNotFound, DeviceUnavailable, OutOfBounds, TinydistError, UseAfterFree)
+from tinydist.frontend import autograd
+from tinydist.frontend.autograd import enable_grad, no_grad
+from tinydist.frontend.jit import JitError, TinyJit, jit
+from tinydist.frontend.tensor import Tensor, cat, manual_seed, stack, synchronize, where
+from tinydist.graph.dtypes import DType, bool_, float32, float64, int32, int64
 from tinydist.observability import trace
 from tinydist.runtime import Buffer, Device, discover, get_engine, open_device
 from tinydist.runtime.registry import register_scheme
 from tinydist.schedule import ScheduleCycleError
-from tinydist.serialization import load, save
-from tinydist.tensor import Tensor, cat, manual_seed, stack, synchronize, where
+from tinydist.train import nn, optim
+from tinydist.train.serialization import load, save
 
 # remote://host:port/KIND:N devices; the module (and gRPC) is imported only when one is opened
-register_scheme("remote", "transports.pci_remote.device:RemoteDevice")
+register_scheme("remote", "tinydist.runtime.remote.device:RemoteDevice")
 
 __version__ = "0.1.0"
 
-_LAZY = {"dist": "tinydist.dist", "onnx": "tinydist.onnx", "multi": "tinydist.multi"}
+_LAZY = {"dist": "tinydist.dist", "onnx": "tinydist.onnx", "multi": "tinydist.multi",
+         "parallel": "tinydist.dist.parallel"}
 
 
 def __getattr__(name: str) -> Any:

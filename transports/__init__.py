@@ -1,2 +1,2 @@
 """Moving bytes between devices that do not share memory: shared memory, TCP, BNXT RDMA, and the
-authenticated remote device service. Transports never import the tensor frontend."""
+remote device wire protocol (pci_remote). Transports never import the tensor frontend."""

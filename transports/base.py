@@ -26,7 +26,7 @@ from typing import Any
 import anyio
 import numpy as np
 
-from tinydist.errors import ClosedResourceError, TinydistError
+from tinydist.base.errors import ClosedResourceError, TinydistError
 
 
 class TransportError(TinydistError):

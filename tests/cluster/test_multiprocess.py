@@ -98,7 +98,7 @@ def test_mtls_membership_and_identity_binding(tmp_path):
     from scheduler._generated import cluster_pb2 as pb
     from scheduler.errors import MembershipError
     from scheduler.node import Credentials, NodeAgent
-    from tinydist import pki
+    from tinydist.security import pki
     lab = tmp_path / "lab"
     pki.init(lab)
     for name in ("node-0", "node-1"):

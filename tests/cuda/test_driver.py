@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import tinydist as td
-from tinydist import dtypes
-from tinydist.errors import CompileError, DeviceUnavailable
+from tinydist.base.errors import CompileError, DeviceUnavailable
+from tinydist.graph import dtypes
 from tinydist.runtime import registry
 from tinydist.runtime.cuda import driver as cu
 
@@ -184,14 +184,14 @@ def test_devices_listed_with_name_and_capability(fake):
     infos = cuda_infos()
     assert [i.name for i in infos] == ["CUDA:0", "CUDA:1"]
     assert all(i.usable and "Fake H200, compute capability 9.0" in i.detail for i in infos)
-    with pytest.raises(td.errors.DeviceNotFound if hasattr(td, "errors") else Exception):
+    with pytest.raises(td.DeviceNotFound):
         td.open_device("CUDA:5")
 
 
 def test_error_mapping_uses_the_driver_name_or_the_table(fake):
     drv = cu.Driver(fake())
     err = drv.error("cuMemAlloc_v2", 2)
-    assert isinstance(err, td.errors.DeviceError) if hasattr(td, "errors") else True
+    assert isinstance(err, td.DeviceError)
     assert (err.call, err.code, err.name) == ("cuMemAlloc_v2", 2, "CUDA_ERROR_OUT_OF_MEMORY")
     assert str(err).startswith("cuMemAlloc_v2 failed with CUDA_ERROR_OUT_OF_MEMORY (2)")
     assert drv.error("cuLaunchKernel", 700).sticky and not err.sticky

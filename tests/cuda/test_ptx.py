@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 import tinydist as td
+from tinydist.base.errors import CompileError
 from tinydist.codegen import ptx
 from tinydist.codegen.kernel import KernelAST
-from tinydist.errors import CompileError
 from tinydist.schedule import create_schedule
 from tinydist.schedule.items import KernelCall, MatmulCall
 

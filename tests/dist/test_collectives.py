@@ -87,7 +87,7 @@ def test_mismatches_raise_on_every_rank_and_group_survives(transport, no_shm_lea
 
 
 def test_auto_rule_is_deterministic_and_sees_size_world_and_link():
-    from tinydist.collectives import Medium, Topology, choose
+    from tinydist.graph.collectives import Medium, Topology, choose
 
     def pick(world: int, nbytes: int, same_host: bool, cpus: int | None = None) -> str:
         return choose(Medium.SHM if same_host else Medium.NETWORK, world, nbytes, Topology(cpus=cpus))[0]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import tinydist as td
-from tinydist.errors import AllocationError, DeviceError
+from tinydist.base.errors import AllocationError, DeviceError
 from tinydist.runtime.compiler import DeviceCompiler
 from tinydist.runtime.engine import get_engine
 from tinydist.runtime.faults import InjectedFault, faults

@@ -125,7 +125,7 @@ def test_a_device_error_while_lowering_is_not_kept_with_the_schedule(path: str, 
     if path != "lowered":
         pytest.skip("about the lowering")
     import tinydist.engine.lowered as module
-    from tinydist.errors import DeviceFailed
+    from tinydist.base.errors import DeviceFailed
     x = td.Tensor(rng.standard_normal((6, 5)).astype(np.float32))
     t = chain(x)
     schedule = create_schedule([t.node])[0]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import tinydist as td
-from tinydist.jit import REPLAYS, JitError
+from tinydist.frontend.jit import REPLAYS, JitError
 
 STRATEGIES = [r for r in REPLAYS if r != "auto"]
 
@@ -101,7 +101,7 @@ def test_the_chosen_strategy_and_the_reasons_for_it_are_logged(monkeypatch: pyte
     import structlog
     import structlog.testing
 
-    from tinydist import logs as td_logs
+    from tinydist.base import logs as td_logs
     from tinydist.engine import replay
 
     @td.jit

@@ -13,7 +13,7 @@ import pytest
 import tinydist as td
 import tinydist.engine.realize as realize_module
 from tests.engine.test_lowered import Gates
-from tinydist.config import settings
+from tinydist.base.config import settings
 from tinydist.runtime.device import Completion
 
 LIMIT = 3

@@ -1,7 +1,7 @@
 """Differential test of `td.jit`: every replay, through every entry, equals eager tinydist and numpy.
 
 Each example is a random program (`tests/jit/programs.py`) jitted once per replay strategy in
-`tinydist.jit.REPLAYS` and called 12 times with fresh arguments, through one entry: `f(*tensors)`,
+`tinydist.frontend.jit.REPLAYS` and called 12 times with fresh arguments, through one entry: `f(*tensors)`,
 `f.call_numpy(*arrays)` or `await f.acall(*tensors)`. Call 1 runs the function, call 2 captures,
 calls 3-12 replay. Every call's outputs must equal the same function run eagerly on the same
 arguments and a float64 numpy interpretation of the program: exactly for ints and bools, within
@@ -33,8 +33,8 @@ from hypothesis import HealthCheck, event, given, reject, settings
 from hypothesis import strategies as st
 
 import tinydist as td
-from tinydist.jit import REPLAYS, JitError, TinyJit
 from tinydist.engine.realize import realize  # one realize of several tensors: the one Tensor.realize calls
+from tinydist.frontend.jit import REPLAYS, JitError, TinyJit
 
 from .programs import (ASSIGN_CYCLE, ASSIGN_TWICE, READ_ASSIGNED, RETURN_ARGUMENT, STALE_VIEW, TOLERANCE, NearTie, Program,
                        Reference, as_function, describe_mismatch, draw_arguments, matches, outputs_of, programs, run_numpy)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import tinydist as td
-from tinydist.errors import DeviceFailed
+from tinydist.base.errors import DeviceFailed
 from tinydist.runtime.command_queue import BUSY, CommandQueue
 
 rng = np.random.default_rng(11)

@@ -165,7 +165,7 @@ def test_call_numpy_is_numpy_in_numpy_out_and_checks_the_signature() -> None:
 @pytest.fixture(params=["on", "off"])
 def native_streams(request: pytest.FixtureRequest):
     """Both ways a multi-device capture replays: one native call per queue, or a batch per run."""
-    from tinydist.config import settings
+    from tinydist.base.config import settings
 
     with settings.override(JIT_NATIVE_STREAMS=request.param):
         yield request.param
@@ -208,7 +208,7 @@ def test_graphs_over_several_devices_replay_per_queue_or_in_runs(native_streams:
 
 
 def test_a_caller_that_never_waits_is_held_to_the_run_ahead_bound(native_streams: str) -> None:
-    from tinydist.config import settings
+    from tinydist.base.config import settings
     from tinydist.runtime.engine import get_engine
 
     @td.jit
@@ -301,7 +301,7 @@ def test_a_step_over_several_devices_queues_one_batch_per_queue_per_replay() -> 
 
 
 def test_a_caller_far_ahead_of_the_devices_reuses_argument_rows_only_after_their_replay() -> None:
-    from tinydist.config import settings
+    from tinydist.base.config import settings
     from tinydist.engine.streams import RING
 
     @td.jit
@@ -355,7 +355,7 @@ def _captured_over(devices: tuple[str, str]) -> tuple[td.jit, td.Tensor]:
 def test_a_device_failing_mid_step_stops_the_other_devices_part_with_its_error() -> None:
     import threading
 
-    from tinydist.errors import DeviceFailed
+    from tinydist.base.errors import DeviceFailed
     from tinydist.runtime.engine import get_engine
 
     engine = get_engine()
@@ -381,8 +381,8 @@ def test_a_device_failing_mid_step_stops_the_other_devices_part_with_its_error()
 def test_a_device_that_stands_still_mid_step_is_declared_hung_by_the_waiting_part() -> None:
     import threading
 
-    from tinydist.config import settings
-    from tinydist.errors import DeviceFailed, DeviceHang
+    from tinydist.base.config import settings
+    from tinydist.base.errors import DeviceFailed, DeviceHang
     from tinydist.runtime.engine import get_engine
 
     engine = get_engine()

@@ -1,7 +1,7 @@
 import pytest
 import structlog
 
-from tinydist import logs
+from tinydist.base import logs
 
 
 @pytest.fixture(autouse=True)

@@ -11,8 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import tinydist as td
-from tinydist import metrics
-from tinydist.errors import DeviceHang
+from tinydist.base.errors import DeviceHang
+from tinydist.observability import metrics
 from tinydist.runtime.registry import open_device
 
 

@@ -17,9 +17,9 @@ import pytest
 
 import tinydist as td
 from tinydist import cli
+from tinydist.base.errors import DeviceFailed
 from tinydist.codegen.compile_cache import CompileCache
 from tinydist.codegen.compiler import HostCompiler
-from tinydist.errors import DeviceFailed
 from tinydist.observability import chrome, span, tracing
 from tinydist.observability.report import format_summary, summarize
 from tinydist.runtime import command_queue

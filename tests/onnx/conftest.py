@@ -16,7 +16,7 @@ import onnxruntime as ort  # noqa: E402
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 import tinydist.onnx as tdo  # noqa: E402
-from tinydist import logs  # noqa: E402
+from tinydist.base import logs  # noqa: E402
 
 NP_TO_ELEM = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float64): TensorProto.DOUBLE,
               np.dtype(np.int32): TensorProto.INT32, np.dtype(np.int64): TensorProto.INT64,

@@ -52,7 +52,7 @@ class Case:
 def _cache_dir() -> Path:
     import onnx
 
-    from tinydist.config import settings
+    from tinydist.base.config import settings
     return Path(settings.CACHE_DIR) / "onnx-node-suite" / onnx.__version__
 
 

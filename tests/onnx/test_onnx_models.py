@@ -278,5 +278,5 @@ def test_model_on_another_device(make_model, reference, rng):
     np.testing.assert_allclose(y.numpy(), reference(model, {"x": x})[0], rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match=r"input 'x' is on CPU:0, the model on CPU:1: move it with .to\('CPU:1'\)"):
         loaded.run_tensors({"x": td.Tensor(x)})
-    with pytest.raises(td.errors.DeviceNotFound, match="no device CPU:999; available devices: CPU:0"):
+    with pytest.raises(td.DeviceNotFound, match="no device CPU:999; available devices: CPU:0"):
         tdo.load(make_model([N("Relu", ["x"], ["y"])], {"x": x}, ["y"], shapes={"x": [None, 3]}), device="CPU:999")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.rdma.helpers import FAST, run
-from tinydist.config import settings
+from tinydist.base.config import settings
 from transports.base import PeerFailed, check_link_pair, check_peer_death, serving
 from transports.rdma_bnxt.softbnxt import FaultPlan
 from transports.rdma_bnxt.transport import RdmaLink, RdmaNic, open_link

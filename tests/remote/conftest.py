@@ -17,13 +17,14 @@ import grpc
 import pytest
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from tinydist import pki
+from nodes.audit import AuditLog
+from nodes.server import RemoteServer
+from nodes.service import ServerConfig
+from tinydist.runtime.remote.client import ClientCredentials, channel_options
+from tinydist.security import pki
+from tinydist.security.pki import ServerCredentials
 from transports.pci_remote._generated import device_pb2 as pb
 from transports.pci_remote._generated import device_pb2_grpc as pb_grpc
-from transports.pci_remote.audit import AuditLog
-from transports.pci_remote.client import ClientCredentials, channel_options
-from transports.pci_remote.server import Pki, RemoteServer
-from transports.pci_remote.service import ServerConfig
 
 TD = "tinydist.lab"
 ROLES = {"alice": "admin", "bob": "operator", "carol": "viewer", "dave": "operator"}
@@ -41,7 +42,7 @@ class Lab:
 
     def policy_text(self, identities: dict[str, str] | None = None, drop_methods: tuple[str, ...] = (),
                     extra: str = "") -> str:
-        from transports.pci_remote.policy import starter_policy
+        from tinydist.security.policy import starter_policy
         text = starter_policy(TD)
         lines = []
         for line in text.splitlines():
@@ -96,7 +97,7 @@ class ServerThread:
         self.thread = threading.Thread(target=self.loop.run_forever, name="test-remote-server", daemon=True)
         self.thread.start()
         self.audit = AuditLog(self.audit_path)
-        self.server: RemoteServer = self.run(RemoteServer.start(self.config, Pki.load(lab.root), self.policy_path, self.audit))
+        self.server: RemoteServer = self.run(RemoteServer.start(self.config, ServerCredentials.load(lab.root), self.policy_path, self.audit))
         self.port = self.server.port
         self.target = f"127.0.0.1:{self.port}"
 

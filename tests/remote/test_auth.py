@@ -7,8 +7,8 @@ import time
 import grpc
 import pytest
 
+from tinydist.security.policy import DEFAULT_METHODS, ELEVATED, RANK
 from transports.pci_remote._generated import device_pb2 as pb
-from transports.pci_remote.policy import DEFAULT_METHODS, ELEVATED, RANK
 
 from .conftest import ROLES, code_of, lease_of, uri
 

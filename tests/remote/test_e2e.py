@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import tinydist as td
-from tinydist.errors import DeviceError, DeviceUnavailable
-from transports.pci_remote.device import RemoteDevice
+from tinydist.base.errors import DeviceError, DeviceUnavailable
+from tinydist.runtime.remote.device import RemoteDevice
 
 
 @pytest.fixture

@@ -11,10 +11,10 @@ from google.protobuf.message import DecodeError
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tinydist.runtime.remote.client import CHUNK_BYTES
+from tinydist.runtime.remote.device import SourceChunks
 from transports.pci_remote import wire
 from transports.pci_remote._generated import device_pb2 as pb
-from transports.pci_remote.client import CHUNK_BYTES
-from transports.pci_remote.device import SourceChunks
 
 
 def varint(n: int) -> bytes:  # protobuf's own: a uint64 field's encoding after its one-byte tag

@@ -6,8 +6,8 @@ import anyio
 import numpy as np
 import pytest
 
-from tinydist.config import settings
-from tinydist.errors import AllocationError
+from tinydist.base.config import settings
+from tinydist.base.errors import AllocationError
 from tinydist.runtime.device import Device
 from tinydist.runtime.faults import InjectedFault, faults
 from tinydist.runtime.registry import open_device

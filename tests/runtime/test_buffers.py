@@ -9,7 +9,7 @@ import anyio
 import numpy as np
 import pytest
 
-from tinydist.errors import BufferInUse, BufferError_, OutOfBounds, UseAfterFree
+from tinydist.base.errors import BufferInUse, BufferError_, OutOfBounds, UseAfterFree
 from tinydist.runtime.command_queue import CommandQueue
 from tinydist.runtime.device import Device
 

@@ -13,9 +13,9 @@ import anyio
 import numpy as np
 import pytest
 
+from tinydist.base.errors import CompileError
 from tinydist.codegen.compile_cache import CompileCache, decode_entry
 from tinydist.codegen.compiler import HostCompiler, host_target
-from tinydist.errors import CompileError
 from tinydist.runtime.cpu.loader import NativeLoader
 from tinydist.runtime.device import Device
 
@@ -209,7 +209,7 @@ def test_disabled_cache_always_compiles(tmp_path, monkeypatch) -> None:
 
 
 def test_cache_setting_disables_it(tmp_path) -> None:
-    from tinydist.config import settings
+    from tinydist.base.config import settings
     with settings.override(COMPILE_CACHE="0"):
         assert not CompileCache(HostCompiler(), directory=tmp_path).enabled
     with settings.override(COMPILE_CACHE="1"):
@@ -272,7 +272,7 @@ def test_a_process_loading_a_corrupted_entry_still_runs_its_kernel(tmp_path) -> 
 
 
 def test_cache_stays_under_its_cap_evicting_the_least_recently_used(tmp_path) -> None:
-    from tinydist.config import settings
+    from tinydist.base.config import settings
     compiler = HostCompiler()
     sources = [SCALE_IR.replace("rt_scale", f"rt_scale_{i}") for i in range(6)]
     with settings.override(COMPILE_CACHE_MAX_MB=1):

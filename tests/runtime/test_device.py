@@ -8,8 +8,8 @@ import anyio
 import numpy as np
 import pytest
 
-from tinydist.config import settings
-from tinydist.errors import ClosedResourceError, DeviceError, DeviceNotFound, DeviceUnavailable
+from tinydist.base.config import settings
+from tinydist.base.errors import ClosedResourceError, DeviceError, DeviceNotFound, DeviceUnavailable
 from tinydist.runtime.device import DeviceState
 from tinydist.runtime.registry import canonical_name, discover, open_device
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tinydist.errors import ClosedResourceError
+from tinydist.base.errors import ClosedResourceError
 from tinydist.runtime.device import DeviceState
 from tinydist.runtime.engine import Engine
 
@@ -34,7 +34,7 @@ def test_device_opened_once_and_runs_async_functions(engine: Engine) -> None:
 
 
 def test_reopen_closes_a_failed_device_and_opens_a_fresh_one_in_its_place(engine: Engine) -> None:
-    from tinydist.errors import DeviceFailed
+    from tinydist.base.errors import DeviceFailed
 
     failed = engine.device("CPU:2")
     failed.allocator.alloc(64)

@@ -12,7 +12,7 @@ import anyio
 import numpy as np
 import pytest
 
-from tinydist.errors import DeviceFailed, DeviceHang
+from tinydist.base.errors import DeviceFailed, DeviceHang
 from tinydist.runtime.clock import SYSTEM_CLOCK
 from tinydist.runtime.device import DeviceState
 from tinydist.runtime.registry import open_device

@@ -7,8 +7,8 @@ import json
 import pytest
 import structlog
 
-from tinydist import logs
-from tinydist.config import Setting, Settings, settings
+from tinydist.base import logs
+from tinydist.base.config import Setting, Settings, settings
 from tinydist.runtime.registry import open_device
 
 

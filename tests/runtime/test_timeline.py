@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 import tinydist.runtime.timeline as timeline_module
-from tinydist.errors import DeviceFailed, DeviceHang
+from tinydist.base.errors import DeviceFailed, DeviceHang
 from tinydist.runtime.clock import SYSTEM_CLOCK
 from tinydist.runtime.timeline import MAX_VALUE, Timeline
 from tinydist.testing import MockClock

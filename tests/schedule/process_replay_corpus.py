@@ -51,12 +51,12 @@ import numpy as np
 import tinydist as td
 from tinydist.codegen.lowering import lower
 from tinydist.codegen.matmul import matmul_ir, program_name
-from tinydist.lazy import LazyNode
+from tinydist.frontend.tensor import observe_assigns
+from tinydist.graph.lazy import LazyNode
 from tinydist.multi import MultiTensor
-from tinydist.nn import functional as F
 from tinydist.schedule import Schedule, create_schedule, schedule_cache
 from tinydist.schedule.items import BufferSpec, Call, KernelCall, MatmulCall, SliceCall
-from tinydist.tensor import observe_assigns
+from tinydist.train.nn import functional as F
 
 GOLDEN_DIR = Path(__file__).parent / "process_replay"
 LLVMLITE_VERSION_FILE = GOLDEN_DIR / "llvmlite_version"

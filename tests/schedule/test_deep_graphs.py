@@ -1,5 +1,5 @@
 """Deep graphs at the interpreter's default recursion limit: every walk over the lazy graph and the
-kernel IR keeps its own stack (tinydist.walk), so depth is bounded by memory, never by Python's
+kernel IR keeps its own stack (tinydist.base.walk), so depth is bounded by memory, never by Python's
 stack. Each case here used to raise RecursionError (a chain of about 500 ops was enough). They
 also pass through the limits depth reveals past recursion: the longest kernel fusion makes, how
 far a view is pushed (both `lazy.MAX_FUSED_OPS`), and the memory planner's clash search."""
@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 
 import tinydist as td
-from tinydist.lazy import ELEMENTWISE, MAX_FUSED_OPS
+from tinydist.base.walk import Step, drive, postorder
 from tinydist.engine.realize import realize
+from tinydist.graph.lazy import ELEMENTWISE, MAX_FUSED_OPS
 from tinydist.schedule import create_schedule
 from tinydist.schedule.items import KernelCall
-from tinydist.walk import Step, drive, postorder
 
 rng = np.random.default_rng(11)
 ELEMENTWISE_NAMES = frozenset(op.value for op in ELEMENTWISE)

@@ -9,14 +9,15 @@ import numpy as np
 import pytest
 
 import tinydist as td
-from tinydist.engine.realize import realize
-from tinydist.schedule import create_schedule, schedule_cache
-from tinydist import dtypes
 from tinydist.codegen import kernel as K
+from tinydist.engine.realize import realize
+from tinydist.graph import dtypes
+from tinydist.graph.lazy import Op
+from tinydist.graph.shape import ShapeTracker
+from tinydist.schedule import create_schedule, schedule_cache
 from tinydist.schedule.items import CopyCall, GatherCall, KernelCall, MatmulCall, SliceCall
-from tinydist.schedule.linear import linearize
-from tinydist.shape import ShapeTracker
 from tinydist.schedule.items import BufferSpec
+from tinydist.schedule.linear import linearize
 from tinydist.schedule.memory import BLOCK, plan_memory
 
 A = np.arange(12, dtype=np.float32).reshape(3, 4)
@@ -216,12 +217,12 @@ def test_arithmetic_over_constants_is_folded_into_one_constant():
     """Exactly rounded float arithmetic over constants is done when the graph is built, as a
     kernel would round it; anything else (integer division, a transcendental) stays a node."""
     seed = td.Tensor.full((), 1.0, td.float32) / 256
-    assert seed.node.op is td.lazy.Op.CONST and seed.node.arg == np.float32(1) / np.float32(256)
+    assert seed.node.op is Op.CONST and seed.node.arg == np.float32(1) / np.float32(256)
     assert (-(td.Tensor.full((), 3.0) * 0.1 - 1.0)).node.arg == -(np.float64(3.0) * 0.1 - 1.0)
     inf, nan = td.Tensor.full((), 1.0) / 0.0, td.Tensor.full((), 0.0) / 0.0
-    assert inf.node.op is td.lazy.Op.CONST and inf.numpy() == np.inf and np.isnan(nan.numpy())
+    assert inf.node.op is Op.CONST and inf.numpy() == np.inf and np.isnan(nan.numpy())
     for kept in (td.Tensor.full((), 7) // 2, td.Tensor.full((), 2.0).exp()):
-        assert kept.node.op is not td.lazy.Op.CONST
+        assert kept.node.op is not Op.CONST
     np.testing.assert_array_equal((td.Tensor.full((), 7) // 2).numpy(), 3)
 
 
@@ -230,7 +231,7 @@ def test_a_constant_moved_to_another_device_is_that_constant_there():
     device: the reader's kernel inlines it, so it waits for nothing there (a loss's 1/N seed read
     by a data-parallel replica)."""
     half = (td.Tensor.full((), 1.0, td.float32) / 2).to("CPU:1")
-    assert half.node.op is td.lazy.Op.CONST and half.device == "CPU:1"
+    assert half.node.op is Op.CONST and half.device == "CPU:1"
     t = td.Tensor(A, device="CPU:1") * half + td.Tensor.full((3, 4), 2.0, td.float32).to("CPU:1")
     schedule, _ = create_schedule([t.node])
     assert [(type(c), c.device) for c in schedule.linear] == [(KernelCall, "CPU:1")]
@@ -238,7 +239,7 @@ def test_a_constant_moved_to_another_device_is_that_constant_there():
     w = td.Tensor.full((3,), 2.0, td.float32)
     w.requires_grad_()  # a leaf that wants its gradient keeps the copy the gradient flows back through
     moved = w.to("CPU:1")
-    assert moved.node.op is td.lazy.Op.COPY
+    assert moved.node.op is Op.COPY
     (moved * 3).sum().backward()
     np.testing.assert_array_equal(w.grad.numpy(), [3, 3, 3])
 
@@ -339,7 +340,7 @@ def test_the_key_walk_recursing_and_on_its_own_stack_numbers_alike_in_walk_posto
     """canonical_walk recurses and walks again on a stack of its own past the recursion limit:
     both must number nodes as walk.postorder does (input order and buffer numbers follow it)."""
     from tinydist.schedule import _deep_walk, canonical_walk
-    from tinydist.walk import postorder
+    from tinydist.base.walk import postorder
     g = random.Random(5)
     for trial in range(40):
         pool = [td.Tensor(np.full((2, 3), i, np.float32)) for i in range(3)]
@@ -509,7 +510,7 @@ def test_convolution_columns_are_packed_from_the_padded_input():
 def test_strided_operand_that_another_kernel_reads_is_still_right():
     """Columns a kernel also reads are copied for it; the matmul's values do not depend on which
     of the two reads first."""
-    from tinydist.functional import _im2col
+    from tinydist.frontend.functional import _im2col
     rng = np.random.default_rng(4)
     x_np = rng.standard_normal((2, 3, 6, 6)).astype(np.float32)
     weights = rng.standard_normal((1, 5, 27)).astype(np.float32)

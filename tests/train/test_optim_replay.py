@@ -1,4 +1,4 @@
-"""The optimizer's kept update (`tinydist.optim._UpdateReplay`): from the third step on, an update
+"""The optimizer's kept update (`tinydist.train.optim._UpdateReplay`): from the third step on, an update
 step runs the schedule the second step built, over the current buffers. Checked against
 torch.optim on the same model and data, against the same optimizer made to build its graph every
 step (bit for bit), and in the cases where a replay must not run: a lazy reader of the old

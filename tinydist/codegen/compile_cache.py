@@ -25,8 +25,8 @@ from pathlib import Path
 
 import structlog
 
+from tinydist.base.config import settings
 from tinydist.codegen.compiler import HostCompiler
-from tinydist.config import settings
 
 log = structlog.get_logger("tinydist.compile_cache")
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import llvmlite
 import llvmlite.binding as llvm
 
-from tinydist.errors import CompileError
+from tinydist.base.errors import CompileError
 
 _init_lock = threading.Lock()
 _initialised = False

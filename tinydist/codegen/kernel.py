@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tinydist.dtypes import DType
-from tinydist.shape import Shape, ShapeTracker
-from tinydist.walk import postorder
+from tinydist.base.walk import postorder
+from tinydist.graph.dtypes import DType
+from tinydist.graph.shape import Shape, ShapeTracker
 
 
 @dataclass(frozen=True, eq=False)

@@ -26,12 +26,12 @@ from typing import Any, Protocol
 
 from llvmlite import ir
 
-from tinydist import dtypes
+from tinydist.base.walk import postorder
 from tinydist.codegen import transcendental
 from tinydist.codegen.kernel import KernelAST, KNode
-from tinydist.dtypes import DType
-from tinydist.shape import ShapeTracker, View, prod
-from tinydist.walk import postorder
+from tinydist.graph import dtypes
+from tinydist.graph.dtypes import DType
+from tinydist.graph.shape import ShapeTracker, View, prod
 
 I1, I8, I32, I64 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64)
 F32, F64 = ir.FloatType(), ir.DoubleType()

@@ -36,12 +36,12 @@ from typing import Any, Callable
 import llvmlite.binding as llvm
 from llvmlite import ir
 
-from tinydist import dtypes
+from tinydist.base.errors import CompileError
 from tinydist.codegen.kernel import KernelAST
 from tinydist.codegen.lowering import (
     I8, I32, I64, F32, F64, _Lowerer, _entry_alloca, combine, identity, llvm_type)
-from tinydist.errors import CompileError
-from tinydist.shape import prod
+from tinydist.graph import dtypes
+from tinydist.graph.shape import prod
 
 TRIPLE = "nvptx64-nvidia-cuda"
 GLOBAL_PTR = ir.PointerType(addrspace=1)

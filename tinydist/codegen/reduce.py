@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tinydist.reduce_ops import REDUCE_OPS, ReduceOp
+from tinydist.graph.reduce_ops import REDUCE_OPS, ReduceOp
 
 VECTOR_BYTES = 64
 _FLOATS = {"f4": "float", "f8": "double"}

@@ -22,14 +22,15 @@ from typing import Any
 
 import numpy as np
 
-from tinydist import metrics
 from tinydist.dist.environment import launch
 from tinydist.dist.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, RankFailed
 from tinydist.dist.group import ProcessGroup
+from tinydist.dist.parallel import DistributedDataParallel
 from tinydist.dist.rendezvous import parse_coordinator
+from tinydist.observability import metrics
 from tinydist.runtime.engine import get_engine
 
-__all__ = ["CollectiveError", "CollectiveMismatch", "CollectiveTimeout", "ProcessGroup", "RankFailed", "all_gather",
+__all__ = ["CollectiveError", "CollectiveMismatch", "CollectiveTimeout", "DistributedDataParallel", "ProcessGroup", "RankFailed", "all_gather",
            "all_reduce", "barrier", "broadcast", "destroy", "fail", "get_group", "get_rank", "get_world_size", "init",
            "is_initialized", "rank", "reduce_scatter", "run_on_loop", "world_size"]
 
@@ -115,7 +116,7 @@ get_world_size = world_size
 def _array(t: Any) -> np.ndarray:
     if isinstance(t, np.ndarray):
         return t
-    from tinydist.tensor import Tensor
+    from tinydist.frontend.tensor import Tensor
     if isinstance(t, Tensor):
         return t.numpy()
     return np.asarray(t)
@@ -135,7 +136,7 @@ def _call(collective: str, *args: Any, algorithm: str = "") -> Any:
 
 
 def _tensor(arr: np.ndarray) -> Any:
-    from tinydist.tensor import Tensor
+    from tinydist.frontend.tensor import Tensor
     return Tensor(arr)
 
 

@@ -13,7 +13,7 @@ launcher handed down. It consults `apply()` when TINYDIST_RANK is not set, so on
 
 TINYDIST_PORT defaults to 29400. Local rank: SLURM_LOCALID, else 0 (one pod per rank). The node id
 for the cluster scheduler: TINYDIST_NODE_ID, else the pod name, else `<SLURMD_NODENAME>-<localid>`,
-else `node-<rank>`. Every integer is parsed by `tinydist.config.launch_int`, so a bad TINYDIST_RANK
+else `node-<rank>`. Every integer is parsed by `tinydist.base.config.launch_int`, so a bad TINYDIST_RANK
 (or SLURM_PROCID, ...) raises the same LaunchError wherever it is read.
 """
 
@@ -25,8 +25,8 @@ import socket
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 
-from tinydist.config import launch_int
-from tinydist.errors import LaunchError
+from tinydist.base.config import launch_int
+from tinydist.base.errors import LaunchError
 
 DEFAULT_PORT = 29400
 DEFAULT_COORDINATOR = f"127.0.0.1:{DEFAULT_PORT}"

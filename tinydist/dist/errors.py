@@ -1,9 +1,9 @@
 """Errors of process-group collectives; every rank of a failed collective raises one of these
-(drawn with the rest of the tree in tinydist/errors.py)."""
+(drawn with the rest of the tree in tinydist/base/errors.py)."""
 
 from __future__ import annotations
 
-from tinydist.errors import TinydistError
+from tinydist.base.errors import TinydistError
 
 
 class CollectiveError(TinydistError):

@@ -35,14 +35,14 @@ from typing import Any, TypeVar
 import anyio
 import numpy as np
 
-from tinydist.collectives import Algorithm, Medium, check, resolve, shard_bounds
-from tinydist.config import settings
+from tinydist.base.config import settings
+from tinydist.base.logs import get_logger
 from tinydist.dist import algorithms as algo
 from tinydist.dist import shm_algorithms as shm
 from tinydist.dist.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, RankFailed
 from tinydist.dist.rendezvous import connect_mesh, coordinator_listener, register, serve_coordinator
-from tinydist.logs import get_logger
-from tinydist.reduce_ops import MEAN, collective_op
+from tinydist.graph.collectives import Algorithm, Medium, check, resolve, shard_bounds
+from tinydist.graph.reduce_ops import MEAN, collective_op
 from transports.base import Link, PeerFailed
 from transports.shm_group import ShmGroup, WaitTimeout, open_group
 

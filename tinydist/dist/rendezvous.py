@@ -1,7 +1,7 @@
 """Rendezvous: ranks find each other through a coordinator, then connect a full mesh of links.
 
 The coordinator is a small TCP/JSON-lines server run by rank 0 (on the socket `tinydist launch`
-hands it, or bound at TINYDIST_COORDINATOR; either way under `tinydist.listen`'s bind policy:
+hands it, or bound at TINYDIST_COORDINATOR; either way under `tinydist.security.bind`'s bind policy:
 loopback unless TINYDIST_COORDINATOR_ALLOW_REMOTE=1). Each rank sends one line
 
     {"rank": r, "world_size": n, "host": host_key, "addr": [ip, port]}
@@ -28,9 +28,9 @@ from typing import Any
 
 import anyio
 
-from tinydist.config import settings
-from tinydist.listen import bind_policy, parse_host_port
-from tinydist.logs import get_logger
+from tinydist.base.config import settings
+from tinydist.base.logs import get_logger
+from tinydist.security.bind import bind_policy, parse_host_port
 from transports.base import FailureCallback, Link, TransportError
 from transports.shm import ShmLink
 from transports.tcp import TcpLink, recv_exactly
@@ -50,7 +50,7 @@ def parse_coordinator(text: str) -> tuple[str, int]:
 
 
 def _bindable(host: str, port: int, what: str) -> tuple[str, int]:
-    """`tinydist.listen`'s bind policy for the rendezvous and the mesh: loopback unless
+    """`tinydist.security.bind`'s bind policy for the rendezvous and the mesh: loopback unless
     TINYDIST_COORDINATOR_ALLOW_REMOTE=1 (neither authenticates its peers), never the wildcard, a
     host name resolved once (the launch contract names hosts on Slurm and Kubernetes)."""
     return bind_policy(host, port, loopback_only=settings.COORDINATOR_ALLOW_REMOTE != "1", resolve=True, what=what,

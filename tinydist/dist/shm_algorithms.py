@@ -34,9 +34,9 @@ from typing import Any
 import numpy as np
 
 from tinydist.codegen.reduce import supported
-from tinydist.collectives import shard_bounds
 from tinydist.dist.errors import RankFailed
-from tinydist.reduce_ops import ReduceOp
+from tinydist.graph.collectives import shard_bounds
+from tinydist.graph.reduce_ops import ReduceOp
 from tinydist.runtime.compiler import host_reduce
 from transports import cma
 from transports.shm_group import ShmGroup

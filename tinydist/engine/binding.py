@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from tinydist.lazy import LazyNode
+from tinydist.graph.lazy import LazyNode
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.engine import get_engine
 from tinydist.runtime.faults import faults

@@ -13,15 +13,15 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from tinydist.dtypes import DType
 from tinydist.engine.binding import bind
 from tinydist.engine.replay import HostFrame, Replay, choose
-from tinydist.lazy import LazyNode
+from tinydist.graph.dtypes import DType
+from tinydist.graph.lazy import LazyNode
+from tinydist.graph.shape import Shape
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.device import Batch, Completion
 from tinydist.runtime.engine import get_engine
 from tinydist.schedule import Schedule
-from tinydist.shape import Shape
 
 
 class Capture:

@@ -42,11 +42,11 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any, cast
 
+from tinydist.base.errors import DeviceError, TinydistError
+from tinydist.base.logs import get_logger
 from tinydist.codegen.compile_cache import compile_glue
 from tinydist.engine.commands import Launch, lower_call
-from tinydist.lazy import LazyNode
-from tinydist.errors import DeviceError, TinydistError
-from tinydist.logs import get_logger
+from tinydist.graph.lazy import LazyNode
 from tinydist.runtime import command_queue
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.device import Completion, Device, DeviceState

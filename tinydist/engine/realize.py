@@ -30,12 +30,12 @@ from collections import deque
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from tinydist.config import settings
+from tinydist.base.config import settings
+from tinydist.base.logs import get_logger
 from tinydist.engine.binding import Bound, bind
 from tinydist.engine.commands import issue, lower_call
 from tinydist.engine.lowered import Lowered, lower
-from tinydist.lazy import LazyNode, Op
-from tinydist.logs import get_logger
+from tinydist.graph.lazy import LazyNode, Op
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.device import Batch, Completion
 from tinydist.runtime.engine import get_engine

@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
-from tinydist.config import settings
+from tinydist.base.config import settings
+from tinydist.base.errors import TinydistError
+from tinydist.base.logs import get_logger
 from tinydist.engine.commands import Launch, lower_call
 from tinydist.engine.streams import NativeStreams, overlap, span
-from tinydist.errors import TinydistError
-from tinydist.logs import get_logger
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.command_queue import BUSY
 from tinydist.runtime.device import Completion, Device, host_address

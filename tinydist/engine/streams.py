@@ -32,10 +32,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from tinydist.base.config import settings
+from tinydist.base.errors import DeviceFailed, DeviceHang
 from tinydist.codegen.compile_cache import compile_glue
 from tinydist.codegen.stream_sync import ABORTED, OK, Part, Slot, Wait, futex_syscall, step_function_ir
-from tinydist.config import settings
-from tinydist.errors import DeviceFailed, DeviceHang
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.command_queue import CommandQueue
 from tinydist.runtime.cpu.stream_control import ControlBlock, native_address, publish

@@ -19,7 +19,7 @@ With S bytes per device and N devices, memory traffic (reads + writes, all devic
   all2all  device i reduces chunk i reading every device (reduce-scatter, (N+1)·S), then each
            device gathers the N reduced chunks (allgather, copies: 2·N·S): (3·N+1)·S
 
-The floor is 2·N·S (read every input once, write every output once). `tinydist.collectives.choose`
+The floor is 2·N·S (read every input once, write every output once). `tinydist.graph.collectives.choose`
 picks one (medium `devices`; the rule in its docstring); the choice is logged and can be forced per
 call, or with TINYDIST_ALLREDUCE (naive, ring or all2all: the setting is shared with tinydist.dist,
 which has no `direct`).
@@ -31,12 +31,12 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from tinydist.collectives import LEGAL, Algorithm, Medium, Topology, resolve, shard_bounds
-from tinydist.lazy import LazyNode, Op
-from tinydist.logs import get_logger
-from tinydist.reduce_ops import reduce_op
+from tinydist.base.logs import get_logger
+from tinydist.frontend.tensor import Tensor, cat
+from tinydist.graph.collectives import LEGAL, Algorithm, Medium, Topology, resolve, shard_bounds
+from tinydist.graph.lazy import LazyNode, Op
+from tinydist.graph.reduce_ops import reduce_op
 from tinydist.runtime.registry import peer_group
-from tinydist.tensor import Tensor, cat
 
 log = get_logger(layer="multi")
 

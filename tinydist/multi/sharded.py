@@ -20,14 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from tinydist import dtypes
-from tinydist.collectives import shard_sizes
-from tinydist.dtypes import DType
-from tinydist.errors import TinydistError
-from tinydist.multi.allreduce import allreduce
+from tinydist.base.errors import TinydistError
 from tinydist.engine.realize import realize
+from tinydist.frontend.tensor import Tensor, _normalize_axes, _normalize_axis, cat
+from tinydist.graph import dtypes
+from tinydist.graph.collectives import shard_sizes
+from tinydist.graph.dtypes import DType
+from tinydist.multi.allreduce import allreduce
 from tinydist.runtime.registry import canonical_name
-from tinydist.tensor import Tensor, _normalize_axes, _normalize_axis, cat
 
 
 class ShardError(TinydistError, ValueError):

@@ -31,8 +31,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from tinydist.config import launch_int, settings
-from tinydist.errors import DeviceError, TinydistError
+from tinydist.base.config import launch_int, settings
+from tinydist.base.errors import DeviceError, TinydistError
 from tinydist.runtime import command_queue as _hooks
 from tinydist.runtime.timeline import Timeline
 

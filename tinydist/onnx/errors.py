@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tinydist.errors import TinydistError
+from tinydist.base.errors import TinydistError
 
 
 class UnsupportedModelError(TinydistError, ValueError):

@@ -20,14 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from tinydist import dtypes
+from tinydist.engine.realize import realize
+from tinydist.frontend.jit import JitError, TinyJit
+from tinydist.frontend.tensor import Tensor
+from tinydist.graph import dtypes
 from tinydist.onnx.errors import ModelLoadError, UnsupportedModelError
 from tinydist.onnx.ops import FOLDS, OPS, SUPPORTED_NP
-from tinydist.engine.realize import realize
 from tinydist.runtime.engine import get_engine
 from tinydist.runtime.registry import canonical_name
-from tinydist.jit import JitError, TinyJit
-from tinydist.tensor import Tensor
 
 MIN_OPSET = 7  # the oldest default-domain opset onnxruntime runs; the newest is the installed onnx's
 _REQUIRED = object()

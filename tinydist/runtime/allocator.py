@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tinydist.errors import AllocationError
+from tinydist.base.errors import AllocationError
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.faults import faults
 

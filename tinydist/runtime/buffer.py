@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from tinydist.errors import BufferInUse, OutOfBounds, UseAfterFree
+from tinydist.base.errors import BufferInUse, OutOfBounds, UseAfterFree
 from tinydist.runtime.dependencies import AccessLog
 
 if TYPE_CHECKING:

@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tinydist.errors import DeviceClosed, DeviceFailed
-from tinydist.logs import get_logger
+from tinydist.base.errors import DeviceClosed, DeviceFailed
+from tinydist.base.logs import get_logger
 from tinydist.runtime.timeline import Timeline
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 Command = tuple[Callable[..., Any], tuple[Any, ...]]
 
-# Observability hooks (tinydist.observability, tinydist.metrics). TRACER is None unless tracing is on; the
+# Observability hooks (tinydist.observability, tinydist.observability.metrics). TRACER is None unless tracing is on; the
 # worker reads it once per batch, so tracing off costs one global load per batch and nothing per
 # command. QUEUES lets the metrics collector read every live queue's counters at scrape time.
 TRACER: Any = None
@@ -62,7 +62,7 @@ class CommandQueue:
         self.timings: deque[BatchTiming] = deque(maxlen=history)
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._submitted = 0
-        self.bytes_copied = 0  # bytes submitted in copy commands (read by tinydist.metrics)
+        self.bytes_copied = 0  # bytes submitted in copy commands (read by tinydist.observability.metrics)
         self._submit_lock = threading.Lock()
         self._closed = False
         self._thread: threading.Thread | None = None

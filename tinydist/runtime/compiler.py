@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from tinydist.base.errors import DeviceError
 from tinydist.codegen.compile_cache import compile_glue, compile_kernel
 from tinydist.codegen.copy import SIGNATURE as STREAM_COPY_SIGNATURE
 from tinydist.codegen.copy import stream_copy_ir
@@ -32,8 +33,7 @@ from tinydist.codegen.matmul import SIGNATURE as MATMUL_SIGNATURE
 from tinydist.codegen.matmul import StridedOperand, matmul_ir, program_name
 from tinydist.codegen.reduce import reduce_ir
 from tinydist.codegen.reduce import signature as reduce_signature
-from tinydist.dtypes import DType
-from tinydist.errors import DeviceError
+from tinydist.graph.dtypes import DType
 from tinydist.runtime.cpu.loader import native_loader
 from tinydist.runtime.program import Program
 

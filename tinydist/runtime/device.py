@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import numpy as np
 
-from tinydist.config import settings
-from tinydist.errors import DeviceClosed, DeviceError, DeviceFailed, OutOfBounds
-from tinydist.logs import get_logger
+from tinydist.base.config import settings
+from tinydist.base.errors import DeviceClosed, DeviceError, DeviceFailed, OutOfBounds
+from tinydist.base.logs import get_logger
+from tinydist.runtime import command_queue as _hooks
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.clock import SYSTEM_CLOCK, Clock
-from tinydist.runtime import command_queue as _hooks
 from tinydist.runtime.command_queue import BUSY, Command, CommandQueue
 from tinydist.runtime.compiler import DeviceCompiler
 from tinydist.runtime.dependencies import AccessLog
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from tinydist.runtime.program import Program
 
 
-# (device name, error type name) -> how often a device failed that way (read by tinydist.metrics).
+# (device name, error type name) -> how often a device failed that way (read by tinydist.observability.metrics).
 FAILURES: collections.Counter[tuple[str, str]] = collections.Counter()
 
 

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from tinydist.errors import DeviceClosed
+from tinydist.base.errors import DeviceClosed
 from tinydist.runtime.device import Device
 from tinydist.runtime.registry import canonical_name, open_device
 

@@ -12,8 +12,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tinydist.config import settings
-from tinydist.errors import DeviceNotFound, DeviceUnavailable
+from tinydist.base.config import settings
+from tinydist.base.errors import DeviceNotFound, DeviceUnavailable
 from tinydist.runtime.clock import SYSTEM_CLOCK, Clock, require_clock
 from tinydist.runtime.device import Device
 

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tinydist.config import settings
-from tinydist.errors import DeviceFailed, DeviceHang
+from tinydist.base.config import settings
+from tinydist.base.errors import DeviceFailed, DeviceHang
 from tinydist.runtime.clock import SYSTEM_CLOCK, Clock, Wakeup, require_clock
 
 if TYPE_CHECKING:

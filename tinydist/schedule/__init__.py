@@ -12,8 +12,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Hashable, NamedTuple
 
-from tinydist.lazy import LazyNode, Op
-from tinydist.logs import get_logger
+from tinydist.base.logs import get_logger
+from tinydist.graph.lazy import LazyNode, Op
 from tinydist.schedule.fusion import fuse
 from tinydist.schedule.items import BufferSpec, Call
 from tinydist.schedule.linear import ScheduleCycleError, linearize
@@ -88,7 +88,7 @@ def _part(node: LazyNode, numbers: tuple[int, ...]) -> tuple[Any, ...]:
 
 
 def canonical_walk(targets: list[LazyNode]) -> Walk:
-    """The graph's structure as a flat key — nodes numbered in post-order (`tinydist.walk`'s
+    """The graph's structure as a flat key — nodes numbered in post-order (`tinydist.base.walk`'s
     order), each unrealized node's part its op's name, arg, dtype, shape, device and its sources'
     numbers, a realized one's ("in", dtype, shape, device) — and its realized inputs in the same
     order. Every part is plain tuples of strings and numbers (a view's ShapeTracker as its views'

@@ -25,18 +25,18 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tinydist import dtypes
+from tinydist.base.walk import Step, drive, postorder
 from tinydist.codegen import kernel as K
 from tinydist.codegen.kernel import KernelAST, KNode
 from tinydist.codegen.lowering import STREAMING_STORE_BYTES, VECTOR_BYTES
 from tinydist.codegen.matmul import StridedOperand, workspace_bytes
-from tinydist.collectives import shard_bounds
-from tinydist.lazy import ELEMENTWISE, MAX_FUSED_OPS, TRANSCENDENTAL, LazyNode, Op
-from tinydist.reduce_ops import ReduceOp
+from tinydist.graph import dtypes
+from tinydist.graph.collectives import shard_bounds
+from tinydist.graph.lazy import ELEMENTWISE, MAX_FUSED_OPS, TRANSCENDENTAL, LazyNode, Op
+from tinydist.graph.reduce_ops import ReduceOp
+from tinydist.graph.shape import ShapeTracker, prod
 from tinydist.runtime.registry import peer_group
 from tinydist.schedule.items import BufferSpec, Call, CopyCall, GatherCall, KernelCall, MatmulCall, SliceCall
-from tinydist.shape import ShapeTracker, prod
-from tinydist.walk import Step, drive, postorder
 
 CHEAP_RECOMPUTE_OPS = 3
 
@@ -105,7 +105,7 @@ class _Fuser:
             drive(self.materialize(target))
         return self.graph
 
-    # The methods below that may materialize another node are Steps (tinydist.walk): each call of
+    # The methods below that may materialize another node are Steps (tinydist.base.walk): each call of
     # one is `(yield self.method(...))`, so that chains of thousands of kernels, each inlining
     # thousands of ops, stack up in `drive` and not on the interpreter's stack.
 

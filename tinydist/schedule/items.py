@@ -12,8 +12,8 @@ from typing import Protocol
 
 from tinydist.codegen.kernel import KernelAST
 from tinydist.codegen.matmul import StridedOperand
-from tinydist.dtypes import DType
-from tinydist.shape import Shape
+from tinydist.graph.dtypes import DType
+from tinydist.graph.shape import Shape
 
 
 class _HasInputs(Protocol):

@@ -14,7 +14,7 @@ import dataclasses
 import heapq
 from collections.abc import Sequence
 
-from tinydist.errors import TinydistError
+from tinydist.base.errors import TinydistError
 from tinydist.schedule.items import BufferSpec, Call, CopyCall, KernelCall, MatmulCall, SliceCall
 
 

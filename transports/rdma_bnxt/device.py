@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from tinydist.logs import get_logger
+from tinydist.base.logs import get_logger
 from transports.rdma_bnxt import hsi
 from transports.rdma_bnxt.errors import (CompletionError, CQOverflow, CqeProtocolViolation, FirmwareError, Flushed, LinkDown,
                                          LocalQpOperation, ProtocolViolation, QpFatal, RdmaError, RetryExceeded, TeardownError,

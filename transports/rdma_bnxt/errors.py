@@ -1,5 +1,5 @@
 """The RDMA error taxonomy: every failure of the driver or the NIC ends in one of these classes
-(drawn with the rest of the tree in tinydist/errors.py). Their fields, each a constructor argument
+(drawn with the rest of the tree in tinydist/base/errors.py). Their fields, each a constructor argument
 so that type checkers see it:
 
     RdmaError           .recovery (what brings the rail back), .hint, .retryable

@@ -32,8 +32,8 @@ from typing import Any
 import anyio
 import numpy as np
 
-from tinydist.config import settings
-from tinydist.logs import get_logger
+from tinydist.base.config import settings
+from tinydist.base.logs import get_logger
 from transports.base import FailureCallback, Link, TransportError, as_bytes
 from transports.rdma_bnxt.device import BnxtDevice, DriverConfig, Mr, Qp
 from transports.rdma_bnxt.errors import NicUnavailable, RdmaError

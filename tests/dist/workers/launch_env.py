@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 import tinydist as td
-from tinydist.logs import get_logger
+from tinydist.base.logs import get_logger
 
 NAMES = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
          "TINYDIST_RANK", "TINYDIST_LOCAL_RANK", "TINYDIST_WORLD_SIZE", "TINYDIST_COORDINATOR",

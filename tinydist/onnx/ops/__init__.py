@@ -1,4 +1,4 @@
-"""ONNX op handlers: each maps one node onto td.Tensor ops.
+"""ONNX op handlers: each maps one node onto Tensor ops.
 
 A handler is `fn(ctx, *inputs) -> value | tuple[value, ...]`. Inputs at the op's *param* positions
 (shape, axes, pads, scales, weights worth preparing once, ...) arrive as numpy arrays when they are
@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import tinydist as td
-from tinydist.onnx.ops.attention import op_attention, op_linear_attention, op_rotary_embedding
+from tinydist.frontend.tensor import Tensor, where
 from tinydist.onnx.ops._common import SUPPORTED_NP, erf, require_float, scalar_like, tanh
+from tinydist.onnx.ops.attention import op_attention, op_linear_attention, op_rotary_embedding
 from tinydist.onnx.ops.data_dependent import op_compress, op_nonzero, op_unique
 from tinydist.onnx.ops.einsum import op_einsum
 from tinydist.onnx.ops.elementwise import (
@@ -36,22 +36,21 @@ from tinydist.onnx.ops.indexing import (
     op_cumprod, op_cumsum, op_gather_elements, op_reverse_sequence, op_gather_nd, op_one_hot, op_scatter_elements, op_scatter_nd, op_top_k, op_trilu,
 )
 from tinydist.onnx.ops.loss import op_nll_loss, op_softmax_cross_entropy
-from tinydist.onnx.ops.recurrent import op_recurrent
-from tinydist.onnx.ops.norm import (
-    op_depth_to_space, op_group_norm, op_instance_norm, op_lp_norm, op_lrn, op_mean_variance_norm, op_rms_norm,
-    op_space_to_depth,
-)
 from tinydist.onnx.ops.nn import (
     _softmax_like, op_average_pool, op_causal_conv_with_state, op_dft, op_lp_pool, op_batch_norm, op_conv, op_conv_transpose, op_gemm,
     op_global_average_pool, op_global_max_pool, op_hardmax, op_layer_norm, op_matmul, op_max_pool, op_resize,
     op_upsample,
 )
+from tinydist.onnx.ops.norm import (
+    op_depth_to_space, op_group_norm, op_instance_norm, op_lp_norm, op_lrn, op_mean_variance_norm, op_rms_norm,
+    op_space_to_depth,
+)
+from tinydist.onnx.ops.recurrent import op_recurrent
 from tinydist.onnx.ops.shape import (
     _arg, _reduce, op_center_crop_pad, op_eye_like, op_window, op_concat, op_constant, op_constant_of_shape, op_expand, op_flatten, op_gather,
     op_pad, op_range, op_reshape, op_shape, op_size, op_slice, op_split, op_squeeze, op_tile,
     op_transpose, op_unsqueeze,
 )
-from tinydist.tensor import Tensor
 
 
 # ---- the table -----------------------------------------------------------------------------
@@ -105,7 +104,7 @@ OPS: dict[str, OpSpec] = {
     "Clip": OpSpec(op_clip, params=(1, 2), attrs=("min", "max")),
     "Min": OpSpec(_variadic(Tensor.minimum)), "Max": OpSpec(_variadic(Tensor.maximum)),
     "Sum": OpSpec(_variadic(lambda a, b: a + b)), "Mean": OpSpec(op_mean),
-    "Where": OpSpec(lambda ctx, c, a, b: td.where(c, a, b), min_inputs=3),
+    "Where": OpSpec(lambda ctx, c, a, b: where(c, a, b), min_inputs=3),
     "Equal": OpSpec(_b(lambda a, b: a == b), min_inputs=2), "Less": OpSpec(_b(lambda a, b: a < b), min_inputs=2),
     "Greater": OpSpec(_b(lambda a, b: a > b), min_inputs=2),
     "LessOrEqual": OpSpec(_b(lambda a, b: a <= b), min_inputs=2), "GreaterOrEqual": OpSpec(_b(lambda a, b: a >= b), min_inputs=2),

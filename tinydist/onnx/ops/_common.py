@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from tinydist.tensor import Tensor
+from tinydist.frontend.tensor import Tensor
 
 Value = Any  # np.ndarray | Tensor | None
 

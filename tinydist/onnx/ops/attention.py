@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from tinydist import dtypes
+from tinydist.frontend.tensor import Tensor, cat
+from tinydist.graph import dtypes
 from tinydist.onnx.ops._common import Value, as_tensor, gather_where, require_float
-from tinydist.tensor import Tensor, cat
 
 NEG_INF = float("-inf")
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from tinydist.frontend.tensor import Tensor
 from tinydist.onnx.ops._common import Value, norm_axis
 from tinydist.onnx.ops.shape import op_gather
-from tinydist.tensor import Tensor
 
 
 def _values(ctx: Any, value: Value, what: str) -> np.ndarray:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from tinydist.tensor import Tensor
+from tinydist.frontend.tensor import Tensor
 
 _ELLIPSIS_LABELS = string.ascii_uppercase[::-1]  # stand-ins for the dims under "...", unlikely in equations
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from tinydist import dtypes
+from tinydist.frontend.tensor import Tensor
+from tinydist.graph import dtypes
 from tinydist.onnx.ops._common import Value, as_tensor, erf, require_float, scalar_like, static, tanh
-from tinydist.tensor import Tensor
 
 
 # ---- elementwise -------------------------------------------------------------------------------

@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from tinydist import dtypes
+from tinydist.frontend.tensor import Tensor
+from tinydist.graph import dtypes
 from tinydist.onnx.ops._common import Value, as_tensor, highest, ints, lowest, norm_axis, static
 from tinydist.onnx.ops.nn import pad_value
-from tinydist.tensor import Tensor
 
 
 def _index_tensor(ctx: Any, indices: Value, key: str) -> Tensor:

@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from tinydist.frontend.tensor import Tensor
 from tinydist.onnx.ops._common import Value, as_tensor, require_float
-from tinydist.tensor import Tensor
 
 
 def _nll(ctx: Any, log_prob: Tensor, target: Tensor, weight: Value) -> Tensor:

@@ -8,13 +8,13 @@ from typing import Any
 
 import numpy as np
 
-from tinydist import dtypes
-from tinydist.functional import conv2d
+from tinydist.frontend.functional import conv2d
+from tinydist.frontend.tensor import Tensor, cat
+from tinydist.graph import dtypes
 from tinydist.onnx.ops._common import (
     Value, as_tensor, gather_where, ints, lowest, norm_axes, norm_axis, pad_or_crop, require_float,
     scalar_like, static,
 )
-from tinydist.tensor import Tensor, cat
 
 
 # ---- matmul, gemm --------------------------------------------------------------------------------

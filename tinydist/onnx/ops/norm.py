@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from tinydist.frontend.tensor import Tensor
 from tinydist.onnx.ops._common import (
     Value,
     as_tensor,
@@ -14,7 +15,6 @@ from tinydist.onnx.ops._common import (
     require_float,
 )
 from tinydist.onnx.ops.nn import pad_value
-from tinydist.tensor import Tensor
 
 
 def _normalise(x: Tensor, axes: tuple[int, ...], eps: float) -> Tensor:

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from tinydist import dtypes
+from tinydist.frontend.tensor import Tensor, stack
+from tinydist.graph import dtypes
 from tinydist.onnx.ops._common import Value, as_tensor, require_float, tanh
-from tinydist.tensor import Tensor, stack
 
 _GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
 _DEFAULT_ACTIVATIONS = {"RNN": ["Tanh"], "GRU": ["Sigmoid", "Tanh"], "LSTM": ["Sigmoid", "Tanh", "Tanh"]}

@@ -8,14 +8,13 @@ from typing import Any
 
 import numpy as np
 
-import tinydist as td
-from tinydist import dtypes
+from tinydist.frontend.tensor import Tensor, cat
+from tinydist.graph import dtypes
 from tinydist.onnx.ops._common import (
     Value, as_tensor, gather_where, highest, ints, lowest, norm_axes, norm_axis, pad_or_crop, require_float, scalar_like,
     shrink_axis, static,
 )
 from tinydist.onnx.ops.nn import pad_value
-from tinydist.tensor import Tensor
 
 
 # ---- reductions -----------------------------------------------------------------------------
@@ -163,7 +162,7 @@ def op_unsqueeze(ctx: Any, x: Tensor, axes: Value = None) -> Tensor:
 def op_concat(ctx: Any, *xs: Tensor) -> Tensor:
     xs = tuple(x for x in xs if x.numel() or x.ndim != 1)  # ONNX allows empty 1-D pieces
     axis = norm_axis(ctx, ctx.attr("axis"), xs[0].ndim)
-    return xs[0] if len(xs) == 1 else td.cat(list(xs), axis)
+    return xs[0] if len(xs) == 1 else cat(list(xs), axis)
 
 
 def split_sizes(ctx: Any, dim: int, split: Value) -> list[int]:
@@ -339,7 +338,7 @@ def op_pad(ctx: Any, x: Tensor, pads: Value = None, value: Value = None, axes: V
                 pieces[-1] = (pieces[-1][0], s + 1, 1)
             else:
                 pieces.append((s, s + 1, 1))
-        x = td.cat([shrink_axis(x, axis, lo, hi) for lo, hi, _ in pieces], axis) if len(pieces) > 1 else shrink_axis(x, axis, pieces[0][0], pieces[0][1])
+        x = cat([shrink_axis(x, axis, lo, hi) for lo, hi, _ in pieces], axis) if len(pieces) > 1 else shrink_axis(x, axis, pieces[0][0], pieces[0][1])
     return x
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 
-from tinydist.config import settings
+from tinydist.base.config import settings
 from tinydist.runtime.cpu.allocator import CPUAllocator
 from tinydist.runtime.cpu.loader import native_loader
 from tinydist.runtime.device import Device

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import llvmlite.binding as llvm
 
-from tinydist.errors import CompileError
+from tinydist.base.errors import CompileError
 from tinydist.runtime.program import ARG_KINDS, Program, check_signature
 
 

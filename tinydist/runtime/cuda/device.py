@@ -33,15 +33,15 @@ from typing import Any
 
 import numpy as np
 
+from tinydist.base.config import settings
+from tinydist.base.errors import CompileError, DeviceError, DeviceUnavailable
 from tinydist.codegen import ptx
 from tinydist.codegen.kernel import KernelAST
 from tinydist.codegen.matmul import StridedOperand
-from tinydist.config import settings
-from tinydist.dtypes import DType
-from tinydist.errors import CompileError, DeviceError, DeviceUnavailable
+from tinydist.graph.dtypes import DType
 from tinydist.runtime.allocator import Allocator
-from tinydist.runtime.cuda import driver as cu
 from tinydist.runtime.compiler import DeviceCompiler
+from tinydist.runtime.cuda import driver as cu
 from tinydist.runtime.device import Batch, Device
 from tinydist.runtime.program import Program, check_signature
 

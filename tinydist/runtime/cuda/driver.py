@@ -19,7 +19,7 @@ import threading
 from ctypes import POINTER, c_char_p, c_float, c_int, c_size_t, c_uint, c_uint64, c_void_p
 from typing import Any
 
-from tinydist.errors import DeviceError, TinydistError
+from tinydist.base.errors import DeviceError, TinydistError
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_NOT_READY = 600

@@ -13,7 +13,7 @@ import random
 
 import numpy as np
 
-from tinydist.errors import TinydistError
+from tinydist.base.errors import TinydistError
 
 PAGE = 4096
 BASE_FRAME = 0x1_0000_0000 // PAGE

@@ -1,0 +1,635 @@
+"""The remote device service (grpc.aio): mutual TLS, roles, elevation tokens, handles, audit.
+
+Every call goes through one gate (`_admit`) before its handler runs:
+
+    TLS identity (single URI SAN, clientAuth, valid) → not revoked → enrolled → method listed in the
+    policy with a role the caller has → within its RPC rate → elevation token (admin methods)
+
+and ends in exactly one audit `decision` record. Memory is named by opaque random 128-bit handles
+owned by (identity, lease); offsets and lengths are checked as `offset <= size and length <= size -
+offset` in Python integers (no overflow) before anything reaches a device. The runtime runs the
+work: allocations, copies and kernels go through the same Device/Batch API local code uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import secrets
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+
+from nodes.audit import AuditLog, handle_tag
+from nodes.leases import Allocation, Lease, LeaseTable
+from nodes.pci_sim import SimulatedPciFunction
+from nodes.verifier import ENGINE, RAW, VerificationError, verify
+from tinydist.base.errors import AllocationError, CompileError, DeviceFailed, TinydistError
+from tinydist.base.logs import get_logger
+from tinydist.observability import metrics
+from tinydist.runtime.buffer import Buffer
+from tinydist.runtime.device import Device
+from tinydist.runtime.program import Program
+from tinydist.security.identity import IdentityError, PeerCache, peer_from_auth_context
+from tinydist.security.policy import ELEVATED, RANK, Policy, PolicyStore
+from transports.pci_remote import wire
+from transports.pci_remote._generated import device_pb2 as pb
+
+SERVICE = "tinydist.v1.DeviceService"
+ELEVATION_METADATA = "tinydist-elevation"
+Code = grpc.StatusCode
+
+
+def _log():  # not at import: configuring logs then would bind the importer's stderr
+    return get_logger(component="remote-server")
+
+
+class RpcError(TinydistError):
+    """A handler's refusal: the call ends with gRPC status `code` and `reason` as its details."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+@dataclass
+class ServerConfig:
+    listen: str = "127.0.0.1:7070"
+    devices: tuple[str, ...] = ("CPU:0",)
+    allow_wildcard: bool = False
+    max_message_bytes: int = 8 << 20
+    max_concurrent_streams: int = 64
+    max_connections: int = 64
+    max_concurrent_rpcs: int = 256
+    handshake_timeout_s: float = 5.0
+    keepalive_time_s: float = 60.0
+    keepalive_timeout_s: float = 20.0
+    min_ping_interval_s: float = 10.0
+    max_metadata_bytes: int = 16 << 10
+    lease_ttl_s: float = 30.0
+    reap_interval_s: float = 1.0
+    stream_chunk_bytes: int = 4 << 20
+    max_allocation_bytes: int = 1 << 34
+    op_timeout_s: float = 60.0
+
+
+@dataclass
+class Call:
+    identity: str
+    fingerprint: str
+    role: str
+    policy: Policy
+    method: str
+    deadline: float  # monotonic
+
+
+def _check_range(nbytes: int, offset: int, length: int) -> None:
+    if not (offset <= nbytes and length <= nbytes - offset):
+        raise RpcError(Code.OUT_OF_RANGE, f"range offset={offset} length={length} is outside the {nbytes}-byte buffer")
+
+
+class DeviceService:
+    """State and handlers; `handlers()` gives the gated gRPC handlers."""
+
+    def __init__(self, config: ServerConfig, policy: PolicyStore, audit: AuditLog, devices: dict[str, Device],
+                 pci: dict[str, SimulatedPciFunction] | None = None, compile_ir: Callable[[str], bytes] | None = None) -> None:
+        self.config = config
+        self.policy = policy
+        self.audit = audit
+        self.devices = devices
+        self.pci = pci if pci is not None else {}
+        self.handler_calls: Counter[str] = Counter()  # how often each handler body ran (tests prove refusals)
+        self.table = LeaseTable(audit, config.lease_ttl_s)
+        self._buckets: dict[str, tuple[float, float]] = {}
+        self._tokens: dict[str, list[tuple[bytes, float]]] = {}
+        self._programs: dict[tuple[str, str], Program] = {}
+        self._visible: dict[str, set[tuple[str, str]]] = {}
+        self._peers = PeerCache()
+        self._compile_ir = compile_ir
+        self._compile_lock = asyncio.Lock()
+
+    # ---- the gate ------------------------------------------------------------------------------
+
+    def _admit(self, method: str, context: grpc.aio.ServicerContext) -> Call:
+        policy, denied = self.policy.current()
+        try:
+            peer = peer_from_auth_context(context.auth_context(), policy.trust_domain, self._peers)
+        except IdentityError as exc:
+            raise RpcError(Code.UNAUTHENTICATED, str(exc)) from None
+        call = Call(peer.identity, peer.fingerprint, "", policy, method, 0.0)
+        if peer.fingerprint in denied:
+            raise _Refused(call, Code.UNAUTHENTICATED, "certificate revoked")
+        role = policy.role_of(peer.identity)
+        if role is None:
+            raise _Refused(call, Code.PERMISSION_DENIED, "identity not enrolled")
+        call.role = role
+        need = policy.min_role(method)
+        if need is None:
+            raise _Refused(call, Code.PERMISSION_DENIED, "method not in policy (deny by default)")
+        if RANK[role] < RANK[need]:
+            raise _Refused(call, Code.PERMISSION_DENIED, f"role {role} below required {need}")
+        quota = policy.quota_of(peer.identity)
+        now = time.monotonic()
+        tokens, last = self._buckets.get(peer.identity, (quota.rpc_burst, now))
+        tokens = min(quota.rpc_burst, tokens + (now - last) * quota.rpc_per_second)
+        if tokens < 1.0:
+            self._buckets[peer.identity] = (tokens, now)
+            raise _Refused(call, Code.RESOURCE_EXHAUSTED, "rpc rate quota exceeded")
+        self._buckets[peer.identity] = (tokens - 1.0, now)
+        if method in ELEVATED:
+            self._check_token(call, context)
+        remaining = context.time_remaining()
+        budget = self.config.op_timeout_s if remaining is None else min(self.config.op_timeout_s, remaining)
+        call.deadline = now + max(budget, 0.0)
+        return call
+
+    def _check_token(self, call: Call, context: grpc.aio.ServicerContext) -> None:
+        presented = None
+        for key, value in context.invocation_metadata() or ():
+            if key == ELEVATION_METADATA:
+                presented = value.encode() if isinstance(value, str) else bytes(value)
+        if not presented:
+            raise _Refused(call, Code.PERMISSION_DENIED, "elevation token required")
+        now = time.monotonic()
+        matched_expired = False
+        for token, expires in self._tokens.get(call.fingerprint, ()):
+            if hmac.compare_digest(token, presented):
+                if expires > now:
+                    return
+                matched_expired = True
+        raise _Refused(call, Code.PERMISSION_DENIED,
+                       "elevation token expired" if matched_expired else "elevation token invalid for this certificate")
+
+    def _wrap_unary(self, method: str, impl: Callable[..., Any]) -> Callable[..., Any]:
+        async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            call, code, reason, started = None, Code.OK, "ok", time.perf_counter()
+            try:
+                call = self._admit(method, context)
+                self.handler_calls[method] += 1
+                return await impl(request, call)
+            except _Refused as exc:
+                call, code, reason = exc.call, exc.code, exc.reason
+            except RpcError as exc:
+                code, reason = exc.code, exc.reason
+            except asyncio.CancelledError:
+                code, reason = Code.CANCELLED, "cancelled by the client"
+                raise
+            except Exception as exc:  # noqa: BLE001 - classified below, never leaked
+                code, reason = _classify(exc)
+            finally:
+                self._decide(call, method, code, reason, context, started)
+            await context.abort(code, reason)
+        return handler
+
+    def _wrap_stream_out(self, method: str, impl: Callable[..., AsyncIterator[Any]]) -> Callable[..., Any]:
+        async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            call, code, reason, started = None, Code.OK, "ok", time.perf_counter()
+            try:
+                call = self._admit(method, context)
+                self.handler_calls[method] += 1
+                async for reply in impl(request, call):
+                    yield reply
+            except _Refused as exc:
+                call, code, reason = exc.call, exc.code, exc.reason
+            except RpcError as exc:
+                code, reason = exc.code, exc.reason
+            except (asyncio.CancelledError, GeneratorExit):
+                code, reason = Code.CANCELLED, "cancelled by the client"
+                raise
+            except Exception as exc:  # noqa: BLE001
+                code, reason = _classify(exc)
+            finally:
+                self._decide(call, method, code, reason, context, started)
+            if code is not Code.OK:
+                await context.abort(code, reason)
+        return handler
+
+    def _decide(self, call: Call | None, method: str, code: grpc.StatusCode, reason: str, context: Any,
+                started: float) -> None:
+        self.audit.decision(identity=call.identity if call else None, method=method, status=code.name, reason=reason,
+                            fingerprint=call.fingerprint if call else None, peer=context.peer())
+        metrics.record_rpc(method, code.name, time.perf_counter() - started)
+        if code in (Code.UNAUTHENTICATED, Code.PERMISSION_DENIED):
+            metrics.count_auth_denial(reason)
+
+    def handlers(self) -> grpc.GenericRpcHandler:
+        service = pb.DESCRIPTOR.services_by_name["DeviceService"]
+        table = {}
+        for m in service.methods:
+            req = getattr(pb, m.input_type.name)
+            rep = getattr(pb, m.output_type.name)
+            # a method with no implementation is refused like one with no policy entry
+            impl: Callable[..., Any] = getattr(self, f"rpc_{m.name}", None) or self._unimplemented
+            decode = _BULK_DECODERS.get(m.name, req.FromString)
+            encode = None if m.name in _ENCODED_REPLIES else rep.SerializeToString
+            if m.server_streaming:
+                table[m.name] = grpc.unary_stream_rpc_method_handler(
+                    self._wrap_stream_out(m.name, impl), request_deserializer=decode, response_serializer=encode)
+            elif m.client_streaming:
+                table[m.name] = grpc.stream_unary_rpc_method_handler(
+                    self._wrap_unary(m.name, impl), request_deserializer=decode, response_serializer=encode)
+            else:
+                table[m.name] = grpc.unary_unary_rpc_method_handler(
+                    self._wrap_unary(m.name, impl), request_deserializer=decode, response_serializer=encode)
+        return grpc.method_handlers_generic_handler(SERVICE, table)
+
+    async def _unimplemented(self, request: Any, call: Call) -> Any:
+        raise RpcError(Code.UNIMPLEMENTED, "method not implemented")
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _effect(self, call: Call, action: str, **details: Any) -> None:
+        self.audit.effect(identity=call.identity, method=call.method, action=action, **details)
+
+    def _device(self, name: str) -> Device:
+        device = self.devices.get(name)
+        if device is None:
+            raise RpcError(Code.NOT_FOUND, "no such device")
+        return device
+
+    def _lease(self, call: Call, lease_id: bytes) -> Lease:
+        lease = self.table.lease(call.identity, lease_id)
+        if lease is None:
+            raise RpcError(Code.NOT_FOUND, "no such lease")
+        return lease
+
+    def _allocation(self, call: Call, lease: Lease, handle: bytes) -> Allocation:
+        alloc = self.table.allocation(call.identity, lease, handle)
+        if alloc is None:
+            raise RpcError(Code.NOT_FOUND, "no such handle")  # the same answer for foreign and missing
+        return alloc
+
+    async def _wait(self, call: Call, completion: Any) -> None:
+        remaining = call.deadline - time.monotonic()
+        if remaining <= 0:
+            raise RpcError(Code.DEADLINE_EXCEEDED, "deadline exceeded")
+        try:
+            await asyncio.wait_for(completion.wait(), remaining)
+        except (asyncio.TimeoutError, TimeoutError):
+            raise RpcError(Code.DEADLINE_EXCEEDED, "deadline exceeded before the device finished") from None
+
+    # ---- viewer ----------------------------------------------------------------------------------
+
+    async def rpc_Ping(self, request: pb.PingRequest, call: Call) -> pb.PingReply:
+        return pb.PingReply(payload=request.payload)
+
+    async def rpc_WhoAmI(self, request: Any, call: Call) -> pb.WhoAmIReply:
+        return pb.WhoAmIReply(identity=call.identity, role=call.role, fingerprint=call.fingerprint)
+
+    async def rpc_ListDevices(self, request: Any, call: Call) -> pb.ListDevicesReply:
+        return pb.ListDevicesReply(devices=[pb.DeviceInfo(name=n, detail=type(d).__name__) for n, d in self.devices.items()])
+
+    async def rpc_ListPciFunctions(self, request: Any, call: Call) -> pb.ListPciFunctionsReply:
+        return pb.ListPciFunctionsReply(functions=[
+            pb.PciFunctionInfo(address=a, vendor_id=f.vendor_id, device_id=f.device_id, bars=sorted(f.bars))
+            for a, f in self.pci.items()])
+
+    # ---- leases and memory -------------------------------------------------------------------
+
+    async def rpc_OpenLease(self, request: Any, call: Call) -> pb.LeaseReply:
+        quota = call.policy.quota_of(call.identity)
+        if self.table.count(call.identity) >= quota.max_leases:
+            raise RpcError(Code.RESOURCE_EXHAUSTED, "lease quota exceeded")
+        lease = self.table.open(call.identity)
+        self._effect(call, "lease_opened")
+        return pb.LeaseReply(lease=lease.id, ttl_seconds=self.config.lease_ttl_s)
+
+    async def rpc_RenewLease(self, request: pb.RenewLeaseRequest, call: Call) -> pb.LeaseReply:
+        lease = self._lease(call, request.lease)
+        return pb.LeaseReply(lease=lease.id, ttl_seconds=self.config.lease_ttl_s)
+
+    async def rpc_CloseLease(self, request: pb.CloseLeaseRequest, call: Call) -> pb.CloseLeaseReply:
+        lease = self._lease(call, request.lease)
+        return pb.CloseLeaseReply(released=self.table.release_lease(lease, "lease closed"))
+
+    async def rpc_Allocate(self, request: pb.AllocateRequest, call: Call) -> pb.AllocateReply:
+        lease = self._lease(call, request.lease)
+        device = self._device(request.device)
+        nbytes = request.nbytes
+        if nbytes == 0:
+            raise RpcError(Code.INVALID_ARGUMENT, "allocation size must be positive")
+        quota = call.policy.quota_of(call.identity)
+        if nbytes > self.config.max_allocation_bytes or self.table.bytes_by_identity[call.identity] + nbytes > quota.max_bytes:
+            raise RpcError(Code.RESOURCE_EXHAUSTED, "allocation quota exceeded")
+        if self.table.handles_by_identity[call.identity] >= quota.max_handles:
+            raise RpcError(Code.RESOURCE_EXHAUSTED, "handle quota exceeded")
+        try:
+            buffer = device.allocator.alloc(nbytes)
+        except AllocationError:
+            raise RpcError(Code.RESOURCE_EXHAUSTED, "device out of memory") from None
+        try:
+            await self._wait(call, device.copyin(buffer, np.zeros(nbytes, np.uint8)))  # fresh memory reads as zeros
+        except BaseException:
+            buffer.free()
+            raise
+        handle = self.table.add(call.identity, lease, device, buffer, nbytes).handle
+        self._effect(call, "alloc", handle=handle_tag(handle), nbytes=nbytes, device=request.device)
+        return pb.AllocateReply(handle=handle, nbytes=nbytes)
+
+    async def rpc_Free(self, request: pb.FreeRequest, call: Call) -> pb.FreeReply:
+        alloc = self._allocation(call, self._lease(call, request.lease), request.handle)
+        if alloc.busy:
+            raise RpcError(Code.FAILED_PRECONDITION, "buffer is in use by an in-flight operation")
+        self.table.release(alloc, call.method, "freed by owner")
+        return pb.FreeReply()
+
+    async def _write(self, call: Call, alloc: Allocation, offset: int, data: bytes | memoryview) -> Any:
+        _check_range(alloc.nbytes, offset, len(data))
+        if not data:
+            return None
+        view = alloc.buffer.view(offset, len(data))
+        try:
+            if _direct(alloc.device, view, write=True):
+                wire.copy_into(view.address, data)
+                return None
+            return alloc.device.copyin(view, data)
+        finally:
+            view.release()
+
+    async def rpc_Write(self, request: pb.WriteRequest, call: Call) -> pb.WriteReply:
+        alloc = self._allocation(call, self._lease(call, request.lease), request.handle)
+        _check_range(alloc.nbytes, request.offset, len(request.data))
+        with self.table.in_use(alloc):
+            completion = await self._write(call, alloc, request.offset, request.data)
+            if completion is not None:
+                await self._wait(call, completion)
+        self._effect(call, "write", handle=handle_tag(alloc.handle), nbytes=len(request.data))
+        return pb.WriteReply(written=len(request.data))
+
+    async def rpc_WriteStream(self, requests: AsyncIterator[pb.WriteRequest | wire.DataChunk], call: Call) -> pb.WriteReply:
+        alloc: Allocation | None = None
+        position = written = 0
+        last = None
+        with contextlib.ExitStack() as held:
+            async for request in requests:
+                if alloc is None:
+                    lease = request.lease
+                    alloc = self._allocation(call, self._lease(call, lease), request.handle)
+                    held.enter_context(self.table.in_use(alloc))
+                    position = request.offset
+                elif (request.lease and request.lease != lease) or (request.handle and request.handle != alloc.handle) or request.offset:
+                    raise RpcError(Code.INVALID_ARGUMENT, "only the first message of a stream names lease, handle and offset")
+                _check_range(alloc.nbytes, position, len(request.data))
+                completion = await self._write(call, alloc, position, request.data)
+                last = completion or last
+                position += len(request.data)
+                written += len(request.data)
+            if alloc is None:
+                raise RpcError(Code.INVALID_ARGUMENT, "empty stream")
+            if last is not None:
+                await self._wait(call, last)  # the copy queue is FIFO: the last write proves them all
+        self._effect(call, "write", handle=handle_tag(alloc.handle), nbytes=written)
+        return pb.WriteReply(written=written)
+
+    async def _read(self, call: Call, alloc: Allocation, offset: int, length: int) -> bytes:
+        """An encoded ReadReply holding the range."""
+        if not length:
+            return wire.encode_read_reply(b"")
+        view = alloc.buffer.view(offset, length)
+        if _direct(alloc.device, view, write=False):
+            try:
+                return wire.encode_read_reply(wire.memory(view.address, length))  # one copy, straight into the message
+            finally:
+                view.release()
+        try:
+            host = np.empty(length, np.uint8)
+            with alloc.device.batch("copy") as batch:
+                batch.read_to_host(host, view)
+        finally:
+            view.release()
+        await self._wait(call, batch.completion)
+        return wire.encode_read_reply(host.data)
+
+    async def rpc_Read(self, request: pb.ReadRequest, call: Call) -> bytes:
+        alloc = self._allocation(call, self._lease(call, request.lease), request.handle)
+        _check_range(alloc.nbytes, request.offset, request.length)
+        if request.length > self.config.max_message_bytes - 1024:
+            raise RpcError(Code.RESOURCE_EXHAUSTED, "read larger than the message limit; use ReadStream")
+        with self.table.in_use(alloc):
+            return await self._read(call, alloc, request.offset, request.length)
+
+    async def rpc_ReadStream(self, request: pb.ReadRequest, call: Call) -> AsyncIterator[bytes]:
+        alloc = self._allocation(call, self._lease(call, request.lease), request.handle)
+        _check_range(alloc.nbytes, request.offset, request.length)
+        limit = self.config.max_message_bytes - 1024
+        chunk = min(request.chunk_bytes or self.config.stream_chunk_bytes, limit)
+        pending = None
+        with self.table.in_use(alloc):
+            try:
+                position, end = request.offset, request.offset + request.length
+                while position < end or pending is not None:
+                    nxt = None
+                    if position < end:  # read the next chunk while the previous one is being sent
+                        size = min(chunk, end - position)
+                        nxt = asyncio.ensure_future(self._read(call, alloc, position, size))
+                        position += size
+                    if pending is not None:
+                        yield await pending
+                    pending = nxt
+            finally:
+                if pending is not None and not pending.done():
+                    pending.cancel()
+
+    async def rpc_Copy(self, request: pb.CopyRequest, call: Call) -> pb.CopyReply:
+        lease = self._lease(call, request.lease)
+        dst = self._allocation(call, lease, request.dst)
+        src = self._allocation(call, lease, request.src)
+        _check_range(dst.nbytes, request.dst_offset, request.length)
+        _check_range(src.nbytes, request.src_offset, request.length)
+        if dst.device is not src.device:
+            raise RpcError(Code.INVALID_ARGUMENT, "source and destination are on different devices")
+        if not request.length:
+            return pb.CopyReply()
+        with self.table.in_use(dst, src):
+            dview = dst.buffer.view(request.dst_offset, request.length)
+            sview = src.buffer.view(request.src_offset, request.length)
+            try:
+                with dst.device.batch("copy") as batch:
+                    batch.copy(dview, sview)
+            finally:
+                dview.release()
+                sview.release()
+            await self._wait(call, batch.completion)
+        self._effect(call, "copy", dst=handle_tag(dst.handle), src=handle_tag(src.handle), nbytes=request.length)
+        return pb.CopyReply()
+
+    # ---- programs --------------------------------------------------------------------------------
+
+    async def _load(self, request: pb.LoadProgramRequest, call: Call, kind: str) -> pb.LoadProgramReply:
+        device = self._device(request.device)
+        try:
+            verified = await asyncio.to_thread(verify, request.llvm_ir, request.entry, list(request.signature), kind)
+        except VerificationError as exc:
+            raise RpcError(Code.INVALID_ARGUMENT, f"program refused: {exc}") from None
+        key = (request.device, verified.program_id)
+        if key not in self._programs:
+            async with self._compile_lock:
+                if key not in self._programs:
+                    compile_ir = self._compile_ir or _default_compiler()
+                    try:
+                        code = await asyncio.to_thread(compile_ir, verified.ir_text)
+                        self._programs[key] = device.load_program(code, verified.symbol, verified.signature)
+                    except CompileError as exc:
+                        raise RpcError(Code.INVALID_ARGUMENT, f"program does not compile: {str(exc)[:300]}") from None
+        self._visible.setdefault(call.identity, set()).add(key)
+        self._effect(call, "program_loaded", program_id=verified.program_id, kind=kind, device=request.device)
+        return pb.LoadProgramReply(program_id=verified.program_id)
+
+    async def rpc_LoadProgram(self, request: pb.LoadProgramRequest, call: Call) -> pb.LoadProgramReply:
+        if request.kind != pb.PROGRAM_KIND_ENGINE_KERNEL:
+            raise RpcError(Code.INVALID_ARGUMENT, "LoadProgram takes engine kernels; raw programs go through LoadRawProgram")
+        return await self._load(request, call, ENGINE)
+
+    async def rpc_LoadRawProgram(self, request: pb.LoadProgramRequest, call: Call) -> pb.LoadProgramReply:
+        if request.kind not in (pb.PROGRAM_KIND_RAW_LLVM, pb.PROGRAM_KIND_ENGINE_KERNEL):
+            raise RpcError(Code.INVALID_ARGUMENT, "unknown program kind")
+        return await self._load(request, call, RAW)
+
+    async def rpc_Launch(self, request: pb.LaunchRequest, call: Call) -> pb.LaunchReply:
+        lease = self._lease(call, request.lease)
+        key = (request.device, request.program_id)
+        device = self._device(request.device)
+        program = self._programs.get(key)
+        if program is None or key not in self._visible.get(call.identity, ()):
+            raise RpcError(Code.NOT_FOUND, "no such program")
+        if len(request.args) != len(program.signature):
+            raise RpcError(Code.INVALID_ARGUMENT, f"program takes {len(program.signature)} arguments, got {len(request.args)}")
+        values: list[Any] = []
+        used: list[Allocation] = []
+        views: list[Buffer] = []
+        try:
+            for i, (arg, kind) in enumerate(zip(request.args, program.signature)):
+                which = arg.WhichOneof("value")
+                if kind in ("r", "w", "rw"):
+                    if which != "buffer":
+                        raise RpcError(Code.INVALID_ARGUMENT, f"argument {i} must be a buffer")
+                    alloc = self._allocation(call, lease, arg.buffer.handle)
+                    _check_range(alloc.nbytes, arg.buffer.offset, arg.buffer.length)
+                    if alloc.device is not device:
+                        raise RpcError(Code.INVALID_ARGUMENT, f"argument {i} lives on another device")
+                    if arg.buffer.length == 0:
+                        raise RpcError(Code.INVALID_ARGUMENT, f"argument {i} is an empty range")
+                    view = alloc.buffer.view(arg.buffer.offset, arg.buffer.length)
+                    views.append(view)
+                    values.append(view)
+                    if alloc not in used:
+                        used.append(alloc)
+                elif which != kind:
+                    raise RpcError(Code.INVALID_ARGUMENT, f"argument {i} must be {kind}")
+                else:
+                    values.append(getattr(arg, kind))
+            start = time.perf_counter()
+            with self.table.in_use(*used):
+                with device.batch() as batch:
+                    batch.launch(program, *values)
+                for view in views:
+                    view.release()
+                views = []
+                await self._wait(call, batch.completion)
+        finally:
+            for view in views:
+                view.release()
+        seconds = time.perf_counter() - start
+        self._effect(call, "launch", program_id=request.program_id, buffers=[handle_tag(a.handle) for a in used])
+        return pb.LaunchReply(seconds=seconds)
+
+    # ---- admin -------------------------------------------------------------------------------------
+
+    async def rpc_MintElevationToken(self, request: Any, call: Call) -> pb.MintElevationTokenReply:
+        ttl = min(call.policy.token_ttl, 60.0)
+        now = time.monotonic()
+        token = secrets.token_urlsafe(32)
+        live = [(t, e) for t, e in self._tokens.get(call.fingerprint, []) if e > now][-7:]
+        live.append((token.encode(), now + ttl))
+        self._tokens[call.fingerprint] = live
+        self._effect(call, "elevation_token_minted", ttl_seconds=ttl)
+        return pb.MintElevationTokenReply(token=token, ttl_seconds=ttl)
+
+    def _function(self, address: str) -> SimulatedPciFunction:
+        function = self.pci.get(address)
+        if function is None:
+            raise RpcError(Code.NOT_FOUND, "no such PCI function")
+        return function
+
+    async def rpc_ResetDevice(self, request: pb.ResetDeviceRequest, call: Call) -> pb.ResetDeviceReply:
+        function = self._function(request.address)
+        resets = function.reset()
+        self._effect(call, "reset", address=request.address)
+        return pb.ResetDeviceReply(resets=resets)
+
+    async def rpc_PciConfigRead(self, request: pb.PciConfigReadRequest, call: Call) -> pb.PciConfigReadReply:
+        function = self._function(request.address)
+        try:
+            value = function.config_read(request.offset, request.size)
+        except KeyError:
+            raise RpcError(Code.PERMISSION_DENIED, "config register is not readable") from None
+        except IndexError:
+            raise RpcError(Code.OUT_OF_RANGE, "outside config space") from None
+        except ValueError as exc:
+            raise RpcError(Code.INVALID_ARGUMENT, str(exc)) from None
+        return pb.PciConfigReadReply(value=value)
+
+    def _bar(self, function: SimulatedPciFunction, op: Callable[[], Any]) -> Any:
+        try:
+            return op()
+        except IndexError:
+            raise RpcError(Code.OUT_OF_RANGE, "outside the BAR window") from None
+        except PermissionError:
+            raise RpcError(Code.PERMISSION_DENIED, "BAR window is read-only") from None
+        except LookupError:
+            raise RpcError(Code.NOT_FOUND, "no such BAR") from None
+
+    async def rpc_BarRead(self, request: pb.BarReadRequest, call: Call) -> pb.BarReadReply:
+        function = self._function(request.address)
+        if request.length > self.config.max_message_bytes - 1024:
+            raise RpcError(Code.OUT_OF_RANGE, "read larger than the message limit")
+        data = self._bar(function, lambda: function.bar_read(request.bar, request.offset, request.length))
+        return pb.BarReadReply(data=data)
+
+    async def rpc_BarWrite(self, request: pb.BarWriteRequest, call: Call) -> pb.BarWriteReply:
+        function = self._function(request.address)
+        self._bar(function, lambda: function.bar_write(request.bar, request.offset, request.data))
+        self._effect(call, "bar_write", address=request.address, bar=request.bar, nbytes=len(request.data))
+        return pb.BarWriteReply()
+
+
+class _Refused(RpcError):
+    """A refusal after the caller was identified (the audit record names them)."""
+
+    def __init__(self, call: Call, code: grpc.StatusCode, reason: str) -> None:
+        super().__init__(code, reason)
+        self.call = call
+
+
+def _classify(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, DeviceFailed):
+        return Code.UNAVAILABLE, "device failed"
+    if isinstance(exc, TinydistError):
+        return Code.FAILED_PRECONDITION, type(exc).__name__
+    _log().error("internal error in handler", error=f"{type(exc).__name__}: {exc}")
+    return Code.INTERNAL, "internal error"
+
+
+def _default_compiler() -> Callable[[str], bytes]:
+    from tinydist.codegen.compile_cache import compile_kernel
+    return compile_kernel
+
+
+# Bulk data goes through wire.py: write-stream chunks decode to views of the received message, and
+# the read handlers return replies already encoded.
+_BULK_DECODERS: dict[str, Callable[[bytes], Any]] = {"WriteStream": wire.decode_write_request}
+_ENCODED_REPLIES = frozenset({"Read", "ReadStream"})
+
+
+def _direct(device: Device, view: Buffer, write: bool) -> bool:
+    """Whether bytes can move between a message and `view` right here: host memory, and no
+    unfinished work that conflicts. Every submission on this node comes from its event loop, so
+    the access log cannot change between this check and the copy."""
+    return device.host_visible and not view.accesses.conflicts(view.offset, view.offset + view.nbytes, write)

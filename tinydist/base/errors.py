@@ -1,0 +1,160 @@
+"""The exception vocabulary: every error tinydist, its transports and its scheduler raise on
+purpose is a `TinydistError`, so `except TinydistError` catches all of them and nothing foreign.
+
+The whole tree, every class under its first base. A class is defined in the module in brackets,
+else in its parent's; other bases in parentheses (a builtin base keeps `except LookupError` and
+the like working). tests/test_exception_tree.py imports every module and checks this drawing
+against the classes they define, both ways, so it cannot go stale; private signals (a leading
+underscore, never seen outside their module) are not drawn, but are TinydistErrors too.
+
+    TinydistError                                   [tinydist.base.errors]
+    ├── DeviceError                                 something about one device
+    │   ├── DeviceNotFound (LookupError)            the name names no device; lists the available ones
+    │   ├── DeviceUnavailable                       the back end exists but cannot open here; says why
+    │   ├── DeviceFailed                            the device was marked failed; every later use raises it
+    │   │   └── DeviceHang (TimeoutError)           a timeline stopped moving past its deadline
+    │   ├── DeviceClosed (ClosedResourceError)      the device, one of its queues, or the engine was closed
+    │   └── CUDAError [tinydist.runtime.cuda.driver]    a driver call failed: .code, .name, .call
+    ├── ClosedResourceError                         a device, link or group segment was closed; open a new one
+    ├── BufferError_                                misuse of a buffer or view
+    │   ├── OutOfBounds (IndexError)                a view or copy outside its base, refused before touching memory
+    │   ├── BufferInUse                             freeing a base that still has live views
+    │   └── UseAfterFree                            freeing twice, or using a freed buffer
+    ├── AllocationError (MemoryError)               an allocation failed; everything it took was given back
+    ├── CompileError                                LLVM refused a kernel; carries LLVM's message
+    ├── LaunchError (ValueError)                    a launch variable (TINYDIST_RANK, ...) is missing or malformed
+    ├── SettingError (ValueError)                   a TINYDIST_* setting holds a value it does not accept
+    ├── BindRefused (ValueError)                    a listen address breaks the bind policy (tinydist.security.bind)
+    ├── DriverUnavailable [tinydist.runtime.cuda.driver]    no usable CUDA driver here; says why
+    ├── ScheduleCycleError (ValueError) [tinydist.schedule.linear]    the computation has no valid order
+    ├── JitError (ValueError) [tinydist.frontend.jit]        a replay's arguments differ from the captured signature
+    ├── ReplayUnfit (ValueError) [tinydist.engine.replay]    a forced replay strategy does not fit the capture
+    ├── ShardError (ValueError) [tinydist.multi.sharded]    elements would move between shards
+    ├── CheckpointError (ValueError) [tinydist.train.serialization]    not a checkpoint td.save wrote; names the file
+    ├── UnsupportedModelError (ValueError) [tinydist.onnx.errors]    an op, dtype, opset or attribute not run exactly
+    ├── ModelLoadError (ValueError) [tinydist.onnx.errors]    not an ONNX model at all; names the file
+    ├── CollectiveError [tinydist.dist.errors]      a process-group collective failed, on every rank
+    │   ├── CollectiveMismatch (ValueError)         ranks called different collectives / shapes / dtypes / ops
+    │   ├── RankFailed                              a rank died or left mid-job; .rank
+    │   ├── CollectiveTimeout (TimeoutError)        TINYDIST_COLLECTIVE_TIMEOUT passed; .ranks waited on
+    │   └── NodeFailed [scheduler.errors]           a node of the job died; .node_id, .rank
+    ├── ClusterError [scheduler.errors]             the cluster scheduler refused or could not do something
+    │   ├── MembershipError                         a join, heartbeat or wait the coordinator refused
+    │   ├── CoordinatorLost                         no answer for miss_limit heartbeats in a row
+    │   └── PlanError                               no collective plan on this topology
+    ├── PKIError [tinydist.security.pki]                     a certificate directory misses or holds something invalid
+    ├── IdentityError [tinydist.security.identity]    the peer certificate names no one acceptable identity
+    ├── PolicyError (ValueError) [tinydist.security.policy]    the policy file is missing or invalid; names the key
+    ├── VerificationError (ValueError) [nodes.verifier]    a program refused; names the rule
+    ├── RpcError [nodes.service]    a node-service handler's refusal: .code, .reason
+    ├── DmaFault [transports.rdma_bnxt.softbnxt.physmem]    the NIC model touched unmapped memory
+    └── TransportError [transports.base]            a link broke its protocol or could not be set up
+        ├── LinkClosed (ClosedResourceError)        this side closed the link or the group segment
+        ├── PeerFailed                              the peer left without closing: .peer, .blamed, .reason
+        ├── PeerGone [transports.cma]               the peer process died under a cross-memory copy
+        ├── WaitTimeout [transports.shm_group]      a shared-memory wait passed its deadline: .ranks, .step
+        └── RdmaError [transports.rdma_bnxt.errors]    .recovery, .hint (fields: that module's docstring)
+            ├── Timeout                             firmware or a completion gave no answer in its budget
+            ├── FirmwareError                       firmware answered with a non-zero code
+            │   └── ProtocolViolation               firmware or the bus broke the protocol
+            ├── CompletionError                     a work request completed with an error status
+            │   ├── BadResponse
+            │   ├── LocalLengthError
+            │   ├── LocalQpOperation
+            │   ├── LocalProtectionError
+            │   ├── MemoryOperationError
+            │   ├── RemoteInvalidRequest
+            │   ├── RemoteAccessError
+            │   ├── RemoteOperationError
+            │   ├── RnrRetryExceeded
+            │   ├── RetryExceeded
+            │   ├── Flushed                         secondary: the QP had already failed
+            │   ├── LinkDown                        retries exhausted while the port was down
+            │   ├── CQOverflow                      a completion queue overflowed
+            │   ├── QpFatal                         firmware moved the QP to ERR
+            │   └── CqeProtocolViolation            a completion of the wrong type, handle or slot
+            ├── TeardownError                       close() steps failed: .errors, .quarantined
+            └── NicUnavailable                      no usable NIC; the link factory falls back to TCP
+
+One class stays outside on purpose: `tinydist.runtime.faults.InjectedFault` (a RuntimeError) stands
+in for a foreign failure (the OS, a driver) at a fault point, so the rollback under test sees what
+it would see in production, not one of ours.
+
+A foreign error (OSError, grpc.RpcError, an ssl, protobuf or cryptography error) is turned into
+one of these where it enters: `raise TransportError(...) from exc`, so `__cause__` keeps the
+original. Messages name the object, show the values and say what to do.
+"""
+
+from __future__ import annotations
+
+
+class TinydistError(Exception):
+    """Base of every error tinydist raises on purpose."""
+
+
+class ClosedResourceError(TinydistError):
+    """The resource (a device, a link, a group's shared memory) was closed; open a new one."""
+
+
+class DeviceError(TinydistError):
+    """An error about one device."""
+
+
+class DeviceNotFound(DeviceError, LookupError):
+    """The device name does not name any device."""
+
+
+class DeviceUnavailable(DeviceError):
+    """The back end exists, but the device cannot be opened on this machine."""
+
+
+class DeviceFailed(DeviceError):
+    """The device was marked failed; it refuses all further work until reopened."""
+
+
+class DeviceHang(DeviceFailed, TimeoutError):
+    """A timeline did not move before its deadline; the device is marked failed."""
+
+
+class DeviceClosed(DeviceError, ClosedResourceError):
+    """The device, one of its queues, or the engine holding the devices was closed; open a new one.
+
+    A DeviceError as well, so callers that treat any device error as "this time only, the device
+    may be reopened" (engine.lowered) keep doing so."""
+
+
+class BufferError_(TinydistError):
+    """Misuse of a buffer or view (named with a trailing underscore: Python owns BufferError)."""
+
+
+class OutOfBounds(BufferError_, IndexError):
+    """A view or transfer reaches outside its base buffer."""
+
+
+class BufferInUse(BufferError_):
+    """The buffer cannot be freed while live views of it exist."""
+
+
+class UseAfterFree(BufferError_):
+    """The buffer was already freed."""
+
+
+class AllocationError(TinydistError, MemoryError):
+    """An allocation failed; everything it had taken was given back."""
+
+
+class CompileError(TinydistError):
+    """LLVM rejected a kernel."""
+
+
+class SettingError(TinydistError, ValueError):
+    """A TINYDIST_* environment variable holds a value its setting does not accept; names both."""
+
+
+class LaunchError(TinydistError, ValueError):
+    """A launch variable (TINYDIST_RANK, TINYDIST_WORLD_SIZE, ... or the Slurm / Kubernetes ones they
+    are mapped from) is missing or malformed; the message names it and who sets it."""
+
+
+class BindRefused(TinydistError, ValueError):
+    """A listen address is malformed, or binding it would expose a server the policy keeps private."""

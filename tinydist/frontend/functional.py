@@ -1,0 +1,289 @@
+"""Compound tensor ops built from the primitive ones: matmul, softmax, layernorm, convolution, pooling.
+
+Matmul of float tensors becomes one MATMUL node (a packed, register-tiled native kernel); every
+other op here is composition, so it fuses and schedules like the rest of the graph.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from tinydist.frontend.autograd import custom_gradient, no_grad
+from tinydist.frontend.tensor import Tensor, _normalize_axes
+from tinydist.graph import dtypes
+from tinydist.graph.lazy import LazyNode, Op
+
+
+def _pair(value: Any, name: str) -> tuple[int, int]:
+    pair = (value, value) if isinstance(value, int) else tuple(value)
+    if len(pair) != 2 or any(not isinstance(v, int) for v in pair):
+        raise ValueError(f"{name} must be an int or a pair of ints, got {value!r}")
+    return pair
+
+
+# ---- matmul -----------------------------------------------------------------------------------
+
+FEW_OUTPUTS, LONG_REDUCTION = 256, 1024   # below / above these, dot products beat packing operands
+
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """numpy.matmul semantics: 1-D operands are promoted and the added axis removed; batch axes broadcast."""
+    if a.ndim == 0 or b.ndim == 0:
+        raise ValueError(f"matmul: scalar operands are not allowed (shapes {a.shape} and {b.shape}); use *")
+    if a.device != b.device:
+        raise ValueError(f"matmul: operands are on different devices: {a.device} and {b.device}")
+    x = a.reshape(1, a.shape[0]) if a.ndim == 1 else a
+    y = b.reshape(b.shape[0], 1) if b.ndim == 1 else b
+    if x.shape[-1] != y.shape[-2]:
+        raise ValueError(f"matmul: inner dimensions differ: shapes {a.shape} and {b.shape} "
+                         f"({x.shape[-1]} is not {y.shape[-2]})")
+    try:
+        batch = tuple(np.broadcast_shapes(x.shape[:-2], y.shape[:-2]))
+    except ValueError:
+        raise ValueError(f"matmul: batch dimensions of shapes {a.shape} and {b.shape} do not broadcast") from None
+    dtype = dtypes.result_type(x.dtype, y.dtype)
+    m, k, n = x.shape[-2], x.shape[-1], y.shape[-1]
+    # A single row is a matrix-vector product: the fused multiply-reduce below streams the matrix
+    # once, where the packed kernel would repack (and for a transposed weight, first copy) it. So
+    # do a few outputs of a long reduction (a small layer's weight gradient): as dot products.
+    few_long = m * n * math.prod(batch) <= FEW_OUTPUTS and k >= LONG_REDUCTION
+    if dtype.is_float and m * n * k and m * math.prod(batch) > 1 and not few_long:
+        result = _native_matmul(x.cast(dtype), y.cast(dtype), batch, m, k, n)
+    elif dtype.is_bool:  # numpy: a logical or of ands
+        result = (x.unsqueeze(-1) & y.unsqueeze(-3)).any(axis=-2)
+    else:
+        result = (x.cast(dtype).unsqueeze(-1) * y.cast(dtype).unsqueeze(-3)).sum(axis=-2, dtype=dtype)
+    if a.ndim == 1:
+        result = result.squeeze(-2)
+    if b.ndim == 1:
+        result = result.squeeze(-1)
+    return result
+
+
+def _native_matmul(x: Tensor, y: Tensor, batch: tuple[int, ...], m: int, k: int, n: int) -> Tensor:
+    count = math.prod(batch)
+
+    def operand(t: Tensor, rows: int, cols: int) -> Tensor:
+        own = t.shape[:-2]
+        if math.prod(own) == 1:  # one matrix shared by the whole batch: the kernel broadcasts it
+            return t.reshape(1, rows, cols).contiguous()
+        return t.expand(batch + (rows, cols)).reshape(count, rows, cols).contiguous()
+
+    left, right = operand(x, m, k), operand(y, k, n)
+    node = LazyNode(Op.MATMUL, (left.node, right.node), None, x.dtype, (count, m, n), x.device)
+    return Tensor(node).reshape(batch + (m, n))
+
+
+# ---- normalisation ----------------------------------------------------------------------------
+
+def softmax(x: Tensor, axis: int = -1) -> Tensor:
+    x = x.cast(dtypes.float_result(x.dtype))
+    shifted = x - x.max(axis, keepdim=True)
+    e = shifted.exp()
+    return e / e.sum(axis, keepdim=True)
+
+
+def log_softmax(x: Tensor, axis: int = -1) -> Tensor:
+    x = x.cast(dtypes.float_result(x.dtype))
+    shifted = x - x.max(axis, keepdim=True)
+    return shifted - shifted.exp().sum(axis, keepdim=True).log()
+
+
+def layernorm(x: Tensor, axis: int | Sequence[int] = -1, eps: float = 1e-5) -> Tensor:
+    x = x.cast(dtypes.float_result(x.dtype))
+    axes = _normalize_axes(axis, x.ndim)
+    mean = x.mean(axes, keepdim=True)
+    centered = x - mean
+    variance = (centered * centered).mean(axes, keepdim=True)
+    return centered / (variance + eps).sqrt()
+
+
+# ---- windows: convolution and pooling ---------------------------------------------------------
+
+def _windows(x: Tensor, kernel: tuple[int, int], stride: tuple[int, int], dilation: tuple[int, int]) -> Tensor:
+    """(N, C, H, W) → (N, C, OH, OW, KH, KW) strided view of every window (x must be padded already)."""
+    n, c, h, w = x.shape
+    (kh, kw), (sh, sw), (dh, dw) = kernel, stride, dilation
+    oh, ow = _windows_out(x.shape, kernel, stride, dilation)
+    return x._as_strided((n, c, oh, ow, kh, kw), (c * h * w, h * w, sh * w, sw, dh * w, dw))
+
+
+def _windows_out(shape: tuple[int, ...], kernel: tuple[int, int], stride: tuple[int, int],
+                 dilation: tuple[int, int]) -> tuple[int, int]:
+    """How many windows fit along H and W of a padded (N, C, H, W) input."""
+    (kh, kw), (sh, sw), (dh, dw) = kernel, stride, dilation
+    oh, ow = (shape[2] - dh * (kh - 1) - 1) // sh + 1, (shape[3] - dw * (kw - 1) - 1) // sw + 1
+    if oh <= 0 or ow <= 0:
+        raise ValueError(f"window {kernel} (dilation {dilation}) does not fit the padded input of shape {shape}")
+    return oh, ow
+
+
+def _check_nchw(x: Tensor, op: str) -> None:
+    if x.ndim != 4:
+        raise ValueError(f"{op} expects an (N, C, H, W) input, got shape {x.shape}")
+
+
+def _im2col(x: Tensor, kernel: tuple[int, int], stride: tuple[int, int], dilation: tuple[int, int],
+            groups: int) -> Tensor:
+    """(N, C, H, W) padded input → (G, Cg·KH·KW, N·OH·OW) columns, one per output pixel.
+
+    The batch sits inside the columns, so a convolution is one wide matmul per group and its
+    weight gradient reads these same columns (columns @ output-gradient rows) without a transpose.
+    Materialized in this 7-D order (one affine view: no div/mod per element); the reshapes are free."""
+    n, c, _, _ = x.shape
+    cols = _windows(x, kernel, stride, dilation)                                  # N C OH OW KH KW
+    _, _, oh, ow, kh, kw = cols.shape
+    cg = c // groups
+    cols = cols.reshape(n, groups, cg, oh, ow, kh, kw).permute(1, 2, 5, 6, 0, 3, 4).contiguous()  # G Cg KH KW N OH OW
+    return cols.reshape(groups, cg * kh * kw, n * oh * ow)
+
+
+def _col2im(cols: Tensor, shape: tuple[int, ...], out_hw: tuple[int, int], kernel: tuple[int, int],
+            stride: tuple[int, int], dilation: tuple[int, int]) -> Tensor:
+    """The adjoint of _im2col: (G, Cg·KH·KW, N·OH·OW) columns summed back into the (N, C, H, W)
+    padded input they were read from. One shifted term per kernel tap, each a single strided
+    view of the columns (stride 1), so the sum is one kernel gathering KH·KW values per pixel."""
+    n, c, h, w = shape
+    (oh, ow), (kh, kw), (sh, sw), (dh, dw) = out_hw, kernel, stride, dilation
+    cols = cols.reshape(c, kh, kw, n, oh, ow)
+    total: Tensor | None = None
+    for i in range(kh):
+        for j in range(kw):
+            part = cols.shrink(((0, c), (i, i + 1), (j, j + 1), (0, n), (0, oh), (0, ow))).reshape(c, n, oh, ow)
+            part = part.permute(1, 0, 2, 3)                                       # N C OH OW
+            if sh > 1 or sw > 1:  # spread the taps a stride apart
+                part = part.reshape(n, c, oh, 1, ow, 1).pad(((0, 0), (0, 0), (0, 0), (0, sh - 1), (0, 0), (0, sw - 1)))
+                part = part.reshape(n, c, oh * sh, ow * sw).shrink(((0, n), (0, c), (0, (oh - 1) * sh + 1), (0, (ow - 1) * sw + 1)))
+            top, left = i * dh, j * dw
+            part = part.pad(((0, 0), (0, 0), (top, h - top - part.shape[2]), (left, w - left - part.shape[3])))
+            total = part if total is None else total + part
+    assert total is not None
+    return total
+
+
+def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
+           dilation: Any = 1, groups: int = 1) -> Tensor:
+    """2-D cross-correlation (as torch.nn.functional.conv2d): im2col, then weights @ columns.
+
+    Its gradient is its own rule (autograd.custom_gradient), all matmuls on the packed kernel:
+    weight gradient = columns @ output-gradientᵀ, input gradient = col2im(weightsᵀ @ output-gradient).
+    The generic rule would scatter through the overlapping window view term by term."""
+    _check_nchw(x, "conv2d")
+    if weight.ndim != 4:
+        raise ValueError(f"conv2d weight must be (out_channels, in_channels/groups, KH, KW), got shape {weight.shape}")
+    n, c, _, _ = x.shape
+    oc, cg, kh, kw = weight.shape
+    if groups < 1 or c % groups or oc % groups or cg != c // groups:
+        raise ValueError(f"conv2d: input channels {c}, weight shape {weight.shape} and groups={groups} do not match "
+                         f"(need in_channels/groups == weight.shape[1] and out_channels divisible by groups)")
+    if bias is not None and bias.shape != (oc,):
+        raise ValueError(f"conv2d bias must have shape ({oc},), got {bias.shape}")
+    (ph, pw), stride2, dilation2 = _pair(padding, "padding"), _pair(stride, "stride"), _pair(dilation, "dilation")
+    dtype = dtypes.float_result(dtypes.result_type(x.dtype, weight.dtype))
+    xs, ws = x.cast(dtype), weight.cast(dtype)
+    bs = bias.cast(dtype) if bias is not None else None
+    ocg, k = oc // groups, cg * kh * kw
+    with no_grad():
+        padded = xs.pad(((0, 0), (0, 0), (ph, ph), (pw, pw)))
+        cols = _im2col(padded, (kh, kw), stride2, dilation2, groups)             # G K (N OH OW)
+        oh, ow = _windows_out(padded.shape, (kh, kw), stride2, dilation2)
+        out = ws.reshape(groups, ocg, k).matmul(cols)                            # G OCg (N OH OW)
+        out = out.reshape(oc, n, oh, ow).permute(1, 0, 2, 3)
+        if bs is not None:
+            out = out + bs.reshape(1, oc, 1, 1)
+
+    # With stride and dilation 1 the input gradient is itself a convolution: of the output
+    # gradient padded by K-1-P, with the weights flipped and their channel axes swapped. Its matmul
+    # packs the gradient's windows in place, as the forward packs its columns; col2im would write
+    # KH·KW values per input pixel (the matmul's output) and read them back.
+    transposed = (xs.requires_grad and stride2 == (1, 1) and dilation2 == (1, 1) and groups == 1
+                  and ph < kh and pw < kw)
+
+    def rule(g: Tensor, w: Tensor, columns: Tensor) -> list[Tensor | None]:
+        dx = dw = db = None
+        if transposed:
+            # the output gradient computed once, padded for the transposed convolution
+            margin = ((0, 0), (0, 0), (kh - 1 - ph, kh - 1 - ph), (kw - 1 - pw, kw - 1 - pw))
+            grad = g.pad(margin)._buffered()
+            flipped = w._as_strided(w.shape, (cg * kh * kw, kh * kw, -kw, -1), (kh - 1) * kw + kw - 1)
+            dx = conv2d(grad, flipped.permute(1, 0, 2, 3))
+            g = grad.shrink(tuple((lo, lo + size) for (lo, _), size in zip(margin, g.shape)))  # read, not recomputed
+        # the output gradient in the columns' pixel order: G OCg (N OH OW); permuted in 4-D so every
+        # load of the graph computing it stays one strided view
+        gt = g.permute(1, 0, 2, 3)._buffered().reshape(groups, ocg, n * oh * ow)
+        if xs.requires_grad and not transposed:
+            dcols = w.reshape(groups, ocg, k).permute(0, 2, 1).matmul(gt)        # G K (N OH OW)
+            dx = _col2im(dcols, padded.shape, (oh, ow), (kh, kw), stride2, dilation2)
+            dx = dx.shrink(((0, n), (0, c), (ph, ph + x.shape[2]), (pw, pw + x.shape[3])))
+        if ws.requires_grad:
+            dw = columns.matmul(gt.permute(0, 2, 1)).permute(0, 2, 1).reshape(oc, cg, kh, kw)
+        if bs is not None and bs.requires_grad:
+            db = gt.sum(axis=2).reshape(oc)
+        return [dx, dw, db] if bs is not None else [dx, dw]
+
+    inputs = [xs, ws] if bs is None else [xs, ws, bs]
+    return custom_gradient(out, inputs, [ws, cols], rule)
+
+
+def _pool_args(kernel_size: Any, stride: Any, padding: Any, dilation: Any = 1) -> tuple[tuple[int, int], ...]:
+    kernel = _pair(kernel_size, "kernel_size")
+    return kernel, _pair(stride if stride is not None else kernel, "stride"), _pair(padding, "padding"), _pair(dilation, "dilation")
+
+
+def max_pool2d(x: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0, dilation: Any = 1) -> Tensor:
+    _check_nchw(x, "max_pool2d")
+    kernel, stride2, (ph, pw), dilation2 = _pool_args(kernel_size, stride, padding, dilation)
+    if ph > kernel[0] // 2 or pw > kernel[1] // 2:
+        raise ValueError(f"max_pool2d: padding {padding} must be at most half the kernel size {kernel}")
+    if stride2 == kernel and (ph, pw) == (0, 0) and dilation2 == (1, 1):
+        with no_grad():
+            out = _tiles(x, kernel).max(axis=(3, 5))
+        return custom_gradient(out, [x], [x, out], lambda g, xv, outv: [_tiled_max_grad(g, xv, outv, kernel)])
+    low = float("-inf") if x.dtype.is_float else -(1 << (x.dtype.itemsize * 8 - 1))
+    padded = x.pad(((0, 0), (0, 0), (ph, ph), (pw, pw)), value=low)
+    return _windows(padded, kernel, stride2, dilation2).max(axis=(4, 5))
+
+
+def _tiles(x: Tensor, kernel: tuple[int, int]) -> Tensor:
+    """(N, C, H, W) → (N, C, OH, KH, OW, KW): the windows that tile the input (rows and columns
+    left over dropped), as a reshape — which, unlike the strided window view, is pushed through
+    elementwise producers (an activation is computed inline, not stored first)."""
+    n, c, h, w = x.shape
+    (kh, kw), (oh, ow) = kernel, (h // kernel[0], w // kernel[1])
+    return x.shrink(((0, n), (0, c), (0, oh * kh), (0, ow * kw))).reshape(n, c, oh, kh, ow, kw)
+
+
+def _tiled_max_grad(g: Tensor, x: Tensor, out: Tensor, kernel: tuple[int, int]) -> Tensor:
+    """Max-pool gradient for windows that tile the input (stride = kernel, no padding): each
+    window's gradient goes to its maxima, split evenly between ties (as the generic reduce rule).
+    Built in the (N, C, OH, KH, OW, KW) order, the input's own memory order (a free reshape), and
+    left unbuffered: the next gradient kernel (an activation's) computes it inline. The generic
+    rule goes through the window view's adjoint instead."""
+    n, c, h, w = x.shape
+    (kh, kw), (oh, ow) = kernel, out.shape[2:]
+    tiles = _tiles(x, kernel)
+    top = out.reshape(n, c, oh, 1, ow, 1)
+    count: Tensor | None = None
+    for i in range(kh):
+        for j in range(kw):
+            tap = tiles.shrink(((0, n), (0, c), (0, oh), (i, i + 1), (0, ow), (j, j + 1))) == top
+            count = tap.cast(g.dtype) if count is None else count + tap.cast(g.dtype)
+    share = g.reshape(n, c, oh, 1, ow, 1) / count
+    grad = (tiles == top).where(share, 0).reshape(n, c, oh * kh, ow * kw)
+    return grad.pad(((0, 0), (0, 0), (0, h - oh * kh), (0, w - ow * kw)))
+
+
+def avg_pool2d(x: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0) -> Tensor:
+    """Average over each window, zero padding counted (torch's count_include_pad=True)."""
+    _check_nchw(x, "avg_pool2d")
+    kernel, stride2, (ph, pw), dilation2 = _pool_args(kernel_size, stride, padding)
+    if ph > kernel[0] // 2 or pw > kernel[1] // 2:
+        raise ValueError(f"avg_pool2d: padding {padding} must be at most half the kernel size {kernel}")
+    padded = x.cast(dtypes.float_result(x.dtype)).pad(((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    return _windows(padded, kernel, stride2, dilation2).mean(axis=(4, 5))
+
+
+__all__ = ["avg_pool2d", "conv2d", "layernorm", "log_softmax", "matmul", "max_pool2d", "softmax"]

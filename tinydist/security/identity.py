@@ -1,0 +1,104 @@
+"""The caller's identity, read from the gRPC auth context of a mutually-authenticated TLS call.
+
+TLS (OpenSSL/BoringSSL inside gRPC) already verified the chain to our CA and the validity dates;
+here the leaf certificate itself (`x509_pem_cert`) is parsed and must have exactly one URI SAN of
+the form spiffe://<trust-domain>/user/<name>, the clientAuth extended key usage, and be within
+its validity period. `peer_identities()` is not used: it is whatever gRPC chose to surface (all
+SANs, or the CN) and says nothing about ambiguity.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from tinydist.base.errors import TinydistError
+
+_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+
+
+class IdentityError(TinydistError):
+    """The peer certificate does not name exactly one acceptable identity."""
+
+
+@dataclass(frozen=True)
+class Peer:
+    identity: str
+    fingerprint: str          # sha256 of the DER certificate, hex
+    not_after: dt.datetime
+
+
+def _parse(pem: bytes, trust_domain: str) -> Peer:
+    try:
+        cert = x509.load_pem_x509_certificate(pem)
+    except ValueError as exc:
+        raise IdentityError("peer certificate does not parse") from exc
+    now = dt.datetime.now(dt.timezone.utc)
+    if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
+        raise IdentityError("peer certificate is outside its validity period")
+    try:
+        eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound as exc:
+        raise IdentityError("peer certificate has no extended key usage; clientAuth is required") from exc
+    if ExtendedKeyUsageOID.CLIENT_AUTH not in eku:
+        raise IdentityError("peer certificate is not for client authentication (no clientAuth EKU)")
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        uris = san.get_values_for_type(x509.UniformResourceIdentifier)
+    except x509.ExtensionNotFound:
+        uris = []
+    if len(uris) != 1:
+        raise IdentityError(f"peer certificate must carry exactly one URI SAN, it has {len(uris)}")
+    uri = uris[0]
+    prefix = f"spiffe://{trust_domain}/user/"
+    if not uri.startswith(prefix) or not _NAME.match(uri[len(prefix):]):
+        raise IdentityError(f"peer identity is not of the form {prefix}<name>")
+    return Peer(uri, cert.fingerprint(hashes.SHA256()).hex(), cert.not_valid_after_utc)
+
+
+class PeerCache:
+    """Parsed peers keyed by certificate bytes (bounded LRU): parsing is paid once per certificate."""
+
+    def __init__(self, size: int = 1024) -> None:
+        self._size = size
+        self._lock = threading.Lock()
+        self._items: OrderedDict[tuple[bytes, str], Peer | IdentityError] = OrderedDict()
+
+    def peer(self, pem: bytes, trust_domain: str) -> Peer:
+        key = (pem, trust_domain)
+        with self._lock:
+            found = self._items.get(key)
+            if found is not None:
+                self._items.move_to_end(key)
+        if found is None:
+            try:
+                found = _parse(pem, trust_domain)
+            except IdentityError as exc:
+                found = exc
+            with self._lock:
+                self._items[key] = found
+                while len(self._items) > self._size:
+                    self._items.popitem(last=False)
+        if isinstance(found, IdentityError):
+            raise IdentityError(str(found))
+        if dt.datetime.now(dt.timezone.utc) > found.not_after:
+            raise IdentityError("peer certificate is outside its validity period")
+        return found
+
+
+def peer_from_auth_context(auth: Mapping[str, Iterable[bytes]], trust_domain: str, cache: PeerCache) -> Peer:
+    """`auth` is gRPC's `context.auth_context()`: property name -> values."""
+    if list(auth.get("transport_security_type", ())) != [b"ssl"]:
+        raise IdentityError("the call is not protected by TLS")
+    pems = list(auth.get("x509_pem_cert", ()))
+    if len(pems) != 1:
+        raise IdentityError("no client certificate was presented")
+    return cache.peer(pems[0], trust_domain)

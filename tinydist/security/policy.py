@@ -1,0 +1,230 @@
+"""The server-side policy: who is enrolled with which role, each method's minimum role, quotas,
+and the revocation deny-list. Format and meaning: docs/remote.md.
+
+The policy file and the deny-list are re-read when their modification time or size changes
+(checked on every call, a `stat` each), so enrolment and revocation take effect without a restart.
+A file that no longer parses is refused and the last good policy stays in force (logged).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tinydist.base.errors import TinydistError
+from tinydist.base.logs import get_logger
+
+ROLES = ("viewer", "operator", "admin")
+RANK = {role: rank for rank, role in enumerate(ROLES)}
+
+# Methods that need an elevation token on top of the admin role. Fixed in code: a policy file can
+# raise a method's role, never lower it below these floors or remove the token requirement.
+ELEVATED = frozenset({"LoadRawProgram", "ResetDevice", "PciConfigRead", "BarRead", "BarWrite"})
+FLOORS = {**{m: "admin" for m in ELEVATED}, "MintElevationToken": "admin"}
+
+DEFAULT_METHODS = {
+    "Ping": "viewer", "WhoAmI": "viewer", "ListDevices": "viewer", "ListPciFunctions": "viewer",
+    "OpenLease": "operator", "RenewLease": "operator", "CloseLease": "operator", "Allocate": "operator",
+    "Free": "operator", "Write": "operator", "WriteStream": "operator", "Read": "operator",
+    "ReadStream": "operator", "Copy": "operator", "LoadProgram": "operator", "Launch": "operator",
+    "MintElevationToken": "admin", "LoadRawProgram": "admin", "ResetDevice": "admin",
+    "PciConfigRead": "admin", "BarRead": "admin", "BarWrite": "admin",
+}
+MAX_TOKEN_TTL = 60.0
+
+
+class PolicyError(TinydistError, ValueError):
+    """The policy file is missing or invalid; the message names the key."""
+
+
+@dataclass(frozen=True)
+class Quota:
+    max_bytes: int = 1 << 30          # bytes allocated at once, per identity
+    rpc_per_second: float = 2000.0    # token-bucket refill rate, per identity
+    rpc_burst: float = 4000.0         # bucket size
+    max_leases: int = 16              # open leases at once, per identity
+    max_handles: int = 65536          # live allocations at once, per identity
+
+
+@dataclass(frozen=True)
+class Policy:
+    trust_domain: str
+    identities: dict[str, str]
+    methods: dict[str, str]
+    quota: Quota
+    identity_quotas: dict[str, Quota] = field(default_factory=dict)
+    token_ttl: float = 30.0
+    deny_list_path: Path | None = None
+
+    def role_of(self, identity: str) -> str | None:
+        return self.identities.get(identity)
+
+    def min_role(self, method: str) -> str | None:
+        """The role a method needs, or None if the table does not list it (then it is refused)."""
+        role = self.methods.get(method)
+        if role is None:
+            return None
+        floor = FLOORS.get(method)
+        if floor is not None and RANK[floor] > RANK[role]:
+            return floor
+        return role
+
+    def quota_of(self, identity: str) -> Quota:
+        return self.identity_quotas.get(identity, self.quota)
+
+
+def _quota(table: Any, where: str, base: Quota) -> Quota:
+    if not isinstance(table, dict):
+        raise PolicyError(f"{where} must be a table")
+    values = {}
+    for key, value in table.items():
+        if key not in Quota.__dataclass_fields__:
+            raise PolicyError(f"{where}.{key} is not a quota; known: {', '.join(Quota.__dataclass_fields__)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise PolicyError(f"{where}.{key} must be a positive number, got {value!r}")
+        values[key] = value
+    merged = {**base.__dict__, **values}
+    return Quota(**merged)
+
+
+def parse_policy(text: str, base_dir: Path) -> Policy:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise PolicyError(f"policy is not valid TOML: {exc}") from exc
+    trust_domain = data.get("trust_domain")
+    if not isinstance(trust_domain, str) or not trust_domain or "/" in trust_domain:
+        raise PolicyError("policy needs trust_domain = \"<domain>\" (e.g. \"tinydist.lab\")")
+    identities = data.get("identities", {})
+    if not isinstance(identities, dict):
+        raise PolicyError("[identities] must map \"spiffe://<trust-domain>/user/<name>\" to a role")
+    prefix = f"spiffe://{trust_domain}/user/"
+    for identity, role in identities.items():
+        if not identity.startswith(prefix) or len(identity) == len(prefix):
+            raise PolicyError(f"identity {identity!r} is not of the form {prefix}<name>")
+        if role not in RANK:
+            raise PolicyError(f"identity {identity!r} has unknown role {role!r}; roles: {', '.join(ROLES)}")
+    methods = data.get("methods")
+    if not isinstance(methods, dict) or not methods:
+        raise PolicyError("policy needs a [methods] table (method = minimum role); methods not listed are refused")
+    for method, role in methods.items():
+        if role not in RANK:
+            raise PolicyError(f"method {method!r} has unknown role {role!r}; roles: {', '.join(ROLES)}")
+    quotas = data.get("quotas", {})
+    if not isinstance(quotas, dict):
+        raise PolicyError("[quotas] must be a table")
+    per_identity = quotas.get("identities", {})
+    quota = _quota({k: v for k, v in quotas.items() if k != "identities"}, "quotas", Quota())
+    identity_quotas = {ident: _quota(table, f"quotas.identities.{ident!r}", quota) for ident, table in per_identity.items()}
+    elevation = data.get("elevation", {})
+    ttl = elevation.get("token_ttl_seconds", 30)
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= MAX_TOKEN_TTL:
+        raise PolicyError(f"elevation.token_ttl_seconds must be in (0, {MAX_TOKEN_TTL:g}], got {ttl!r}")
+    revocation = data.get("revocation", {})
+    deny = revocation.get("deny_list", "revoked.txt")
+    if not isinstance(deny, str):
+        raise PolicyError("revocation.deny_list must be a path (relative to the policy file)")
+    return Policy(trust_domain, dict(identities), dict(methods), quota, identity_quotas, float(ttl), base_dir / deny)
+
+
+def parse_deny_list(text: str) -> frozenset[str]:
+    entries = set()
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip().replace(":", "").lower()
+        if line:
+            if len(line) != 64 or any(c not in "0123456789abcdef" for c in line):
+                raise PolicyError(f"deny-list entry {line!r} is not a sha256 fingerprint (64 hex digits)")
+            entries.add(line)
+    return frozenset(entries)
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return (st.st_mtime_ns, st.st_size)
+
+
+class PolicyStore:
+    """The policy in force, reloaded when its files change. Thread-safe."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.log = get_logger(component="policy", path=str(self.path))
+        self._lock = threading.Lock()
+        stamp = _stamp(self.path)
+        if stamp is None:
+            raise PolicyError(f"no policy file at {self.path}; `tinydist certs init DIR` writes a starter policy.toml")
+        self._policy = parse_policy(self.path.read_text(), self.path.parent)
+        self._stamp = stamp
+        self._denied, self._deny_stamp = self._read_deny(self._policy)
+
+    def _read_deny(self, policy: Policy) -> tuple[frozenset[str], tuple[int, int] | None]:
+        path = policy.deny_list_path
+        stamp = _stamp(path) if path is not None else None
+        if path is None or stamp is None:
+            return frozenset(), stamp
+        return parse_deny_list(path.read_text()), stamp
+
+    def _note(self, level: str, event: str, **fields: object) -> None:
+        try:
+            getattr(self.log, level)(event, **fields)
+        except (ValueError, OSError):
+            pass  # a broken log stream must not turn a policy reload into a failed call
+
+    def current(self) -> tuple[Policy, frozenset[str]]:
+        """The policy and deny-list in force, re-read first if either file changed."""
+        stamp = _stamp(self.path)
+        policy = self._policy
+        deny_stamp = _stamp(policy.deny_list_path) if policy.deny_list_path is not None else None
+        if stamp == self._stamp and deny_stamp == self._deny_stamp:
+            return policy, self._denied
+        with self._lock:
+            if stamp != self._stamp and stamp is not None:
+                try:
+                    self._policy = parse_policy(self.path.read_text(), self.path.parent)
+                    self._note("info", "policy reloaded", identities=len(self._policy.identities))
+                except (PolicyError, OSError) as exc:
+                    self._note("error", "policy reload refused; the previous policy stays in force", error=str(exc))
+                self._stamp = stamp
+            try:
+                self._denied, self._deny_stamp = self._read_deny(self._policy)
+            except (PolicyError, OSError) as exc:
+                # A broken deny-list must not un-revoke anyone: keep the old set.
+                self._note("error", "deny-list reload refused; the previous list stays in force", error=str(exc))
+                self._deny_stamp = _stamp(self._policy.deny_list_path) if self._policy.deny_list_path else None
+            return self._policy, self._denied
+
+
+def starter_policy(trust_domain: str) -> str:
+    methods = "\n".join(f'{name} = "{role}"' for name, role in DEFAULT_METHODS.items())
+    return f'''# tinydist node policy (docs/remote.md). Re-read on change; no restart needed.
+trust_domain = "{trust_domain}"
+
+# identity (the single URI SAN of a client certificate) = role: viewer < operator < admin
+[identities]
+# "spiffe://{trust_domain}/user/alice" = "admin"
+
+# Minimum role per RPC. A method missing here is refused. Admin methods marked elevated in
+# docs/remote.md also need a short-lived token; that cannot be switched off here.
+[methods]
+{methods}
+
+[elevation]
+token_ttl_seconds = 30   # at most 60
+
+[quotas]                 # per identity; [quotas.identities."spiffe://..."] overrides
+max_bytes = 1073741824
+rpc_per_second = 2000
+rpc_burst = 4000
+max_leases = 16
+max_handles = 65536
+
+[revocation]
+deny_list = "revoked.txt"   # sha256 certificate fingerprints, one a line; re-read on change
+'''
