@@ -1,0 +1,200 @@
+"""The tree is the layer table (docs/layout.md): every import points down it, and the doc lists
+exactly the modules on disk.
+
+Each module belongs to the layer whose folder is the longest prefix of its path. Every import is
+read from the AST — top-level ones, the ones inside functions (deferred, but still a dependency)
+and those under `if TYPE_CHECKING:` — and one that reaches a higher layer fails the test, unless
+it is one of EXCEPTIONS, each with its reason and the one form it may take (`deferred`: inside a
+function; `type`: for the type checker only). An exception that no longer occurs fails too, so the
+list only ever shrinks.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("tinydist", "transports", "nodes", "scheduler", "proto")
+
+LAYERS: list[tuple[str, tuple[str, ...]]] = [  # lowest first: a layer imports only the ones above it here
+    ("base", ("tinydist/base",)),
+    ("graph", ("tinydist/graph",)),
+    ("wire", ("proto", "transports/pci_remote/_generated", "scheduler/_generated")),
+    ("security", ("tinydist/security",)),
+    ("codegen", ("tinydist/codegen",)),
+    ("runtime", ("tinydist/runtime",)),
+    ("observability", ("tinydist/observability",)),
+    ("schedule", ("tinydist/schedule",)),
+    ("engine", ("tinydist/engine",)),
+    ("frontend", ("tinydist/frontend",)),
+    ("multi", ("tinydist/multi",)),
+    ("train", ("tinydist/train",)),
+    ("onnx", ("tinydist/onnx",)),
+    ("transports", ("transports",)),
+    ("remote", ("tinydist/runtime/remote",)),
+    ("dist", ("tinydist/dist",)),
+    ("api", ("tinydist/__init__.py", "tinydist/testing.py")),
+    ("nodes", ("nodes",)),
+    ("scheduler", ("scheduler",)),
+    ("cli", ("tinydist/cli",)),
+]
+RANK = {name: rank for rank, (name, _) in enumerate(LAYERS)}
+
+# (importer, imported) -> (form, why). Keep this list short: move code before adding to it.
+EXCEPTIONS: dict[tuple[str, str], tuple[str, str]] = {
+    ("tinydist.frontend.tensor", "tinydist.multi.sharded"):
+        ("deferred", "`Tensor.shard(devices)` is the public spelling of `MultiTensor.shard`; multi is built "
+                     "on Tensor, so the method imports it when called"),
+    ("tinydist.graph.lazy", "tinydist.runtime.buffer"):
+        ("type", "a realized LazyNode keeps the runtime's Buffer in its `buffer` slot; the graph only "
+                 "tests it against None, never calls it"),
+}
+
+
+def layer_of(rel: str) -> str | None:
+    best: tuple[int, str] | None = None
+    for name, prefixes in LAYERS:
+        for prefix in prefixes:
+            if rel == prefix or rel.startswith(prefix + "/"):
+                if best is None or len(prefix) > best[0]:
+                    best = (len(prefix), name)
+    return None if best is None else best[1]
+
+
+def python_files(root: Path = ROOT) -> list[Path]:
+    return sorted(p for package in PACKAGES for p in (root / package).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def module_name(rel: str) -> str:
+    parts = list(Path(rel).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_path(name: str, root: Path = ROOT) -> str | None:
+    base = Path(*name.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if (root / candidate).is_file():
+            return candidate.as_posix()
+    return None
+
+
+def _form(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> str:
+    form = "top"
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            return "deferred"
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            form = "type"
+    return form
+
+
+def imports(path: Path, root: Path = ROOT) -> list[tuple[int, str, str]]:
+    """(line, imported module, form) for every import of our own packages in `path`."""
+    rel = path.relative_to(root).as_posix()
+    me = module_name(rel)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), str(path))
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, *([base] if base else [])])
+            # `from pkg import module` depends on the module; `from module import name` on the module
+            targets = [f"{base}.{a.name}" if module_path(f"{base}.{a.name}", root) else base for a in node.names]
+        else:
+            continue
+        for target in targets:
+            if target.split(".")[0] in PACKAGES:
+                found.append((node.lineno, target, _form(node, parents)))
+    return found
+
+
+def upward_imports(root: Path = ROOT) -> tuple[list[str], set[tuple[str, str]]]:
+    """(violations, exceptions used)."""
+    violations, used = [], set()
+    for path in python_files(root):
+        rel = path.relative_to(root).as_posix()
+        mine = layer_of(rel)
+        if mine is None:
+            violations.append(f"{rel} is in no layer: move it into a layer's folder (docs/layout.md, "
+                              "'Where do I put X') or give its folder a row in LAYERS")
+            continue
+        for line, target, form in imports(path, root):
+            target_path = module_path(target, root)
+            theirs = layer_of(target_path) if target_path else None
+            if theirs is None or RANK[theirs] <= RANK[mine]:
+                continue
+            key = (module_name(rel), target)
+            allowed = EXCEPTIONS.get(key)
+            if allowed is not None and allowed[0] == form:
+                used.add(key)
+                continue
+            how = {"top": "", "deferred": " (inside a function)", "type": " (under TYPE_CHECKING)"}[form]
+            violations.append(f"{rel}:{line} ({mine}, rank {RANK[mine]}) imports {target}{how} "
+                              f"({theirs}, rank {RANK[theirs]}): a layer imports only the layers listed before it in docs/layout.md")
+    return violations, used
+
+
+def test_every_import_points_down_the_layer_table() -> None:
+    violations, used = upward_imports()
+    assert not violations, "upward imports:\n  " + "\n  ".join(violations)
+    stale = sorted(set(EXCEPTIONS) - used)
+    assert not stale, f"exceptions that no longer occur (delete them from EXCEPTIONS): {stale}"
+
+
+def test_every_layer_folder_exists() -> None:
+    missing = [f"{name}: {prefix}" for name, prefixes in LAYERS for prefix in prefixes if not (ROOT / prefix).exists()]
+    assert not missing, f"LAYERS names paths that are not in the tree: {missing}"
+
+
+# ---------------------------------------------------------------------------------------------- docs/layout.md
+def module_files(root: Path = ROOT) -> set[str]:
+    """Every module a reader needs to find: generated code and docstring-only `__init__.py` left out."""
+    out = set()
+    for path in python_files(root):
+        rel = path.relative_to(root).as_posix()
+        if "_generated" in path.parts:
+            continue
+        if path.name == "__init__.py":
+            body = ast.parse(path.read_text()).body
+            if all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) for n in body):
+                continue
+        out.add(rel)
+    return out
+
+
+def documented_modules(root: Path = ROOT) -> set[str]:
+    """The `.py` files named in the first cell of docs/layout.md's table rows: a path with a `/` is
+    from the repository root, a bare `name.py` is in the folder of the path before it in that cell."""
+    out = set()
+    for line in (root / "docs" / "layout.md").read_text().splitlines():
+        if not line.startswith("| `"):
+            continue
+        folder = ""
+        for token in re.findall(r"`([^`]+)`", line.split("|")[1]):
+            if "/" in token:
+                folder = token if token.endswith("/") else token.rpartition("/")[0] + "/"
+                if token.endswith(".py"):
+                    out.add(token)
+            elif token.endswith(".py"):
+                out.add(folder + token)
+    return out
+
+
+def test_layout_doc_lists_the_modules_on_disk() -> None:
+    listed, on_disk = documented_modules(), module_files()
+    assert not on_disk - listed, f"docs/layout.md does not list: {sorted(on_disk - listed)}"
+    assert not listed - on_disk, f"docs/layout.md lists modules that are not on disk: {sorted(listed - on_disk)}"
+
+
+def test_layout_doc_draws_the_layers_in_rank_order() -> None:
+    headings = [m.group(1) for m in re.finditer(r"^## \d+\. (\w+)", (ROOT / "docs" / "layout.md").read_text(), re.M)]
+    assert headings == [name for name, _ in LAYERS], f"docs/layout.md's layer headings {headings} != LAYERS"
