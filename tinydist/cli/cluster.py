@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -27,13 +26,7 @@ def _serve(args: argparse.Namespace) -> int:
             ServerCredentials.load(args.pki)
     except (OSError, ValueError) as exc:
         args.parser.error(str(exc))
-    with contextlib.ExitStack() as stack:
-        try:
-            endpoint = metrics.serve_from_args(args)  # --metrics: Prometheus text on loopback
-        except ValueError as exc:   # not loopback (a port in use is an OSError: exit 1)
-            args.parser.error(str(exc))
-        if endpoint is not None:
-            stack.callback(endpoint.close)
+    with metrics.serving_from_args(args):  # --metrics: Prometheus text on loopback
         asyncio.run(serve(args.listen, args.pki, args.insecure_loopback_only, args.heartbeat_interval,
                           args.miss_limit, args.port_file))
     return 0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import sys
 from pathlib import Path
 
@@ -21,13 +20,7 @@ def _serve(args: argparse.Namespace) -> int:
         prepare(options)
     except (OSError, ValueError) as exc:
         args.parser.error(str(exc))
-    with contextlib.ExitStack() as stack:
-        try:
-            endpoint = metrics.serve_from_args(args)  # --metrics: Prometheus text on loopback
-        except ValueError as exc:   # not loopback (a port in use is an OSError: exit 1)
-            args.parser.error(str(exc))
-        if endpoint is not None:
-            stack.callback(endpoint.close)
+    with metrics.serving_from_args(args):  # --metrics: Prometheus text on loopback
         asyncio.run(serve(options))
     return 0
 

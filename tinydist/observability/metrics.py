@@ -220,13 +220,25 @@ def _metrics_address(text: str) -> tuple[str, int]:
 
 
 def add_metrics_argument(parser: argparse.ArgumentParser) -> None:
-    """`--metrics HOST:PORT` for daemons; pair with `serve_from_args(args)`."""
+    """`--metrics HOST:PORT` for daemons; pair with `serving_from_args(args)`."""
     parser.add_argument("--metrics", metavar="HOST:PORT", type=_metrics_address, default=None,
                         help="serve Prometheus metrics at http://HOST:PORT/metrics (loopback, e.g. 127.0.0.1:9464)")
 
 
-def serve_from_args(args: argparse.Namespace) -> MetricsServer | None:
+@contextlib.contextmanager
+def serving_from_args(args: argparse.Namespace) -> Iterator[MetricsServer | None]:
+    """`--metrics` served for as long as the command runs (None without the flag). A refused
+    address (not loopback) is a usage error of `args.parser`; a port in use stays an OSError
+    (a runtime failure, exit 1)."""
     if getattr(args, "metrics", None) is None:
-        return None
+        yield None
+        return
     host, port = args.metrics
-    return serve_metrics(host, port)
+    try:
+        endpoint = serve_metrics(host, port)
+    except ValueError as exc:
+        args.parser.error(str(exc))
+    try:
+        yield endpoint
+    finally:
+        endpoint.close()
