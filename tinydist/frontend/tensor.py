@@ -90,8 +90,9 @@ def _shape_arg(shape: Sequence[Any], infer: bool = True) -> tuple[int, ...]:
     if any(s < 0 for s in result if not (infer and s == -1)):
         what = "negative dimensions are not allowed" + ("" if infer else " (-1 is reshape's, not a factory's)")
         raise ValueError(f"{what}: {result}")
-    if math.prod(abs(s) for s in result) > MAX_ELEMENTS:
-        raise ValueError(f"shape {result} has {math.prod(abs(s) for s in result):,} elements, more than the "
+    count = abs(math.prod(result))   # reshape's -1 only flips the sign
+    if count > MAX_ELEMENTS:
+        raise ValueError(f"shape {result} has {count:,} elements, more than the "
                          f"{MAX_ELEMENTS:,} a kernel can index (2**48): split the work into smaller tensors")
     return result
 
