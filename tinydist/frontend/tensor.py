@@ -756,7 +756,7 @@ def _upload(array: np.ndarray, dtype: DType, device: str) -> LazyNode:
     if array.size == 0:
         return Tensor.full(array.shape, 0, dtype, device).node
     dev = get_engine().device(device)
-    buffer = dev.allocator.alloc(array.nbytes)
+    buffer = dev.allocator.recycled(array.nbytes)  # a frame loop's upload: the last frame's buffer, when dropped
     if not dev.write_now(buffer, array):  # (C-contiguous: its bytes as they lie)
         batch = dev.batch("copy")
         batch.write_from_host(buffer, array)
