@@ -152,6 +152,7 @@ class HostFrame:
         self.output_specs = [(shape, dtype.np) for shape, dtype, _ in capture.output_specs]
         self.positions = [position for position, _, _ in entry.arg_copies]
         self.writes_args = bool(capture.written_args)
+        self.recycled, self.output_bytes = entry.recycled, capture.output_bytes
         self.frame = self.device.compiler.link_frame(entry.entry, [(address, nbytes) for _, address, nbytes in entry.arg_copies],
                                                      entry.output_copies).cfunc
         host, b = self.device.host_array, capture.buffer
@@ -184,7 +185,8 @@ class HostFrame:
         the function assigns to an argument — replay through the queue then."""
         if self.writes_args:
             return BUSY
-        outputs = self.entry.outputs()
+        recycled = self.recycled
+        outputs = [recycled(nbytes) for nbytes in self.output_bytes]  # (EntryReplay.outputs, without the call)
         accesses: list[tuple[Buffer, bool]] = []
         addresses = []  # (`address` checks each buffer is alive)
         for position in self.positions:

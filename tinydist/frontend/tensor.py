@@ -97,6 +97,9 @@ def _shape_arg(shape: Sequence[Any], infer: bool = True) -> tuple[int, ...]:
     return result
 
 
+_DEFAULT_DEVICE = canonical_name("CPU")
+
+
 class Tensor:
     __array_ufunc__ = None  # `ndarray + Tensor` defers to Tensor.__radd__ instead of making an object array
     __slots__ = ("node", "grad", "_grad_hooks", "__weakref__")  # grad, _grad_hooks: tinydist.frontend.autograd
@@ -109,7 +112,7 @@ class Tensor:
             if requires_grad:
                 self.requires_grad_()
             return
-        device = canonical_name(device or "CPU")
+        device = _DEFAULT_DEVICE if device is None else canonical_name(device)
         if type(data) is np.ndarray and dtype is None and data.flags.c_contiguous:  # a frame: upload it as it is
             found = dtypes.of_numpy(data.dtype)
             if found is not None:
