@@ -218,13 +218,17 @@ def test_cli_infer(make_model, reference, tmp_path, capsys, restore_logging, rng
     parser = cli.build_parser()
     if "infer" not in parser._subparsers._group_actions[0].choices:  # registered by tinydist.cli
         pytest.skip("the infer command is not registered in tinydist.cli yet")
-    args = ["infer", str(path), "--input", f"x={tmp_path / 'x.npy'}", "--bench", "20", "--save-outputs", str(tmp_path / "out")]
+    args = ["infer", str(path), "--input", f"x={tmp_path / 'x.npy'}", "--bench", "20", "--save-outputs", str(tmp_path / "out"),
+            "--output", str(tmp_path / "out.npz")]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "y  shape (1, 8)  float32" in out and "k  shape (1, 1)  int64" in out
     assert "p50" in out and "p99" in out
+    archive = np.load(tmp_path / "out.npz")
+    assert sorted(archive.files) == ["k", "y"]
     for name, want in zip("yk", reference(model, {"x": x})):
         np.testing.assert_array_equal(np.load(tmp_path / "out" / f"{name}.npy"), want)
+        np.testing.assert_array_equal(archive[name], want)
     with pytest.raises(SystemExit):
         cli.main(["infer", str(path)])
 
