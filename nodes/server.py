@@ -15,7 +15,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from nodes.audit import AuditLog
 from nodes.pci_sim import SimulatedPciFunction
-from nodes.service import SERVICE, DeviceService, ServerConfig
+from nodes.gate import SERVICE
+from nodes.service import DeviceService, ServerConfig
 from tinydist.base.logs import get_logger
 from tinydist.runtime.device import Device
 from tinydist.runtime.registry import open_device
