@@ -72,6 +72,33 @@ class Gate:
         self._tokens: dict[str, list[tuple[bytes, float]]] = {}
         self._peers = PeerCache()
 
+    def recheck(self, call: Call) -> None:
+        """Between the messages of a stream: still before the call's deadline, the certificate
+        not revoked since, the role still enough (the policy is re-read when its files change);
+        a refusal ends the stream, audited as any refusal."""
+        if time.monotonic() > call.deadline:
+            raise RpcError(Code.DEADLINE_EXCEEDED, "the stream outlived its deadline; split the transfer")
+        policy, denied = self.policy.current()
+        if call.fingerprint in denied:
+            raise _Refused(call, Code.UNAUTHENTICATED, "certificate revoked")
+        role, need = policy.role_of(call.identity), policy.min_role(call.method)
+        if role is None or need is None or RANK[role] < RANK[need]:
+            raise _Refused(call, Code.PERMISSION_DENIED, f"the policy no longer lets {role or 'a caller not enrolled'} call {call.method}")
+
+    async def messages(self, call: Call, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """A client stream's messages, each admitted by `recheck`; a client that sends nothing
+        until the call's deadline ends it (a stream holds no slot while idle for ever)."""
+        iterator = requests.__aiter__()
+        while True:
+            self.recheck(call)
+            try:
+                message = await asyncio.wait_for(iterator.__anext__(), max(call.deadline - time.monotonic(), 0.0))
+            except StopAsyncIteration:
+                return
+            except (asyncio.TimeoutError, TimeoutError):
+                raise RpcError(Code.DEADLINE_EXCEEDED, "the stream sent nothing before its deadline") from None
+            yield message
+
     def mint_token(self, call: Call) -> tuple[str, float]:
         """A new elevation token for the caller's certificate and its time to live in seconds
         (the policy's, at most 60 s); the last eight stay valid until they expire."""

@@ -44,6 +44,11 @@ def server_options(config: ServerConfig) -> list[tuple[str, Any]]:
         ("grpc.max_metadata_size", config.max_metadata_bytes),
         ("grpc.absolute_max_metadata_size", config.max_metadata_bytes),
         ("grpc.so_reuseport", 0),
+        # a connection lives at most max_connection_age (then drains its calls for the grace period) and
+        # closes after max_connection_idle without calls: a client holds no connection slot forever
+        ("grpc.max_connection_age_ms", int(config.max_connection_age_s * 1000)),
+        ("grpc.max_connection_age_grace_ms", int(config.max_connection_age_grace_s * 1000)),
+        ("grpc.max_connection_idle_ms", int(config.max_connection_idle_s * 1000)),
     ]
 
 

@@ -52,6 +52,9 @@ class ServerConfig:
     stream_chunk_bytes: int = 4 << 20
     max_allocation_bytes: int = 1 << 34
     op_timeout_s: float = 60.0
+    max_connection_age_s: float = 3600.0
+    max_connection_age_grace_s: float = 60.0
+    max_connection_idle_s: float = 300.0
 
 
 def _check_range(nbytes: int, offset: int, length: int) -> None:
@@ -210,7 +213,7 @@ class DeviceService:
         position = written = 0
         last = None
         with contextlib.ExitStack() as held:
-            async for request in requests:
+            async for request in self.gate.messages(call, requests):
                 if alloc is None:
                     lease = request.lease
                     alloc = self._allocation(call, self._lease(call, lease), request.handle)
@@ -273,7 +276,9 @@ class DeviceService:
                         nxt = asyncio.ensure_future(self._read(call, alloc, position, size))
                         position += size
                     if pending is not None:
-                        yield await pending
+                        reply = await pending
+                        self.gate.recheck(call)  # revoked or past its deadline since the last chunk: no more
+                        yield reply
                     pending = nxt
             finally:
                 if pending is not None and not pending.done():
