@@ -38,8 +38,11 @@ class CheckpointError(TinydistError, ValueError):
     """The file is not a checkpoint `save` (or a safetensors writer) wrote completely; the message
     names the file and what does not fit."""
 
-_DTYPES = {"float32": "F32", "float64": "F64", "int32": "I32", "int64": "I64", "bool": "BOOL"}
-_NUMPY = {"F32": "<f4", "F64": "<f8", "I32": "<i4", "I64": "<i8", "BOOL": "|b1"}
+# safetensors' dtype names (BF16 and the float8s are the ones tinydist has no numpy type for)
+_DTYPES = {"float16": "F16", "float32": "F32", "float64": "F64", "int8": "I8", "int16": "I16", "int32": "I32",
+           "int64": "I64", "uint8": "U8", "uint16": "U16", "uint32": "U32", "uint64": "U64", "bool": "BOOL"}
+_NUMPY = {"F16": "<f2", "F32": "<f4", "F64": "<f8", "I8": "|i1", "I16": "<i2", "I32": "<i4", "I64": "<i8", "U8": "|u1",
+          "U16": "<u2", "U32": "<u4", "U64": "<u8", "BOOL": "|b1"}
 
 
 def _flatten(obj: Any, path: str, tensors: dict[str, np.ndarray]) -> Any:

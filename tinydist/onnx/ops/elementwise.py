@@ -187,7 +187,7 @@ def acos(x: Tensor) -> Tensor:
 def op_trig(kind: str) -> Callable[..., Tensor]:
     def handler(ctx: Any, x: Tensor) -> Tensor:
         if not x.dtype.is_float:
-            raise ctx.error(f"input dtype {x.dtype.name} is not supported (float32/float64 only)")
+            raise ctx.error(f"input dtype {x.dtype.name} is not supported (float16/float32/float64 only)")
         if kind == "tan":
             return x.sin() / x.cos()
         if kind == "atan":
