@@ -16,6 +16,7 @@ from tinydist.frontend import autograd
 from tinydist.frontend.autograd import enable_grad, no_grad
 from tinydist.frontend.jit import JitError, TinyJit, jit
 from tinydist.frontend.tensor import Tensor, cat, manual_seed, stack, synchronize, where
+from tinydist.graph import dtypes
 from tinydist.graph.dtypes import (
     DType, bool_, float16, float32, float64, int8, int16, int32, int64, uint8, uint16, uint32, uint64)
 from tinydist.observability import trace
@@ -35,6 +36,8 @@ _LAZY = {"dist": "tinydist.dist", "onnx": "tinydist.onnx", "multi": "tinydist.mu
 
 
 def __getattr__(name: str) -> Any:
+    if name == "bfloat16":  # registered on first use: ml_dtypes' import is heavier than numpy's
+        return dtypes.bfloat16
     if name in _LAZY:
         module = import_module(_LAZY[name])
         globals()[name] = module

@@ -244,3 +244,104 @@ def test_strided_and_fused_chains(dtype):
         expected = (x.T * x.T[0] + x.T[1]) // 3
     with np.errstate(all="ignore"):
         check((td.Tensor(x).T * td.Tensor(x).T[0] + td.Tensor(x).T[1]) // 3, expected)
+
+
+_HALF_SCRIPT = """
+import numpy as np
+from tinydist.codegen import lowering
+lowering._host_converts_half = lambda: {native}
+import tinydist as td
+every = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+got = td.Tensor(every).cast(np.float32).numpy()
+assert np.array_equal(got, every.astype(np.float32), equal_nan=True)
+assert np.array_equal(got.view(np.uint32)[~np.isnan(got)], every.astype(np.float32).view(np.uint32)[~np.isnan(got)])
+rng = np.random.default_rng(0)
+wide = np.concatenate([rng.standard_normal(1 << 16).astype(np.float32) * s for s in (1e-6, 1e-3, 1, 1e3, 6e4, 1e5)])
+ties = (np.arange(1 << 16, dtype=np.uint32) << 13).view(np.float32) + 0  # float16 ties and near-ties
+wide = np.concatenate([wide, ties, -ties, np.array([np.inf, -np.inf, np.nan, 65519.0, 65520.0, 2.0 ** -25], np.float32)])
+with np.errstate(all="ignore"):
+    want = wide.astype(np.float16)
+out = td.Tensor(wide).cast(np.float16).numpy()
+nan = np.isnan(want)
+assert np.array_equal(np.isnan(out), nan)
+assert np.array_equal(out.view(np.uint16)[~nan], want.view(np.uint16)[~nan]), np.flatnonzero(out.view(np.uint16) != want.view(np.uint16))[:5]
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["hardware", "integer-ops"])
+def test_float16_conversions_bit_exact(native, tmp_path):
+    """Every float16 → float32, and float32 → float16 over many magnitudes and every tie, bit for
+    bit with numpy — with the CPU's conversion instructions and with the integer-op fallback used
+    where the CPU has none (run in a child: the kernels compile differently)."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, TINYDIST_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", _HALF_SCRIPT.format(native=native)], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0 and "ok" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
+
+
+@pytest.mark.parametrize("dtype", NEW[:-1] + [np.int32, np.int64], ids=IDS[:-1] + ["int32", "int64"])
+def test_shifts(dtype):
+    """numpy's left_shift / right_shift, counts past the width (and negative ones) included."""
+    x = sample(dtype, 64, 14)
+    bits = np.dtype(dtype).itemsize * 8
+    counts = np.resize(np.arange(-2, bits + 3), 64).astype(dtype) if np.dtype(dtype).kind == "i" else \
+        np.resize(np.arange(0, bits + 3), 64).astype(dtype)
+    check(td.Tensor(x) << td.Tensor(counts), np.left_shift(x, counts))
+    check(td.Tensor(x) >> td.Tensor(counts), np.right_shift(x, counts))
+    check(td.Tensor(x) >> 3, x >> 3)
+    check(1 << td.Tensor(counts % 5), 1 << (counts % 5))
+    with pytest.raises(TypeError):
+        td.Tensor(x) << 1.5
+
+
+# ---- bfloat16 (numpy's through ml_dtypes, registered on first use) ------------------------------
+
+@pytest.fixture
+def bf16():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+@pytest.mark.parametrize("name", ["add", "sub", "mul", "truediv", "maximum", "lt", "eq"])
+def test_bfloat16_arithmetic_is_ml_dtypes_bit_for_bit(bf16, name):
+    rng = np.random.default_rng(15)
+    a, b = (rng.standard_normal(300) * 20).astype(bf16), (rng.standard_normal(300) * 20).astype(bf16)
+    got, want = _apply(name, td.Tensor(a), td.Tensor(b)), _apply(name, a, b)
+    assert got.dtype.np == want.dtype
+    np.testing.assert_array_equal(got.numpy().view(np.uint16 if want.dtype == bf16 else want.dtype), want.view(np.uint16)
+                                  if want.dtype == bf16 else want)
+
+
+def test_bfloat16_casts_round_to_nearest_even_once(bf16):
+    rng = np.random.default_rng(16)
+    x32 = np.concatenate([rng.standard_normal(1 << 14).astype(np.float32) * s for s in (1e-30, 1, 1e30)]
+                         + [np.array([np.inf, -np.inf, np.nan, 3.4e38], np.float32)])
+    x64 = np.array([1 + 2.0 ** -8 + 2.0 ** -40, 1e39, -1e39, np.nan, 1.00390625], np.float64)  # via float32: rounds twice
+    for x in (x32, x64):
+        with np.errstate(all="ignore"):
+            want = x.astype(bf16)
+        got = td.Tensor(x).cast("bfloat16").numpy()
+        nan = np.isnan(want.astype(np.float32))
+        np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)
+        np.testing.assert_array_equal(got.view(np.uint16)[~nan], want.view(np.uint16)[~nan])
+    ints = np.arange(-300, 300, dtype=np.int16)
+    np.testing.assert_array_equal(td.Tensor(ints).cast(td.bfloat16).numpy().view(np.uint16), ints.astype(bf16).view(np.uint16))
+    np.testing.assert_array_equal(td.Tensor(ints.astype(bf16)).cast(np.int32).numpy(), ints.astype(bf16).astype(np.int32))
+
+
+def test_bfloat16_promotion_reductions_and_checkpoints(bf16, tmp_path):
+    rng = np.random.default_rng(17)
+    a = rng.standard_normal((8, 50)).astype(bf16)
+    assert td.Tensor(a).dtype is td.bfloat16 and td.bfloat16.np == bf16
+    assert (td.Tensor(a) + td.Tensor(a.astype(np.float16))).dtype.np == (a + a.astype(np.float16)).dtype
+    assert (td.Tensor(a) * 2.5).dtype is td.bfloat16
+    total = td.Tensor(a).sum(axis=1)
+    assert total.dtype is td.bfloat16
+    np.testing.assert_allclose(total.numpy().astype(np.float64), a.astype(np.float64).sum(axis=1), rtol=1e-2, atol=0.05)
+    check(td.Tensor(a).argmax(axis=1), a.argmax(axis=1))
+    td.save({"a": td.Tensor(a)}, tmp_path / "bf.safetensors")
+    np.testing.assert_array_equal(td.load(tmp_path / "bf.safetensors")["a"].numpy().view(np.uint16), a.view(np.uint16))

@@ -20,6 +20,7 @@ summation). Nothing else is reordered, and NaN/inf semantics are kept (no `nnan`
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -45,17 +46,18 @@ REASSOC = ("reassoc", "contract")
 
 
 # A dtype's register type, and (where it differs) its memory type: bool is i1 in registers and a
-# byte in memory; float16 is a float in registers and LLVM's half in memory (numpy's float16 loops
+# byte in memory; float16 is a float in registers and its 16 bits in memory (numpy's float16 loops
 # compute in float32 and round after each op, as `round_narrow` does here).
 _REGISTER: dict[DType, ir.Type] = {dtypes.float16: F32, dtypes.float32: F32, dtypes.float64: F64,
                                    dtypes.int8: I8, dtypes.int16: I16, dtypes.int32: I32, dtypes.int64: I64,
                                    dtypes.uint8: I8, dtypes.uint16: I16, dtypes.uint32: I32, dtypes.uint64: I64,
                                    dtypes.bool_: I1}
-_MEMORY: dict[DType, ir.Type] = {**_REGISTER, dtypes.bool_: I8, dtypes.float16: F16}
+_MEMORY: dict[DType, ir.Type] = {**_REGISTER, dtypes.bool_: I8, dtypes.float16: I16}
 
 
 def llvm_type(dtype: DType, in_memory: bool = False, width: int | None = None) -> ir.Type:
-    scalar = (_MEMORY if in_memory else _REGISTER)[dtype]
+    scalar = (_MEMORY if in_memory else _REGISTER).get(dtype) or (I16 if in_memory else F32)  # (bfloat16: registered late)
+    assert dtype.is_narrow_float or dtype in _REGISTER, dtype
     return ir.VectorType(scalar, width) if width else scalar
 
 
@@ -64,22 +66,89 @@ def _shaped(like: ir.Type, scalar: ir.Type) -> ir.Type:
     return ir.VectorType(scalar, like.count) if isinstance(like, ir.VectorType) else scalar
 
 
+@functools.cache
+def _host_converts_half() -> bool:
+    """Whether the host CPU converts float <-> half in hardware (x86 F16C, every AArch64). Without
+    it LLVM lowers `fptrunc float to half` to a libcall (__truncsfhf2) the JIT cannot resolve."""
+    from tinydist.codegen.compiler import host_target
+    target = host_target()
+    return "+f16c" in target.features.split(",") or target.triple.startswith(("aarch64", "arm64"))
+
+
+def _native_half(b: ir.IRBuilder) -> bool:
+    return b.module.triple.startswith("nvptx") or _host_converts_half()
+
+
 def from_memory(b: ir.IRBuilder, value: ir.Value, dtype: DType) -> ir.Value:
-    """A value loaded from memory in its register type (bool: i8 → i1; float16: half → float)."""
+    """A value loaded from memory in its register type (bool: i8 → i1; float16: its bits → float)."""
     if dtype is dtypes.bool_:
         return b.icmp_unsigned("!=", value, splat(value.type, 0))
     if dtype is dtypes.float16:
-        return b.fpext(value, _shaped(value.type, F32))
+        if _native_half(b):
+            return b.fpext(b.bitcast(value, _shaped(value.type, F16)), _shaped(value.type, F32))
+        return _half_bits_to_float(b, value)
+    if dtype.is_narrow_float:  # bfloat16: the top half of a float32
+        return b.bitcast(b.shl(b.zext(value, _shaped(value.type, I32)), splat(_shaped(value.type, I32), 16)),
+                         _shaped(value.type, F32))
     return value
 
 
 def to_memory(b: ir.IRBuilder, value: ir.Value, dtype: DType) -> ir.Value:
-    """A register value in its memory type (bool: i1 → i8; float16: float → half, rounded to nearest even)."""
+    """A register value in its memory type (bool: i1 → i8; float16: float → its bits, rounded to nearest even)."""
     if dtype is dtypes.bool_:
         return b.zext(value, _shaped(value.type, I8))
     if dtype is dtypes.float16:
-        return b.fptrunc(value, _shaped(value.type, F16))
+        if _native_half(b):
+            return b.bitcast(b.fptrunc(value, _shaped(value.type, F16)), _shaped(value.type, I16))
+        return _float_to_half_bits(b, value)
+    if dtype.is_narrow_float:
+        return _float_to_bfloat16_bits(b, value)
     return value
+
+
+def _float_to_bfloat16_bits(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """float32 → bfloat16 bits rounded to nearest even (ml_dtypes' rule): add 0x7fff plus the kept
+    part's last bit, keep the top 16 bits; a NaN stays a quiet NaN of its sign."""
+    t32 = _shaped(x.type, I32)
+    bits = b.bitcast(x, t32)
+    odd = b.and_(b.lshr(bits, splat(t32, 16)), splat(t32, 1))
+    rounded = b.lshr(b.add(b.add(bits, splat(t32, 0x7FFF)), odd), splat(t32, 16))
+    quiet = b.or_(b.lshr(bits, splat(t32, 16)), splat(t32, 0x40))
+    return b.trunc(b.select(b.fcmp_unordered("uno", x, x), quiet, rounded), _shaped(x.type, I16))
+
+
+def _half_bits_to_float(b: ir.IRBuilder, h: ir.Value) -> ir.Value:
+    """float16 bits → float32, exactly, in integer ops (F. Giesen's half_to_float: subnormals
+    renormalised by a float subtraction, infinities and NaNs re-biased)."""
+    t32 = _shaped(h.type, I32)
+    wide = b.zext(h, t32)
+    o = b.shl(b.and_(wide, splat(t32, 0x7FFF)), splat(t32, 13))
+    exp = b.and_(o, splat(t32, 0x7C00 << 13))
+    o = b.add(o, splat(t32, (127 - 15) << 23))
+    special = b.add(o, splat(t32, (128 - 16) << 23))
+    tiny = b.fsub(b.bitcast(b.add(o, splat(t32, 1 << 23)), _shaped(h.type, F32)), splat(_shaped(h.type, F32), 2.0 ** -14))
+    o = b.select(b.icmp_unsigned("==", exp, splat(t32, 0x7C00 << 13)), special, o)
+    o = b.select(b.icmp_unsigned("==", exp, splat(t32, 0)), b.bitcast(tiny, t32), o)
+    o = b.or_(o, b.shl(b.and_(wide, splat(t32, 0x8000)), splat(t32, 16)))
+    return b.bitcast(o, _shaped(h.type, F32))
+
+
+def _float_to_half_bits(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """float32 → float16 bits rounded to nearest even, in integer ops (F. Giesen's
+    float_to_half_fast3_rtne: subnormals rounded by adding 0.5 as a float, normals by adding
+    0xfff plus the kept mantissa's last bit)."""
+    t32, f32 = _shaped(x.type, I32), _shaped(x.type, F32)
+    bits = b.bitcast(x, t32)
+    sign = b.and_(bits, splat(t32, -(1 << 31)))
+    f = b.xor(bits, sign)
+    overflow = b.select(b.icmp_unsigned(">", f, splat(t32, 255 << 23)), splat(t32, 0x7E00), splat(t32, 0x7C00))
+    magic = splat(t32, 126 << 23)  # 0.5
+    subnormal = b.sub(b.bitcast(b.fadd(b.bitcast(f, f32), b.bitcast(magic, f32)), t32), magic)
+    odd = b.and_(b.lshr(f, splat(t32, 13)), splat(t32, 1))
+    normal = b.lshr(b.add(b.add(f, splat(t32, ((15 - 127) << 23) + 0xFFF)), odd), splat(t32, 13))
+    o = b.select(b.icmp_unsigned("<", f, splat(t32, 113 << 23)), subnormal, normal)
+    o = b.select(b.icmp_unsigned(">=", f, splat(t32, (127 + 16) << 23)), overflow, o)
+    return b.trunc(b.or_(o, b.lshr(sign, splat(t32, 16))), _shaped(x.type, I16))
 
 
 def round_narrow(b: ir.IRBuilder, value: ir.Value, dtype: DType) -> ir.Value:
@@ -780,6 +849,21 @@ def _mod_uint(lw: _Lowerer, a: ir.Value, d: ir.Value) -> ir.Value:
     return b.select(zero, splat(a.type, 0), b.urem(a, b.select(zero, splat(d.type, 1), d)))
 
 
+def _shift(left: bool) -> Callable[[_Lowerer, KNode, list[ir.Value]], ir.Value]:
+    """numpy's shifts: counts outside [0, bits) (compared unsigned) give 0, or for an arithmetic
+    right shift the sign; LLVM's own shifts are poison there, so the select keeps the defined arm."""
+    def rule(lw: _Lowerer, node: KNode, args: list[ir.Value]) -> ir.Value:
+        (a, c), b, dtype = args, lw.b, node.srcs[0].dtype
+        bits = dtype.itemsize * 8
+        inside = b.icmp_unsigned("<", c, splat(c.type, bits))
+        if left:
+            return b.select(inside, b.shl(a, c), splat(a.type, 0))
+        if dtype.is_unsigned:
+            return b.select(inside, b.lshr(a, c), splat(a.type, 0))
+        return b.select(inside, b.ashr(a, c), b.ashr(a, splat(a.type, bits - 1)))
+    return rule
+
+
 def _mod_float(lw: _Lowerer, a: ir.Value, d: ir.Value) -> ir.Value:
     b = lw.b
     r = b.frem(a, d)  # sign of the dividend; numpy's % takes the divisor's sign
@@ -849,6 +933,7 @@ ALU_RULES: dict[str, Callable[[_Lowerer, KNode, list[ir.Value]], ir.Value]] = {
     "and": lambda lw, node, args: lw.b.and_(*args),
     "or": lambda lw, node, args: lw.b.or_(*args),
     "xor": lambda lw, node, args: lw.b.xor(*args),
+    "shl": _shift(left=True), "shr": _shift(left=False),
     "cmplt": _cmp("<"), "cmple": _cmp("<="), "cmpeq": _cmp("=="), "cmpne": _cmp("!="),
     "where": lambda lw, node, args: lw.b.select(*args),
     "neg": _float_or_int(lambda lw, a: lw.b.fneg(a), lambda lw, a: lw.b.neg(a)),

@@ -422,6 +422,10 @@ class Tensor:
     def __rand__(self, other: Any) -> Tensor: return self._bitwise(other, Op.AND)
     def __ror__(self, other: Any) -> Tensor: return self._bitwise(other, Op.OR)
     def __rxor__(self, other: Any) -> Tensor: return self._bitwise(other, Op.XOR)
+    def __lshift__(self, other: Any) -> Tensor: return self._shift(other, Op.SHL)
+    def __rshift__(self, other: Any) -> Tensor: return self._shift(other, Op.SHR)
+    def __rlshift__(self, other: Any) -> Tensor: return self._operand(other)._shift(self, Op.SHL)
+    def __rrshift__(self, other: Any) -> Tensor: return self._operand(other)._shift(self, Op.SHR)
     def __invert__(self) -> Tensor:
         if self.dtype.is_bool:
             return self.logical_not()
@@ -447,6 +451,15 @@ class Tensor:
         if _promote(self, other).is_float:  # uint64 with a signed int promotes to float64, as in numpy
             raise TypeError(f"bitwise {op.value} is not defined for {self.dtype.name} and {other.dtype.name}; use integer or bool tensors")
         return self._binary(other, op)
+
+    def _shift(self, other: Any, op: Op) -> Tensor:
+        """numpy's left_shift / right_shift: a count outside [0, bits) gives 0 (-1 for a negative
+        value shifted right); right shifts of signed values are arithmetic."""
+        other = self._operand(other)
+        common = _promote(self, other)
+        if not common.is_int:
+            raise TypeError(f"shift is not defined for {self.dtype.name} and {other.dtype.name}; use integer tensors")
+        return self._binary(other, op, operand_dtype=common)
 
     def add(self, other: Any) -> Tensor: return self + other
     def sub(self, other: Any) -> Tensor: return self - other

@@ -8,6 +8,10 @@ uint8–uint64, float16, float32, float64 (bfloat16 below). The narrow floats ar
 kernels hold them in float32 registers and round to the storage type after every op, which is
 what numpy's own float16 loops do (convert, compute in float32, round), so results match numpy's
 bit for bit on elementwise ops; a sum accumulates in float32, as numpy's pairwise sum does.
+
+bfloat16 is numpy's through the ml_dtypes package (what onnx and jax use), registered on first
+use (`dtypes.bfloat16`, `to_dtype("bfloat16")`, or the first bfloat16 array): importing ml_dtypes
+costs several times numpy's own import, which `import tinydist` does not pay.
 """
 
 from __future__ import annotations
@@ -85,13 +89,38 @@ def to_dtype(spec: Any) -> DType:
         return spec
     if isinstance(spec, str) and spec in _BY_NAME:
         return _BY_NAME[spec]
+    if spec == "bfloat16":
+        return _bfloat16()
     try:
-        found = _BY_NUMPY.get(np.dtype(spec))
+        numpy_dtype = np.dtype(spec)
     except TypeError:
-        found = None
+        numpy_dtype = None
+    found = _BY_NUMPY.get(numpy_dtype) if numpy_dtype is not None else None
+    if found is None and numpy_dtype is not None and numpy_dtype.name == "bfloat16":
+        found = _bfloat16()
     if found is None:
-        raise TypeError(f"dtype {spec!r} is not supported; supported: {', '.join(d.name for d in SUPPORTED)}")
+        names = ", ".join(d.name for d in SUPPORTED)
+        raise TypeError(f"dtype {spec!r} is not supported; supported: {names}, bfloat16 (with ml_dtypes)")
     return found
+
+
+def _bfloat16() -> DType:
+    """The bfloat16 DType, made and registered on first use (see the module's docstring)."""
+    found = _BY_NAME.get("bfloat16")
+    if found is None:
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise TypeError("dtype bfloat16 needs the ml_dtypes package (pip install ml_dtypes)") from None
+        found = DType("bfloat16", np.dtype(ml_dtypes.bfloat16), 2, "f")
+        _BY_NAME[found.name], _BY_NUMPY[found.np], _UFUNC_FLOAT[found] = found, found, found
+    return found
+
+
+def __getattr__(name: str) -> Any:
+    if name == "bfloat16":
+        return _bfloat16()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def result_type(*operands: Any) -> DType:

@@ -38,13 +38,15 @@ _Key = tuple[tuple[tuple[int, ...], ...], tuple[bytes, ...]]  # input shapes, va
 # ONNX TensorProto element types that tinydist tensors can hold.
 _ELEM_TO_NP = {1: np.float32, 2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int16, 6: np.int32, 7: np.int64, 9: np.bool_,
                10: np.float16, 11: np.float64, 12: np.uint32, 13: np.uint64}
-_SUPPORTED_NAMES = ", ".join(d.name for d in dtypes.SUPPORTED)
+_SUPPORTED_NAMES = ", ".join(d.name for d in dtypes.SUPPORTED) + ", bfloat16"
 _ELEM_NAMES = {0: "UNDEFINED", 1: "FLOAT", 2: "UINT8", 3: "INT8", 4: "UINT16", 5: "INT16", 6: "INT32", 7: "INT64",
                8: "STRING", 9: "BOOL", 10: "FLOAT16", 11: "DOUBLE", 12: "UINT32", 13: "UINT64", 14: "COMPLEX64",
                15: "COMPLEX128", 16: "BFLOAT16"}
 
 
 def np_dtype_of(ctx: Any, elem_type: int) -> np.dtype:
+    if elem_type == 16:  # BFLOAT16: ml_dtypes' (onnx depends on it)
+        return dtypes.to_dtype("bfloat16").np
     if elem_type not in _ELEM_TO_NP:
         name = _ELEM_NAMES.get(elem_type, f"elem_type {elem_type}")
         raise ctx.error(f"dtype {name} is not supported ({_SUPPORTED_NAMES})")

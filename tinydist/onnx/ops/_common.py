@@ -12,7 +12,7 @@ from tinydist.graph import dtypes
 
 Value = Any  # np.ndarray | Tensor | None
 
-SUPPORTED_NP = {d.np for d in dtypes.SUPPORTED}
+SUPPORTED_NP = {d.np for d in dtypes.SUPPORTED} | {dtypes.to_dtype("bfloat16").np}  # onnx imports ml_dtypes anyway
 
 
 # ---- helpers -----------------------------------------------------------------------------------
