@@ -89,7 +89,7 @@ def to_dtype(spec: Any) -> DType:
         return spec
     if isinstance(spec, str) and spec in _BY_NAME:
         return _BY_NAME[spec]
-    if spec == "bfloat16":
+    if isinstance(spec, str) and spec == "bfloat16":
         return _bfloat16()
     try:
         numpy_dtype = np.dtype(spec)
