@@ -36,16 +36,20 @@ _SHAPE_ONLY = frozenset({"Shape", "Size"})  # ops that read only their input's s
 _Key = tuple[tuple[tuple[int, ...], ...], tuple[bytes, ...]]  # input shapes, values of the value inputs
 
 # ONNX TensorProto element types that tinydist tensors can hold.
-_ELEM_TO_NP = {1: np.float32, 6: np.int32, 7: np.int64, 9: np.bool_, 11: np.float64}
+_ELEM_TO_NP = {1: np.float32, 2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int16, 6: np.int32, 7: np.int64, 9: np.bool_,
+               10: np.float16, 11: np.float64, 12: np.uint32, 13: np.uint64}
+_SUPPORTED_NAMES = ", ".join(d.name for d in dtypes.SUPPORTED) + ", bfloat16"
 _ELEM_NAMES = {0: "UNDEFINED", 1: "FLOAT", 2: "UINT8", 3: "INT8", 4: "UINT16", 5: "INT16", 6: "INT32", 7: "INT64",
                8: "STRING", 9: "BOOL", 10: "FLOAT16", 11: "DOUBLE", 12: "UINT32", 13: "UINT64", 14: "COMPLEX64",
                15: "COMPLEX128", 16: "BFLOAT16"}
 
 
 def np_dtype_of(ctx: Any, elem_type: int) -> np.dtype:
+    if elem_type == 16:  # BFLOAT16: ml_dtypes' (onnx depends on it)
+        return dtypes.to_dtype("bfloat16").np
     if elem_type not in _ELEM_TO_NP:
         name = _ELEM_NAMES.get(elem_type, f"elem_type {elem_type}")
-        raise ctx.error(f"dtype {name} is not supported (float32, float64, int32, int64, bool)")
+        raise ctx.error(f"dtype {name} is not supported ({_SUPPORTED_NAMES})")
     return np.dtype(_ELEM_TO_NP[elem_type])
 
 
@@ -97,7 +101,7 @@ def _since_version(defs: Any, op_type: str, opset: int) -> int | None:
 
 def lift(ctx: Any, array: np.ndarray, device: str) -> Tensor:
     if array.dtype not in SUPPORTED_NP:
-        raise ctx.error(f"constant of dtype {array.dtype} is not supported (float32, float64, int32, int64, bool)")
+        raise ctx.error(f"constant of dtype {array.dtype} is not supported ({_SUPPORTED_NAMES})")
     if array.size == 1:
         return Tensor.full(array.shape, array.reshape(-1)[0].item(), dtypes.to_dtype(array.dtype), device)
     return Tensor(np.ascontiguousarray(array), device).realize()
