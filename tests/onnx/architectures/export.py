@@ -271,7 +271,19 @@ def randomize_constants(model: nn.Module) -> None:
             tensor.copy_(base + noise * (abs(base) if base else 1.0))
 
 
-def export(arch: Arch, opset: int | None, path: Path) -> None:
+def attention_kind(model: nn.Module) -> str | None:
+    """What the built model's attention runs as: "sdpa" (torch's fused scaled_dot_product_attention)
+    or "eager" (the libraries' matmul/softmax); None for a model without attention."""
+    for m in model.modules():
+        config = getattr(m, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            return "sdpa" if config._attn_implementation == "sdpa" else "eager"
+        if hasattr(m, "fused_attn"):
+            return "sdpa" if m.fused_attn else "eager"
+    return None
+
+
+def export(arch: Arch, opset: int | None, path: Path) -> str | None:
     torch.manual_seed(0)
     # the TorchScript exporter has no opset-13 scaled_dot_product_attention (it starts at 14), so
     # at 13 the attention models are built with their libraries' eager (matmul/softmax) attention
@@ -294,6 +306,7 @@ def export(arch: Arch, opset: int | None, path: Path) -> None:
                               dynamic_axes=dynamic_axes, opset_version=opset, dynamo=False, do_constant_folding=True)
     proto = onnx.load(str(path))
     onnx.checker.check_model(proto)
+    return attention_kind(model)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -313,14 +326,14 @@ def main(argv: list[str] | None = None) -> None:
         for opset in (None, OPSET_OLD):
             tag = "default" if opset is None else f"opset{opset}"
             path = args.out / f"{arch.name}_{tag}.onnx"
-            export(arch, opset, path)
+            attention = export(arch, opset, path)
             proto = onnx.load(str(path))
             model_opset = next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
             params = sum(p.numel() for p in arch.build().parameters())
             manifest[path.name] = {
                 "model": arch.name, "source": arch.source, "opset": model_opset, "variant": tag,
                 "exporter": "torch.onnx.export(dynamo=True)" if opset is None else "torch.onnx.export(dynamo=False)",
-                "parameters": params, "attention": ("eager" if opset == OPSET_OLD else "sdpa") if arch.attention else None, "inputs": arch.inputs, "outputs": arch.outputs,
+                "parameters": params, "attention": attention, "inputs": arch.inputs, "outputs": arch.outputs,
                 "ops": sorted({n.op_type for n in proto.graph.node}),
             }
             print(f"{path.name}: opset {model_opset}, {params} parameters, {path.stat().st_size} bytes")
