@@ -114,15 +114,15 @@ def resnet() -> nn.Module:
 
 def mobilenet_v3() -> nn.Module:
     from torchvision.models.mobilenetv3 import MobileNetV3, _mobilenet_v3_conf
-    setting, _last = _mobilenet_v3_conf("mobilenet_v3_small", width_mult=0.25)
-    setting = setting[:4]          # the first four blocks: ReLU and hardswish, with and without squeeze-excite
-    return MobileNetV3(setting, last_channel=64, num_classes=10)
+    setting = _mobilenet_v3_conf("mobilenet_v3_small", width_mult=0.25)[0]
+    # the first four blocks: ReLU and hardswish, with and without squeeze-excite
+    return MobileNetV3(setting[:4], last_channel=64, num_classes=10)
 
 
 def efficientnet() -> nn.Module:
     from torchvision.models.efficientnet import EfficientNet, _efficientnet_conf
-    setting, last = _efficientnet_conf("efficientnet_b0", width_mult=0.25, depth_mult=0.25)
-    return EfficientNet(setting[:5], dropout=0.2, last_channel=64, num_classes=10)
+    setting = _efficientnet_conf("efficientnet_b0", width_mult=0.25, depth_mult=0.25)[0]
+    return EfficientNet(setting[:5], dropout=0.2, last_channel=64, num_classes=10)  # the first 5 of 7 stages
 
 
 def densenet() -> nn.Module:
