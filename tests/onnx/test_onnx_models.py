@@ -125,6 +125,25 @@ def test_symbolic_batch_dimension(make_model, reference, rng):
         loaded({"x": np.zeros((2, 4, 3), F32)})
 
 
+def test_a_constant_folded_from_the_batch_is_uploaded_per_batch(make_model, reference, rng):
+    """A ViT's class token: expanded to the batch from Shape(x) (Shape→Gather→Unsqueeze→Concat→
+    Expand, all folded to a constant per plan) and concatenated with the patches. The expanded
+    token is a different constant at each batch; it was uploaded once by name, so the plan of the
+    second batch met the first batch's (1, 1, 4) token ("cat(): shapes [(1, 1, 4), (3, 2, 4)]")."""
+    nodes = [N("Shape", ["x"], ["s"]), N("Gather", ["s", "zero"], ["n"]), N("Unsqueeze", ["n", "ax"], ["n1"]),
+             N("Concat", ["n1", "rest"], ["shape"], axis=0), N("Expand", ["cls", "shape"], ["tokens"]),
+             N("Concat", ["tokens", "x"], ["y"], axis=1)]
+    inits = {"zero": np.array(0, np.int64), "ax": np.array([0], np.int64), "rest": np.array([1, 4], np.int64),
+             "cls": w(rng, 1, 1, 4)}
+    x = rng.standard_normal((2, 2, 4)).astype(F32)
+    model = make_model(nodes, {"x": x}, [("y", TensorProto.FLOAT, ["n", 3, 4])], inits, 13, shapes={"x": [None, 2, 4]})
+    loaded = tdo.load(model)
+    for batch in (1, 3, 1, 3, 3):
+        xb = rng.standard_normal((batch, 2, 4)).astype(F32)
+        np.testing.assert_array_equal(loaded({"x": xb})["y"], reference(model, {"x": xb})[0])
+        np.testing.assert_array_equal(loaded.run_tensors({"x": td.Tensor(xb)})[0].numpy(), reference(model, {"x": xb})[0])
+
+
 def test_run_tensors_and_paths(make_model, reference, tmp_path, rng):
     nodes = [N("Relu", ["x"], ["a"]), N("Neg", ["x"], ["b"])]
     x = rng.standard_normal((2, 3)).astype(F32)

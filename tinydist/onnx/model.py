@@ -248,7 +248,8 @@ class OnnxModel:
         # per input shapes (and values of value inputs): the graph captured once and replayed per
         # frame (None: nothing to capture)
         self._jits: dict[_Key, TinyJit | None] = {}
-        self._lifted: dict[str, Tensor] = {}
+        # constant values uploaded once, per name and value (see _lift_value)
+        self._lifted: dict[str, list[tuple[np.ndarray, Tensor]]] = {}
         if all(None not in shape for _, shape, _ in self.inputs) and not self.value_inputs:
             self._plan(tuple(tuple(shape) for _, shape, _ in self.inputs), {})  # type: ignore[arg-type]
 
@@ -300,10 +301,19 @@ class OnnxModel:
     # ---- planning ----------------------------------------------------------------------------
 
     def _lift_value(self, ctx: Any, name: str, array: np.ndarray) -> Tensor:
-        found = self._lifted.get(name)
-        if found is None:
-            found = self._lifted[name] = lift(ctx, array, self.device)
-        return found
+        """`array` (the constant value `name` has in this plan) as a Tensor, uploaded once per value.
+
+        A name keeps one value for an initializer, but a value folded from shapes has one per plan:
+        a ViT's class token expanded to the batch (Shape→Gather→Concat→Expand) is (1, 1, 32) at
+        batch 1 and (8, 1, 32) at batch 8, so the cache is keyed on the value, not the name alone
+        (keyed on the name, the batch-8 plan reused the batch-1 tensor and Concat failed)."""
+        uploaded = self._lifted.setdefault(name, [])
+        for value, tensor in uploaded:
+            if value is array or (value.shape == array.shape and value.dtype == array.dtype and np.array_equal(value, array)):
+                return tensor
+        tensor = lift(ctx, array, self.device)
+        uploaded.append((array, tensor))
+        return tensor
 
     def _key(self, shapes: tuple[tuple[int, ...], ...], values: Mapping[str, np.ndarray]) -> _Key:
         return shapes, tuple(values[name].tobytes() for name in self.input_names if name in self.value_inputs)
