@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from typing import Any
 
 from tinydist.base.config import settings
 from tinydist.runtime.cpu.allocator import CPUAllocator
@@ -40,9 +41,9 @@ class CPUDevice(Device):
         if self._allocator is not None:
             self._allocator.release_all()
 
-    def load_program(self, object_code: bytes, entry: str, signature: Sequence[str]) -> Program:
+    def load_program(self, object_code: bytes, entry: str, signature: Sequence[str], calls: Sequence[Any] = ()) -> Program:
         self.check_usable()
-        return native_loader.load(object_code, entry, signature)
+        return native_loader.load(object_code, entry, signature, calls)
 
     @property
     def host_visible(self) -> bool:

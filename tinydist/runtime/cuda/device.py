@@ -326,7 +326,7 @@ class CUDADevice(Device):
 
     # ---- programs ----------------------------------------------------------------------------
 
-    def load_program(self, object_code: bytes, entry: str, signature: Sequence[str]) -> Program:
+    def load_program(self, object_code: bytes, entry: str, signature: Sequence[str], calls: Sequence[Any] = ()) -> Program:
         raise DeviceError(f"{self.name} runs PTX kernels with launch geometry: use dev.compiler.kernel(ast) / dev.compiler.matmul(dtype) "
                           "(host object code cannot run on a GPU)")
 

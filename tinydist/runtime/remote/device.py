@@ -140,7 +140,7 @@ class RemoteDevice(Device):
             if session is not None:
                 session.close()  # CloseLease releases every handle on the node at once
 
-    def load_program(self, object_code: bytes, entry: str, signature: Sequence[str]) -> Program:
+    def load_program(self, object_code: bytes, entry: str, signature: Sequence[str], calls: Sequence[Any] = ()) -> Program:
         raise DeviceError(f"{self.name} does not take object code (the node runs no client binaries); "
                           "pass LLVM IR with load_ir(), which the node verifies and compiles itself")
 
