@@ -139,6 +139,9 @@ for _setting in (
             "Bytes one CPU device may hold allocated at once."),
     Setting("ALLOCATOR_CACHE", int, lambda: 1 << 30,
             "Bytes of freed device memory each allocator keeps for reuse (0 disables the cache)."),
+    Setting("ALLOCATOR_CACHE_BLOCKS", _positive_int, lambda: 2048,
+            "Freed blocks each allocator keeps for reuse at most; past it (or past TINYDIST_ALLOCATOR_CACHE bytes) "
+            "the blocks freed longest ago are given back, so ever-new tensor sizes do not pile up memory mappings."),
     Setting("COLLECTIVE_TIMEOUT", _positive_float, lambda: 60.0,
             "Seconds one process-group collective (tinydist.dist) may take before every rank raises."),
     Setting("ALLREDUCE", _choice("auto", "naive", "ring", "all2all"), lambda: "auto",

@@ -35,7 +35,7 @@ class CPUDevice(Device):
         return self._allocator
 
     def _open_backend(self) -> None:
-        self._allocator = CPUAllocator(self, settings.CPU_MEMORY_LIMIT, settings.ALLOCATOR_CACHE)
+        self._allocator = CPUAllocator(self, settings.CPU_MEMORY_LIMIT, settings.ALLOCATOR_CACHE, settings.ALLOCATOR_CACHE_BLOCKS)
 
     def _close_backend(self) -> None:
         if self._allocator is not None:

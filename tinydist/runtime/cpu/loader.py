@@ -101,7 +101,7 @@ class NativeLoader:
             self._try_dispose()
         prototype = ctypes.CFUNCTYPE(None, *(ARG_KINDS[kind] for kind in signature))
         cfunc = prototype(address)
-        cfunc._tinydist_code = owner  # the code stays mapped while this callable exists
+        cfunc._tinydist_code = owner  # type: ignore[attr-defined]  # the code stays mapped while this callable exists
         return Program(entry, signature, cfunc, address)
 
     @staticmethod

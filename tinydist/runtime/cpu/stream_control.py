@@ -55,7 +55,7 @@ def _publisher() -> Callable[[int, int], None]:
           "  store atomic i64 %value, ptr %word release, align 8\n  ret void\n}\n")
     program = native_loader.load(compile_glue(ir), "td_stream_publish", ["i64", "i64"])
     store = ctypes.PYFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64)(program.address)  # a store: keeps the GIL
-    store._tinydist_code = program.cfunc  # the code stays loaded while this callable exists
+    store._tinydist_code = program.cfunc  # type: ignore[attr-defined]  # the code stays loaded while this callable exists
     return store
 
 
