@@ -16,8 +16,8 @@ meeting new shapes drops the kernels it used longest ago. Dropping one only lets
 cache's reference; its code is unmapped when the last holder lets go too (a cached schedule's
 lowering, a captured step, a queued command: see `tinydist.runtime.cpu.loader`), so a dropped
 kernel is never called after its code is gone, and one still in use is simply built again when
-asked for. A hit costs a lock and a move to the LRU's end, once per kernel per call-by-call
-realize; cached schedules and replays do not ask.
+asked for. A hit costs a move to the LRU's end besides the lookup (~2 OrderedDict calls), once per
+kernel per call-by-call realize; cached schedules' lowerings and replays do not ask.
 """
 
 from __future__ import annotations
@@ -63,8 +63,7 @@ class DeviceCompiler:
     def __init__(self, device: Device, capacity: int | None = None) -> None:
         self.device = device
         self.capacity = settings.LOADED_KERNELS if capacity is None else capacity
-        self._lock = threading.Lock()        # the LRU's order: held for a lookup, never for a build
-        self._build_lock = threading.Lock()  # one build at a time, so a kernel is built once
+        self._lock = threading.Lock()  # one build at a time, so a kernel is built once
         self._programs: OrderedDict[Hashable, Program] = OrderedDict()
         self.evicted = 0  # programs dropped from the LRU
 
@@ -77,25 +76,27 @@ class DeviceCompiler:
         return len(self._programs)
 
     def _lookup(self, key: Hashable) -> Program | None:
-        with self._lock:
-            program = self._programs.get(key)
-            if program is not None:
+        # no lock: each OrderedDict call is atomic under the GIL, and an eviction between the two
+        # (the only writer that removes) just means the program is not renewed
+        program = self._programs.get(key)
+        if program is not None:
+            try:
                 self._programs.move_to_end(key)
-            return program
+            except KeyError:
+                pass
+        return program
 
     def _cached(self, key: Hashable, build: Callable[[], Program]) -> Program:
         program = self._lookup(key)
         if program is not None:
             return program
-        with self._build_lock:
+        with self._lock:
             program = self._lookup(key)
             if program is None:
-                program = build()
-                with self._lock:
-                    self._programs[key] = program
-                    while len(self._programs) > self.capacity:
-                        self._programs.popitem(last=False)
-                        self.evicted += 1
+                program = self._programs[key] = build()
+                while len(self._programs) > self.capacity:
+                    self._programs.popitem(last=False)
+                    self.evicted += 1
         return program
 
     def kernel(self, ast: KernelAST) -> Program:
