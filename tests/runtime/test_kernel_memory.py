@@ -49,6 +49,7 @@ def _ast(n: int):  # type: ignore[no-untyped-def]
     return call.ast
 
 
+@pytest.mark.timeout(600)  # 5,000 lowerings and compiles: ~25 s on a quiet machine, 75 s on a loaded one
 def test_5000_distinct_shapes_plateau_in_mappings_and_rss(monkeypatch: pytest.MonkeyPatch) -> None:
     # O0 instead of O3 keeps 5,000 compiles to seconds; what is loaded, kept and freed is the same.
     # (The O3 pipeline itself keeps ~120 KiB per compile inside LLVM, O0 nothing: measured in
