@@ -97,11 +97,13 @@ def test_a_dropped_kernel_is_unloaded_once_its_last_holder_lets_go(monkeypatch: 
     assert native_loader.loaded == before  # 7001 gone; 7002 kept by the LRU
 
 
-def test_eager_realizes_of_new_shapes_stay_right_past_every_bound() -> None:
-    # the LRU and the schedule cache both smaller than the shapes met: kernels still referenced by
-    # a cached schedule's lowering keep running after the LRU dropped them, and results stay right
+@pytest.mark.parametrize("schedules", [8, 64])
+def test_eager_realizes_of_new_shapes_stay_right_past_the_lru(schedules: int) -> None:
+    # an LRU of 4 kernels under 39 shapes: with a schedule cache of 64 the second round runs
+    # cached lowerings whose kernels the LRU dropped long ago (held by the lowering, which calls
+    # them by address); with 8, schedules are made again and their kernels built again
     capacity = schedule_cache.capacity
-    schedule_cache.capacity = 8
+    schedule_cache.capacity = schedules
     try:
         with settings.override(LOADED_KERNELS=4):
             device = get_engine().reopen("CPU:0")
@@ -109,9 +111,43 @@ def test_eager_realizes_of_new_shapes_stay_right_past_every_bound() -> None:
             for round_ in range(2):
                 for n in range(1, 40):
                     x = np.linspace(-1, 1, n).astype(np.float32)
-                    np.testing.assert_allclose((td.Tensor(x) * 3.0 - 1.0).exp().numpy(), np.exp(x.astype(np.float64) * 3 - 1),
-                                               rtol=1e-5, err_msg=f"round {round_}, shape ({n},)")
+                    t = td.Tensor(x)  # three kernels a realize runs as one interpreter command
+                    got = ((t * 3.0 - 1.0).exp().sum() + t * 2.0).numpy()
+                    x64 = x.astype(np.float64)
+                    np.testing.assert_allclose(got, np.exp(x64 * 3 - 1).sum() + x64 * 2, rtol=1e-5,
+                                               err_msg=f"round {round_}, shape ({n},)")
             assert len(device.compiler) == 4 and device.compiler.evicted > 0
     finally:
         schedule_cache.capacity = capacity
+        get_engine().reopen("CPU:0")
+
+
+@pytest.mark.parametrize("replay", ["entry", "streams", "runs"])
+def test_a_captured_step_keeps_its_kernels_after_the_lru_dropped_them(replay: str) -> None:
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((8, 8)).astype(np.float32)
+    try:
+        with settings.override(LOADED_KERNELS=1):
+            device = get_engine().reopen("CPU:0")
+            tw = td.Tensor(w)
+
+            @td.jit(replay=replay)
+            def step(x: td.Tensor) -> td.Tensor:
+                return ((x @ tw).relu() * 0.5 + 1.0).exp()
+
+            def reference(x: np.ndarray) -> np.ndarray:
+                return np.exp(np.maximum(x.astype(np.float64) @ w, 0) * 0.5 + 1)
+
+            for _ in range(2):  # run, capture
+                step(td.Tensor(rng.standard_normal((2, 8)).astype(np.float32))).numpy()
+            for n in range(3, 20):  # other shapes push every kernel of the step out of the LRU
+                (td.Tensor(np.ones(n, np.float32)) + 1.0).numpy()
+            schedule_cache.clear()
+            gc.collect()
+            assert device.compiler.evicted > 0
+            for _ in range(5):
+                frame = rng.standard_normal((2, 8)).astype(np.float32)
+                np.testing.assert_allclose(step.call_numpy(frame), reference(frame), rtol=1e-5)
+                np.testing.assert_allclose(step(td.Tensor(frame)).numpy(), reference(frame), rtol=1e-5)
+    finally:
         get_engine().reopen("CPU:0")
