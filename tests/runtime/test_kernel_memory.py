@@ -22,6 +22,10 @@ from tinydist.schedule import create_schedule, schedule_cache
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self")
 
+# The tests that reopen a device (so its compiler reads their LOADED_KERNELS) use this one, never the
+# default CPU:0: a reopen frees every buffer of the old device, cached tensors of other tests included.
+REOPENED = "CPU:3"
+
 
 def mappings() -> int:
     return len(Path("/proc/self/maps").read_text().splitlines())
@@ -106,12 +110,12 @@ def test_eager_realizes_of_new_shapes_stay_right_past_the_lru(schedules: int) ->
     schedule_cache.capacity = schedules
     try:
         with settings.override(LOADED_KERNELS=4):
-            device = get_engine().reopen("CPU:0")
+            device = get_engine().reopen(REOPENED)
             assert device.compiler.capacity == 4
             for round_ in range(2):
                 for n in range(1, 40):
                     x = np.linspace(-1, 1, n).astype(np.float32)
-                    t = td.Tensor(x)  # three kernels a realize runs as one interpreter command
+                    t = td.Tensor(x, device=REOPENED)
                     got = ((t * 3.0 - 1.0).exp().sum() + t * 2.0).numpy()
                     x64 = x.astype(np.float64)
                     np.testing.assert_allclose(got, np.exp(x64 * 3 - 1).sum() + x64 * 2, rtol=1e-5,
@@ -119,7 +123,7 @@ def test_eager_realizes_of_new_shapes_stay_right_past_the_lru(schedules: int) ->
             assert len(device.compiler) == 4 and device.compiler.evicted > 0
     finally:
         schedule_cache.capacity = capacity
-        get_engine().reopen("CPU:0")
+        get_engine().reopen(REOPENED)
 
 
 @pytest.mark.parametrize("replay", ["entry", "streams", "runs"])
@@ -128,8 +132,8 @@ def test_a_captured_step_keeps_its_kernels_after_the_lru_dropped_them(replay: st
     w = rng.standard_normal((8, 8)).astype(np.float32)
     try:
         with settings.override(LOADED_KERNELS=1):
-            device = get_engine().reopen("CPU:0")
-            tw = td.Tensor(w)
+            device = get_engine().reopen(REOPENED)
+            tw = td.Tensor(w, device=REOPENED)
 
             @td.jit(replay=replay)
             def step(x: td.Tensor) -> td.Tensor:
@@ -139,15 +143,15 @@ def test_a_captured_step_keeps_its_kernels_after_the_lru_dropped_them(replay: st
                 return np.exp(np.maximum(x.astype(np.float64) @ w, 0) * 0.5 + 1)
 
             for _ in range(2):  # run, capture
-                step(td.Tensor(rng.standard_normal((2, 8)).astype(np.float32))).numpy()
+                step(td.Tensor(rng.standard_normal((2, 8)).astype(np.float32), device=REOPENED)).numpy()
             for n in range(3, 20):  # other shapes push every kernel of the step out of the LRU
-                (td.Tensor(np.ones(n, np.float32)) + 1.0).numpy()
+                (td.Tensor(np.ones(n, np.float32), device=REOPENED) + 1.0).numpy()
             schedule_cache.clear()
             gc.collect()
             assert device.compiler.evicted > 0
             for _ in range(5):
                 frame = rng.standard_normal((2, 8)).astype(np.float32)
                 np.testing.assert_allclose(step.call_numpy(frame), reference(frame), rtol=1e-5)
-                np.testing.assert_allclose(step(td.Tensor(frame)).numpy(), reference(frame), rtol=1e-5)
+                np.testing.assert_allclose(step(td.Tensor(frame, device=REOPENED)).numpy(), reference(frame), rtol=1e-5)
     finally:
-        get_engine().reopen("CPU:0")
+        get_engine().reopen(REOPENED)
