@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import Counter
+import weakref
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from nodes.gate import Call, Code, Gate, RpcError
 from nodes.leases import Allocation, Lease, LeaseTable
 from nodes.pci_sim import SimulatedPciFunction
 from nodes.verifier import ENGINE, RAW, VerificationError, verify
+from tinydist.base.config import settings
 from tinydist.base.errors import AllocationError, CompileError
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.device import Device
@@ -75,8 +77,11 @@ class DeviceService:
         self.pci = pci if pci is not None else {}
         self.gate = Gate(config.op_timeout_s, policy, audit)
         self.table = LeaseTable(audit, config.lease_ttl_s)
-        self._programs: dict[tuple[str, str], Program] = {}
-        self._visible: dict[str, set[tuple[str, str]]] = {}
+        # Programs are held per identity, an LRU of TINYDIST_LOADED_KERNELS each: a client meeting new
+        # shapes without end drops its oldest, and its code is unloaded once no identity holds it
+        # (a launch in flight holds its own). Compiled code is shared while anyone holds it.
+        self._programs: weakref.WeakValueDictionary[tuple[str, str], Program] = weakref.WeakValueDictionary()
+        self._visible: dict[str, OrderedDict[tuple[str, str], Program]] = {}
         self._compile_ir = compile_ir
         self._compile_lock = asyncio.Lock()
 
@@ -316,16 +321,22 @@ class DeviceService:
         except VerificationError as exc:
             raise RpcError(Code.INVALID_ARGUMENT, f"program refused: {exc}") from None
         key = (request.device, verified.program_id)
-        if key not in self._programs:
+        program = self._programs.get(key)
+        if program is None:
             async with self._compile_lock:
-                if key not in self._programs:
+                program = self._programs.get(key)
+                if program is None:
                     compile_ir = self._compile_ir or _default_compiler()
                     try:
                         code = await asyncio.to_thread(compile_ir, verified.ir_text)
-                        self._programs[key] = device.load_program(code, verified.symbol, verified.signature)
+                        program = self._programs[key] = device.load_program(code, verified.symbol, verified.signature)
                     except CompileError as exc:
                         raise RpcError(Code.INVALID_ARGUMENT, f"program does not compile: {str(exc)[:300]}") from None
-        self._visible.setdefault(call.identity, set()).add(key)
+        held = self._visible.setdefault(call.identity, OrderedDict())
+        held[key] = program
+        held.move_to_end(key)
+        while len(held) > settings.LOADED_KERNELS:
+            held.popitem(last=False)
         self._effect(call, "program_loaded", program_id=verified.program_id, kind=kind, device=request.device)
         return pb.LoadProgramReply(program_id=verified.program_id)
 
@@ -343,9 +354,12 @@ class DeviceService:
         lease = self._lease(call, request.lease)
         key = (request.device, request.program_id)
         device = self._device(request.device)
-        program = self._programs.get(key)
-        if program is None or key not in self._visible.get(call.identity, ()):
-            raise RpcError(Code.NOT_FOUND, "no such program")
+        held = self._visible.get(call.identity)
+        program = held.get(key) if held is not None else None
+        if held is None or program is None:
+            raise RpcError(Code.NOT_FOUND, f"no such program (never loaded by this identity, or dropped: each identity "
+                                           f"keeps its {settings.LOADED_KERNELS} most recently used programs; load it again)")
+        held.move_to_end(key)
         if len(request.args) != len(program.signature):
             raise RpcError(Code.INVALID_ARGUMENT, f"program takes {len(program.signature)} arguments, got {len(request.args)}")
         values: list[Any] = []

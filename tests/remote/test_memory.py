@@ -248,3 +248,37 @@ def test_simulated_pci_function(server, connect) -> None:
     resets = alice.ResetDevice(pb.ResetDeviceRequest(address=address), token=token).resets
     assert bar(bar=2, offset=16, length=5).data == bytes(5) and resets >= 1
     assert code_of(alice.ResetDevice, pb.ResetDeviceRequest(address="0000:99:00.0"), token=token) == NF
+
+
+def _store_ir(value: int) -> str:
+    return f"define void @k(ptr %p) {{\n  store i64 {value}, ptr %p\n  ret void\n}}\n"
+
+
+def test_programs_are_an_lru_per_identity(make_server, connect) -> None:
+    from tinydist.base.config import settings
+
+    server = make_server()
+    bob, dave = connect(server, "bob"), connect(server, "dave")
+    lease, dlease = lease_of(bob), lease_of(dave)
+    h, dh = alloc(bob, lease, 8), alloc(dave, dlease, 8)
+
+    def load(client, value: int) -> str:
+        return client.LoadProgram(pb.LoadProgramRequest(device="CPU:0", kind=pb.PROGRAM_KIND_ENGINE_KERNEL,
+                                                        llvm_ir=_store_ir(value), entry="k", signature=["rw"]), timeout=60).program_id
+
+    def launch(client, lease_id, handle, program: str) -> grpc.StatusCode:
+        return code_of(client.Launch, pb.LaunchRequest(lease=lease_id, device="CPU:0", program_id=program,
+                                                       args=[pb.LaunchArg(buffer=pb.BufferArg(handle=handle, length=8))]), timeout=60)
+
+    with settings.override(LOADED_KERNELS=2):
+        first = load(bob, 1)
+        assert load(dave, 1) == first  # dave holds the same program in his own LRU
+        second, third = load(bob, 2), load(bob, 3)
+        assert launch(bob, lease, h, first) == NF  # dropped from bob's two: he must load it again
+        assert launch(dave, dlease, dh, first) == grpc.StatusCode.OK  # dave's bound is his own
+        assert launch(bob, lease, h, second) == grpc.StatusCode.OK
+        assert struct.unpack("<q", bob.Read(pb.ReadRequest(lease=lease, handle=h, length=8)).data)[0] == 2
+        assert load(bob, 1) == first
+        assert launch(bob, lease, h, first) == grpc.StatusCode.OK
+        assert struct.unpack("<q", bob.Read(pb.ReadRequest(lease=lease, handle=h, length=8)).data)[0] == 1
+        assert launch(bob, lease, h, third) == NF  # the least recently used of bob's (second was launched since)

@@ -143,3 +143,43 @@ async def test_fault_points_disarm_after_scope(cpu: Device) -> None:
     assert cpu.allocator.statistics().live_buffers == 2
     ok.free()
     more.free()
+
+
+def test_size_classes_round_up_by_at_most_a_quarter() -> None:
+    from tinydist.runtime.allocator import SIZE_CLASS_FROM, size_class
+
+    assert size_class(3000) == 3000 and size_class(SIZE_CLASS_FROM - 1) == SIZE_CLASS_FROM - 1
+    rng = np.random.default_rng(1)
+    for n in [SIZE_CLASS_FROM, SIZE_CLASS_FROM + 1, 1 << 20, (1 << 20) + 1, *rng.integers(SIZE_CLASS_FROM, 1 << 34, 500).tolist()]:
+        block = size_class(n)
+        assert n <= block <= n * 1.25 and size_class(block) == block, n
+    assert {size_class(n) for n in range((1 << 20) + 1, (1 << 21) + 1, 997)} == {5 << 18, 6 << 18, 7 << 18, 8 << 18}
+
+
+async def test_random_sizes_reuse_blocks_and_the_cache_stays_bounded(cpu) -> None:
+    # before: exact-size reuse and a cache that refused blocks once full — random sizes filled it
+    # with blocks nothing matched, and every further block was a fresh mapping
+    from pathlib import Path
+
+    def mappings() -> int:
+        return len(Path("/proc/self/maps").read_text().splitlines())
+
+    alloc = cpu.allocator
+    alloc.cache_limit, alloc.cache_blocks = 1 << 30, 32
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(256 << 10, 8 << 20, 2000).tolist()
+    before = mappings()
+    for i, n in enumerate(sizes):
+        buffers = [alloc.alloc(int(n)), alloc.alloc(int(sizes[i - 1]))]
+        for buffer in buffers:
+            buffer.free()
+        assert alloc.statistics().cached_bytes <= alloc.cache_limit and len(alloc._cache_order) <= alloc.cache_blocks
+    # exact sizes kept ~250 never-matched blocks here (the cache's 1 GiB), each its own mapping
+    assert mappings() - before < 64
+    first = alloc.alloc(300_000)
+    address = first.address
+    first.free()
+    again = alloc.alloc(310_000)  # another size of the same class: the freed block again
+    assert again.address == address
+    again.free()
+    _assert_nothing_held(cpu)

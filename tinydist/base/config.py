@@ -119,6 +119,10 @@ for _setting in (
             "Set to 0 to bypass the on-disk compile cache."),
     Setting("COMPILE_CACHE_MAX_MB", _positive_int, lambda: 512,
             "Cap on the on-disk compile cache, in MiB; past it the least recently used entries are deleted."),
+    Setting("LOADED_KERNELS", _positive_int, lambda: 1024,
+            "Kernels each device keeps loaded for reuse, the least recently used dropped past it. A dropped kernel's "
+            "code is unmapped once nothing else holds it (a cached schedule, a captured step), so a process meeting "
+            "new shapes without end plateaus instead of running out of memory mappings."),
     Setting("TIMELINE_TIMEOUT", _positive_float, lambda: 30.0,
             "Seconds a timeline may stand still under a waiter before its device is declared hung."),
     Setting("REALIZE_RUN_AHEAD", _positive_int, lambda: 4,
@@ -135,6 +139,9 @@ for _setting in (
             "Bytes one CPU device may hold allocated at once."),
     Setting("ALLOCATOR_CACHE", int, lambda: 1 << 30,
             "Bytes of freed device memory each allocator keeps for reuse (0 disables the cache)."),
+    Setting("ALLOCATOR_CACHE_BLOCKS", _positive_int, lambda: 2048,
+            "Freed blocks each allocator keeps for reuse at most; past it (or past TINYDIST_ALLOCATOR_CACHE bytes) "
+            "the blocks freed longest ago are given back, so ever-new tensor sizes do not pile up memory mappings."),
     Setting("COLLECTIVE_TIMEOUT", _positive_float, lambda: 60.0,
             "Seconds one process-group collective (tinydist.dist) may take before every rank raises."),
     Setting("ALLREDUCE", _choice("auto", "naive", "ring", "all2all"), lambda: "auto",

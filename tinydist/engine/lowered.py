@@ -122,6 +122,7 @@ class _Run:
     # every command of the run as one interpreter command (where each is a kernel): submitted
     # when no tracked access has anything to wait for (see `_submit`)
     whole: tuple[Any, int, int] | None = None  # (the interpreter, where in `code`, how many kernels)
+    calls: tuple[Program, ...] = ()  # the kernels `code` calls by address: kept loaded while the run is
 
 
 @dataclass(frozen=True)
@@ -454,8 +455,9 @@ def _link(plan: _Plan, run: _Run) -> _Run:
         for index in range(len(plan.commands)):
             encode(index)
     tracked = tuple((moved[index], accesses) for index, accesses in plan.tracked)
+    calls = tuple({id(c.program): c.program for c in plan.commands if c.program is not None}.values())
     return _Run(plan.device, plan.queue, tuple(commands), tracked, plan.holds, plan.copied, plan.small,
-                (ctypes.c_int64 * len(code))(*code), whole)
+                (ctypes.c_int64 * len(code))(*code), whole, calls)
 
 
 # A batch of kernels iterating this often in all takes less time than handing it to the queue's

@@ -139,10 +139,12 @@ class NativeStreams:
             self.streams[s].sources.append(k)
         middle = []
         shared_spans = [span(b) for b in shared]
+        calls: dict[int, list[Any]] = {}  # per stream, the kernels its step function calls by address
         for run in runs:
             s = stream(run.device, run.queue)
             unit = _Unit(s, [(span(b), w) for b, w in run.accesses])
             unit.commands = [(native_address(fn) or 0, args) for fn, args in run.commands]
+            calls.setdefault(s, []).extend(fn for fn, _ in run.commands)
             middle.append(unit)
             for buffer, write in run.accesses:
                 if any(overlap(span(buffer), other) for other in shared_spans):
@@ -177,7 +179,7 @@ class NativeStreams:
             parts = [Part(tuple(waits[id(u)]), tuple(u.commands)) for u in st.units]
             ir_text = step_function_ir(name, self.block, s, parts, counts, self.rows.ctypes.data, RING,
                                        self.rows.shape[1], self.ready.ctypes.data, int(self.timeout * 1e9), CHAIN_NS)
-            program = st.device.load_program(compile_glue(ir_text), name, [])
+            program = st.device.load_program(compile_glue(ir_text), name, [], calls=calls.get(s, ()))
             st.step = _StepCommand(self, s, program.cfunc)
             st.standing = [StandingAccess(buffer, write) for buffer, write in st.shared.values()]
             st.device.failure_listeners.add(self.block)

@@ -5,10 +5,16 @@ record it in the ledger — and keeps the undo of each step; if any step fails, 
 stack unwinds and everything taken so far is given back before the error propagates. `free` runs
 the same undos. `alloc_many` is all-or-nothing over several buffers.
 
-Freed memory is kept in a size-keyed cache (bounded by TINYDIST_ALLOCATOR_CACHE bytes) and handed
-out again for the next allocation of the same size: repeated realizes of one graph then never pay
-for mapping and first-touch page faults again. The cache is the allocator's own: `trim()` and
-closing the device give it back. The ledger and statistics count live buffers only.
+Freed memory is kept in a size-keyed cache (bounded by TINYDIST_ALLOCATOR_CACHE bytes and
+TINYDIST_ALLOCATOR_CACHE_BLOCKS blocks) and handed out again for the next allocation of the same
+size class: repeated realizes of one graph then never pay for mapping and first-touch page faults
+again. Blocks of 64 KiB and more are mapped in size classes, four per power of two (at most 25 %
+over the request), so tensors of ever-different sizes reuse blocks too; when a freed block does
+not fit, the blocks freed longest ago make room. Before, exact sizes and a cache that refused new
+blocks once full: 10k random-size tensors realized and dropped filled it with blocks no later size
+matched, and mappings grew from 1.5k to 10.5k. The cache is the allocator's own: `trim()` and
+closing the device give it back. The ledger and statistics count live buffers only, in the bytes
+asked for.
 
 Back ends implement `_map` / `_unmap` (and may add steps); the ledger lets tests and `close()`
 prove that nothing is left behind.
@@ -41,6 +47,17 @@ RECYCLED_PER_SIZE = 4
 RECYCLED_SIZES = 64
 RECYCLE_MAX_BYTES = 1 << 20
 
+SIZE_CLASS_FROM = 64 << 10  # below this, blocks come from the C heap without a mapping of their own
+
+
+def size_class(nbytes: int) -> int:
+    """The bytes mapped for an allocation of `nbytes` where freed blocks are reused: itself when
+    small, else rounded up to a multiple of a quarter of its power of two (2**k <= nbytes)."""
+    if nbytes < SIZE_CLASS_FROM:
+        return nbytes
+    step = 1 << (nbytes.bit_length() - 3)
+    return -(-nbytes // step) * step
+
 
 @dataclass(frozen=True)
 class AllocatorStatistics:
@@ -53,19 +70,21 @@ class AllocatorStatistics:
 
 
 class Allocator(ABC):
-    def __init__(self, device: Device, limit_bytes: int, cache_bytes: int = 0) -> None:
+    def __init__(self, device: Device, limit_bytes: int, cache_bytes: int = 0, cache_blocks: int = 2048) -> None:
         self.device = device
         self.limit_bytes = limit_bytes
         self.cache_limit = cache_bytes
+        self.cache_blocks = cache_blocks
         self._lock = threading.Lock()
         # Frees arrive from finalizers, which the garbage collector may run on a thread that is
         # already inside this allocator holding the lock: they are queued (deque appends need no
         # lock) and applied by whoever holds or next takes the lock — never waited for.
-        self._released: collections.deque[tuple[int, int]] = collections.deque()
+        self._released: collections.deque[tuple[int, int, int]] = collections.deque()  # (address, nbytes, block)
         self._reserved = 0
         self._peak = 0
         self._ledger: dict[int, int] = {}  # address -> bytes mapped
-        self._cache: dict[int, list[int]] = {}  # nbytes -> addresses of freed blocks of that size
+        self._cache: dict[int, list[int]] = {}  # size class -> addresses of freed blocks of that class
+        self._cache_order: collections.OrderedDict[int, int] = collections.OrderedDict()  # address -> class, oldest first
         self._cached_bytes = 0
         # address -> its live base buffer, weakly (a dict entry and a plain weak reference: a WeakSet's
         # callback per buffer costs more than the rest of an allocation); dropped when it is given back
@@ -91,11 +110,13 @@ class Allocator(ABC):
             raise ValueError(f"{self.device.name}: allocation size must be positive, got {nbytes}")
         self.device.check_usable()
         if not faults.armed:  # a cached block, no fault injected: one lock section (every frame's upload)
+            block = size_class(nbytes) if self.cache_limit else nbytes
             with self._lock:
-                blocks = self._cache.get(nbytes)
+                blocks = self._cache.get(block)
                 if blocks and self._reserved + nbytes <= self.limit_bytes:
                     address = blocks.pop()
-                    self._cached_bytes -= nbytes
+                    del self._cache_order[address]
+                    self._cached_bytes -= block
                     self._reserved += nbytes
                     if self._reserved > self._peak:
                         self._peak = self._reserved
@@ -106,14 +127,15 @@ class Allocator(ABC):
                 self._apply_releases()
             if address:
                 try:
-                    return self._wrap(address, nbytes)
+                    return self._wrap(address, nbytes, block)
                 except BaseException:
-                    self._free(address, nbytes)
+                    self._free(address, nbytes, block)
                     raise
         # Each step taken is undone in reverse on failure. Written out rather than as a list of
         # undo closures: this is on every realize's and every replay's path.
         reserved = mapped = registered = False
         cached = 0
+        block = size_class(nbytes) if self.cache_limit else nbytes  # with no reuse, rounding would only waste
         try:
             faults.check("alloc.reserve")
             faults.check("alloc.map")
@@ -126,24 +148,25 @@ class Allocator(ABC):
                 reserved = True
                 if self._reserved > self._peak:
                     self._peak = self._reserved
-                blocks = self._cache.get(nbytes)
+                blocks = self._cache.get(block)
                 if blocks:
                     cached = blocks.pop()
-                    self._cached_bytes -= nbytes
-            address = cached or self._map(nbytes)
+                    del self._cache_order[cached]
+                    self._cached_bytes -= block
+            address = cached or self._map(block)
             mapped = not cached
             faults.check("alloc.register")
             with self._lock:
                 self._ledger[address] = nbytes
                 registered = True
-            buffer = self._wrap(address, nbytes)
+            buffer = self._wrap(address, nbytes, block)
         except Exception as exc:
             if registered:
                 self._unregister(address)
             if cached:
-                self._put_cached(cached, nbytes)
+                self._put_cached(cached, block)
             elif mapped:
-                self._unmap(address, nbytes)
+                self._unmap(address, block)
             if reserved:
                 self._unreserve(nbytes)
             if isinstance(exc, AllocationError):
@@ -187,9 +210,10 @@ class Allocator(ABC):
         return {b._address: b.nbytes for pool in self._recycled.values() for b in pool
                 if sys.getrefcount(b) <= 3 and not b._freed}  # the pool's, the loop's, the call's
 
-    def _wrap(self, address: int, nbytes: int) -> Buffer:
-        """The base buffer over a registered block, known to `release_all` by its weak reference."""
-        buffer = Buffer(self.device, nbytes, address, functools.partial(self._free, address, nbytes))
+    def _wrap(self, address: int, nbytes: int, block: int) -> Buffer:
+        """The base buffer over a registered block (`block` bytes mapped for its `nbytes`), known to
+        `release_all` by its weak reference."""
+        buffer = Buffer(self.device, nbytes, address, functools.partial(self._free, address, nbytes, block))
         self._bases[address] = buffer.release_ref  # the buffer's own weak reference: no second one made
         return buffer
 
@@ -233,8 +257,9 @@ class Allocator(ABC):
             recycled, self._recycled = self._recycled, {}
         del recycled  # the idle ones die here: their blocks join the cache
         with self._locked():
-            blocks = [(address, nbytes) for nbytes, addresses in self._cache.items() for address in addresses]
+            blocks = list(self._cache_order.items())
             self._cache.clear()
+            self._cache_order.clear()
             self._cached_bytes = 0
         for address, nbytes in blocks:
             self._unmap(address, nbytes)
@@ -263,22 +288,31 @@ class Allocator(ABC):
         with self._locked():
             del self._ledger[address]
 
-    def _cache_block(self, address: int, nbytes: int) -> bool:
-        """Keep a freed block for reuse if the cache has room (lock held); False: unmap it."""
-        if self._cached_bytes + nbytes > self.cache_limit:
-            return False
-        self._cache.setdefault(nbytes, []).append(address)
-        self._cached_bytes += nbytes
-        return True
+    def _cache_block(self, address: int, block: int, unmap: list[tuple[int, int]]) -> None:
+        """Keep a freed block for reuse (lock held), the blocks freed longest ago making room; what
+        is not kept goes on `unmap`, to be unmapped once the lock is let go."""
+        if block > self.cache_limit or self.cache_blocks < 1:
+            unmap.append((address, block))
+            return
+        while self._cache_order and (self._cached_bytes + block > self.cache_limit
+                                     or len(self._cache_order) >= self.cache_blocks):
+            oldest, size = self._cache_order.popitem(last=False)
+            self._cache[size].remove(oldest)
+            self._cached_bytes -= size
+            unmap.append((oldest, size))
+        self._cache.setdefault(block, []).append(address)
+        self._cache_order[address] = block
+        self._cached_bytes += block
 
-    def _put_cached(self, address: int, nbytes: int) -> None:
+    def _put_cached(self, address: int, block: int) -> None:
+        unmap: list[tuple[int, int]] = []
         with self._locked():
-            kept = self._cache_block(address, nbytes)
-        if not kept:
-            self._unmap(address, nbytes)
+            self._cache_block(address, block, unmap)
+        for old, size in unmap:
+            self._unmap(old, size)
 
-    def _free(self, address: int, nbytes: int) -> None:
-        self._released.append((address, nbytes))
+    def _free(self, address: int, nbytes: int, block: int) -> None:
+        self._released.append((address, nbytes, block))
         self._apply_releases()
 
     @contextlib.contextmanager
@@ -291,15 +325,14 @@ class Allocator(ABC):
         while self._released:
             if not self._lock.acquire(blocking=False):
                 return  # the holder applies them when it lets go (it checks after releasing)
-            unmap = []
+            unmap: list[tuple[int, int]] = []
             try:
                 while self._released:
-                    address, nbytes = self._released.popleft()
+                    address, nbytes, block = self._released.popleft()
                     del self._ledger[address]
                     self._bases.pop(address, None)
                     self._reserved -= nbytes
-                    if not self._cache_block(address, nbytes):
-                        unmap.append((address, nbytes))
+                    self._cache_block(address, block, unmap)
             finally:
                 self._lock.release()
             for address, nbytes in unmap:

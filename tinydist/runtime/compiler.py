@@ -10,6 +10,14 @@ own (CUDA: PTX) brings a compiler of its own.
 program. On a device that runs host code in this process (`Device.native_code`), that program
 is a native function calling each kernel with its addresses baked in (a capture's entry point);
 elsewhere (a remote node, which runs no client binaries) there is nothing to link.
+
+The programs are an LRU of `TINYDIST_LOADED_KERNELS` (1,024 by default): a process that keeps
+meeting new shapes drops the kernels it used longest ago. Dropping one only lets go of this
+cache's reference; its code is unmapped when the last holder lets go too (a cached schedule's
+lowering, a captured step, a queued command: see `tinydist.runtime.cpu.loader`), so a dropped
+kernel is never called after its code is gone, and one still in use is simply built again when
+asked for. A hit costs a move to the LRU's end besides the lookup (~2 OrderedDict calls), once per
+kernel per call-by-call realize; cached schedules' lowerings and replays do not ask.
 """
 
 from __future__ import annotations
@@ -18,11 +26,13 @@ import ctypes
 import functools
 import itertools
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from tinydist.base.config import settings
 from tinydist.base.errors import DeviceError
 from tinydist.codegen.compile_cache import compile_glue, compile_kernel
 from tinydist.codegen.copy import SIGNATURE as STREAM_COPY_SIGNATURE
@@ -50,23 +60,43 @@ _MEMMOVE = ctypes.cast(ctypes.memmove, ctypes.c_void_p).value
 class DeviceCompiler:
     """Programs for one device, each built once; see the module docstring."""
 
-    def __init__(self, device: Device) -> None:
+    def __init__(self, device: Device, capacity: int | None = None) -> None:
         self.device = device
-        self._lock = threading.Lock()
-        self._programs: dict[Hashable, Program] = {}
+        self.capacity = settings.LOADED_KERNELS if capacity is None else capacity
+        self._lock = threading.Lock()  # one build at a time, so a kernel is built once
+        self._programs: OrderedDict[Hashable, Program] = OrderedDict()
+        self.evicted = 0  # programs dropped from the LRU
 
     @property
     def links(self) -> bool:
         """Whether `link` can turn launches into one program on this device."""
         return self.device.native_code
 
-    def _cached(self, key: Hashable, build: Callable[[], Program]) -> Program:
+    def __len__(self) -> int:
+        return len(self._programs)
+
+    def _lookup(self, key: Hashable) -> Program | None:
+        # no lock: each OrderedDict call is atomic under the GIL, and an eviction between the two
+        # (the only writer that removes) just means the program is not renewed
         program = self._programs.get(key)
-        if program is None:
-            with self._lock:
-                program = self._programs.get(key)
-                if program is None:
-                    program = self._programs[key] = build()
+        if program is not None:
+            try:
+                self._programs.move_to_end(key)
+            except KeyError:
+                pass
+        return program
+
+    def _cached(self, key: Hashable, build: Callable[[], Program]) -> Program:
+        program = self._lookup(key)
+        if program is not None:
+            return program
+        with self._lock:
+            program = self._lookup(key)
+            if program is None:
+                program = self._programs[key] = build()
+                while len(self._programs) > self.capacity:
+                    self._programs.popitem(last=False)
+                    self.evicted += 1
         return program
 
     def kernel(self, ast: KernelAST) -> Program:
@@ -101,7 +131,7 @@ class DeviceCompiler:
             lines.append(f"  call void inttoptr (i64 {program.address} to ptr)({', '.join(operands)})")
         name = f"tinydist_entry_{next(_entry_ids)}"
         ir_text = f"define void @{name}() {{\nentry:\n" + "\n".join(lines) + "\n  ret void\n}\n"
-        return self.device.load_program(compile_glue(ir_text), name, [])
+        return self.device.load_program(compile_glue(ir_text), name, [], calls=[program for program, _ in launches])
 
     def link_frame(self, entry: Program, copies_in: Sequence[tuple[int, int]], copies_out: Sequence[tuple[int, int]]) -> Program:
         """One program taking a frame's host addresses — a source per `copies_in` (destination
@@ -122,7 +152,8 @@ class DeviceCompiler:
                   for i, (address, nbytes) in enumerate(copies_out)]
         name = f"tinydist_frame_{next(_entry_ids)}"
         ir_text = f"define void @{name}({', '.join(params)}) {{\nentry:\n" + "\n".join(lines) + "\n  ret void\n}\n"
-        return self.device.load_program(compile_glue(ir_text), name, ["r"] * len(copies_in) + ["w"] * len(copies_out))
+        return self.device.load_program(compile_glue(ir_text), name, ["r"] * len(copies_in) + ["w"] * len(copies_out),
+                                        calls=[entry])
 
 
 @functools.cache

@@ -137,8 +137,9 @@ class Device(ABC):
         """Give back everything `_open_backend` took."""
 
     @abstractmethod
-    def load_program(self, object_code: bytes, entry: str, signature: Sequence[str]) -> Program:
-        """Load compiled code; `signature` lists arg kinds: "r"/"w"/"rw" buffers, "i64"/"f64" scalars."""
+    def load_program(self, object_code: bytes, entry: str, signature: Sequence[str], calls: Sequence[Any] = ()) -> Program:
+        """Load compiled code; `signature` lists arg kinds: "r"/"w"/"rw" buffers, "i64"/"f64" scalars.
+        `calls`: the programs (or their cfuncs) the code calls by address, kept loaded while it is."""
 
     def load_ir(self, ir_text: str, entry: str, signature: Sequence[str], compile: Callable[[str], bytes]) -> Program:
         """Load a kernel given as LLVM IR. Local back ends compile it here with `compile` (the caller's

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from typing import Any
 
 from tinydist.base.config import settings
 from tinydist.runtime.cpu.allocator import CPUAllocator
@@ -34,15 +35,15 @@ class CPUDevice(Device):
         return self._allocator
 
     def _open_backend(self) -> None:
-        self._allocator = CPUAllocator(self, settings.CPU_MEMORY_LIMIT, settings.ALLOCATOR_CACHE)
+        self._allocator = CPUAllocator(self, settings.CPU_MEMORY_LIMIT, settings.ALLOCATOR_CACHE, settings.ALLOCATOR_CACHE_BLOCKS)
 
     def _close_backend(self) -> None:
         if self._allocator is not None:
             self._allocator.release_all()
 
-    def load_program(self, object_code: bytes, entry: str, signature: Sequence[str]) -> Program:
+    def load_program(self, object_code: bytes, entry: str, signature: Sequence[str], calls: Sequence[Any] = ()) -> Program:
         self.check_usable()
-        return native_loader.load(object_code, entry, signature)
+        return native_loader.load(object_code, entry, signature, calls)
 
     @property
     def host_visible(self) -> bool:

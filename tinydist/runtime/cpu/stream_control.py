@@ -53,8 +53,10 @@ def native_address(fn: object) -> int | None:
 def _publisher() -> Callable[[int, int], None]:
     ir = ("define void @td_stream_publish(ptr %word, i64 %value) {\nentry:\n"
           "  store atomic i64 %value, ptr %word release, align 8\n  ret void\n}\n")
-    address = native_loader.load(compile_glue(ir), "td_stream_publish", ["i64", "i64"]).address
-    return ctypes.PYFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64)(address)  # a store: keeps the GIL
+    program = native_loader.load(compile_glue(ir), "td_stream_publish", ["i64", "i64"])
+    store = ctypes.PYFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64)(program.address)  # a store: keeps the GIL
+    store._tinydist_code = program.cfunc  # type: ignore[attr-defined]  # the code stays loaded while this callable exists
+    return store
 
 
 def publish(address: int, value: int) -> None:

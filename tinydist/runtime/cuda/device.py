@@ -173,7 +173,7 @@ class CUDADevice(Device):
                 stream = drv.out_pointer("cuStreamCreate", cu.STREAM_NON_BLOCKING)
                 self.streams[kind] = stream
                 undo.append(partial(drv.call, "cuStreamDestroy_v2", stream))
-            self._allocator = CUDAAllocator(self, total.value, settings.ALLOCATOR_CACHE)
+            self._allocator = CUDAAllocator(self, total.value, settings.ALLOCATOR_CACHE, settings.ALLOCATOR_CACHE_BLOCKS)
         except BaseException:
             for step in reversed(undo):
                 try:
@@ -326,7 +326,7 @@ class CUDADevice(Device):
 
     # ---- programs ----------------------------------------------------------------------------
 
-    def load_program(self, object_code: bytes, entry: str, signature: Sequence[str]) -> Program:
+    def load_program(self, object_code: bytes, entry: str, signature: Sequence[str], calls: Sequence[Any] = ()) -> Program:
         raise DeviceError(f"{self.name} runs PTX kernels with launch geometry: use dev.compiler.kernel(ast) / dev.compiler.matmul(dtype) "
                           "(host object code cannot run on a GPU)")
 

@@ -140,16 +140,17 @@ class RemoteDevice(Device):
             if session is not None:
                 session.close()  # CloseLease releases every handle on the node at once
 
-    def load_program(self, object_code: bytes, entry: str, signature: Sequence[str]) -> Program:
+    def load_program(self, object_code: bytes, entry: str, signature: Sequence[str], calls: Sequence[Any] = ()) -> Program:
         raise DeviceError(f"{self.name} does not take object code (the node runs no client binaries); "
                           "pass LLVM IR with load_ir(), which the node verifies and compiles itself")
 
     def load_ir(self, ir_text: str, entry: str, signature: Sequence[str], compile: Callable[[str], bytes] | None = None) -> Program:
         self.check_usable()
         signature = check_signature(entry, signature)
-        reply = self.rpc("LoadProgram", pb.LoadProgramRequest(device=self.remote_name, kind=pb.PROGRAM_KIND_ENGINE_KERNEL,
-                                                              llvm_ir=ir_text, entry=entry, signature=list(signature)))
-        return Program(entry, signature, _Launcher(self, reply.program_id, signature), 0)
+        request = pb.LoadProgramRequest(device=self.remote_name, kind=pb.PROGRAM_KIND_ENGINE_KERNEL,
+                                        llvm_ir=ir_text, entry=entry, signature=list(signature))
+        reply = self.rpc("LoadProgram", request)
+        return Program(entry, signature, _Launcher(self, reply.program_id, signature, request), 0)
 
     def host_copy(self) -> Callable[[int, int, int], None]:
         return self._copy
@@ -246,12 +247,17 @@ class SourceChunks(Iterator[bytes]):
 
 
 class _Launcher:
-    """A Program's `cfunc` for a remote kernel: buffer addresses → (handle, offset, length)."""
+    """A Program's `cfunc` for a remote kernel: buffer addresses → (handle, offset, length).
+    The node keeps each identity's most recently used programs only (TINYDIST_LOADED_KERNELS); one
+    it dropped while this client still holds it (a cached schedule's kernel) is loaded again from
+    `load`, the request that loaded it, and the launch retried once."""
 
-    def __init__(self, device: RemoteDevice, program_id: str, signature: tuple[str, ...]) -> None:
+    def __init__(self, device: RemoteDevice, program_id: str, signature: tuple[str, ...],
+                 load: pb.LoadProgramRequest) -> None:
         self.device = device
         self.program_id = program_id
         self.signature = signature
+        self.load = load
 
     def __call__(self, *values: Any) -> None:
         args = []
@@ -267,5 +273,13 @@ class _Launcher:
         session = self.device.session
         if session is None:
             raise DeviceError(f"{self.device.name} is closed")
-        self.device.rpc("Launch", pb.LaunchRequest(lease=session.lease, device=self.device.remote_name,
-                                                   program_id=self.program_id, args=args))
+        request = pb.LaunchRequest(lease=session.lease, device=self.device.remote_name, program_id=self.program_id, args=args)
+        try:
+            self.device.rpc("Launch", request)
+        except DeviceError as exc:
+            cause = exc.__cause__
+            if not (isinstance(cause, grpc.RpcError) and cause.code() == grpc.StatusCode.NOT_FOUND
+                    and "no such program" in (cause.details() or "")):
+                raise
+            self.device.rpc("LoadProgram", self.load)
+            self.device.rpc("Launch", request)

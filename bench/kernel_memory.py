@@ -1,0 +1,74 @@
+"""Memory of compiled code: RSS and memory mappings while one process meets new shapes.
+
+    .venv/bin/python bench/kernel_memory.py [--shapes 5000] [--json PATH]
+
+Each shape is an eager `(x * 2 + n).exp()` over a fresh length n: one new kernel, compiled (into a
+temporary compile cache) and loaded. RSS and the number of lines of /proc/self/maps are printed
+every tenth of the run; the growth per shape over the second half is the figure that must be ~0.
+Before kernels were freed (one process-wide LLVM engine) every shape kept ~2 mappings and
+~0.17 MiB for the life of the process; now the devices' kernel LRU (`TINYDIST_LOADED_KERNELS`,
+1,024) and the schedule cache bound what stays loaded, and mappings stop growing once the LRU is
+full. RSS still grows ~120 KiB per shape: that is LLVM's O3 pipeline (llvmlite 0.50), which keeps
+about that much per module it optimises (an O0 compile keeps ~0; neither a fresh LLVM context nor
+a fresh target machine per compile changes it), outside anything tinydist owns.
+Not a timing benchmark: figures are counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import Report  # noqa: E402
+
+
+def mappings() -> int:
+    return len(Path("/proc/self/maps").read_text().splitlines())
+
+
+def rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", type=int, default=5000)
+    args, rest = parser.parse_known_args()
+    sys.argv[1:] = rest
+    report = Report.from_argv("kernel_memory")
+    with tempfile.TemporaryDirectory(prefix="tinydist-kernel-memory-") as cache:
+        os.environ["TINYDIST_CACHE_DIR"] = cache
+        import numpy as np
+
+        import tinydist as td
+
+        samples: list[tuple[int, int, float]] = []
+        step = max(args.shapes // 10, 1)
+        for n in range(1, args.shapes + 1):
+            x = np.linspace(-1, 1, n, dtype=np.float32)
+            (td.Tensor(x) * 2.0 + float(n)).exp().numpy()
+            if n % step == 0:
+                gc.collect()
+                samples.append((n, mappings(), rss_mib()))
+                print(f"shapes {n:6d}   mappings {samples[-1][1]:6d}   RSS {samples[-1][2]:8.1f} MiB", flush=True)
+    (n0, maps0, rss0), (n1, maps1, rss1) = samples[len(samples) // 2 - 1], samples[-1]
+    per_map, per_rss = (maps1 - maps0) / (n1 - n0), (rss1 - rss0) / (n1 - n0) * 1024
+    print(f"second half ({n0} -> {n1} shapes): {maps1 - maps0:+d} mappings ({per_map:.3f}/shape), "
+          f"{rss1 - rss0:+.1f} MiB RSS ({per_rss:.1f} KiB/shape)")
+    detail = f"{n0} -> {n1} shapes"
+    report.add("kernel_memory/mappings_per_shape", per_map, "mappings", detail=detail, target="<0.05", passed=per_map < 0.05)
+    report.add("kernel_memory/rss_per_shape", per_rss, "KiB", detail=detail, target="<16", passed=per_rss < 16)
+    report.finish()
+
+
+if __name__ == "__main__":
+    main()
