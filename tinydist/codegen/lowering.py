@@ -27,7 +27,7 @@ from typing import Any, Protocol
 from llvmlite import ir
 
 from tinydist.base.walk import postorder
-from tinydist.codegen import transcendental
+from tinydist.codegen import progress, transcendental
 from tinydist.codegen.kernel import KernelAST, KNode
 from tinydist.graph import dtypes
 from tinydist.graph.dtypes import DType
@@ -109,6 +109,10 @@ def collapse(ast: KernelAST) -> tuple[tuple[int, ...], tuple[int, ...], dict[int
 # ---- IR building ------------------------------------------------------------------------------
 
 class _Lowerer:
+    # whether the outermost loops publish progress (`tinydist.codegen.progress`): host code, whose
+    # globals the watchdog reads; a GPU kernel's globals are device memory
+    publishes_progress = True
+
     def __init__(self, ast: KernelAST, module_name: str = "tinydist", pointer: ir.Type = PTR) -> None:
         self.ast = ast
         self.module = ir.Module(name=module_name)
@@ -127,6 +131,8 @@ class _Lowerer:
         self.b = ir.IRBuilder(self.entry)
         self.width: int | None = None  # lanes while emitting a vector loop body
         self.known: dict[int, tuple[int, int]] = {}  # axis -> the index range of the loop piece being emitted
+        self.progress = progress.word(self.module, "KERNEL") if self.publishes_progress else None
+        self.depth = 0  # loops open around the code being emitted: the outermost ones publish progress
 
     # -- helpers --
 
@@ -158,7 +164,11 @@ class _Lowerer:
         self.b.position_at_end(header)
         index = self.b.phi(I64, name=name)
         index.add_incoming(ir.Constant(I64, 0), pre)
+        if self.depth == 0 and self.progress is not None:
+            progress.publish(self.b, self.progress, index)
+        self.depth += 1
         body(index)
+        self.depth -= 1
         nxt = self.b.add(index, ir.Constant(I64, 1), name=f"{name}.next", flags=("nuw", "nsw"))
         index.add_incoming(nxt, self.b.block)
         self.b.cbranch(self.b.icmp_unsigned("==", nxt, ir.Constant(I64, count)), after, header)
@@ -749,4 +759,4 @@ def lower(ast: KernelAST) -> tuple[str, str]:
     """(entry name, LLVM IR text). The name is a hash of the IR, so equal kernels share code."""
     text = _Lowerer(ast).build()
     name = "k_" + hashlib.sha256(text.encode()).hexdigest()[:20]
-    return name, text.replace('@"KERNEL"', f'@"{name}"').replace("@KERNEL", f"@{name}")
+    return name, text.replace('@"KERNEL', f'@"{name}').replace("@KERNEL", f"@{name}")

@@ -46,6 +46,8 @@ from dataclasses import dataclass
 
 import llvmlite.ir as ir
 
+from tinydist.codegen import progress
+
 SIGNATURE = ("w", "r", "r", "w", "i64", "i64", "i64", "i64", "i64", "i64", "i64")
 
 _VECTOR_BYTES = 64   # one zmm register: AVX-512 is the target (znver4 has 32 of them)
@@ -471,6 +473,7 @@ class _Generator:
             self.offset_table(b, row_table, strided.rows, strided.offset)
             self.offset_table(b, col_table, strided.cols, 0)
 
+        published = progress.word(self.module, self.name)
         with b.loop(_i64(0), batch, 1, "batch") as item:
             a_item = b.at(A, b.mul(item, stride_a), self.elem)
             b_item = b.at(B, b.mul(item, stride_b), self.elem)
@@ -485,6 +488,7 @@ class _Generator:
                     else:
                         b.call(pack_b, [b_packed, b.at(b_item, b.add(b.mul(pc, N), jc), self.elem), N, kc, nc])
                     with b.loop(_i64(0), M, t.mc, "ic") as ic:
+                        progress.bump(b, published)  # per MC x KC x NC block: at most 2e8 flops (float32 tiling)
                         mc = b.min(b.sub(M, ic), _i64(t.mc))
                         if strided is not None and strided.operand == "a":
                             b.call(pack_a, [a_packed, a_item, b.at(row_table, ic, I32), b.at(col_table, pc, I32), mc, kc])

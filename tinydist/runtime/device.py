@@ -106,6 +106,11 @@ class Device(ABC):
         # timelines (a captured step's native waits) stops waiting for a device that will not run it
         self.failure_listeners: weakref.WeakSet[Any] = weakref.WeakSet()
         self.log = get_logger(device=name)
+        # the hang rule's view of its kernels' progress words: the last sum read, and when (on
+        # `clock`) a reading last found it changed
+        self._progress_lock = threading.Lock()
+        self._progress_reading = 0
+        self._progress_seen_at = -math.inf
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, {self.state.value})"
@@ -144,6 +149,22 @@ class Device(ABC):
         """Load a kernel given as LLVM IR. Local back ends compile it here with `compile` (the caller's
         compile cache) and load the object code; a remote back end ships the IR to its node instead."""
         return self.load_program(compile(ir_text), entry, signature)
+
+    def kernel_progress(self) -> int:
+        """A number that changes while a kernel of this device runs and publishes progress
+        (`tinydist.codegen.progress`); back ends whose kernels publish none leave it at 0, and
+        the hang rule counts only their timelines."""
+        return 0
+
+    def progress_seen_at(self) -> float:
+        """When (on `clock`) a reading of `kernel_progress` last found it changed: read now,
+        and only by the hang rule when a deadline passes, never on the launch path."""
+        with self._progress_lock:
+            reading = self.kernel_progress()
+            if reading != self._progress_reading:
+                self._progress_reading = reading
+                self._progress_seen_at = self.clock.now()
+            return self._progress_seen_at
 
     def reads_directly(self, other: Device) -> bool:
         """Whether kernels on this device may take `other`'s buffers as arguments: the same peer

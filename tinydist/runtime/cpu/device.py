@@ -25,6 +25,8 @@ class CPUDevice(Device):
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self._allocator: CPUAllocator | None = None
+        # the progress word of every program this device loaded, by address (see kernel_progress)
+        self._progress_words: dict[int, ctypes.c_int64] = {}
 
     @property
     def allocator(self) -> CPUAllocator:
@@ -42,7 +44,15 @@ class CPUDevice(Device):
 
     def load_program(self, object_code: bytes, entry: str, signature: Sequence[str]) -> Program:
         self.check_usable()
-        return native_loader.load(object_code, entry, signature)
+        program = native_loader.load(object_code, entry, signature)
+        if program.progress and program.progress not in self._progress_words:
+            self._progress_words[program.progress] = ctypes.c_int64.from_address(program.progress)
+        return program
+
+    def kernel_progress(self) -> int:
+        """The sum of this device's programs' progress words: one read each, when a hang
+        deadline passes (a process with 1,000 kernels reads them in well under a millisecond)."""
+        return sum(word.value for word in list(self._progress_words.values()))
 
     @property
     def host_visible(self) -> bool:

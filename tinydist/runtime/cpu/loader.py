@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import llvmlite.binding as llvm
 
 from tinydist.base.errors import CompileError
+from tinydist.codegen import progress
 from tinydist.runtime.program import ARG_KINDS, Program, check_signature
 
 
@@ -56,10 +57,11 @@ class NativeLoader:
             address = engine.get_function_address(entry)
             if not address:
                 raise CompileError(f"object code defines no function {entry!r}")
+            progress_word = engine.get_global_value_address(progress.symbol(entry))
             self._loaded[digest].add(entry)
             self._symbols[entry] = digest
         prototype = ctypes.CFUNCTYPE(None, *(ARG_KINDS[kind] for kind in signature))
-        return Program(entry, signature, prototype(address), address)
+        return Program(entry, signature, prototype(address), address, progress_word)
 
 
 native_loader = NativeLoader()
