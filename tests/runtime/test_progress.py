@@ -1,0 +1,144 @@
+"""The hang rule counts kernel progress: a kernel longer than the timeout finishes, a stuck one is caught.
+
+Time is a `MockClock`: "longer than the timeout" is ten 60 s deadlines passed while the kernel
+runs, in milliseconds of real time. A test moves the clock only once it has seen the kernel's
+progress word change after the watchdog last read it, so no outcome depends on machine speed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import anyio
+import numpy as np
+import pytest
+
+from tinydist.base.errors import DeviceHang
+from tinydist.codegen import progress
+from tinydist.codegen.compile_cache import compile_kernel
+from tinydist.codegen.matmul import workspace_bytes
+from tinydist.graph import dtypes
+from tinydist.runtime.device import DeviceState
+from tinydist.runtime.registry import open_device
+from tinydist.testing import MockClock, spin_until_ir
+
+from .helpers import armed
+
+pytestmark = pytest.mark.anyio
+
+TIMEOUT = 60.0
+
+
+def _word(address: int) -> int:
+    return ctypes.c_int64.from_address(address).value
+
+
+def _wait_until_changed(address: int, seen: int, timeout: float = 20.0) -> int:
+    """Real-time bounded: the word at `address` once it differs from `seen`."""
+    done = threading.Event()
+    while not done.wait(0.001):
+        value = _word(address)
+        if value != seen:
+            return value
+        timeout -= 0.001
+        if timeout <= 0:
+            raise AssertionError(f"the word at {address:#x} stayed {seen}")
+    raise AssertionError("unreachable")
+
+
+def _spin_kernel(dev, name: str, publishes: bool):
+    return dev.load_program(compile_kernel(spin_until_ir(name, publishes)), name, ["r", "w"])
+
+
+async def test_a_kernel_longer_than_the_timeout_completes_while_it_publishes_progress(clock: MockClock) -> None:
+    async with open_device("CPU:2", clock=clock) as dev:
+        kernel = _spin_kernel(dev, "hang_test_spin_publishing", publishes=True)
+        assert kernel.progress, "the kernel's progress word was not found"
+        flag, spins = dev.allocator.alloc(8), dev.allocator.alloc(8)
+        ctypes.c_int64.from_address(flag.address).value = 0
+        with dev.batch() as batch:
+            batch.launch(kernel, flag, spins)
+        outcome: list[BaseException | None] = []
+
+        async def waiter() -> None:
+            try:
+                await batch.completion.wait(timeout=TIMEOUT)
+                outcome.append(None)
+            except BaseException as exc:  # noqa: BLE001 - asserted below
+                outcome.append(exc)
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(waiter)
+                for _ in range(10):
+                    await armed(clock, 1)  # re-armed: the watchdog has read the words for the last deadline
+                    seen = _word(kernel.progress)
+                    await anyio.to_thread.run_sync(_wait_until_changed, kernel.progress, seen)
+                    clock.advance(TIMEOUT)
+                await armed(clock, 1)
+                assert outcome == [] and dev.state is DeviceState.OPEN
+                assert clock.now() == 10 * TIMEOUT  # ten timeouts long, still running, not declared hung
+                ctypes.c_int64.from_address(flag.address).value = 1
+        assert outcome == [None]
+        assert dev.state is DeviceState.OPEN and dev.failure is None
+        assert _word(spins.address) > 10
+
+
+async def test_a_stuck_kernel_is_declared_hung_within_two_timeouts(clock: MockClock) -> None:
+    """A kernel that publishes nothing is stuck to the hang rule; the device had run a generated
+    kernel before, whose progress the first deadline's reading is the first to see."""
+    async with open_device("CPU:3", clock=clock) as dev:
+        matmul = dev.compiler.matmul(dtypes.float32)
+        M, K, N = 100, 8, 8  # 100 rows: three 48-row outer blocks
+        a = np.arange(M * K, dtype=np.float32).reshape(M, K) / 100
+        b = np.arange(K * N, dtype=np.float32).reshape(K, N) / 10
+        A, B, C = dev.allocator.alloc(a.nbytes), dev.allocator.alloc(b.nbytes), dev.allocator.alloc(M * N * 4)
+        W = dev.allocator.alloc(workspace_bytes(M, N, K))
+        await dev.copyin(A, a).wait()
+        await dev.copyin(B, b).wait()
+        before = _word(matmul.progress)
+        with dev.batch() as batch:
+            batch.launch(matmul, C, A, B, W, 1, M, N, K, 0, 0, 0)
+        await batch.completion.wait(timeout=TIMEOUT)
+        assert _word(matmul.progress) == before + 3  # one publication per outer block
+        c = (await dev.copyout(C)).view(np.float32).reshape(M, N)
+        np.testing.assert_allclose(c, a.astype(np.float64) @ b.astype(np.float64), rtol=1e-5)
+
+        stuck = _spin_kernel(dev, "hang_test_spin_silent", publishes=False)
+        assert stuck.progress == 0
+        flag, spins = dev.allocator.alloc(8), dev.allocator.alloc(8)
+        ctypes.c_int64.from_address(flag.address).value = 0
+        with dev.batch() as batch:
+            batch.launch(stuck, flag, spins)
+        try:
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as tg:
+                    async def advance_twice() -> None:
+                        await armed(clock, 1)
+                        await anyio.to_thread.run_sync(_wait_until_changed, spins.address, 0)  # it runs
+                        clock.advance(TIMEOUT)  # first deadline: credits the matmul's earlier progress
+                        await armed(clock, 1)
+                        assert dev.state is DeviceState.OPEN
+                        clock.advance(TIMEOUT)  # second: nothing moved in a whole timeout
+                    tg.start_soon(advance_twice)
+                    with pytest.raises(DeviceHang, match=r"no kernel of its device published progress") as info:
+                        await batch.completion.wait(timeout=TIMEOUT)
+            assert dev.state is DeviceState.FAILED and dev.failure is info.value
+            assert clock.now() == 2 * TIMEOUT
+            assert "Engine.reopen" in str(info.value)
+        finally:
+            ctypes.c_int64.from_address(flag.address).value = 1  # let the stuck worker go
+
+
+def test_generated_kernels_publish_per_outermost_iteration() -> None:
+    """The elementwise lowering stores its outer index: the word names the last iteration run."""
+    from tinydist.codegen.kernel import KernelAST, KNode, load
+    from tinydist.codegen.lowering import lower
+    from tinydist.graph.shape import ShapeTracker
+
+    tracker = ShapeTracker.contiguous((5, 3))
+    root = KNode("add", (load(0, tracker, dtypes.float32), load(0, tracker, dtypes.float32)), None, dtypes.float32)
+    name, ir_text = lower(KernelAST((5, 3), (), root, (dtypes.float32,), dtypes.float32))
+    assert f"@\"{progress.symbol(name)}\"" in ir_text or f"@{progress.symbol(name)}" in ir_text
+    assert "store atomic" in ir_text
