@@ -142,3 +142,47 @@ def test_generated_kernels_publish_per_outermost_iteration() -> None:
     name, ir_text = lower(KernelAST((5, 3), (), root, (dtypes.float32,), dtypes.float32))
     assert f"@\"{progress.symbol(name)}\"" in ir_text or f"@{progress.symbol(name)}" in ir_text
     assert "store atomic" in ir_text
+
+
+_AFTER_A_HANG = """
+import ctypes
+import numpy as np
+import tinydist as td
+from tinydist.base.errors import DeviceHang
+from tinydist.codegen.compile_cache import compile_kernel
+from tinydist.runtime.device import LEAKED_FOR_STUCK_WORKERS
+from tinydist.runtime.engine import get_engine
+from tinydist.testing import spin_until_ir
+
+engine = get_engine()
+dev = engine.device("CPU:1")
+kernel = dev.load_program(compile_kernel(spin_until_ir("exit_test_spin", False)), "exit_test_spin", ["r", "w"])
+flag, spins = dev.allocator.alloc(8), dev.allocator.alloc(8)
+ctypes.c_int64.from_address(flag.address).value = 0
+with dev.batch() as batch:
+    batch.launch(kernel, flag, spins)
+try:
+    batch.completion.wait_blocking(timeout=0.5)  # this wait's own deadline; the setting stays at an hour
+except DeviceHang as hang:
+    print("hang:", hang)
+fresh = engine.reopen("CPU:1")
+print("reopened:", fresh is not dev, fresh.state.value, "kept:", LEAKED_FOR_STUCK_WORKERS["CPU:1"] > 0)
+print("later work:", td.Tensor(np.arange(6, dtype=np.float32), device="CPU:1").sum().item())
+"""
+
+
+def test_after_a_real_hang_the_device_reopens_and_the_process_exits_without_another_timeout() -> None:
+    """Real time in a child process: its hang deadline is 0.5 s, TINYDIST_TIMELINE_TIMEOUT an
+    hour — closing the hung device at reopen and at exit waiting that timeout would outlast the
+    two-minute bound below by far. The stuck kernel never returns; the process exits regardless."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TINYDIST_TIMELINE_TIMEOUT": "3600"}
+    done = subprocess.run([sys.executable, "-c", _AFTER_A_HANG], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("hang: timeline CPU:1/compute stayed at 0") and "no kernel" in lines[0], done.stdout
+    assert lines[1] == "reopened: True open kept: True", done.stdout
+    assert lines[2] == "later work: 15.0", done.stdout

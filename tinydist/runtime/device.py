@@ -27,7 +27,7 @@ import anyio
 import numpy as np
 
 from tinydist.base.config import settings
-from tinydist.base.errors import DeviceClosed, DeviceError, DeviceFailed, OutOfBounds
+from tinydist.base.errors import DeviceClosed, DeviceError, DeviceFailed, OutOfBounds, TinydistError
 from tinydist.base.logs import get_logger
 from tinydist.runtime import command_queue as _hooks
 from tinydist.runtime.buffer import Buffer
@@ -44,6 +44,11 @@ if TYPE_CHECKING:
 
 # (device name, error type name) -> how often a device failed that way (read by tinydist.observability.metrics).
 FAILURES: collections.Counter[tuple[str, str]] = collections.Counter()
+# device name -> bytes a closed device left mapped because a worker of it was stuck inside a command
+LEAKED_FOR_STUCK_WORKERS: collections.Counter[str] = collections.Counter()
+# Seconds a failed device's close waits for a worker still inside a command before leaving it
+# (and the memory it may touch) behind; a healthy device's close waits its whole timeout.
+FAILED_WORKER_GRACE = 1.0
 
 
 class DeviceState(enum.Enum):
@@ -225,15 +230,28 @@ class Device(ABC):
                 await self.synchronize(timeout)
             except DeviceFailed:
                 pass  # closing a failed device still gives everything back
+        # A failed device's worker still inside a command after a short grace is stuck (the hang
+        # rule found it making no progress): waiting the whole timeout again would only delay
+        # the caller — Engine.reopen, or the process's exit — by that much.
+        join = timeout if self.failure is None else min(timeout, FAILED_WORKER_GRACE)
         stuck = []
         for q in self.queues.values():
-            if not await anyio.to_thread.run_sync(q.stop, timeout):
+            if not await anyio.to_thread.run_sync(q.stop, join):
                 stuck.append(q.name)
         with self._state_lock:
             self.state = DeviceState.CLOSED
-        self._close_backend()
         if stuck:
-            self.log.error("worker threads did not stop", queues=stuck)
+            # Its memory stays mapped: the stuck command may still read or write it, and unmapping
+            # it underneath would turn a hang into a crash. Logged, so it is accounted for.
+            try:
+                kept = self.allocator.statistics().reserved_bytes
+            except TinydistError:  # a back end that took no memory
+                kept = 0
+            LEAKED_FOR_STUCK_WORKERS[self.name] += kept
+            self.log.error("worker threads did not stop; their device's memory stays mapped until exit",
+                           queues=stuck, bytes_kept=kept)
+        else:
+            self._close_backend()
         self.log.debug("device closed")
 
     async def __aenter__(self) -> Device:
