@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 
 import anyio
 import numpy as np
@@ -19,11 +20,12 @@ from tinydist.codegen import progress
 from tinydist.codegen.compile_cache import compile_kernel
 from tinydist.codegen.matmul import workspace_bytes
 from tinydist.graph import dtypes
+from tinydist.runtime.cpu import containment
 from tinydist.runtime.device import DeviceState
 from tinydist.runtime.registry import open_device
 from tinydist.testing import MockClock, spin_until_ir
 
-from .helpers import armed
+from .helpers import armed, until
 
 pytestmark = pytest.mark.anyio
 
@@ -127,6 +129,12 @@ async def test_a_stuck_kernel_is_declared_hung_within_two_timeouts(clock: MockCl
             assert dev.state is DeviceState.FAILED and dev.failure is info.value
             assert clock.now() == 2 * TIMEOUT
             assert "Engine.reopen" in str(info.value)
+            # contained: the stuck worker sleeps (parked in its signal handler), its loop stopped
+            worker = dev.queues["compute"].worker
+            await until(lambda: containment.thread_state(worker) == "S", what="the stuck worker parked")
+            counted = _word(spins.address)
+            await anyio.to_thread.run_sync(time.sleep, 0.05)
+            assert _word(spins.address) == counted and containment.thread_state(worker) == "S"
         finally:
             ctypes.c_int64.from_address(flag.address).value = 1  # let the stuck worker go
 
@@ -146,8 +154,10 @@ def test_generated_kernels_publish_per_outermost_iteration() -> None:
 
 _AFTER_A_HANG = """
 import ctypes
+import time
 import numpy as np
 import tinydist as td
+from tinydist.runtime.cpu import containment
 from tinydist.base.errors import DeviceHang
 from tinydist.codegen.compile_cache import compile_kernel
 from tinydist.runtime.device import LEAKED_FOR_STUCK_WORKERS
@@ -161,10 +171,23 @@ flag, spins = dev.allocator.alloc(8), dev.allocator.alloc(8)
 ctypes.c_int64.from_address(flag.address).value = 0
 with dev.batch() as batch:
     batch.launch(kernel, flag, spins)
+
+
+def spins_seen():
+    time.sleep(0.02)
+    return ctypes.c_int64.from_address(spins.address).value
+
+
 try:
     batch.completion.wait_blocking(timeout=0.5)  # this wait's own deadline; the setting stays at an hour
 except DeviceHang as hang:
     print("hang:", hang)
+worker = dev.queues["compute"].worker
+for _ in range(2000):  # bounded: the parking signal is handled within a scheduling slice
+    if containment.thread_state(worker) == "S":
+        break
+    time.sleep(0.005)
+print("stuck worker:", containment.thread_state(worker), "spinning:", spins_seen() != spins_seen())
 fresh = engine.reopen("CPU:1")
 print("reopened:", fresh is not dev, fresh.state.value, "kept:", LEAKED_FOR_STUCK_WORKERS["CPU:1"] > 0)
 print("later work:", td.Tensor(np.arange(6, dtype=np.float32), device="CPU:1").sum().item())
@@ -184,5 +207,53 @@ def test_after_a_real_hang_the_device_reopens_and_the_process_exits_without_anot
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].startswith("hang: timeline CPU:1/compute stayed at 0") and "no kernel" in lines[0], done.stdout
-    assert lines[1] == "reopened: True open kept: True", done.stdout
-    assert lines[2] == "later work: 15.0", done.stdout
+    expected_state = "S spinning: False" if containment.SUPPORTED else "R spinning: True"
+    assert lines[1] == f"stuck worker: {expected_state}", done.stdout
+    assert lines[2] == "reopened: True open kept: True", done.stdout
+    assert lines[3] == "later work: 15.0", done.stdout
+
+
+@pytest.mark.skipif(not containment.SUPPORTED, reason="parking reads the interrupted address on x86-64 Linux only")
+def test_the_park_signal_parks_jit_code_and_never_python_or_libc() -> None:
+    """The handler's own rule, signalled by hand: a thread interrupted in the interpreter or libc
+    (it may hold the GIL or a lock) returns from it, however often; one in a JIT kernel sleeps."""
+    release = threading.Event()
+    rounds = [0]
+
+    def python_and_libc() -> None:
+        while not release.is_set():
+            rounds[0] += 1
+            ctypes.memmove(bytes(64), b"x" * 64, 64)  # libc, the GIL released around it
+
+    thread = threading.Thread(target=python_and_libc, daemon=True)
+    thread.start()
+    try:
+        for _ in range(200):
+            containment.signal_to_park(thread)
+        before = rounds[0]
+        deadline = time.monotonic() + 20
+        while rounds[0] == before and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert rounds[0] > before, "a thread running Python was parked"
+    finally:
+        release.set()
+    thread.join(20)
+    assert not thread.is_alive()
+
+    kernel = _native_spin("park_test_spin")
+    flag, spins = ctypes.c_int64(0), ctypes.c_int64(0)
+    spinner = threading.Thread(target=kernel.cfunc, args=(ctypes.addressof(flag), ctypes.addressof(spins)), daemon=True)
+    spinner.start()
+    _wait_until_changed(ctypes.addressof(spins), 0)
+    deadline = time.monotonic() + 20
+    while containment.thread_state(spinner) != "S" and time.monotonic() < deadline:
+        containment.signal_to_park(spinner)  # lands in the kernel's loop, or its ctypes call around it
+        time.sleep(0.01)
+    counted = spins.value
+    time.sleep(0.05)
+    assert spins.value == counted and spinner.is_alive()  # asleep for good: it never reads `flag` again
+
+
+def _native_spin(name: str):
+    from tinydist.runtime.cpu.loader import native_loader
+    return native_loader.load(compile_kernel(spin_until_ir(name, False)), name, ["r", "w"])

@@ -277,6 +277,11 @@ class Device(ABC):
             self.log.error("device failed", error=str(error))
         return first
 
+    def contain(self, hung: Timeline) -> None:
+        """The hang rule found `hung` stuck: stop its queue's worker from burning a core, where
+        the back end can (CPU: `tinydist.runtime.cpu.containment`); by default nothing."""
+        return None
+
     def check_usable(self) -> None:
         if self.state is DeviceState.OPEN:
             return

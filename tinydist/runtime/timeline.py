@@ -269,7 +269,10 @@ class Timeline:
             f"kernel of its device published progress; device {self.device.name if self.device else '?'} is "
             "marked failed — reopen it (Engine.reopen, or close it and open a new one)")
         if self.device is not None:
-            return self.device.mark_failed(error)
+            first = self.device.mark_failed(error)
+            if first is error:
+                self.device.contain(self)
+            return first
         self.fail(error)
         return self._failure or error
 

@@ -10,10 +10,12 @@ import ctypes
 from collections.abc import Sequence
 
 from tinydist.base.config import settings
+from tinydist.runtime.cpu import containment
 from tinydist.runtime.cpu.allocator import CPUAllocator
 from tinydist.runtime.cpu.loader import native_loader
 from tinydist.runtime.device import Device
 from tinydist.runtime.program import Program
+from tinydist.runtime.timeline import Timeline
 
 # ctypes.memmove is itself a foreign function: the GIL is released while it copies.
 _memmove = ctypes.memmove
@@ -53,6 +55,13 @@ class CPUDevice(Device):
         """The sum of this device's programs' progress words: one read each, when a hang
         deadline passes (a process with 1,000 kernels reads them in well under a millisecond)."""
         return sum(word.value for word in list(self._progress_words.values()))
+
+    def contain(self, hung: Timeline) -> None:
+        for queue in self.queues.values():
+            worker = queue.worker
+            if queue.timeline is hung and worker is not None and containment.park_if_running(worker):
+                self.log.error("parked the stuck worker thread: it stays asleep until exit", queue=queue.kind,
+                               thread=worker.name)
 
     @property
     def host_visible(self) -> bool:
