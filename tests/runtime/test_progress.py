@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 from tinydist.base.errors import DeviceHang
-from tinydist.codegen import progress
 from tinydist.codegen.compile_cache import compile_kernel
 from tinydist.codegen.matmul import workspace_bytes
 from tinydist.graph import dtypes
@@ -139,17 +138,33 @@ async def test_a_stuck_kernel_is_declared_hung_within_two_timeouts(clock: MockCl
             ctypes.c_int64.from_address(flag.address).value = 1  # let the stuck worker go
 
 
-def test_generated_kernels_publish_per_outermost_iteration() -> None:
-    """The elementwise lowering stores its outer index: the word names the last iteration run."""
+async def test_a_big_kernel_publishes_once_per_block_and_a_small_one_not_at_all() -> None:
+    """The elementwise lowering strip-mines its outermost loop into blocks of about 2**20
+    elements and stores each block's index: the word ends at the last block's."""
     from tinydist.codegen.kernel import KernelAST, KNode, load
     from tinydist.codegen.lowering import lower
-    from tinydist.graph.shape import ShapeTracker
+    from tinydist.graph.shape import ShapeTracker, View
 
-    tracker = ShapeTracker.contiguous((5, 3))
-    root = KNode("add", (load(0, tracker, dtypes.float32), load(0, tracker, dtypes.float32)), None, dtypes.float32)
-    name, ir_text = lower(KernelAST((5, 3), (), root, (dtypes.float32,), dtypes.float32))
-    assert f"@\"{progress.symbol(name)}\"" in ir_text or f"@{progress.symbol(name)}" in ir_text
-    assert "store atomic" in ir_text
+    def kernel(rows: int) -> KernelAST:
+        x = load(0, ShapeTracker.contiguous((rows, 3)), dtypes.float32)
+        row = load(1, ShapeTracker((View.create((rows, 3), (0, 1)),)), dtypes.float32)  # not collapsible
+        return KernelAST((rows, 3), (), KNode("add", (x, row), None, dtypes.float32), (dtypes.float32,) * 2, dtypes.float32)
+
+    assert "store atomic" not in lower(kernel(1000))[1]  # 3,000 elements: done before anyone could look
+    rows = (1 << 20) + 3  # 3 elements a row: blocks of 2**18 rows, five of them, the last 3 rows long
+    async with open_device("CPU:2") as dev:
+        program = dev.compiler.kernel(kernel(rows))
+        assert program.progress
+        x = np.arange(rows * 3, dtype=np.float32).reshape(rows, 3)
+        row = np.array([[1, 2, 3]], np.float32)
+        X, R, out = dev.allocator.alloc(x.nbytes), dev.allocator.alloc(row.nbytes), dev.allocator.alloc(x.nbytes)
+        await dev.copyin(X, x).wait()
+        await dev.copyin(R, row).wait()
+        with dev.batch() as batch:
+            batch.launch(program, out, X, R)
+        await batch.completion.wait()
+        np.testing.assert_array_equal((await dev.copyout(out)).view(np.float32).reshape(rows, 3), x + row)
+        assert _word(program.progress) == 4
 
 
 _AFTER_A_HANG = """
@@ -257,3 +272,18 @@ def test_the_park_signal_parks_jit_code_and_never_python_or_libc() -> None:
 def _native_spin(name: str):
     from tinydist.runtime.cpu.loader import native_loader
     return native_loader.load(compile_kernel(spin_until_ir(name, False)), name, ["r", "w"])
+
+
+@pytest.mark.parametrize("shape, other", [(((1 << 24) + 17,), ((1 << 24) + 17,)), (((1 << 20) + 3, 3), (1, 3))])
+def test_strip_mined_outer_loops_compute_every_element(shape: tuple[int, ...], other: tuple[int, ...]) -> None:
+    """Big kernels run their outermost loop in blocks (the last one short here): every element
+    is computed once, as numpy computes it."""
+    import tinydist as td
+
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal(shape, dtype=np.float32)
+    b = rng.standard_normal(other, dtype=np.float32)
+    got = (td.Tensor(a) * td.Tensor(b)).numpy()
+    np.testing.assert_array_equal(got, a * b)  # one rounding each side: bit-equal
+    total = td.Tensor(a).sum().numpy()
+    np.testing.assert_allclose(total, a.astype(np.float64).sum(), rtol=1e-5)

@@ -1,9 +1,10 @@
 """The progress word a native kernel publishes, so the hang rule can tell a long kernel from a stuck one.
 
-Every generated kernel owns one exported i64 global, `<entry>_progress`. It stores a value that
-changes once per iteration of its outermost loop (the loop index in the elementwise and reduce
-nests, a running count of outer tiles in matmul) with a monotonic atomic store: a plain `mov` on
-x86-64 and aarch64, which LLVM may not hoist out of the loop or drop. A device sums the words of
+Every generated kernel owns one exported i64 global, `<entry>_progress`. Its outermost loop is
+strip-mined into blocks of about PUBLISH_ELEMENTS of work and stores the block index before each
+(matmul: a running count of its outer MC x KC x NC blocks), with a monotonic atomic store: a plain
+`mov` on x86-64 and aarch64, which LLVM may not hoist out of the loop or drop. The cost, measured
+A/B on the hot kernels, is in `bench/progress.py`. A device sums the words of
 the programs it loaded (`tinydist.runtime.cpu.device`) and the timeline watchdog counts a change in
 that sum as progress (`tinydist.runtime.timeline`). The words are per program, not per launch: two
 devices running the same kernel at once share its word (a store races another, and either value
@@ -17,6 +18,9 @@ from llvmlite import ir
 
 I64 = ir.IntType(64)
 SUFFIX = "_progress"
+# Elements of a kernel's iteration space between two publications of its outermost loop: ~0.1-1 ms
+# of work, so hundreds of publications a second at any size; a smaller kernel publishes nothing.
+PUBLISH_ELEMENTS = 1 << 20
 
 
 def symbol(entry: str) -> str:
