@@ -25,6 +25,7 @@ class NativeLoader:
         self._engine: llvm.ExecutionEngine | None = None
         self._loaded: dict[str, set[str]] = {}   # object sha256 -> symbols looked up from it
         self._symbols: dict[str, str] = {}       # symbol -> object sha256 that defines it
+        self._progress: dict[int, int] = {}      # entry address -> its progress word's (kernels that publish)
 
     def _execution_engine(self) -> llvm.ExecutionEngine:
         if self._engine is None:
@@ -58,10 +59,16 @@ class NativeLoader:
             if not address:
                 raise CompileError(f"object code defines no function {entry!r}")
             progress_word = engine.get_global_value_address(progress.symbol(entry))
+            if progress_word:
+                self._progress[address] = progress_word
             self._loaded[digest].add(entry)
             self._symbols[entry] = digest
         prototype = ctypes.CFUNCTYPE(None, *(ARG_KINDS[kind] for kind in signature))
         return Program(entry, signature, prototype(address), address, progress_word)
+
+    def progress_word(self, address: int) -> int:
+        """The progress word of the loaded kernel whose entry point is at `address`; 0 if it has none."""
+        return self._progress.get(address, 0)
 
 
 native_loader = NativeLoader()
