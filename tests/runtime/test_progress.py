@@ -175,7 +175,7 @@ import tinydist as td
 from tinydist.runtime.cpu import containment
 from tinydist.base.errors import DeviceHang
 from tinydist.codegen.compile_cache import compile_kernel
-from tinydist.runtime.device import LEAKED_FOR_STUCK_WORKERS
+from tinydist.runtime.device import KEPT_FOR_STUCK_WORKERS
 from tinydist.runtime.engine import get_engine
 from tinydist.testing import spin_until_ir
 
@@ -204,7 +204,7 @@ for _ in range(2000):  # bounded: the parking signal is handled within a schedul
     time.sleep(0.005)
 print("stuck worker:", containment.thread_state(worker), "spinning:", spins_seen() != spins_seen())
 fresh = engine.reopen("CPU:1")
-print("reopened:", fresh is not dev, fresh.state.value, "kept:", LEAKED_FOR_STUCK_WORKERS["CPU:1"] > 0)
+print("reopened:", fresh is not dev, fresh.state.value, "kept:", KEPT_FOR_STUCK_WORKERS["CPU:1"] > 0)
 print("later work:", td.Tensor(np.arange(6, dtype=np.float32), device="CPU:1").sum().item())
 """
 

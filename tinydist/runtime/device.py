@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 # (device name, error type name) -> how often a device failed that way (read by tinydist.observability.metrics).
 FAILURES: collections.Counter[tuple[str, str]] = collections.Counter()
 # device name -> bytes a closed device left mapped because a worker of it was stuck inside a command
-LEAKED_FOR_STUCK_WORKERS: collections.Counter[str] = collections.Counter()
+KEPT_FOR_STUCK_WORKERS: collections.Counter[str] = collections.Counter()
 # Seconds a failed device's close waits for a worker still inside a command before leaving it
 # (and the memory it may touch) behind; a healthy device's close waits its whole timeout.
 FAILED_WORKER_GRACE = 1.0
@@ -247,7 +247,7 @@ class Device(ABC):
                 kept = self.allocator.statistics().reserved_bytes
             except TinydistError:  # a back end that took no memory
                 kept = 0
-            LEAKED_FOR_STUCK_WORKERS[self.name] += kept
+            KEPT_FOR_STUCK_WORKERS[self.name] += kept
             self.log.error("worker threads did not stop; their device's memory stays mapped until exit",
                            queues=stuck, bytes_kept=kept)
         else:
