@@ -1,8 +1,7 @@
 """The cost of publishing progress (`tinydist.codegen.progress`) in the hot kernels, measured A/B.
 
 Each case compiles the kernel the code generator emits and the kernel as it was before progress
-(lowered with publishing off: no strip-mining, no stores; the matmul IR with its stores taken
-out), loads both into this process, and times them on the same data, alternating A and B
+(generated with publishing off: no strip-mining, no stores), loads both into this process, and times them on the same data, alternating A and B
 every repeat (pinned to one core), so drifting load hits both alike. Reported: the medians and
 B/A - 1, the cost of the stores, and the same ratio of the best times (on this shared VM a
 neighbour's burst can double a sample for either side; the best of each is the code's own speed). The cases are the hot kernels and the worst case for a store per
@@ -15,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -29,30 +27,21 @@ from _common import Report, clock, median  # noqa: E402
 
 from tinydist.codegen.compile_cache import compile_kernel  # noqa: E402
 from tinydist.codegen.kernel import KernelAST, KNode, load  # noqa: E402
-from tinydist.codegen.lowering import _Lowerer, lower  # noqa: E402
+from tinydist.codegen.lowering import lower  # noqa: E402
 from tinydist.codegen.matmul import SIGNATURE, matmul_ir, workspace_bytes  # noqa: E402
 from tinydist.graph import dtypes  # noqa: E402
 from tinydist.graph.shape import ShapeTracker, View  # noqa: E402
 from tinydist.runtime.cpu.loader import native_loader  # noqa: E402
 
 _KEEP: list[np.ndarray] = []  # the arrays the cases' arguments point into, alive for the run
-_LOAD = re.compile(r'^(\s*%\S+) = load atomic i64, (?:i64\*|ptr) @"?[\w.]+_progress"? monotonic, align 8$', re.M)
-_STORE = re.compile(r'^\s*store atomic i64 \S+, (?:i64\*|ptr) @"?[\w.]+_progress"? monotonic, align 8\n', re.M)
 
 
-def without_progress(ir_text: str, name: str) -> tuple[str, str]:
-    """The same kernel with its progress loads folded to 0 and its stores removed, renamed."""
-    stripped = _STORE.sub("", _LOAD.sub(r"\1 = add i64 0, 0", ir_text))
-    assert "store atomic" not in stripped, "a progress store was left in"
-    plain = name + "_plain"
-    return stripped.replace(f'@"{name}"', f'@"{plain}"').replace(f"@{name}(", f"@{plain}("), plain
-
-
-def _pair(ir_text: str, name: str, signature: list[str]) -> tuple[Callable[..., None], Callable[..., None]]:
+def _matmul_pair(m: int) -> tuple[Callable[..., None], Callable[..., None]]:
     """The matmul kernel with and without its progress stores (its loops are the same either way)."""
-    plain_ir, plain = without_progress(ir_text, name)
-    with_stores = native_loader.load(compile_kernel(ir_text), name, signature).cfunc
-    without = native_loader.load(compile_kernel(plain_ir), plain, signature).cfunc
+    name = f"bench_progress_matmul_{m}"
+    with_stores = native_loader.load(compile_kernel(matmul_ir(name)), name, list(SIGNATURE)).cfunc
+    plain = name + "_plain"
+    without = native_loader.load(compile_kernel(matmul_ir(plain, publish_progress=False)), plain, list(SIGNATURE)).cfunc
     return with_stores, without
 
 
@@ -60,11 +49,7 @@ def _lowered_pair(ast: KernelAST, signature: list[str]) -> tuple[Callable[..., N
     """The kernel as lowered now, and as lowered with publishing off: the loops as they were
     before progress (no strip-mining, no global), so the difference is the whole change's cost."""
     name, ir_text = lower(ast)
-    _Lowerer.publishes_progress = False
-    try:
-        plain, plain_ir = lower(ast)
-    finally:
-        _Lowerer.publishes_progress = True
+    plain, plain_ir = lower(ast, publish_progress=False)
     assert "_progress" not in plain_ir and plain != name
     return (native_loader.load(compile_kernel(ir_text), name, signature).cfunc,
             native_loader.load(compile_kernel(plain_ir), plain, signature).cfunc)
@@ -119,8 +104,7 @@ def cases() -> dict[str, tuple[Callable[..., None], Callable[..., None], tuple[i
     out["tiny 8x8 f32 (an eager graph's kernel)"] = (*pair, tuple(arrays((8, 8), (8, 8), (8, 8))))
 
     m = 1024
-    ir_text = matmul_ir("bench_progress_matmul")
-    pair = _pair(ir_text, "bench_progress_matmul", list(SIGNATURE))
+    pair = _matmul_pair(m)
     c, a, b = arrays((m, m), (m, m), (m, m))
     (workspace,) = arrays((workspace_bytes(m, m, m) // 4 + 1,))
     out["matmul 1024^3 f32"] = (*pair, (c, a, b, workspace, 1, m, m, m, 0, 0, 0))

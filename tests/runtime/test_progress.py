@@ -36,16 +36,13 @@ def _word(address: int) -> int:
 
 
 def _wait_until_changed(address: int, seen: int, timeout: float = 20.0) -> int:
-    """Real-time bounded: the word at `address` once it differs from `seen`."""
-    done = threading.Event()
-    while not done.wait(0.001):
-        value = _word(address)
-        if value != seen:
-            return value
-        timeout -= 0.001
-        if timeout <= 0:
-            raise AssertionError(f"the word at {address:#x} stayed {seen}")
-    raise AssertionError("unreachable")
+    """The word at `address` once it differs from `seen` (bounded polling, real time)."""
+    deadline = time.monotonic() + timeout
+    while (value := _word(address)) == seen:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the word at {address:#x} stayed {seen} for {timeout:g}s")
+        time.sleep(0.001)
+    return value
 
 
 def _spin_kernel(dev, name: str, publishes: bool):
@@ -69,18 +66,21 @@ async def test_a_kernel_longer_than_the_timeout_completes_while_it_publishes_pro
             except BaseException as exc:  # noqa: BLE001 - asserted below
                 outcome.append(exc)
 
-        with anyio.fail_after(60):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(waiter)
-                for _ in range(10):
-                    await armed(clock, 1)  # re-armed: the watchdog has read the words for the last deadline
-                    seen = _word(kernel.progress)
-                    await anyio.to_thread.run_sync(_wait_until_changed, kernel.progress, seen)
-                    clock.advance(TIMEOUT)
-                await armed(clock, 1)
-                assert outcome == [] and dev.state is DeviceState.OPEN
-                assert clock.now() == 10 * TIMEOUT  # ten timeouts long, still running, not declared hung
-                ctypes.c_int64.from_address(flag.address).value = 1
+        try:
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(waiter)
+                    for _ in range(10):
+                        await armed(clock, 1)  # re-armed: the watchdog has read the words for the last deadline
+                        seen = _word(kernel.progress)
+                        await anyio.to_thread.run_sync(_wait_until_changed, kernel.progress, seen)
+                        clock.advance(TIMEOUT)
+                    await armed(clock, 1)
+                    assert outcome == [] and dev.state is DeviceState.OPEN
+                    assert clock.now() == 10 * TIMEOUT  # ten timeouts long, still running, not declared hung
+                    ctypes.c_int64.from_address(flag.address).value = 1
+        finally:
+            ctypes.c_int64.from_address(flag.address).value = 1  # a failed assertion must not leave it spinning
         assert outcome == [None]
         assert dev.state is DeviceState.OPEN and dev.failure is None
         assert _word(spins.address) > 10

@@ -794,8 +794,15 @@ ALU_RULES: dict[str, Callable[[_Lowerer, KNode, list[ir.Value]], ir.Value]] = {
 }
 
 
-def lower(ast: KernelAST) -> tuple[str, str]:
-    """(entry name, LLVM IR text). The name is a hash of the IR, so equal kernels share code."""
-    text = _Lowerer(ast).build()
+def lower(ast: KernelAST, publish_progress: bool = True) -> tuple[str, str]:
+    """(entry name, LLVM IR text). The name is a hash of the IR, so equal kernels share code.
+    `publish_progress=False` leaves out the progress word (`tinydist.codegen.progress`): for a
+    program shipped to a remote node, whose verifier admits no writable global or atomic."""
+    lowerer = _Lowerer(ast) if publish_progress else _SilentLowerer(ast)
+    text = lowerer.build()
     name = "k_" + hashlib.sha256(text.encode()).hexdigest()[:20]
     return name, text.replace('@"KERNEL', f'@"{name}').replace("@KERNEL", f"@{name}")
+
+
+class _SilentLowerer(_Lowerer):
+    publishes_progress = False

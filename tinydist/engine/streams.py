@@ -263,8 +263,11 @@ class NativeStreams:
             return DeviceFailed(f"{waited} and stopped: {why}")
         hang = DeviceHang(f"{waited}, and {peer.name} made no progress for {self.timeout:g}s, nor did a kernel it runs "
                           f"(its counter stood at {block.word(s, block.SEEN)} parts, all replays counted); "
-                          f"{peer.device.name} is marked failed — close and reopen it")
-        return peer.device.mark_failed(hang)
+                          f"{peer.device.name} is marked failed — reopen it (Engine.reopen)")
+        first = peer.device.mark_failed(hang)
+        if first is hang:
+            peer.device.contain(peer.device.queues[peer.queue].timeline)
+        return first
 
 
 class _StepCommand:

@@ -11,8 +11,9 @@ of that device wakes with the same `DeviceHang`. Kernels publish progress throug
 (`tinydist.codegen.progress`), read only when a deadline passes: a kernel that runs for minutes
 keeps publishing and is waited for, a stuck one (a native loop or wait that publishes nothing) is
 caught one to two timeouts after its last progress — two when the first deadline's reading is the
-first to see a change made before the wait began. Progress is stamped, and deadlines armed, on the timeline's clock
-(`tinydist.runtime.clock`): real time in production, a `tinydist.testing.MockClock` in tests.
+first to see a change made before the wait began — and its worker contained (`Device.contain`).
+Progress is stamped, and deadlines armed, on the timeline's clock (`tinydist.runtime.clock`): real
+time in production, a `tinydist.testing.MockClock` in tests (docs/hangs.md).
 """
 
 from __future__ import annotations
