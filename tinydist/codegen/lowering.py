@@ -131,7 +131,7 @@ class _Lowerer:
         self.b = ir.IRBuilder(self.entry)
         self.width: int | None = None  # lanes while emitting a vector loop body
         self.known: dict[int, tuple[int, int]] = {}  # axis -> the index range of the loop piece being emitted
-        self.progress = progress.word(self.module, "KERNEL") if self.publishes_progress else None
+        self.progress: ir.GlobalVariable | None = None  # defined by the first loop that publishes
         self.depth = 0  # loops open around the code being emitted: the outermost ones publish progress
 
     # -- helpers --
@@ -158,7 +158,7 @@ class _Lowerer:
     def loop(self, count: int, body: Callable[[ir.Value], None], name: str) -> None:
         """for i in range(count): body(i) — rotated form (count ≥ 1 is known), canonical for LLVM.
         An outermost loop over a big iteration space publishes progress (see `_publishing_loop`)."""
-        every = self._publish_every(count) if self.depth == 0 and self.progress is not None else None
+        every = self._publish_every(count) if self.depth == 0 and self.publishes_progress else None
         if every is None:
             self._loop(ir.Constant(I64, count), body, name)
         else:
@@ -195,6 +195,8 @@ class _Lowerer:
         before each: the inner loop is the plain loop, with no store or branch added to it. A
         store in every iteration of a short-bodied loop cost 15-27 %, a test of the index 20 %
         (bench/progress.py, a (1M, 3) kernel); one store per block costs nothing measurable."""
+        if self.progress is None:
+            self.progress = progress.word(self.module, "KERNEL")
         if every == 1:  # every iteration is a million elements or more
             def published(i: ir.Value) -> None:
                 progress.publish(self.b, self.progress, i)

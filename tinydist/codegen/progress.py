@@ -1,7 +1,7 @@
 """The progress word a native kernel publishes, so the hang rule can tell a long kernel from a stuck one.
 
-Every generated kernel owns one exported i64 global, `<entry>_progress`. Its outermost loop is
-strip-mined into blocks of about PUBLISH_ELEMENTS of work and stores the block index before each
+Every generated kernel of at least PUBLISH_ELEMENTS elements (and every matmul) owns one exported
+i64 global, `<entry>_progress`; a smaller one is unchanged. Its outermost loop is strip-mined into blocks of about PUBLISH_ELEMENTS of work and stores the block index before each
 (matmul: a running count of its outer MC x KC x NC blocks), with a monotonic atomic store: a plain
 `mov` on x86-64 and aarch64, which LLVM may not hoist out of the loop or drop. The cost, measured
 A/B on the hot kernels, is in `bench/progress.py`. A device sums the words of
