@@ -11,7 +11,8 @@ from importlib import import_module
 from typing import Any
 
 from tinydist.base.errors import (AllocationError, BufferInUse, ClosedResourceError, CompileError, DeviceError, DeviceFailed,
-                                  DeviceHang, DeviceNotFound, DeviceUnavailable, OutOfBounds, TinydistError, UseAfterFree)
+                                  DeviceHang, DeviceNotFound, DeviceUnavailable, OutOfBounds, TinydistError, UseAfterFree,
+                                  WorkTooLarge)
 from tinydist.frontend import autograd
 from tinydist.frontend.autograd import enable_grad, no_grad
 from tinydist.frontend.jit import JitError, TinyJit, jit
@@ -46,7 +47,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["AllocationError", "Buffer", "BufferInUse", "ClosedResourceError", "CompileError", "DType", "Device",
-           "DeviceError", "DeviceFailed", "DeviceHang", "DeviceNotFound", "DeviceUnavailable", "JitError",
+           "DeviceError", "DeviceFailed", "DeviceHang", "WorkTooLarge", "DeviceNotFound", "DeviceUnavailable", "JitError",
            "OutOfBounds", "ScheduleCycleError", "Tensor", "TinyJit", "TinydistError", "UseAfterFree", "autograd",
            "bool_", "cat", "discover", "dist", "enable_grad", "float16", "float32", "float64", "get_engine", "int8",
            "int16", "int32", "int64", "jit", "load", "manual_seed", "multi", "nn", "no_grad", "onnx", "open_device", "optim", "parallel", "save",

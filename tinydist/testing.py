@@ -266,3 +266,27 @@ class _MockWakeup:
             if self in self.clock._blocked:
                 self.clock._blocked.remove(self)
             self.clock._changed.notify_all()
+
+
+def spin_until_ir(name: str, publishes_progress: bool) -> str:
+    """`void name(i64* flag, i64* spins)`: count iterations into `spins[0]` until `flag[0]` is
+    non-zero — a kernel that runs exactly as long as a test wants. With `publishes_progress` it
+    stores each iteration into its progress word (`tinydist.codegen.progress`) as a generated
+    kernel does; without, it is a stuck kernel to the hang rule."""
+    publish = (f"  store atomic i64 %next, ptr @{name}_progress monotonic, align 8\n" if publishes_progress else "")
+    word = f"@{name}_progress = global i64 0, align 64\n" if publishes_progress else ""
+    return f"""{word}
+define void @{name}(ptr noalias %flag, ptr noalias %spins) {{
+entry:
+  br label %loop
+loop:
+  %i = phi i64 [0, %entry], [%next, %loop]
+  %next = add i64 %i, 1
+  store atomic i64 %next, ptr %spins monotonic, align 8
+{publish}  %stop = load atomic i64, ptr %flag monotonic, align 8
+  %done = icmp ne i64 %stop, 0
+  br i1 %done, label %exit, label %loop
+exit:
+  ret void
+}}
+"""

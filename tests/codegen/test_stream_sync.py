@@ -26,7 +26,8 @@ def _until(predicate: Callable[[], bool], what: str) -> None:
         time.sleep(0.001)
 
 
-def _two_streams(name: str, timeout_ns: int) -> tuple[ControlBlock, np.ndarray, np.ndarray, list]:
+def _two_streams(name: str, timeout_ns: int, kernel_words: list[int] | None = None
+                 ) -> tuple[ControlBlock, np.ndarray, np.ndarray, list]:
     """Stream 0 copies the replay's source (a per-replay row slot) into out[0]; stream 1 waits for
     that, then copies out[0] into out[1]. `rows` is the ring of argument rows, then its ready words."""
     block = ControlBlock(2)
@@ -41,7 +42,7 @@ def _two_streams(name: str, timeout_ns: int) -> tuple[ControlBlock, np.ndarray, 
     for s, stream_parts in enumerate(parts):
         entry = f"{name}_{s}"
         ir = step_function_ir(entry, block, s, stream_parts, [1, 1], rows.ctypes.data, RING, RING, ready.ctypes.data,
-                              timeout_ns, 10**9)
+                              timeout_ns, 10**9, kernel_words)
         steps.append(native_loader.load(_compiler.compile(ir), entry, []).cfunc)
     return block, rows, out, steps
 
@@ -101,3 +102,33 @@ def test_abort_wakes_a_sleeping_stream_which_runs_nothing_more() -> None:
     assert not waiter.is_alive()
     assert block.word(1, block.STATUS) == ABORTED and out.tolist() == [0, 0]
     assert block.word(1, block.PROGRESS) == 0 and block.word(0, block.SLEEPERS) == 0
+
+
+def test_a_wait_on_a_stream_whose_kernel_publishes_progress_outlasts_the_timeout() -> None:
+    """Stream 0 is busy in one long kernel (a spin that publishes progress) for three of stream
+    1's timeouts before its part runs: stream 1 counts the kernel's progress word and waits."""
+    from tinydist.codegen.compile_cache import compile_kernel
+    from tinydist.testing import spin_until_ir
+
+    spin = native_loader.load(compile_kernel(spin_until_ir("sync_long_kernel", True)), "sync_long_kernel", ["r", "w"])
+    table = np.array([1, spin.progress], np.int64)  # stream 0 runs that kernel
+    silent = np.array([0], np.int64)
+    block, rows, out, (first, second) = _two_streams("sync_long", 1_000_000_000, [table.ctypes.data, silent.ctypes.data])
+    sources = np.array([42], np.int64)
+    rows[0, 0] = sources.ctypes.data
+    flag, spins = ctypes.c_int64(0), ctypes.c_int64(0)
+    kernel = threading.Thread(target=spin.cfunc, args=(ctypes.addressof(flag), ctypes.addressof(spins)))
+    kernel.start()
+    waiter = threading.Thread(target=second)
+    waiter.start()
+    try:
+        _until(lambda: block.word(0, block.SLEEPERS) == 1, "stream 1 to sleep on stream 0's counter")
+        time.sleep(3.0)  # three timeouts of stream 1's wait, the kernel publishing all along
+        assert waiter.is_alive() and block.word(1, block.STATUS) == OK and not block.aborted
+    finally:
+        flag.value = 1
+        kernel.join(10)
+    first()  # the kernel is over: stream 0's part runs
+    waiter.join(10)
+    assert not waiter.is_alive()
+    assert block.word(1, block.STATUS) == OK and out.tolist() == [42, 42]

@@ -124,7 +124,11 @@ for _setting in (
             "code is unmapped once nothing else holds it (a cached schedule, a captured step), so a process meeting "
             "new shapes without end plateaus instead of running out of memory mappings."),
     Setting("TIMELINE_TIMEOUT", _positive_float, lambda: 30.0,
-            "Seconds a timeline may stand still under a waiter before its device is declared hung."),
+            "Seconds a timeline may stand still under a waiter, while no kernel of its device publishes "
+            "progress, before the device is declared hung (a long kernel that publishes is waited for)."),
+    Setting("MAX_KERNEL_WORK", _positive_int, lambda: 1 << 50,
+            "Most operations one kernel may be estimated to do (matmul: 2*M*N*K per batch item); a bigger one "
+            "is refused when the graph is built (2**50 is about three hours at 100 GFLOP/s)."),
     Setting("REALIZE_RUN_AHEAD", _positive_int, lambda: 4,
             "Realizes on host-code devices that may be queued unfinished; the next waits for the oldest "
             "(bounds the arenas held, so an eager loop reuses freed ones instead of mapping new memory)."),

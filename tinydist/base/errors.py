@@ -22,6 +22,7 @@ underscore, never seen outside their module) are not drawn, but are TinydistErro
     │   └── UseAfterFree                            freeing twice, or using a freed buffer
     ├── AllocationError (MemoryError)               an allocation failed; everything it took was given back
     ├── CompileError                                LLVM refused a kernel; carries LLVM's message
+    ├── WorkTooLarge (ValueError)                   one kernel's estimated work passes TINYDIST_MAX_KERNEL_WORK
     ├── LaunchError (ValueError)                    a launch variable (TINYDIST_RANK, ...) is missing or malformed
     ├── SettingError (ValueError)                   a TINYDIST_* setting holds a value it does not accept
     ├── BindRefused (ValueError)                    a listen address breaks the bind policy (tinydist.security.bind)
@@ -145,6 +146,11 @@ class AllocationError(TinydistError, MemoryError):
 
 class CompileError(TinydistError):
     """LLVM rejected a kernel."""
+
+
+class WorkTooLarge(TinydistError, ValueError):
+    """One kernel's estimated work (operations) passes TINYDIST_MAX_KERNEL_WORK: refused when the
+    graph is built, before it could run for hours and be mistaken for a hang."""
 
 
 class SettingError(TinydistError, ValueError):

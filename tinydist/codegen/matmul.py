@@ -46,6 +46,8 @@ from dataclasses import dataclass
 
 import llvmlite.ir as ir
 
+from tinydist.codegen import progress
+
 SIGNATURE = ("w", "r", "r", "w", "i64", "i64", "i64", "i64", "i64", "i64", "i64")
 
 _VECTOR_BYTES = 64   # one zmm register: AVX-512 is the target (znver4 has 32 of them)
@@ -197,7 +199,9 @@ def _define(module: ir.Module, name: str, args: list[tuple[str, ir.Type]], inter
 
 
 class _Generator:
-    def __init__(self, name: str, dtype: str, tiling: Tiling, strided: StridedOperand | None) -> None:
+    def __init__(self, name: str, dtype: str, tiling: Tiling, strided: StridedOperand | None,
+                 publish_progress: bool = True) -> None:
+        self.publish_progress = publish_progress
         self.elem, self.itemsize = _dtype(dtype)
         self.t = tiling
         self.strided = strided
@@ -471,6 +475,7 @@ class _Generator:
             self.offset_table(b, row_table, strided.rows, strided.offset)
             self.offset_table(b, col_table, strided.cols, 0)
 
+        published = progress.word(self.module, self.name) if self.publish_progress else None
         with b.loop(_i64(0), batch, 1, "batch") as item:
             a_item = b.at(A, b.mul(item, stride_a), self.elem)
             b_item = b.at(B, b.mul(item, stride_b), self.elem)
@@ -485,6 +490,8 @@ class _Generator:
                     else:
                         b.call(pack_b, [b_packed, b.at(b_item, b.add(b.mul(pc, N), jc), self.elem), N, kc, nc])
                     with b.loop(_i64(0), M, t.mc, "ic") as ic:
+                        if published is not None:  # per MC x KC x NC block: at most 2e8 flops (float32 tiling)
+                            progress.bump(b, published)
                         mc = b.min(b.sub(M, ic), _i64(t.mc))
                         if strided is not None and strided.operand == "a":
                             b.call(pack_a, [a_packed, a_item, b.at(row_table, ic, I32), b.at(col_table, pc, I32), mc, kc])
@@ -524,8 +531,9 @@ def program_name(dtype: str, strided: StridedOperand | None = None) -> str:
 
 
 def matmul_ir(name: str, dtype: str = "float32", tiling: Tiling | None = None,
-              strided: StridedOperand | None = None) -> str:
+              strided: StridedOperand | None = None, publish_progress: bool = True) -> str:
     """LLVM IR text defining ``void @<name>(C, A, B, W, batch, M, N, K, strideA, strideB, strideC)``;
-    with `strided`, that operand is read through its view (M, N, K must match the view's sizes)."""
+    with `strided`, that operand is read through its view (M, N, K must match the view's sizes).
+    `publish_progress=False` leaves out the progress word (a program for a remote node)."""
     _dtype(dtype)
-    return _Generator(name, dtype, tiling or DEFAULT_TILINGS[dtype], strided).generate()
+    return _Generator(name, dtype, tiling or DEFAULT_TILINGS[dtype], strided, publish_progress).generate()

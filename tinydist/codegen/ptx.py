@@ -143,6 +143,8 @@ def _c(value: int) -> ir.Constant:
 # ---- kernel AST → NVPTX IR --------------------------------------------------------------------
 
 class _PTXLowerer(_Lowerer):
+    publishes_progress = False  # its globals are device memory; the CUDA back end's hang rule is its own
+
     def __init__(self, ast: KernelAST) -> None:  # noqa: D107 - the CPU constructor, with global pointers
         super().__init__(ast, "tinydist_ptx", GLOBAL_PTR)
         self.module.triple = TRIPLE

@@ -7,7 +7,8 @@ a part that needs another stream's part first waits until that stream's counter 
 
 A wait never spins: it sleeps on the counter's futex in slices of at most 1 ms, and gives up when
 the block's abort word is set (a device of the capture failed) or when the other stream's counter
-has stood still for the timeout (it is stuck: the runtime's hang rule). It then records why in its stream's status words, sets the abort word so
+has stood still, and no kernel it runs published progress, for the timeout (it is stuck: the
+runtime's hang rule). It then records why in its stream's status words, sets the abort word so
 every other stream of the capture stops too, and the step function returns at once; the caller
 reads the status and turns it into an error. A signal wakes sleepers only when there are any.
 
@@ -95,7 +96,8 @@ class Part:
 
 
 def step_function_ir(name: str, block: ControlLayout, stream: int, parts: Sequence[Part], parts_per_stream: Sequence[int],
-                     slots: int, ring: int, row_words: int, ready: int, timeout_ns: int, chain_ns: int) -> str:
+                     slots: int, ring: int, row_words: int, ready: int, timeout_ns: int, chain_ns: int,
+                     kernel_words: Sequence[int] | None = None) -> str:
     """LLVM IR of `void name()`: stream `stream`'s parts of a replay, in order, each after its waits
     and followed by a signal. `slots` is the address of the ring of per-replay argument rows
     (`ring` rows of `row_words` int64 words; replay r reads row r % ring).
@@ -104,14 +106,22 @@ def step_function_ir(name: str, block: ControlLayout, stream: int, parts: Sequen
     queued (`ready`, a ring of int64 words: word r % ring holds r + 1 once replay r may run
     straight on), the function runs it too, for up to `chain_ns`, without going back to its
     caller; the calls that stand for replays it ran that way return at once. A queue's worker so
-    takes the GIL once per chain rather than once per replay."""
+    takes the GIL once per chain rather than once per replay.
+
+    `kernel_words`, per stream, is the address of a table of the progress words
+    (`tinydist.codegen.progress`) of the kernels that stream runs: int64 [count, address, ...].
+    A wait counts a change in their sum as progress of that stream, so a part running one long
+    kernel is waited for while the kernel publishes; without tables only counters count."""
     if ring & (ring - 1):
         raise ValueError(f"ring must be a power of two, got {ring}")
     futex = futex_syscall()
     if futex is None:
         raise RuntimeError(f"no futex system call on {sys.platform}/{platform.machine()}; check futex_syscall() first")
     syscall, clock = _libc_addresses()
-    wait_fn, signal_fn, now_fn = f"{name}.wait", f"{name}.signal", f"{name}.now"
+    wait_fn, signal_fn, now_fn, kernels_fn = f"{name}.wait", f"{name}.signal", f"{name}.now", f"{name}.kernels"
+
+    def kernels_of(peer: int) -> str:
+        return "ptr null" if kernel_words is None else f"ptr inttoptr (i64 {kernel_words[peer]} to ptr)"
 
     def word(s: int, field: int) -> str:
         return f"ptr inttoptr (i64 {block.address(s, field)} to ptr)"
@@ -129,11 +139,38 @@ def step_function_ir(name: str, block: ControlLayout, stream: int, parts: Sequen
         "  ret i64 %t",
         "}",
         "",
-        f"define internal i1 @\"{wait_fn}\"(ptr %counter, ptr %sleepers, i64 %target, i64 %unit, i64 %peer) {{",
+        f"define internal i64 @\"{kernels_fn}\"(ptr %table) {{",  # the sum of a stream's kernels' progress words
+        "entry:",
+        "  %none = icmp eq ptr %table, null",
+        "  br i1 %none, label %zero, label %head",
+        "head:",
+        "  %count = load i64, ptr %table, align 8",
+        "  %empty = icmp eq i64 %count, 0",
+        "  br i1 %empty, label %zero, label %each",
+        "each:",
+        "  %i = phi i64 [ 0, %head ], [ %inext, %each ]",
+        "  %acc = phi i64 [ 0, %head ], [ %acc1, %each ]",
+        "  %slot = getelementptr i64, ptr %table, i64 %i",
+        "  %entry1 = getelementptr i64, ptr %slot, i64 1",
+        "  %address = load i64, ptr %entry1, align 8",
+        "  %wordp = inttoptr i64 %address to ptr",
+        "  %w = load atomic i64, ptr %wordp monotonic, align 8",
+        "  %acc1 = add i64 %acc, %w",
+        "  %inext = add i64 %i, 1",
+        "  %all = icmp eq i64 %inext, %count",
+        "  br i1 %all, label %sum, label %each",
+        "sum:",
+        "  ret i64 %acc1",
+        "zero:",
+        "  ret i64 0",
+        "}",
+        "",
+        f"define internal i1 @\"{wait_fn}\"(ptr %counter, ptr %sleepers, i64 %target, i64 %unit, i64 %peer, ptr %kernels) {{",
         "entry:",
         "  %ts = alloca [2 x i64], align 8",
         "  %startp = alloca i64, align 8",
         "  %lastp = alloca i64, align 8",
+        "  %klastp = alloca i64, align 8",
         "  %v0 = load atomic i64, ptr %counter acquire, align 8",
         "  %ok0 = icmp sge i64 %v0, %target",
         "  br i1 %ok0, label %reached, label %slow",
@@ -141,6 +178,8 @@ def step_function_ir(name: str, block: ControlLayout, stream: int, parts: Sequen
         f"  %start0 = call i64 @\"{now_fn}\"()",
         "  store i64 %start0, ptr %startp, align 8",
         "  store i64 %v0, ptr %lastp, align 8",
+        f"  %k0 = call i64 @\"{kernels_fn}\"(ptr %kernels)",
+        "  store i64 %k0, ptr %klastp, align 8",
         "  br label %loop",
         "loop:",
         "  %v = load atomic i64, ptr %counter acquire, align 8",
@@ -148,10 +187,15 @@ def step_function_ir(name: str, block: ControlLayout, stream: int, parts: Sequen
         "  br i1 %ok, label %reached, label %progresscheck",
         "progresscheck:",  # as the runtime's hang rule: the clock runs while the other stream stands still
         "  %last = load i64, ptr %lastp, align 8",
-        "  %moved = icmp ne i64 %v, %last",
+        "  %counted = icmp ne i64 %v, %last",
+        f"  %k = call i64 @\"{kernels_fn}\"(ptr %kernels)",  # or a kernel it runs published progress
+        "  %klast = load i64, ptr %klastp, align 8",
+        "  %published = icmp ne i64 %k, %klast",
+        "  %moved = or i1 %counted, %published",
         "  br i1 %moved, label %progressed, label %abortcheck",
         "progressed:",
         "  store i64 %v, ptr %lastp, align 8",
+        "  store i64 %k, ptr %klastp, align 8",
         f"  %start1 = call i64 @\"{now_fn}\"()",
         "  store i64 %start1, ptr %startp, align 8",
         "  br label %abortcheck",
@@ -238,7 +282,7 @@ def step_function_ir(name: str, block: ControlLayout, stream: int, parts: Sequen
                     f"  %m{v} = mul i64 %b{v}, {parts_per_stream[w.peer]}",
                     f"  %t{v} = add i64 %m{v}, {w.index + 1}",
                     f"  %ok{v} = call i1 @\"{wait_fn}\"({word(w.peer, block.PROGRESS)}, {word(w.peer, block.SLEEPERS)}, "
-                    f"i64 %t{v}, i64 {u}, i64 {w.peer})",
+                    f"i64 %t{v}, i64 {u}, i64 {w.peer}, {kernels_of(w.peer)})",
                     f"  br i1 %ok{v}, label %go{v}, label %stop",
                     f"go{v}:"]
         for address, args in part.commands:

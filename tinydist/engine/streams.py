@@ -38,6 +38,7 @@ from tinydist.codegen.compile_cache import compile_glue
 from tinydist.codegen.stream_sync import ABORTED, OK, Part, Slot, Wait, futex_syscall, step_function_ir
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.command_queue import CommandQueue
+from tinydist.runtime.cpu.loader import native_loader
 from tinydist.runtime.cpu.stream_control import ControlBlock, native_address, publish
 from tinydist.runtime.dependencies import StandingAccess
 from tinydist.runtime.device import Completion, Device
@@ -174,11 +175,16 @@ class NativeStreams:
         self.ready = np.zeros(RING, np.int64)  # word r % RING is r + 1 once replay r may run back to back
         self.timeout = settings.TIMELINE_TIMEOUT
         counts = [len(s.units) for s in self.streams]
+        # per stream, the progress words of the kernels it runs: a peer waiting on a part that
+        # runs one long kernel counts the kernel's progress (tinydist.codegen.progress)
+        self.kernel_words = [_word_table(st.units) for st in self.streams]
         for s, st in enumerate(self.streams):
             name = f"jit_stream_{next(_names)}_{id(self):x}_{s}"
             parts = [Part(tuple(waits[id(u)]), tuple(u.commands)) for u in st.units]
             ir_text = step_function_ir(name, self.block, s, parts, counts, self.rows.ctypes.data, RING,
-                                       self.rows.shape[1], self.ready.ctypes.data, int(self.timeout * 1e9), CHAIN_NS)
+                                       self.rows.shape[1], self.ready.ctypes.data, int(self.timeout * 1e9), CHAIN_NS,
+                                       [table.ctypes.data for table in self.kernel_words])
+            # (the kernels it calls stay loaded while it is: their progress words, read by the waits, with them)
             program = st.device.load_program(compile_glue(ir_text), name, [], calls=calls.get(s, ()))
             st.step = _StepCommand(self, s, program.cfunc)
             st.standing = [StandingAccess(buffer, write) for buffer, write in st.shared.values()]
@@ -258,10 +264,13 @@ class NativeStreams:
         if block.word(s, block.STATUS) == ABORTED:
             why = self._failed_devices() or "another stream of the step gave up first"
             return DeviceFailed(f"{waited} and stopped: {why}")
-        hang = DeviceHang(f"{waited}, and {peer.name} made no progress for {self.timeout:g}s "
+        hang = DeviceHang(f"{waited}, and {peer.name} made no progress for {self.timeout:g}s, nor did a kernel it runs "
                           f"(its counter stood at {block.word(s, block.SEEN)} parts, all replays counted); "
-                          f"{peer.device.name} is marked failed — close and reopen it")
-        return peer.device.mark_failed(hang)
+                          f"{peer.device.name} is marked failed — reopen it (Engine.reopen)")
+        first = peer.device.mark_failed(hang)
+        if first is hang:
+            peer.device.contain(peer.device.queues[peer.queue].timeline)
+        return first
 
 
 class _StepCommand:
@@ -277,6 +286,13 @@ class _StepCommand:
         self.cfunc()
         if self.streams.block.word(self.stream, ControlBlock.STATUS) != OK:
             raise self.streams.stopped(self.stream)
+
+
+def _word_table(units: Sequence[_Unit]) -> np.ndarray:
+    """int64 [count, address, ...]: the progress words of the kernels `units` call, once each."""
+    words = sorted({word for unit in units for address, _ in unit.commands
+                    if (word := native_loader.progress_word(address))})
+    return np.array([len(words), *words], np.int64)
 
 
 def _waits(units: Sequence[_Unit]) -> dict[int, list[Wait]]:

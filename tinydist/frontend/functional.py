@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from tinydist.base.config import settings
+from tinydist.base.errors import WorkTooLarge
 from tinydist.frontend.autograd import custom_gradient, no_grad
 from tinydist.frontend.tensor import Tensor, _normalize_axes
 from tinydist.graph import dtypes
@@ -46,6 +48,11 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
         raise ValueError(f"matmul: batch dimensions of shapes {a.shape} and {b.shape} do not broadcast") from None
     dtype = dtypes.result_type(x.dtype, y.dtype)
     m, k, n = x.shape[-2], x.shape[-1], y.shape[-1]
+    work = 2 * math.prod(batch) * m * k * n
+    if work > settings.MAX_KERNEL_WORK:
+        raise WorkTooLarge(f"matmul of shapes {a.shape} and {b.shape} is {work:.3g} operations, more than "
+                           f"TINYDIST_MAX_KERNEL_WORK={settings.MAX_KERNEL_WORK:.3g} allows in one kernel: "
+                           "split it (over the batch, or into row blocks), or raise the setting")
     # A single row is a matrix-vector product: the fused multiply-reduce below streams the matrix
     # once, where the packed kernel would repack (and for a transposed weight, first copy) it. So
     # do a few outputs of a long reduction (a small layer's weight gradient): as dot products.

@@ -152,7 +152,12 @@ class RuntimeCollector(Collector):
                 hang_counts[name] = hang_counts.get(name, 0) + count
         for name, count in hang_counts.items():
             hangs.add_metric([name], count)
-        yield from (depth, inflight, submitted, completed, copied, failures, hangs)
+        kept = GaugeMetricFamily("tinydist_device_bytes_kept_for_stuck_workers",
+                                 "Memory closed devices left mapped because a worker was stuck in a command.",
+                                 labels=["device"])
+        for name, nbytes in sorted(device.KEPT_FOR_STUCK_WORKERS.items()):
+            kept.add_metric([name], nbytes)
+        yield from (depth, inflight, submitted, completed, copied, failures, hangs, kept)
 
 
 REGISTRY.register(RuntimeCollector())

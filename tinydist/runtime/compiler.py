@@ -101,7 +101,7 @@ class DeviceCompiler:
 
     def kernel(self, ast: KernelAST) -> Program:
         def build() -> Program:
-            name, ir_text = lower(ast)
+            name, ir_text = lower(ast, publish_progress=self.device.native_code)
             return self.device.load_ir(ir_text, name, ["w"] * ast.outputs + ["r"] * len(ast.slot_dtypes), compile_kernel)
         return self._cached(ast, build)
 
@@ -109,7 +109,8 @@ class DeviceCompiler:
         """The matmul kernel; with `strided`, one specialised to read that operand through its view."""
         def build() -> Program:
             name = program_name(dtype.name, strided)
-            return self.device.load_ir(matmul_ir(name, dtype.name, strided=strided), name, MATMUL_SIGNATURE, compile_kernel)
+            ir_text = matmul_ir(name, dtype.name, strided=strided, publish_progress=self.device.native_code)
+            return self.device.load_ir(ir_text, name, MATMUL_SIGNATURE, compile_kernel)
         return self._cached(("matmul", dtype.name, strided), build)
 
     def stream_copy(self) -> Program:

@@ -27,7 +27,7 @@ import anyio
 import numpy as np
 
 from tinydist.base.config import settings
-from tinydist.base.errors import DeviceClosed, DeviceError, DeviceFailed, OutOfBounds
+from tinydist.base.errors import DeviceClosed, DeviceError, DeviceFailed, OutOfBounds, TinydistError
 from tinydist.base.logs import get_logger
 from tinydist.runtime import command_queue as _hooks
 from tinydist.runtime.buffer import Buffer
@@ -44,6 +44,11 @@ if TYPE_CHECKING:
 
 # (device name, error type name) -> how often a device failed that way (read by tinydist.observability.metrics).
 FAILURES: collections.Counter[tuple[str, str]] = collections.Counter()
+# device name -> bytes a closed device left mapped because a worker of it was stuck inside a command
+KEPT_FOR_STUCK_WORKERS: collections.Counter[str] = collections.Counter()
+# Seconds a failed device's close waits for a worker still inside a command before leaving it
+# (and the memory it may touch) behind; a healthy device's close waits its whole timeout.
+FAILED_WORKER_GRACE = 1.0
 
 
 class DeviceState(enum.Enum):
@@ -106,6 +111,11 @@ class Device(ABC):
         # timelines (a captured step's native waits) stops waiting for a device that will not run it
         self.failure_listeners: weakref.WeakSet[Any] = weakref.WeakSet()
         self.log = get_logger(device=name)
+        # the hang rule's view of its kernels' progress words: the last sum read, and when (on
+        # `clock`) a reading last found it changed
+        self._progress_lock = threading.Lock()
+        self._progress_reading = 0
+        self._progress_seen_at = -math.inf
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, {self.state.value})"
@@ -145,6 +155,22 @@ class Device(ABC):
         """Load a kernel given as LLVM IR. Local back ends compile it here with `compile` (the caller's
         compile cache) and load the object code; a remote back end ships the IR to its node instead."""
         return self.load_program(compile(ir_text), entry, signature)
+
+    def kernel_progress(self) -> int:
+        """A number that changes while a kernel of this device runs and publishes progress
+        (`tinydist.codegen.progress`); back ends whose kernels publish none leave it at 0, and
+        the hang rule counts only their timelines."""
+        return 0
+
+    def progress_seen_at(self) -> float:
+        """When (on `clock`) a reading of `kernel_progress` last found it changed: read now,
+        and only by the hang rule when a deadline passes, never on the launch path."""
+        with self._progress_lock:
+            reading = self.kernel_progress()
+            if reading != self._progress_reading:
+                self._progress_reading = reading
+                self._progress_seen_at = self.clock.now()
+            return self._progress_seen_at
 
     def reads_directly(self, other: Device) -> bool:
         """Whether kernels on this device may take `other`'s buffers as arguments: the same peer
@@ -205,15 +231,28 @@ class Device(ABC):
                 await self.synchronize(timeout)
             except DeviceFailed:
                 pass  # closing a failed device still gives everything back
+        # A failed device's worker still inside a command after a short grace is stuck (the hang
+        # rule found it making no progress): waiting the whole timeout again would only delay
+        # the caller — Engine.reopen, or the process's exit — by that much.
+        join = timeout if self.failure is None else min(timeout, FAILED_WORKER_GRACE)
         stuck = []
         for q in self.queues.values():
-            if not await anyio.to_thread.run_sync(q.stop, timeout):
+            if not await anyio.to_thread.run_sync(q.stop, join):
                 stuck.append(q.name)
         with self._state_lock:
             self.state = DeviceState.CLOSED
-        self._close_backend()
         if stuck:
-            self.log.error("worker threads did not stop", queues=stuck)
+            # Its memory stays mapped: the stuck command may still read or write it, and unmapping
+            # it underneath would turn a hang into a crash. Logged, so it is accounted for.
+            try:
+                kept = self.allocator.statistics().reserved_bytes
+            except TinydistError:  # a back end that took no memory
+                kept = 0
+            KEPT_FOR_STUCK_WORKERS[self.name] += kept
+            self.log.error("worker threads did not stop; their device's memory stays mapped until exit",
+                           queues=stuck, bytes_kept=kept)
+        else:
+            self._close_backend()
         self.log.debug("device closed")
 
     async def __aenter__(self) -> Device:
@@ -238,6 +277,11 @@ class Device(ABC):
             FAILURES[(self.name, type(error).__name__)] += 1
             self.log.error("device failed", error=str(error))
         return first
+
+    def contain(self, hung: Timeline) -> None:
+        """The hang rule found `hung` stuck: stop its queue's worker from burning a core, where
+        the back end can (CPU: `tinydist.runtime.cpu.containment`); by default nothing."""
+        return None
 
     def check_usable(self) -> None:
         if self.state is DeviceState.OPEN:

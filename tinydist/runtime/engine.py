@@ -64,7 +64,9 @@ class Engine:
 
     def reopen(self, name: str) -> Device:
         """Close the engine's device `name` (a failed one, say) and open a fresh one in its place.
-        Nothing of the old device carries over: its buffers, and steps captured on it, are gone."""
+        Nothing of the old device carries over: its buffers, and steps captured on it, are gone.
+        After a `DeviceHang` the close waits at most a second for the stuck worker, never another
+        timeout; the worker stays parked and the old memory mapped (docs/hangs.md)."""
         canonical = canonical_name(name)
         with self._lock:
             old = self._devices.pop(canonical, None)

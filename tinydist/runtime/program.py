@@ -24,6 +24,7 @@ class Program:
     signature: tuple[str, ...]
     cfunc: Any  # a ctypes function: calling it releases the GIL for the kernel's duration
     address: int
+    progress: int = 0  # address of the kernel's progress word (tinydist.codegen.progress); 0: it publishes none
 
     def __post_init__(self) -> None:
         # Name the native callable after its kernel, so a trace can label `(cfunc, args)` commands.

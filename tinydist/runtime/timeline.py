@@ -5,10 +5,15 @@ A queue's worker thread signals the value of each finished submission; async cod
 blocks on it (`timeline.wait_blocking(v)`). Nothing polls: signalling wakes exactly the waiters
 whose target was reached, async ones through their own event loop's thread-safe callback.
 
-A wait whose deadline passes while the timeline made no progress declares its device hung: the
-device is marked failed and every waiter on every timeline of that device wakes with the same
-`DeviceHang`. Progress is stamped, and deadlines armed, on the timeline's clock
-(`tinydist.runtime.clock`): real time in production, a `tinydist.testing.MockClock` in tests.
+A wait whose deadline passes while neither the timeline nor any kernel of its device made
+progress declares the device hung: the device is marked failed and every waiter on every timeline
+of that device wakes with the same `DeviceHang`. Kernels publish progress through a word each
+(`tinydist.codegen.progress`), read only when a deadline passes: a kernel that runs for minutes
+keeps publishing and is waited for, a stuck one (a native loop or wait that publishes nothing) is
+caught one to two timeouts after its last progress — two when the first deadline's reading is the
+first to see a change made before the wait began — and its worker contained (`Device.contain`).
+Progress is stamped, and deadlines armed, on the timeline's clock (`tinydist.runtime.clock`): real
+time in production, a `tinydist.testing.MockClock` in tests (docs/hangs.md).
 """
 
 from __future__ import annotations
@@ -219,9 +224,10 @@ class Timeline:
                         self._waiters.remove(waiter)
             if outcome is not _DEADLINE or self._value >= value:
                 return
-            if self._progress_at <= window_start:
+            moved = self._moved_at()
+            if moved <= window_start:
                 raise self._declare_hang(value, timeout)
-            window_start = self._progress_at  # it moved: the watchdog restarts from its last progress
+            window_start = moved  # it moved: the watchdog restarts from its last progress
 
     def wait_blocking(self, value: int, timeout: float | None = None) -> None:
         """Block this (worker) thread until `value`; same hang rule as `wait`. Never on an event loop."""
@@ -247,16 +253,27 @@ class Timeline:
             if woken or self._value >= value or self._failure is not None:
                 # a signal reached the target, or the device failed: the top of the loop says which
                 continue
-            if self._progress_at <= window_start:
+            moved = self._moved_at()
+            if moved <= window_start:
                 raise self._declare_hang(value, timeout)
-            window_start = self._progress_at  # it moved: the watchdog restarts from its last progress
+            window_start = moved  # it moved: the watchdog restarts from its last progress
+
+    def _moved_at(self) -> float:
+        """When this timeline, or a kernel of its device, last made progress (on the clock)."""
+        if self.device is None:
+            return self._progress_at
+        return max(self._progress_at, self.device.progress_seen_at())
 
     def _declare_hang(self, value: int, timeout: float) -> DeviceFailed:
         error = DeviceHang(
-            f"timeline {self.name} stayed at {self._value} for {timeout:g}s while waiting for {value}; "
-            f"device {self.device.name if self.device else '?'} is marked failed — close and reopen it")
+            f"timeline {self.name} stayed at {self._value} for {timeout:g}s while waiting for {value}, and no "
+            f"kernel of its device published progress; device {self.device.name if self.device else '?'} is "
+            "marked failed — reopen it (Engine.reopen, or close it and open a new one)")
         if self.device is not None:
-            return self.device.mark_failed(error)
+            first = self.device.mark_failed(error)
+            if first is error:
+                self.device.contain(self)
+            return first
         self.fail(error)
         return self._failure or error
 

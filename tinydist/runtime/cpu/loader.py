@@ -30,6 +30,7 @@ from typing import Any
 import llvmlite.binding as llvm
 
 from tinydist.base.errors import CompileError
+from tinydist.codegen import progress
 from tinydist.runtime.program import ARG_KINDS, Program, check_signature
 
 
@@ -61,6 +62,8 @@ class NativeLoader:
         # very thread included — so a death is queued (a deque append needs no lock) and its
         # engine disposed by whoever holds or next takes the lock.
         self._dead: collections.deque[tuple[str, weakref.ref[LoadedCode]]] = collections.deque()
+        # entry address -> (its progress word's address, the object defining it): kernels that publish
+        self._progress: dict[int, tuple[int, str]] = {}
 
     @property
     def loaded(self) -> int:
@@ -95,6 +98,9 @@ class NativeLoader:
             address = engine.get_function_address(entry)
             if not address:
                 raise CompileError(f"object code defines no function {entry!r}")
+            progress_word = engine.get_global_value_address(progress.symbol(entry))
+            if progress_word:
+                self._progress[address] = (progress_word, digest)
             symbols.add(entry)
             self._symbols[entry] = digest
         if self._dead:
@@ -102,7 +108,12 @@ class NativeLoader:
         prototype = ctypes.CFUNCTYPE(None, *(ARG_KINDS[kind] for kind in signature))
         cfunc = prototype(address)
         cfunc._tinydist_code = owner  # type: ignore[attr-defined]  # the code stays mapped while this callable exists
-        return Program(entry, signature, cfunc, address)
+        return Program(entry, signature, cfunc, address, progress_word)
+
+    def progress_word(self, address: int) -> int:
+        """The progress word of the loaded kernel whose entry point is at `address`; 0 if it has none."""
+        found = self._progress.get(address)
+        return found[0] if found is not None else 0
 
     @staticmethod
     def _engine(object_code: bytes, entry: str) -> llvm.ExecutionEngine:
@@ -145,6 +156,8 @@ class NativeLoader:
             for symbol in found[2]:
                 if self._symbols.get(symbol) == digest:
                     del self._symbols[symbol]
+            for address in [a for a, (_, owner) in self._progress.items() if owner == digest]:
+                del self._progress[address]
 
 
 native_loader = NativeLoader()

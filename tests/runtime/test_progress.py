@@ -1,0 +1,289 @@
+"""The hang rule counts kernel progress: a kernel longer than the timeout finishes, a stuck one is caught.
+
+Time is a `MockClock`: "longer than the timeout" is ten 60 s deadlines passed while the kernel
+runs, in milliseconds of real time. A test moves the clock only once it has seen the kernel's
+progress word change after the watchdog last read it, so no outcome depends on machine speed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+
+import anyio
+import numpy as np
+import pytest
+
+from tinydist.base.errors import DeviceHang
+from tinydist.codegen.compile_cache import compile_kernel
+from tinydist.codegen.matmul import workspace_bytes
+from tinydist.graph import dtypes
+from tinydist.runtime.cpu import containment
+from tinydist.runtime.device import DeviceState
+from tinydist.runtime.registry import open_device
+from tinydist.testing import MockClock, spin_until_ir
+
+from .helpers import armed, until
+
+pytestmark = pytest.mark.anyio
+
+TIMEOUT = 60.0
+
+
+def _word(address: int) -> int:
+    return ctypes.c_int64.from_address(address).value
+
+
+def _wait_until_changed(address: int, seen: int, timeout: float = 20.0) -> int:
+    """The word at `address` once it differs from `seen` (bounded polling, real time)."""
+    deadline = time.monotonic() + timeout
+    while (value := _word(address)) == seen:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the word at {address:#x} stayed {seen} for {timeout:g}s")
+        time.sleep(0.001)
+    return value
+
+
+def _spin_kernel(dev, name: str, publishes: bool):
+    return dev.load_program(compile_kernel(spin_until_ir(name, publishes)), name, ["r", "w"])
+
+
+async def test_a_kernel_longer_than_the_timeout_completes_while_it_publishes_progress(clock: MockClock) -> None:
+    async with open_device("CPU:2", clock=clock) as dev:
+        kernel = _spin_kernel(dev, "hang_test_spin_publishing", publishes=True)
+        assert kernel.progress, "the kernel's progress word was not found"
+        flag, spins = dev.allocator.alloc(8), dev.allocator.alloc(8)
+        ctypes.c_int64.from_address(flag.address).value = 0
+        with dev.batch() as batch:
+            batch.launch(kernel, flag, spins)
+        outcome: list[BaseException | None] = []
+
+        async def waiter() -> None:
+            try:
+                await batch.completion.wait(timeout=TIMEOUT)
+                outcome.append(None)
+            except BaseException as exc:  # noqa: BLE001 - asserted below
+                outcome.append(exc)
+
+        try:
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(waiter)
+                    for _ in range(10):
+                        await armed(clock, 1)  # re-armed: the watchdog has read the words for the last deadline
+                        seen = _word(kernel.progress)
+                        await anyio.to_thread.run_sync(_wait_until_changed, kernel.progress, seen)
+                        clock.advance(TIMEOUT)
+                    await armed(clock, 1)
+                    assert outcome == [] and dev.state is DeviceState.OPEN
+                    assert clock.now() == 10 * TIMEOUT  # ten timeouts long, still running, not declared hung
+                    ctypes.c_int64.from_address(flag.address).value = 1
+        finally:
+            ctypes.c_int64.from_address(flag.address).value = 1  # a failed assertion must not leave it spinning
+        assert outcome == [None]
+        assert dev.state is DeviceState.OPEN and dev.failure is None
+        assert _word(spins.address) > 10
+
+
+async def test_a_stuck_kernel_is_declared_hung_within_two_timeouts(clock: MockClock) -> None:
+    """A kernel that publishes nothing is stuck to the hang rule; the device had run a generated
+    kernel before, whose progress the first deadline's reading is the first to see."""
+    async with open_device("CPU:3", clock=clock) as dev:
+        matmul = dev.compiler.matmul(dtypes.float32)
+        M, K, N = 100, 8, 8  # 100 rows: three 48-row outer blocks
+        a = np.arange(M * K, dtype=np.float32).reshape(M, K) / 100
+        b = np.arange(K * N, dtype=np.float32).reshape(K, N) / 10
+        A, B, C = dev.allocator.alloc(a.nbytes), dev.allocator.alloc(b.nbytes), dev.allocator.alloc(M * N * 4)
+        W = dev.allocator.alloc(workspace_bytes(M, N, K))
+        await dev.copyin(A, a).wait()
+        await dev.copyin(B, b).wait()
+        before = _word(matmul.progress)
+        with dev.batch() as batch:
+            batch.launch(matmul, C, A, B, W, 1, M, N, K, 0, 0, 0)
+        await batch.completion.wait(timeout=TIMEOUT)
+        assert _word(matmul.progress) == before + 3  # one publication per outer block
+        c = (await dev.copyout(C)).view(np.float32).reshape(M, N)
+        np.testing.assert_allclose(c, a.astype(np.float64) @ b.astype(np.float64), rtol=1e-5)
+
+        stuck = _spin_kernel(dev, "hang_test_spin_silent", publishes=False)
+        assert stuck.progress == 0
+        flag, spins = dev.allocator.alloc(8), dev.allocator.alloc(8)
+        ctypes.c_int64.from_address(flag.address).value = 0
+        with dev.batch() as batch:
+            batch.launch(stuck, flag, spins)
+        try:
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as tg:
+                    async def advance_twice() -> None:
+                        await armed(clock, 1)
+                        await anyio.to_thread.run_sync(_wait_until_changed, spins.address, 0)  # it runs
+                        clock.advance(TIMEOUT)  # first deadline: credits the matmul's earlier progress
+                        await armed(clock, 1)
+                        assert dev.state is DeviceState.OPEN
+                        clock.advance(TIMEOUT)  # second: nothing moved in a whole timeout
+                    tg.start_soon(advance_twice)
+                    with pytest.raises(DeviceHang, match=r"no kernel of its device published progress") as info:
+                        await batch.completion.wait(timeout=TIMEOUT)
+            assert dev.state is DeviceState.FAILED and dev.failure is info.value
+            assert clock.now() == 2 * TIMEOUT
+            assert "Engine.reopen" in str(info.value)
+            # contained: the stuck worker sleeps (parked in its signal handler), its loop stopped
+            worker = dev.queues["compute"].worker
+            await until(lambda: containment.thread_state(worker) == "S", what="the stuck worker parked")
+            counted = _word(spins.address)
+            await anyio.to_thread.run_sync(time.sleep, 0.05)
+            assert _word(spins.address) == counted and containment.thread_state(worker) == "S"
+        finally:
+            ctypes.c_int64.from_address(flag.address).value = 1  # let the stuck worker go
+
+
+async def test_a_big_kernel_publishes_once_per_block_and_a_small_one_not_at_all() -> None:
+    """The elementwise lowering strip-mines its outermost loop into blocks of about 2**20
+    elements and stores each block's index: the word ends at the last block's."""
+    from tinydist.codegen.kernel import KernelAST, KNode, load
+    from tinydist.codegen.lowering import lower
+    from tinydist.graph.shape import ShapeTracker, View
+
+    def kernel(rows: int) -> KernelAST:
+        x = load(0, ShapeTracker.contiguous((rows, 3)), dtypes.float32)
+        row = load(1, ShapeTracker((View.create((rows, 3), (0, 1)),)), dtypes.float32)  # not collapsible
+        return KernelAST((rows, 3), (), KNode("add", (x, row), None, dtypes.float32), (dtypes.float32,) * 2, dtypes.float32)
+
+    assert "store atomic" not in lower(kernel(1000))[1]  # 3,000 elements: done before anyone could look
+    rows = (1 << 20) + 3  # 3 elements a row: blocks of 2**18 rows, five of them, the last 3 rows long
+    async with open_device("CPU:2") as dev:
+        program = dev.compiler.kernel(kernel(rows))
+        assert program.progress
+        x = np.arange(rows * 3, dtype=np.float32).reshape(rows, 3)
+        row = np.array([[1, 2, 3]], np.float32)
+        X, R, out = dev.allocator.alloc(x.nbytes), dev.allocator.alloc(row.nbytes), dev.allocator.alloc(x.nbytes)
+        await dev.copyin(X, x).wait()
+        await dev.copyin(R, row).wait()
+        with dev.batch() as batch:
+            batch.launch(program, out, X, R)
+        await batch.completion.wait()
+        np.testing.assert_array_equal((await dev.copyout(out)).view(np.float32).reshape(rows, 3), x + row)
+        assert _word(program.progress) == 4
+
+
+_AFTER_A_HANG = """
+import ctypes
+import time
+import numpy as np
+import tinydist as td
+from tinydist.runtime.cpu import containment
+from tinydist.base.errors import DeviceHang
+from tinydist.codegen.compile_cache import compile_kernel
+from tinydist.runtime.device import KEPT_FOR_STUCK_WORKERS
+from tinydist.runtime.engine import get_engine
+from tinydist.testing import spin_until_ir
+
+engine = get_engine()
+dev = engine.device("CPU:1")
+kernel = dev.load_program(compile_kernel(spin_until_ir("exit_test_spin", False)), "exit_test_spin", ["r", "w"])
+flag, spins = dev.allocator.alloc(8), dev.allocator.alloc(8)
+ctypes.c_int64.from_address(flag.address).value = 0
+with dev.batch() as batch:
+    batch.launch(kernel, flag, spins)
+
+
+def spins_seen():
+    time.sleep(0.02)
+    return ctypes.c_int64.from_address(spins.address).value
+
+
+try:
+    batch.completion.wait_blocking(timeout=0.5)  # this wait's own deadline; the setting stays at an hour
+except DeviceHang as hang:
+    print("hang:", hang)
+worker = dev.queues["compute"].worker
+for _ in range(2000):  # bounded: the parking signal is handled within a scheduling slice
+    if containment.thread_state(worker) == "S":
+        break
+    time.sleep(0.005)
+print("stuck worker:", containment.thread_state(worker), "spinning:", spins_seen() != spins_seen())
+fresh = engine.reopen("CPU:1")
+print("reopened:", fresh is not dev, fresh.state.value, "kept:", KEPT_FOR_STUCK_WORKERS["CPU:1"] > 0)
+print("later work:", td.Tensor(np.arange(6, dtype=np.float32), device="CPU:1").sum().item())
+"""
+
+
+def test_after_a_real_hang_the_device_reopens_and_the_process_exits_without_another_timeout() -> None:
+    """Real time in a child process: its hang deadline is 0.5 s, TINYDIST_TIMELINE_TIMEOUT an
+    hour — closing the hung device at reopen and at exit waiting that timeout would outlast the
+    two-minute bound below by far. The stuck kernel never returns; the process exits regardless."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TINYDIST_TIMELINE_TIMEOUT": "3600"}
+    done = subprocess.run([sys.executable, "-c", _AFTER_A_HANG], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("hang: timeline CPU:1/compute stayed at 0") and "no kernel" in lines[0], done.stdout
+    expected_state = "S spinning: False" if containment.SUPPORTED else "R spinning: True"
+    assert lines[1] == f"stuck worker: {expected_state}", done.stdout
+    assert lines[2] == "reopened: True open kept: True", done.stdout
+    assert lines[3] == "later work: 15.0", done.stdout
+
+
+@pytest.mark.skipif(not containment.SUPPORTED, reason="parking reads the interrupted address on x86-64 Linux only")
+def test_the_park_signal_parks_jit_code_and_never_python_or_libc() -> None:
+    """The handler's own rule, signalled by hand: a thread interrupted in the interpreter or libc
+    (it may hold the GIL or a lock) returns from it, however often; one in a JIT kernel sleeps."""
+    release = threading.Event()
+    rounds = [0]
+
+    def python_and_libc() -> None:
+        while not release.is_set():
+            rounds[0] += 1
+            ctypes.memmove(bytes(64), b"x" * 64, 64)  # libc, the GIL released around it
+
+    thread = threading.Thread(target=python_and_libc, daemon=True)
+    thread.start()
+    try:
+        for _ in range(200):
+            containment.signal_to_park(thread)
+        before = rounds[0]
+        deadline = time.monotonic() + 20
+        while rounds[0] == before and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert rounds[0] > before, "a thread running Python was parked"
+    finally:
+        release.set()
+    thread.join(20)
+    assert not thread.is_alive()
+
+    kernel = _native_spin("park_test_spin")
+    flag, spins = ctypes.c_int64(0), ctypes.c_int64(0)
+    spinner = threading.Thread(target=kernel.cfunc, args=(ctypes.addressof(flag), ctypes.addressof(spins)), daemon=True)
+    spinner.start()
+    _wait_until_changed(ctypes.addressof(spins), 0)
+    deadline = time.monotonic() + 20
+    while containment.thread_state(spinner) != "S" and time.monotonic() < deadline:
+        containment.signal_to_park(spinner)  # lands in the kernel's loop, or its ctypes call around it
+        time.sleep(0.01)
+    counted = spins.value
+    time.sleep(0.05)
+    assert spins.value == counted and spinner.is_alive()  # asleep for good: it never reads `flag` again
+
+
+def _native_spin(name: str):
+    from tinydist.runtime.cpu.loader import native_loader
+    return native_loader.load(compile_kernel(spin_until_ir(name, False)), name, ["r", "w"])
+
+
+@pytest.mark.parametrize("shape, other", [(((1 << 24) + 17,), ((1 << 24) + 17,)), (((1 << 20) + 3, 3), (1, 3))])
+def test_strip_mined_outer_loops_compute_every_element(shape: tuple[int, ...], other: tuple[int, ...]) -> None:
+    """Big kernels run their outermost loop in blocks (the last one short here): every element
+    is computed once, as numpy computes it."""
+    import tinydist as td
+
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal(shape, dtype=np.float32)
+    b = rng.standard_normal(other, dtype=np.float32)
+    got = (td.Tensor(a) * td.Tensor(b)).numpy()
+    np.testing.assert_array_equal(got, a * b)  # one rounding each side: bit-equal
+    total = td.Tensor(a).sum().numpy()
+    np.testing.assert_allclose(total, a.astype(np.float64).sum(), rtol=1e-5)
