@@ -26,6 +26,7 @@ import numpy as np
 
 from tinydist.codegen.compile_cache import compile_glue
 from tinydist.runtime.cpu.loader import native_loader
+from tinydist.runtime.program import Program
 
 # glibc keeps the first two real-time signals; one well above them, unused by Python
 PARK_SIGNAL = signal.SIGRTMIN + 9
@@ -85,19 +86,22 @@ back:
 
 
 @functools.cache
-def _install() -> None:
-    """Install the parking handler for PARK_SIGNAL (once)."""
+def _install() -> Program:
+    """Install the parking handler for PARK_SIGNAL (once). Returns its program, which the cache
+    keeps for the life of the process: the kernel holds only the handler's address, and code whose
+    last holder goes is unloaded (the next signal would jump into unmapped memory)."""
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     pause = ctypes.cast(libc.pause, ctypes.c_void_p).value
     holds_gil = ctypes.cast(ctypes.pythonapi.PyGILState_Check, ctypes.c_void_p).value
     assert pause and holds_gil
     ir = _handler_ir(holds_gil, pause, _mapped_code.ctypes.data)
-    address = native_loader.load(compile_glue(ir), _HANDLER, ["i64", "i64", "i64"]).address
-    action = _SigAction(address, (ctypes.c_ulong * 16)(), _SA_SIGINFO | _SA_RESTART, None)
+    program = native_loader.load(compile_glue(ir), _HANDLER, ["i64", "i64", "i64"])
+    action = _SigAction(program.address, (ctypes.c_ulong * 16)(), _SA_SIGINFO | _SA_RESTART, None)
     sigaction = libc.sigaction
     sigaction.argtypes = [ctypes.c_int, ctypes.POINTER(_SigAction), ctypes.c_void_p]
     if sigaction(int(PARK_SIGNAL), ctypes.byref(action), None) != 0:
         raise OSError(ctypes.get_errno(), f"installing the handler for signal {int(PARK_SIGNAL)} failed")
+    return program
 
 
 def _refresh_mapped_code() -> None:
