@@ -83,6 +83,8 @@ def _shape_arg(shape: Sequence[Any], infer: bool = True) -> tuple[int, ...]:
     (reshape's "whatever is left")."""
     if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
         shape = shape[0]
+    if type(shape) is tuple and all([type(s) is int and s >= 0 for s in shape]) and math.prod(shape) <= MAX_ELEMENTS:
+        return shape  # the common case (the shapes a step's ops pass each other): one pass, nothing to convert
     for s in shape:
         if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
             raise TypeError(f"dimensions must be integers, got {s!r} ({type(s).__name__}) in shape {tuple(shape)}")
@@ -603,7 +605,14 @@ class Tensor:
         return Tensor(view(self.node, movement, arg))
 
     def reshape(self, *shape: Any) -> Tensor:
-        new = list(_shape_arg(shape))
+        checked = _shape_arg(shape)
+        if -1 not in checked:  # most reshapes: the element count is all there is to check
+            if checked == self.node.shape:
+                return self
+            if math.prod(checked) != self.node.numel:
+                raise ValueError(f"cannot reshape tensor of shape {self.shape} into shape {checked}")
+            return Tensor(view(self.node, "reshape", checked))
+        new = list(checked)
         if new.count(-1) > 1:
             raise ValueError(f"can only specify one unknown dimension, got shape {tuple(new)}")
         if -1 in new:

@@ -64,6 +64,7 @@ ELEMENTWISE = UNARY | BINARY | {Op.WHERE}
 TRANSCENDENTAL = frozenset({Op.EXP, Op.EXP2, Op.LOG, Op.LOG2, Op.SIN, Op.COS, Op.POW})
 
 _ids = itertools.count()
+_ASSIGN = Op.ASSIGN
 
 
 # ---- autograd hook (tinydist.frontend.autograd) ------------------------------------------------------
@@ -87,7 +88,7 @@ class LazyNode:
         self.srcs = srcs
         self.arg = arg
         self.dtype = dtype
-        self.shape = tuple(shape)
+        self.shape = shape if type(shape) is tuple else tuple(shape)
         self.device = device
         self.buffer = buffer
         self.id = next(_ids)
@@ -104,10 +105,12 @@ class LazyNode:
                     readers.append(me)
                     # A long-lived node (a weight) is read by every graph built from it: drop dead
                     # entries whenever the list doubles, so it stays proportional to the readers alive.
-                    if len(readers) >= 32 and len(readers) & (len(readers) - 1) == 0:
+                    count = len(readers)
+                    if count >= 32 and count & (count - 1) == 0:
                         readers[:] = [ref for ref in readers if ref() is not None]
-                grad = grad or src.requires_grad
-        self.requires_grad: bool = grad and grad_mode.enabled and op is not Op.ASSIGN and dtype.is_float  # autograd hook
+                if src.requires_grad:
+                    grad = True
+        self.requires_grad: bool = grad and grad_mode.enabled and op is not _ASSIGN and dtype.is_float  # autograd hook
 
     def live_readers(self) -> Iterator[LazyNode]:
         """Unrealized nodes still alive that read this node."""
