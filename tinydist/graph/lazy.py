@@ -192,8 +192,12 @@ MAX_FUSED_OPS = 256
 
 def view(node: LazyNode, movement: str, arg: Any) -> LazyNode:
     """Apply a movement op (`reshape`, `permute`, `expand`, `shrink`, `pad`, `step`, `as_strided`)."""
-    if movement in _PUSHABLE and _pushable(node) and _push_size(node, MAX_FUSED_OPS) <= MAX_FUSED_OPS:
-        return drive(_push(node, movement, arg))
+    if movement in _PUSHABLE and _pushable(node):
+        size = _push_size(node, MAX_FUSED_OPS)
+        if size <= SHALLOW_PUSH:  # a few frames deep: recursion, without a generator per node
+            return _push_shallow(node, movement, arg)
+        if size <= MAX_FUSED_OPS:
+            return drive(_push(node, movement, arg))
     return _view_of(node, movement, arg)
 
 
@@ -211,6 +215,18 @@ def _push_size(node: LazyNode, limit: int) -> int:
             count += 1
             pending.extend(node.srcs)
     return count
+
+
+# Pushes through at most this many nodes recurse (as deep as the count, at most): the chains of
+# a training step's gradients are a few nodes long, and a generator per node driven by
+# `tinydist.base.walk.drive` cost about twice the recursion for them.
+SHALLOW_PUSH = 32
+
+
+def _push_shallow(node: LazyNode, movement: str, arg: Any) -> LazyNode:
+    """`_push` for a chain of at most SHALLOW_PUSH nodes, by recursion (the same nodes, in the same order)."""
+    srcs = tuple([_push_shallow(src, movement, arg) if _pushable(src) else _view_of(src, movement, arg) for src in node.srcs])
+    return elementwise(node.op, srcs, node.dtype, node.arg)
 
 
 def _push(node: LazyNode, movement: str, arg: Any) -> Step[LazyNode]:
