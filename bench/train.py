@@ -75,8 +75,10 @@ def eager_stepper(name: str, devices: int = 1, rank: int = 0, world: int = 1) ->
 
 
 def eager_breakdown(name: str, steps: int = 200) -> str:
-    """Where an eager step's time goes, on the caller's thread: the median over `steps` of each
-    part's wall time, and the kernels the step runs (the schedules its realizes ran). The parts
+    """Where an eager step's time goes, on the caller's thread: the median over `steps` of the
+    step's wall and thread CPU time (on a loaded machine the wall time has the other processes'
+    time slices in it, the CPU time not), of each part's wall time, and the kernels the step runs
+    (the schedules its realizes ran). The parts
     are the forward (with the batch's upload), the loss, backward (building the gradient graph),
     the realize of loss and gradients (walk, cached schedule, its kernels: a short batch runs on
     this thread) and the Adam update (its kept schedule over the current buffers)."""
@@ -94,12 +96,12 @@ def eager_breakdown(name: str, steps: int = 200) -> str:
         kernels.append(len(schedule.linear))
         return run_schedule(schedule, inputs)
 
-    parts: dict[str, list[float]] = {p: [] for p in ("forward", "loss", "backward", "realize", "update", "step")}
+    parts: dict[str, list[float]] = {p: [] for p in ("forward", "loss", "backward", "realize", "update", "step", "cpu")}
     realize_module.run_schedule = optim_module.run_schedule = counting
     try:
         for i in range(steps + 10):
             x, y = data[i % len(data)]
-            t0 = time.perf_counter_ns()
+            c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
             out = ddp(td.Tensor(x))
             t1 = time.perf_counter_ns()
             loss = td.nn.functional.cross_entropy(out, td.Tensor(y))
@@ -111,9 +113,9 @@ def eager_breakdown(name: str, steps: int = 200) -> str:
             opt.realize()
             t4 = time.perf_counter_ns()
             opt.step()
-            t5 = time.perf_counter_ns()
+            t5, c5 = time.perf_counter_ns(), time.thread_time_ns()
             if i >= 10:
-                for part, ns in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0)):
+                for part, ns in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0, c5 - c0)):
                     parts[part].append(ns / 1e3)
             if i == 9:
                 kernels.clear()
@@ -122,10 +124,10 @@ def eager_breakdown(name: str, steps: int = 200) -> str:
         realize_module.run_schedule = run_schedule
         optim_module.run_schedule = run_schedule
     us = {part: statistics.median(values) for part, values in parts.items()}
-    return (f"{name:4s} eager step on the caller's thread {us['step']:.0f} us: forward {us['forward']:.0f}, "
-            f"loss {us['loss']:.0f}, backward {us['backward']:.0f}, realize {us['realize']:.0f}, "
-            f"Adam update {us['update']:.0f}; {sum(kernels) / steps:.0f} kernels in {len(kernels) / steps:.0f} "
-            f"schedules per step (median of {steps})")
+    return (f"{name:4s} eager step on the caller's thread {us['step']:.0f} us (its thread CPU time {us['cpu']:.0f} us; "
+            f"the parts' medians: forward {us['forward']:.0f}, loss {us['loss']:.0f}, backward {us['backward']:.0f}, "
+            f"realize {us['realize']:.0f}, Adam update {us['update']:.0f}); {sum(kernels) / steps:.0f} kernels in "
+            f"{len(kernels) / steps:.0f} schedules per step (median of {steps})")
 
 
 def _measure_agreed(step, seconds: float, sync) -> list[float]:
