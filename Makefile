@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint bench install clean env-doc process-replay process-replay-update differential-long
+.PHONY: demo test lint bench soak install clean env-doc process-replay process-replay-update differential-long
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,9 @@ process-replay-update: $(STAMP)
 # (tests/jit/test_differential.py); a failure prints its program and a @reproduce_failure blob.
 differential-long: $(STAMP)
 	HYPOTHESIS_PROFILE=long $(BIN)/python -m pytest -q -o timeout=0 -o faulthandler_timeout=0 tests/jit/test_differential.py -k every_replay
+
+soak: $(STAMP)
+	$(BIN)/python bench/soak.py --minutes 30
 
 bench: $(STAMP)
 	$(BIN)/python bench/runtime.py

@@ -15,7 +15,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from nodes.audit import AuditLog
 from nodes.pci_sim import SimulatedPciFunction
-from nodes.service import SERVICE, DeviceService, ServerConfig
+from nodes.gate import SERVICE
+from nodes.service import DeviceService, ServerConfig
 from tinydist.base.logs import get_logger
 from tinydist.runtime.device import Device
 from tinydist.runtime.registry import open_device
@@ -43,6 +44,11 @@ def server_options(config: ServerConfig) -> list[tuple[str, Any]]:
         ("grpc.max_metadata_size", config.max_metadata_bytes),
         ("grpc.absolute_max_metadata_size", config.max_metadata_bytes),
         ("grpc.so_reuseport", 0),
+        # a connection lives at most max_connection_age (then drains its calls for the grace period) and
+        # closes after max_connection_idle without calls: a client holds no connection slot forever
+        ("grpc.max_connection_age_ms", int(config.max_connection_age_s * 1000)),
+        ("grpc.max_connection_age_grace_ms", int(config.max_connection_age_grace_s * 1000)),
+        ("grpc.max_connection_idle_ms", int(config.max_connection_idle_s * 1000)),
     ]
 
 

@@ -1,11 +1,6 @@
-"""The remote device service (grpc.aio): mutual TLS, roles, elevation tokens, handles, audit.
-
-Every call goes through one gate (`_admit`) before its handler runs:
-
-    TLS identity (single URI SAN, clientAuth, valid) → not revoked → enrolled → method listed in the
-    policy with a role the caller has → within its RPC rate → elevation token (admin methods)
-
-and ends in exactly one audit `decision` record. Memory is named by opaque random 128-bit handles
+"""The remote device service (grpc.aio): the node's devices, leases, handles and programs, and
+the handler of each RPC. Every call passes the gate (`nodes.gate`: identity, revocation, role,
+rate, elevation) before its handler runs and ends in one audit `decision` record. Memory is named by opaque random 128-bit handles
 owned by (identity, lease); offsets and lengths are checked as `offset <= size and length <= size -
 offset` in Python integers (no overflow) before anything reaches a device. The runtime runs the
 work: allocations, copies and kernels go through the same Device/Batch API local code uses.
@@ -15,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import secrets
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -27,36 +20,17 @@ import grpc
 import numpy as np
 
 from nodes.audit import AuditLog, handle_tag
+from nodes.gate import Call, Code, Gate, RpcError
 from nodes.leases import Allocation, Lease, LeaseTable
 from nodes.pci_sim import SimulatedPciFunction
 from nodes.verifier import ENGINE, RAW, VerificationError, verify
-from tinydist.base.errors import AllocationError, CompileError, DeviceFailed, TinydistError
-from tinydist.base.logs import get_logger
-from tinydist.observability import metrics
+from tinydist.base.errors import AllocationError, CompileError
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.device import Device
 from tinydist.runtime.program import Program
-from tinydist.security.identity import IdentityError, PeerCache, peer_from_auth_context
-from tinydist.security.policy import ELEVATED, RANK, Policy, PolicyStore
+from tinydist.security.policy import PolicyStore
 from transports.pci_remote import wire
 from transports.pci_remote._generated import device_pb2 as pb
-
-SERVICE = "tinydist.v1.DeviceService"
-ELEVATION_METADATA = "tinydist-elevation"
-Code = grpc.StatusCode
-
-
-def _log():  # not at import: configuring logs then would bind the importer's stderr
-    return get_logger(component="remote-server")
-
-
-class RpcError(TinydistError):
-    """A handler's refusal: the call ends with gRPC status `code` and `reason` as its details."""
-
-    def __init__(self, code: grpc.StatusCode, reason: str) -> None:
-        super().__init__(reason)
-        self.code = code
-        self.reason = reason
 
 
 @dataclass
@@ -78,16 +52,9 @@ class ServerConfig:
     stream_chunk_bytes: int = 4 << 20
     max_allocation_bytes: int = 1 << 34
     op_timeout_s: float = 60.0
-
-
-@dataclass
-class Call:
-    identity: str
-    fingerprint: str
-    role: str
-    policy: Policy
-    method: str
-    deadline: float  # monotonic
+    max_connection_age_s: float = 3600.0
+    max_connection_age_grace_s: float = 60.0
+    max_connection_idle_s: float = 300.0
 
 
 def _check_range(nbytes: int, offset: int, length: int) -> None:
@@ -96,7 +63,8 @@ def _check_range(nbytes: int, offset: int, length: int) -> None:
 
 
 class DeviceService:
-    """State and handlers; `handlers()` gives the gated gRPC handlers."""
+    """The node's state and its RPC handlers (`rpc_<Method>(request, call)`, each given the
+    admitted `Call`); `handlers()` puts them behind the gate (`nodes.gate`)."""
 
     def __init__(self, config: ServerConfig, policy: PolicyStore, audit: AuditLog, devices: dict[str, Device],
                  pci: dict[str, SimulatedPciFunction] | None = None, compile_ir: Callable[[str], bytes] | None = None) -> None:
@@ -105,143 +73,20 @@ class DeviceService:
         self.audit = audit
         self.devices = devices
         self.pci = pci if pci is not None else {}
-        self.handler_calls: Counter[str] = Counter()  # how often each handler body ran (tests prove refusals)
+        self.gate = Gate(config.op_timeout_s, policy, audit)
         self.table = LeaseTable(audit, config.lease_ttl_s)
-        self._buckets: dict[str, tuple[float, float]] = {}
-        self._tokens: dict[str, list[tuple[bytes, float]]] = {}
         self._programs: dict[tuple[str, str], Program] = {}
         self._visible: dict[str, set[tuple[str, str]]] = {}
-        self._peers = PeerCache()
         self._compile_ir = compile_ir
         self._compile_lock = asyncio.Lock()
 
-    # ---- the gate ------------------------------------------------------------------------------
-
-    def _admit(self, method: str, context: grpc.aio.ServicerContext) -> Call:
-        policy, denied = self.policy.current()
-        try:
-            peer = peer_from_auth_context(context.auth_context(), policy.trust_domain, self._peers)
-        except IdentityError as exc:
-            raise RpcError(Code.UNAUTHENTICATED, str(exc)) from None
-        call = Call(peer.identity, peer.fingerprint, "", policy, method, 0.0)
-        if peer.fingerprint in denied:
-            raise _Refused(call, Code.UNAUTHENTICATED, "certificate revoked")
-        role = policy.role_of(peer.identity)
-        if role is None:
-            raise _Refused(call, Code.PERMISSION_DENIED, "identity not enrolled")
-        call.role = role
-        need = policy.min_role(method)
-        if need is None:
-            raise _Refused(call, Code.PERMISSION_DENIED, "method not in policy (deny by default)")
-        if RANK[role] < RANK[need]:
-            raise _Refused(call, Code.PERMISSION_DENIED, f"role {role} below required {need}")
-        quota = policy.quota_of(peer.identity)
-        now = time.monotonic()
-        tokens, last = self._buckets.get(peer.identity, (quota.rpc_burst, now))
-        tokens = min(quota.rpc_burst, tokens + (now - last) * quota.rpc_per_second)
-        if tokens < 1.0:
-            self._buckets[peer.identity] = (tokens, now)
-            raise _Refused(call, Code.RESOURCE_EXHAUSTED, "rpc rate quota exceeded")
-        self._buckets[peer.identity] = (tokens - 1.0, now)
-        if method in ELEVATED:
-            self._check_token(call, context)
-        remaining = context.time_remaining()
-        budget = self.config.op_timeout_s if remaining is None else min(self.config.op_timeout_s, remaining)
-        call.deadline = now + max(budget, 0.0)
-        return call
-
-    def _check_token(self, call: Call, context: grpc.aio.ServicerContext) -> None:
-        presented = None
-        for key, value in context.invocation_metadata() or ():
-            if key == ELEVATION_METADATA:
-                presented = value.encode() if isinstance(value, str) else bytes(value)
-        if not presented:
-            raise _Refused(call, Code.PERMISSION_DENIED, "elevation token required")
-        now = time.monotonic()
-        matched_expired = False
-        for token, expires in self._tokens.get(call.fingerprint, ()):
-            if hmac.compare_digest(token, presented):
-                if expires > now:
-                    return
-                matched_expired = True
-        raise _Refused(call, Code.PERMISSION_DENIED,
-                       "elevation token expired" if matched_expired else "elevation token invalid for this certificate")
-
-    def _wrap_unary(self, method: str, impl: Callable[..., Any]) -> Callable[..., Any]:
-        async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            call, code, reason, started = None, Code.OK, "ok", time.perf_counter()
-            try:
-                call = self._admit(method, context)
-                self.handler_calls[method] += 1
-                return await impl(request, call)
-            except _Refused as exc:
-                call, code, reason = exc.call, exc.code, exc.reason
-            except RpcError as exc:
-                code, reason = exc.code, exc.reason
-            except asyncio.CancelledError:
-                code, reason = Code.CANCELLED, "cancelled by the client"
-                raise
-            except Exception as exc:  # noqa: BLE001 - classified below, never leaked
-                code, reason = _classify(exc)
-            finally:
-                self._decide(call, method, code, reason, context, started)
-            await context.abort(code, reason)
-        return handler
-
-    def _wrap_stream_out(self, method: str, impl: Callable[..., AsyncIterator[Any]]) -> Callable[..., Any]:
-        async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            call, code, reason, started = None, Code.OK, "ok", time.perf_counter()
-            try:
-                call = self._admit(method, context)
-                self.handler_calls[method] += 1
-                async for reply in impl(request, call):
-                    yield reply
-            except _Refused as exc:
-                call, code, reason = exc.call, exc.code, exc.reason
-            except RpcError as exc:
-                code, reason = exc.code, exc.reason
-            except (asyncio.CancelledError, GeneratorExit):
-                code, reason = Code.CANCELLED, "cancelled by the client"
-                raise
-            except Exception as exc:  # noqa: BLE001
-                code, reason = _classify(exc)
-            finally:
-                self._decide(call, method, code, reason, context, started)
-            if code is not Code.OK:
-                await context.abort(code, reason)
-        return handler
-
-    def _decide(self, call: Call | None, method: str, code: grpc.StatusCode, reason: str, context: Any,
-                started: float) -> None:
-        self.audit.decision(identity=call.identity if call else None, method=method, status=code.name, reason=reason,
-                            fingerprint=call.fingerprint if call else None, peer=context.peer())
-        metrics.record_rpc(method, code.name, time.perf_counter() - started)
-        if code in (Code.UNAUTHENTICATED, Code.PERMISSION_DENIED):
-            metrics.count_auth_denial(reason)
-
     def handlers(self) -> grpc.GenericRpcHandler:
-        service = pb.DESCRIPTOR.services_by_name["DeviceService"]
-        table = {}
-        for m in service.methods:
-            req = getattr(pb, m.input_type.name)
-            rep = getattr(pb, m.output_type.name)
-            # a method with no implementation is refused like one with no policy entry
-            impl: Callable[..., Any] = getattr(self, f"rpc_{m.name}", None) or self._unimplemented
-            decode = _BULK_DECODERS.get(m.name, req.FromString)
-            encode = None if m.name in _ENCODED_REPLIES else rep.SerializeToString
-            if m.server_streaming:
-                table[m.name] = grpc.unary_stream_rpc_method_handler(
-                    self._wrap_stream_out(m.name, impl), request_deserializer=decode, response_serializer=encode)
-            elif m.client_streaming:
-                table[m.name] = grpc.stream_unary_rpc_method_handler(
-                    self._wrap_unary(m.name, impl), request_deserializer=decode, response_serializer=encode)
-            else:
-                table[m.name] = grpc.unary_unary_rpc_method_handler(
-                    self._wrap_unary(m.name, impl), request_deserializer=decode, response_serializer=encode)
-        return grpc.method_handlers_generic_handler(SERVICE, table)
+        return self.gate.handlers(self)
 
-    async def _unimplemented(self, request: Any, call: Call) -> Any:
-        raise RpcError(Code.UNIMPLEMENTED, "method not implemented")
+    @property
+    def handler_calls(self) -> Counter[str]:
+        """How often each handler body ran (tests prove refusals ran none)."""
+        return self.gate.handler_calls
 
     # ---- helpers -------------------------------------------------------------------------------
 
@@ -368,7 +213,7 @@ class DeviceService:
         position = written = 0
         last = None
         with contextlib.ExitStack() as held:
-            async for request in requests:
+            async for request in self.gate.messages(call, requests):
                 if alloc is None:
                     lease = request.lease
                     alloc = self._allocation(call, self._lease(call, lease), request.handle)
@@ -431,7 +276,9 @@ class DeviceService:
                         nxt = asyncio.ensure_future(self._read(call, alloc, position, size))
                         position += size
                     if pending is not None:
-                        yield await pending
+                        reply = await pending
+                        self.gate.recheck(call)  # revoked or past its deadline since the last chunk: no more
+                        yield reply
                     pending = nxt
             finally:
                 if pending is not None and not pending.done():
@@ -543,12 +390,7 @@ class DeviceService:
     # ---- admin -------------------------------------------------------------------------------------
 
     async def rpc_MintElevationToken(self, request: Any, call: Call) -> pb.MintElevationTokenReply:
-        ttl = min(call.policy.token_ttl, 60.0)
-        now = time.monotonic()
-        token = secrets.token_urlsafe(32)
-        live = [(t, e) for t, e in self._tokens.get(call.fingerprint, []) if e > now][-7:]
-        live.append((token.encode(), now + ttl))
-        self._tokens[call.fingerprint] = live
+        token, ttl = self.gate.mint_token(call)
         self._effect(call, "elevation_token_minted", ttl_seconds=ttl)
         return pb.MintElevationTokenReply(token=token, ttl_seconds=ttl)
 
@@ -600,32 +442,9 @@ class DeviceService:
         return pb.BarWriteReply()
 
 
-class _Refused(RpcError):
-    """A refusal after the caller was identified (the audit record names them)."""
-
-    def __init__(self, call: Call, code: grpc.StatusCode, reason: str) -> None:
-        super().__init__(code, reason)
-        self.call = call
-
-
-def _classify(exc: Exception) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, DeviceFailed):
-        return Code.UNAVAILABLE, "device failed"
-    if isinstance(exc, TinydistError):
-        return Code.FAILED_PRECONDITION, type(exc).__name__
-    _log().error("internal error in handler", error=f"{type(exc).__name__}: {exc}")
-    return Code.INTERNAL, "internal error"
-
-
 def _default_compiler() -> Callable[[str], bytes]:
     from tinydist.codegen.compile_cache import compile_kernel
     return compile_kernel
-
-
-# Bulk data goes through wire.py: write-stream chunks decode to views of the received message, and
-# the read handlers return replies already encoded.
-_BULK_DECODERS: dict[str, Callable[[bytes], Any]] = {"WriteStream": wire.decode_write_request}
-_ENCODED_REPLIES = frozenset({"Read", "ReadStream"})
 
 
 def _direct(device: Device, view: Buffer, write: bool) -> bool:

@@ -146,7 +146,9 @@ def files(tmp_path_factory) -> Path:
     (["relu.onnx", "--input", "x=relu.onnx"], 2, ["x=relu.onnx", "not a .npy"]),
     (["relu.onnx", "--input", "x=ok.npy", "--bench", "-5"], 2, ["--bench", "-5"]),
     (["relu.onnx", "--input", "x=ok.npy", "--device", "GPU"], 2, ["--device GPU", "available devices: CPU:0"]),
-], ids=["missing", "corrupt", "empty", "shape", "dtype", "unknown-input", "missing-npy", "not-npy", "bench", "device"])
+    (["relu.onnx", "--input", "x=ok.npy", "--output", "nodir/out.npz"], 2, ["--output nodir/out.npz", "does not exist"]),
+], ids=["missing", "corrupt", "empty", "shape", "dtype", "unknown-input", "missing-npy", "not-npy", "bench", "device",
+        "output-folder"])
 def test_infer_user_errors(files, argv, code, named) -> None:
     line = _user_error(_tinydist("infer", *argv, cwd=files), code, "infer", *named)
     assert "opset 0" not in line

@@ -24,7 +24,8 @@ from tinydist.base.config import Settings
 from tinydist.base.config import settings as td_settings
 from tinydist.dist.group import ProcessGroup
 from tinydist.graph import collectives
-from tinydist.graph.collectives import Algorithm, Medium, choose, resolve, shard_bounds, shard_sizes
+from tinydist.graph.collectives import (Algorithm, Medium, choose, choose_partitioned, resolve, resolve_partitioned, shard_bounds,
+                                        shard_sizes)
 from tinydist.graph.lazy import Op
 from tinydist.graph.reduce_ops import COLLECTIVE_OPS, REDUCE_OPS, ReduceOp, collective_op
 from tinydist.multi import allreduce, shard
@@ -129,6 +130,28 @@ def test_the_process_group_asks_the_one_chooser(world: int, nbytes: int, same_ho
         assert header["algorithm"] == resolve("auto", medium, world, x.nbytes)[0]
     expected = choose(medium, world, x.nbytes)[0] if forced == "auto" else forced
     assert header["algorithm"] == expected
+
+
+@settings(max_examples=40, deadline=None)
+@given(world=st.integers(1, 9), same_host=st.booleans(), forced=st.sampled_from(["auto", "naive", "ring", "all2all"]))
+def test_reduce_scatter_asks_the_one_chooser(world: int, same_host: bool, forced: str) -> None:
+    medium = Medium.SHM if same_host else Medium.NETWORK
+    header = _group(world, same_host)._reduce_scatter(np.zeros((world * 3, 2)), "sum", 0, forced).header
+    assert header["error"] is None
+    assert header["algorithm"] == resolve_partitioned(forced, "reduce_scatter", medium, world)[0]
+    expected = {"auto": choose_partitioned("reduce_scatter", medium, world)[0].value, "naive": "all2all"}.get(forced, forced)
+    assert header["algorithm"] == expected
+
+
+def test_the_partitioned_rule_is_ring_only_between_more_than_two_hosts() -> None:
+    for collective, one_step in (("reduce_scatter", Algorithm.ALL2ALL), ("all_gather", Algorithm.DIRECT)):
+        assert choose_partitioned(collective, Medium.NETWORK, 3)[0] is Algorithm.RING
+        assert choose_partitioned(collective, Medium.NETWORK, 2)[0] is one_step
+        assert choose_partitioned(collective, Medium.SHM, 8)[0] is one_step
+    with pytest.raises(ValueError, match="reduce_scatter algorithm 'direct' does not run on"):
+        resolve_partitioned("direct", "reduce_scatter", Medium.SHM, 4)
+    with pytest.raises(ValueError, match="not 'all_reduce'"):
+        choose_partitioned("all_reduce", Medium.SHM, 4)
 
 
 @settings(max_examples=25, deadline=None)

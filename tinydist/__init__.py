@@ -16,7 +16,9 @@ from tinydist.frontend import autograd
 from tinydist.frontend.autograd import enable_grad, no_grad
 from tinydist.frontend.jit import JitError, TinyJit, jit
 from tinydist.frontend.tensor import Tensor, cat, manual_seed, stack, synchronize, where
-from tinydist.graph.dtypes import DType, bool_, float32, float64, int32, int64
+from tinydist.graph import dtypes
+from tinydist.graph.dtypes import (
+    DType, bool_, float16, float32, float64, int8, int16, int32, int64, uint8, uint16, uint32, uint64)
 from tinydist.observability import trace
 from tinydist.runtime import Buffer, Device, discover, get_engine, open_device
 from tinydist.runtime.registry import register_scheme
@@ -34,6 +36,8 @@ _LAZY = {"dist": "tinydist.dist", "onnx": "tinydist.onnx", "multi": "tinydist.mu
 
 
 def __getattr__(name: str) -> Any:
+    if name == "bfloat16":  # registered on first use: ml_dtypes' import is heavier than numpy's
+        return dtypes.bfloat16
     if name in _LAZY:
         module = import_module(_LAZY[name])
         globals()[name] = module
@@ -44,6 +48,6 @@ def __getattr__(name: str) -> Any:
 __all__ = ["AllocationError", "Buffer", "BufferInUse", "ClosedResourceError", "CompileError", "DType", "Device",
            "DeviceError", "DeviceFailed", "DeviceHang", "DeviceNotFound", "DeviceUnavailable", "JitError",
            "OutOfBounds", "ScheduleCycleError", "Tensor", "TinyJit", "TinydistError", "UseAfterFree", "autograd",
-           "bool_", "cat", "discover", "dist", "enable_grad", "float32", "float64", "get_engine", "int32", "int64",
-           "jit", "load", "manual_seed", "multi", "nn", "no_grad", "onnx", "open_device", "optim", "parallel", "save",
-           "stack", "synchronize", "trace", "where"]
+           "bool_", "cat", "discover", "dist", "enable_grad", "float16", "float32", "float64", "get_engine", "int8",
+           "int16", "int32", "int64", "jit", "load", "manual_seed", "multi", "nn", "no_grad", "onnx", "open_device", "optim", "parallel", "save",
+           "stack", "synchronize", "trace", "uint8", "uint16", "uint32", "uint64", "where"]

@@ -112,6 +112,18 @@ def test_cast_and_castlike(check, rng):
     check([N("CastLike", ["x", "like"], ["y"])], {"x": x, "like": np.array([1.0])}, opset=15)
 
 
+def test_a_folded_cast_of_minus_infinity_to_int_masked_afterwards(check, rng):
+    """T5's relative-position buckets: log(distance) is -inf at distance 0; the exporter casts it
+    to int64 and replaces it with Where. Folded at load, numpy's cast warned "invalid value
+    encountered in cast" (an error under the test suite, a warning for a user) where onnxruntime
+    computes quietly."""
+    nodes = [N("Log", ["d"], ["l"]), N("Cast", ["l"], ["li"], to=TensorProto.INT64),
+             N("Where", ["small", "di", "li"], ["bucket"]), N("Add", ["x", "bucket"], ["y"])]
+    d = np.arange(6, dtype=F32)
+    inits = {"d": d, "small": d < 2, "di": d.astype(np.int64)}
+    check(nodes, {"x": rng.integers(0, 9, (2, 6)).astype(np.int64)}, inits=inits, opset=13)
+
+
 def test_identity_dropout(check, rng):
     x = f(rng, 2, 5)
     check([N("Identity", ["x"], ["y"])], {"x": x})

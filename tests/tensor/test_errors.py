@@ -51,24 +51,24 @@ def test_axis_error_type_and_message():
         td.Tensor(A).sum(1.5)
 
 
-@pytest.mark.parametrize("dtype", [np.float16, np.uint8, np.int8, np.int16, np.uint32, np.complex64, np.complex128])
+@pytest.mark.parametrize("dtype", [np.complex64, np.complex128, np.str_, np.datetime64])
 def test_unsupported_dtype_names_supported(dtype):
     data = np.zeros((2, 2), dtype)
+    names = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+             "bool")
     with pytest.raises(TypeError) as info:
         td.Tensor(data)
-    message = str(info.value)
-    if dtype is not np.float16:
-        for name in ("float32", "float64", "int32", "int64", "bool"):
-            assert name in message
+    for name in names:
+        assert name in str(info.value)
     with pytest.raises(TypeError) as info:
         td.Tensor(A).cast(dtype)
-    for name in ("float32", "float64", "int32", "int64", "bool"):
+    for name in names:
         assert name in str(info.value)
 
 
 def test_unsupported_dtype_other_entry_points():
     with pytest.raises(TypeError, match="float32"):
-        td.Tensor(A, dtype=np.uint8)
+        td.Tensor(A, dtype=np.complex64)
     with pytest.raises(TypeError, match="float32"):
         td.Tensor.zeros(2, dtype=np.complex64)
     with pytest.raises(TypeError):
@@ -77,11 +77,6 @@ def test_unsupported_dtype_other_entry_points():
         td.Tensor(A) + "x"
     with pytest.raises(TypeError):
         td.Tensor(A) + None
-
-
-def test_float16_names_the_cast():
-    with pytest.raises(TypeError, match="float16"):
-        td.Tensor(np.zeros(2, np.float16))
 
 
 def test_matmul_inner_mismatch_names_both_shapes(no_schedule):
@@ -168,7 +163,7 @@ def test_integer_negative_power():
 
 def test_refused_op_leaves_operands_usable():
     a, b = td.Tensor(A) * 2, td.Tensor(np.ones((4,), np.float32))
-    for op in (lambda: a + b, lambda: a @ b, lambda: a.sum(3), lambda: a.reshape(5), lambda: a.cast(np.uint8),
+    for op in (lambda: a + b, lambda: a @ b, lambda: a.sum(3), lambda: a.reshape(5), lambda: a.cast(np.complex64),
                lambda: a.assign(td.Tensor(A, device="CPU:1")), lambda: a - td.Tensor(A, device="CPU:1")):
         with pytest.raises((ValueError, TypeError)):
             op()

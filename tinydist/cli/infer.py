@@ -1,5 +1,5 @@
-"""`tinydist infer MODEL.onnx --input NAME=FILE.npy [--device DEV] [--save-outputs DIR] [--bench N]`: run an
-ONNX model once (and time it).
+"""`tinydist infer MODEL.onnx --input NAME=FILE.npy [--device DEV] [--output FILE.npz] [--save-outputs DIR]
+[--bench N]`: run an ONNX model once (and time it).
 
 Registered in `tinydist.cli.build_parser` by `add_commands(commands)`. Needs the optional
 `onnx` extra (pip install 'tinydist[onnx]')."""
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import re
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +101,15 @@ def _infer(args: argparse.Namespace) -> int:
     except UnsupportedModelError as e:
         args.parser.error(f"{args.model}: {e}")
     feed = _read_feed(args, model)
+    if args.output is not None and not args.output.parent.is_dir():
+        args.parser.error(f"--output {args.output}: the folder {args.output.parent} does not exist")
     outputs = model(feed)
+    if args.output is not None:  # every output in one .npz, keyed by its name, as np.load reads it back
+        # (written member by member: np.savez would take an output named "allow_pickle" as its flag)
+        with zipfile.ZipFile(args.output, "w") as archive:
+            for name, value in outputs.items():
+                with archive.open(f"{name}.npy", "w") as member:
+                    np.lib.format.write_array(member, value, allow_pickle=False)
     if args.save_outputs is not None:
         files = {name: _output_file(args.save_outputs, name) for name in outputs}
         if len(set(files.values())) < len(files):
@@ -132,6 +141,8 @@ def add_commands(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--bench", type=integer(0), default=0, metavar="N", help="also time N frames: p50/p90/p99 latency")
     parser.add_argument("--warmup", type=integer(0), default=10, metavar="N", help="untimed frames before --bench (default 10)")
     parser.add_argument("--device", default="CPU", type=_parse_device, help="device to run on, e.g. CPU:1 (default CPU)")
+    parser.add_argument("--output", type=Path, metavar="FILE.npz",
+                        help="write the outputs of the first frame to one .npz, keyed by output name")
     parser.add_argument("--save-outputs", type=Path, metavar="DIR",
                         help="write each output of the first frame to DIR/NAME.npy")
     parser.set_defaults(run=_infer)

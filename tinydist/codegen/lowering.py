@@ -20,6 +20,7 @@ summation). Nothing else is reordered, and NaN/inf semantics are kept (no `nnan`
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -33,8 +34,8 @@ from tinydist.graph import dtypes
 from tinydist.graph.dtypes import DType
 from tinydist.graph.shape import ShapeTracker, View, prod
 
-I1, I8, I32, I64 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64)
-F32, F64 = ir.FloatType(), ir.DoubleType()
+I1, I8, I16, I32, I64 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+F16, F32, F64 = ir.HalfType(), ir.FloatType(), ir.DoubleType()
 PTR = ir.PointerType()  # opaque, address space 0: the CPU kernels' argument pointers
 VECTOR_BYTES = 64                  # one AVX-512 register, one cache line
 STREAMING_STORE_BYTES = 32 << 20   # bigger than this machine's last-level cache
@@ -44,12 +45,115 @@ CONTRACT = ("contract",)
 REASSOC = ("reassoc", "contract")
 
 
+# A dtype's register type, and (where it differs) its memory type: bool is i1 in registers and a
+# byte in memory; float16 is a float in registers and its 16 bits in memory (numpy's float16 loops
+# compute in float32 and round after each op, as `round_narrow` does here).
+_REGISTER: dict[DType, ir.Type] = {dtypes.float16: F32, dtypes.float32: F32, dtypes.float64: F64,
+                                   dtypes.int8: I8, dtypes.int16: I16, dtypes.int32: I32, dtypes.int64: I64,
+                                   dtypes.uint8: I8, dtypes.uint16: I16, dtypes.uint32: I32, dtypes.uint64: I64,
+                                   dtypes.bool_: I1}
+_MEMORY: dict[DType, ir.Type] = {**_REGISTER, dtypes.bool_: I8, dtypes.float16: I16}
+
+
 def llvm_type(dtype: DType, in_memory: bool = False, width: int | None = None) -> ir.Type:
-    if dtype is dtypes.bool_:
-        scalar = I8 if in_memory else I1
-    else:
-        scalar = {dtypes.float32: F32, dtypes.float64: F64, dtypes.int32: I32, dtypes.int64: I64}[dtype]
+    scalar = (_MEMORY if in_memory else _REGISTER).get(dtype) or (I16 if in_memory else F32)  # (bfloat16: registered late)
+    assert dtype.is_narrow_float or dtype in _REGISTER, dtype
     return ir.VectorType(scalar, width) if width else scalar
+
+
+def _shaped(like: ir.Type, scalar: ir.Type) -> ir.Type:
+    """`scalar`, as a vector of as many lanes as `like` when `like` is a vector."""
+    return ir.VectorType(scalar, like.count) if isinstance(like, ir.VectorType) else scalar
+
+
+@functools.cache
+def _host_converts_half() -> bool:
+    """Whether the host CPU converts float <-> half in hardware (x86 F16C, every AArch64). Without
+    it LLVM lowers `fptrunc float to half` to a libcall (__truncsfhf2) the JIT cannot resolve."""
+    from tinydist.codegen.compiler import host_target
+    target = host_target()
+    return "+f16c" in target.features.split(",") or target.triple.startswith(("aarch64", "arm64"))
+
+
+def _native_half(b: ir.IRBuilder) -> bool:
+    return b.module.triple.startswith("nvptx") or _host_converts_half()
+
+
+def from_memory(b: ir.IRBuilder, value: ir.Value, dtype: DType) -> ir.Value:
+    """A value loaded from memory in its register type (bool: i8 → i1; float16: its bits → float)."""
+    if dtype is dtypes.bool_:
+        return b.icmp_unsigned("!=", value, splat(value.type, 0))
+    if dtype is dtypes.float16:
+        if _native_half(b):
+            return b.fpext(b.bitcast(value, _shaped(value.type, F16)), _shaped(value.type, F32))
+        return _half_bits_to_float(b, value)
+    if dtype.is_narrow_float:  # bfloat16: the top half of a float32
+        return b.bitcast(b.shl(b.zext(value, _shaped(value.type, I32)), splat(_shaped(value.type, I32), 16)),
+                         _shaped(value.type, F32))
+    return value
+
+
+def to_memory(b: ir.IRBuilder, value: ir.Value, dtype: DType) -> ir.Value:
+    """A register value in its memory type (bool: i1 → i8; float16: float → its bits, rounded to nearest even)."""
+    if dtype is dtypes.bool_:
+        return b.zext(value, _shaped(value.type, I8))
+    if dtype is dtypes.float16:
+        if _native_half(b):
+            return b.bitcast(b.fptrunc(value, _shaped(value.type, F16)), _shaped(value.type, I16))
+        return _float_to_half_bits(b, value)
+    if dtype.is_narrow_float:
+        return _float_to_bfloat16_bits(b, value)
+    return value
+
+
+def _float_to_bfloat16_bits(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """float32 → bfloat16 bits rounded to nearest even (ml_dtypes' rule): add 0x7fff plus the kept
+    part's last bit, keep the top 16 bits; a NaN stays a quiet NaN of its sign."""
+    t32 = _shaped(x.type, I32)
+    bits = b.bitcast(x, t32)
+    odd = b.and_(b.lshr(bits, splat(t32, 16)), splat(t32, 1))
+    rounded = b.lshr(b.add(b.add(bits, splat(t32, 0x7FFF)), odd), splat(t32, 16))
+    quiet = b.or_(b.lshr(bits, splat(t32, 16)), splat(t32, 0x40))
+    return b.trunc(b.select(b.fcmp_unordered("uno", x, x), quiet, rounded), _shaped(x.type, I16))
+
+
+def _half_bits_to_float(b: ir.IRBuilder, h: ir.Value) -> ir.Value:
+    """float16 bits → float32, exactly, in integer ops (F. Giesen's half_to_float: subnormals
+    renormalised by a float subtraction, infinities and NaNs re-biased)."""
+    t32 = _shaped(h.type, I32)
+    wide = b.zext(h, t32)
+    o = b.shl(b.and_(wide, splat(t32, 0x7FFF)), splat(t32, 13))
+    exp = b.and_(o, splat(t32, 0x7C00 << 13))
+    o = b.add(o, splat(t32, (127 - 15) << 23))
+    special = b.add(o, splat(t32, (128 - 16) << 23))
+    tiny = b.fsub(b.bitcast(b.add(o, splat(t32, 1 << 23)), _shaped(h.type, F32)), splat(_shaped(h.type, F32), 2.0 ** -14))
+    o = b.select(b.icmp_unsigned("==", exp, splat(t32, 0x7C00 << 13)), special, o)
+    o = b.select(b.icmp_unsigned("==", exp, splat(t32, 0)), b.bitcast(tiny, t32), o)
+    o = b.or_(o, b.shl(b.and_(wide, splat(t32, 0x8000)), splat(t32, 16)))
+    return b.bitcast(o, _shaped(h.type, F32))
+
+
+def _float_to_half_bits(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """float32 → float16 bits rounded to nearest even, in integer ops (F. Giesen's
+    float_to_half_fast3_rtne: subnormals rounded by adding 0.5 as a float, normals by adding
+    0xfff plus the kept mantissa's last bit)."""
+    t32, f32 = _shaped(x.type, I32), _shaped(x.type, F32)
+    bits = b.bitcast(x, t32)
+    sign = b.and_(bits, splat(t32, -(1 << 31)))
+    f = b.xor(bits, sign)
+    overflow = b.select(b.icmp_unsigned(">", f, splat(t32, 255 << 23)), splat(t32, 0x7E00), splat(t32, 0x7C00))
+    magic = splat(t32, 126 << 23)  # 0.5
+    subnormal = b.sub(b.bitcast(b.fadd(b.bitcast(f, f32), b.bitcast(magic, f32)), t32), magic)
+    odd = b.and_(b.lshr(f, splat(t32, 13)), splat(t32, 1))
+    normal = b.lshr(b.add(b.add(f, splat(t32, ((15 - 127) << 23) + 0xFFF)), odd), splat(t32, 13))
+    o = b.select(b.icmp_unsigned("<", f, splat(t32, 113 << 23)), subnormal, normal)
+    o = b.select(b.icmp_unsigned(">=", f, splat(t32, (127 + 16) << 23)), overflow, o)
+    return b.trunc(b.or_(o, b.lshr(sign, splat(t32, 16))), _shaped(x.type, I16))
+
+
+def round_narrow(b: ir.IRBuilder, value: ir.Value, dtype: DType) -> ir.Value:
+    """A float32 register rounded to `dtype`'s precision and range (float16), kept in float32."""
+    return from_memory(b, to_memory(b, value, dtype), dtype) if dtype.is_narrow_float else value
 
 
 def splat(t: ir.Type, value: Any) -> ir.Constant:
@@ -139,7 +243,7 @@ class _Lowerer:
     def _suffix(self, t: ir.Type) -> str:
         if isinstance(t, ir.VectorType):
             return f"v{t.count}{self._suffix(t.element)}"
-        return {F32: "f32", F64: "f64", I32: "i32", I64: "i64", I1: "i1", I8: "i8"}[t]
+        return {F16: "f16", F32: "f32", F64: "f64", I32: "i32", I64: "i64", I1: "i1", I8: "i8", I16: "i16"}[t]
 
     def typ(self, dtype: DType) -> ir.Type:
         """The register type of `dtype` in the code being emitted (a vector inside a vector loop)."""
@@ -250,17 +354,13 @@ class _Lowerer:
                 value = self.b.load(pointer, typ=ir.VectorType(mem_type, self.width), align=node.dtype.itemsize)
             else:
                 value = self.broadcast(self.b.load(pointer, typ=mem_type), self.width)
-            if node.dtype is dtypes.bool_:
-                value = self.b.icmp_unsigned("!=", value, splat(value.type, 0))
-            return value
+            return from_memory(self.b, value, node.dtype)
         if isinstance(valid, ir.Constant) and not valid.constant:  # masked out in this whole loop piece
             return ir.Constant(llvm_type(node.dtype), 0)
         if valid is not None:
             offset = self.b.select(valid, offset, ir.Constant(I64, 0))
         pointer = self.b.gep(self.slots[slot], [offset], inbounds=True, source_etype=mem_type)
-        value = self.b.load(pointer, typ=mem_type)
-        if node.dtype is dtypes.bool_:
-            value = self.b.icmp_unsigned("!=", value, ir.Constant(I8, 0))
+        value = from_memory(self.b, self.b.load(pointer, typ=mem_type), node.dtype)
         if valid is not None:
             value = self.b.select(valid, value, ir.Constant(value.type, 0))
         return value
@@ -283,7 +383,7 @@ class _Lowerer:
                 continue
             if node.op == "reduce":
                 assert reduced is not None, "a reduce below another reduce is split by the scheduler"
-                value = reduced
+                value = round_narrow(self.b, reduced, node.dtype)  # a float16 sum accumulates in float32
             elif node.op == "load":
                 value = self.load(node, index)
             elif node.op == "const":
@@ -294,7 +394,10 @@ class _Lowerer:
         return cache[id(root)]
 
     def alu(self, node: KNode, args: list[ir.Value]) -> ir.Value:
-        return ALU_RULES[node.op](self, node, args)
+        value = ALU_RULES[node.op](self, node, args)
+        if node.op in ROUNDED and node.dtype.is_narrow_float:
+            value = round_narrow(self.b, value, node.dtype)
+        return value
 
     # -- the kernel --
 
@@ -310,8 +413,7 @@ class _Lowerer:
                 if out_strides[axis] and self.shape[axis] != 1:
                     term = idx[axis] if out_strides[axis] == 1 else self.b.mul(idx[axis], ir.Constant(I64, out_strides[axis]), flags=("nsw",))
                     flat = term if isinstance(flat, ir.Constant) else self.b.add(flat, term, flags=("nsw",))
-            if self.ast.out_dtype is dtypes.bool_:
-                value = self.b.zext(value, I8)
+            value = to_memory(self.b, value, self.ast.out_dtype)
             for out in self.outs:
                 self.b.store(value, self.b.gep(out, [flat], inbounds=True, source_etype=out_type))
 
@@ -451,8 +553,8 @@ class _Lowerer:
         innermost reduced axis contiguously instead (then a per-element inner reduction reads it
         in order, like a matrix-vector product over a transposed weight)."""
         last = len(self.shape) - 1
-        if self.reduce_axes[-1] == last or reduce_node.dtype is not self.ast.out_dtype:
-            return False
+        if self.reduce_axes[-1] == last or reduce_node.dtype is not self.ast.out_dtype or reduce_node.dtype.is_narrow_float:
+            return False  # (a float16 output row would round the running sum at every step)
         reduce_inner = self.reduce_axes[-1]
         along_kept = along_reduce = False
         for node in reduce_node.srcs[0].walk():
@@ -481,8 +583,7 @@ class _Lowerer:
             return self.b.gep(self.out, [flat], inbounds=True, source_etype=out_type)
 
         def accumulated(idx: dict[int, ir.Value]) -> ir.Value:
-            value = self.b.load(out_pointer(idx), typ=out_type)
-            return self.b.icmp_unsigned("!=", value, ir.Constant(I8, 0)) if reduce_node.dtype is dtypes.bool_ else value
+            return from_memory(self.b, self.b.load(out_pointer(idx), typ=out_type), reduce_node.dtype)
 
         def per_row(idx: dict[int, ir.Value]) -> None:
             self.loops(inner, lambda i: store(identity(reduce_node.arg, reduce_node.dtype), {**idx, **i}), "z")
@@ -523,8 +624,7 @@ class _Lowerer:
         streaming = (self.ast.stream_stores or n * itemsize >= STREAMING_STORE_BYTES) and not self.ast.aliased_slots
 
         def store(value: ir.Value, flat: ir.Value, aligned: bool) -> None:
-            if self.ast.out_dtype is dtypes.bool_:
-                value = self.b.zext(value, ir.VectorType(I8, width) if aligned else I8)
+            value = to_memory(self.b, value, self.ast.out_dtype)
             for out in self.outs:
                 pointer = self.b.gep(out, [flat], inbounds=True, source_etype=out_type)
                 stored = self.b.store(value, pointer, align=width * itemsize if aligned else itemsize)
@@ -577,9 +677,13 @@ def _entry_alloca(lowerer: _HasEntryBlock, t: ir.Type) -> ir.Value:
 
 def constant(dtype: DType, value: Any, width: int | None = None) -> ir.Constant:
     t = llvm_type(dtype, width=width)
-    if dtype.is_float:
-        return splat(t, float(value))
-    return splat(t, int(bool(value)) if dtype.is_bool else int(value))
+    if dtype.is_float:  # a float16 constant holds a float16 value (in its float32 register)
+        return splat(t, float(dtype.np.type(value)) if dtype.is_narrow_float else float(value))
+    if dtype.is_bool:
+        return splat(t, int(bool(value)))
+    bits = dtype.itemsize * 8  # unsigned values past the signed range are written as their two's complement
+    wrapped = int(value) & ((1 << bits) - 1)
+    return splat(t, wrapped - (1 << bits) if wrapped >> (bits - 1) else wrapped)
 
 
 def identity(op: str, dtype: DType) -> ir.Constant:
@@ -589,6 +693,8 @@ def identity(op: str, dtype: DType) -> ir.Constant:
         return constant(dtype, 1)
     if dtype.is_float:
         return constant(dtype, float("-inf") if op == "max" else float("inf"))
+    if dtype.is_unsigned:
+        return constant(dtype, 0 if op == "max" else -1)
     info = (1 << (dtype.itemsize * 8 - 1))
     return constant(dtype, -info if op == "max" else info - 1)
 
@@ -605,33 +711,100 @@ def combine(lowerer: _Lowerer, op: str, dtype: DType, acc: ir.Value, value: ir.V
         return b.add(acc, value)
     if op == "prod":
         return b.mul(acc, value)
+    if dtype.is_unsigned:
+        return lowerer.call("umax" if op == "max" else "umin", acc.type, acc, value)
     return lowerer.call("smax" if op == "max" else "smin", acc.type, acc, value)
 
 
 # ---- elementwise rules: op name → how to lower it, per dtype kind -----------------------------
 
-def _float_or_int(f: Callable[..., ir.Value], i: Callable[..., ir.Value]) -> Callable[[_Lowerer, KNode, list[ir.Value]], ir.Value]:
+def _float_or_int(f: Callable[..., ir.Value], i: Callable[..., ir.Value],
+                  u: Callable[..., ir.Value] | None = None) -> Callable[[_Lowerer, KNode, list[ir.Value]], ir.Value]:
+    """The rule for float operands, signed (and bool) ones, and unsigned ones (`u`, else `i`)."""
     def rule(lw: _Lowerer, node: KNode, args: list[ir.Value]) -> ir.Value:
-        return f(lw, *args) if node.srcs[0].dtype.is_float else i(lw, *args)
+        dtype = node.srcs[0].dtype
+        if dtype.is_float:
+            return f(lw, *args)
+        return u(lw, *args) if u is not None and dtype.is_unsigned else i(lw, *args)
     return rule
 
 
+# Ops whose float16 result is rounded to float16 after computing in float32 (numpy's float16
+# loops do the same); the others (compare, select, max/min, negate, abs, floor) are exact.
+ROUNDED = frozenset({"add", "sub", "mul", "div", "idiv", "mod", "pow", "sqrt", "exp", "exp2", "log", "log2", "sin", "cos"})
+
+
+def _fptosi_sat(lw: _Lowerer, x: ir.Value, to: ir.Type) -> ir.Value:
+    """float → signed int, saturating: NaN → 0 and out-of-range clamps, never poison."""
+    name = f"llvm.fptosi.sat.{lw._suffix(to)}.{lw._suffix(x.type)}"
+    return lw.b.call(lw.intrinsic(name, to, [x.type]), [x])
+
+
+def _to_float32_round_to_odd(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """float64 → float32 rounded to odd (truncated, the last bit set when inexact): rounding that
+    to float16 then rounds once, correctly. (LLVM lowers a direct double → half to a libcall,
+    __truncdfhf2, that the JIT cannot resolve; x86 has no instruction for it.)"""
+    t = b.fptrunc(x, _shaped(x.type, F32))
+    bits_type = _shaped(x.type, I32)
+    r = b.bitcast(t, bits_type)
+    inexact = b.fcmp_unordered("!=", b.fpext(t, x.type), x)
+    even = b.icmp_unsigned("==", b.and_(r, splat(bits_type, 1)), splat(bits_type, 0))
+    away = b.fcmp_ordered(">", b.fpext(b.call(_fabs(b, t.type), [t]), x.type), b.call(_fabs(b, x.type), [x]))
+    odd = b.select(away, b.sub(r, splat(bits_type, 1)), b.or_(r, splat(bits_type, 1)))
+    return b.bitcast(b.select(b.and_(inexact, even), odd, r), t.type)
+
+
+def _fabs(b: ir.IRBuilder, t: ir.Type) -> ir.Function:
+    module = b.module
+    suffix = (f"v{t.count}" if isinstance(t, ir.VectorType) else "") + ("f32" if (t.element if isinstance(t, ir.VectorType) else t) == F32 else "f64")
+    name = f"llvm.fabs.{suffix}"
+    existing = module.globals.get(name)
+    return existing if existing is not None else ir.Function(module, ir.FunctionType(t, [t]), name=name)
+
+
+def _to_int64_x86(lw: _Lowerer, x: ir.Value) -> ir.Value:
+    """float → int64 as x86-64's cvttsd2si, numpy's conversion: truncated, and INT64_MIN for NaN,
+    infinities and values out of range."""
+    b, to = lw.b, _shaped(x.type, I64)
+    inside = b.fcmp_ordered("<", lw.call("fabs", x.type, x), splat(x.type, 2.0 ** 63))
+    return b.select(inside, _fptosi_sat(lw, x, to), splat(to, -(1 << 63)))
+
+
 def _cast(lw: _Lowerer, node: KNode, args: list[ir.Value]) -> ir.Value:
+    """numpy's astype (which ONNX's Cast follows): float → int truncates toward zero; into an int
+    narrower than 32 bits or an unsigned one it wraps modulo 2**bits, as numpy's x86-64 conversion
+    through int64 does (float32 300.7 → uint8 44, -1.0 → uint32 4294967295, inf and NaN → 0);
+    float → int32/int64 saturates (NaN → 0), where numpy's result is undefined. Float → float
+    rounds to nearest even, overflowing to inf."""
     (x,), src, dst = args, node.srcs[0].dtype, node.dtype
     b, to = lw.b, lw.typ(dst)
     if src is dst:
         return x
     if dst.is_bool:
         return b.fcmp_unordered("!=", x, splat(x.type, 0.0)) if src.is_float else b.icmp_unsigned("!=", x, splat(x.type, 0))
-    if src.is_bool:
+    if src.is_bool:  # 0 and 1: exact in every type
         return b.uitofp(x, to) if dst.is_float else b.zext(x, to)
     if src.is_float and dst.is_float:
-        return b.fpext(x, to) if dst.itemsize > src.itemsize else b.fptrunc(x, to)
-    if src.is_float:  # saturating: NaN → 0 and out-of-range clamps, never poison
-        return lw.b.call(lw.intrinsic(f"llvm.fptosi.sat.{lw._suffix(to)}.{lw._suffix(x.type)}", to, [x.type]), [x])
+        if dst.is_narrow_float and x.type != to:  # float64 → float16 rounds once, as numpy does
+            return round_narrow(b, _to_float32_round_to_odd(b, x), dst)
+        if x.type != to:
+            x = b.fpext(x, to) if dst.itemsize > src.itemsize else b.fptrunc(x, to)
+        return round_narrow(b, x, dst)
+    if src.is_float:
+        if dst.is_signed_wide:
+            return _fptosi_sat(lw, x, to)
+        wide = _to_int64_x86(lw, x)
+        if dst is dtypes.uint64:  # from 2**63 up: the conversion of x - 2**63, its top bit set again
+            big = b.fcmp_ordered(">=", x, splat(x.type, 2.0 ** 63))
+            high = b.xor(_to_int64_x86(lw, b.fsub(x, splat(x.type, 2.0 ** 63))), splat(to, -(1 << 63)))
+            return b.select(big, high, wide)
+        return b.trunc(wide, to)
     if dst.is_float:
-        return b.sitofp(x, to)
-    return b.sext(x, to) if dst.itemsize > src.itemsize else b.trunc(x, to)
+        value = b.uitofp(x, to) if src.is_unsigned else b.sitofp(x, to)
+        return round_narrow(b, value, dst)
+    if dst.itemsize > src.itemsize:
+        return b.zext(x, to) if src.is_unsigned else b.sext(x, to)
+    return b.trunc(x, to) if dst.itemsize < src.itemsize else x
 
 
 def _safe_divisor(lw: _Lowerer, a: ir.Value, d: ir.Value) -> tuple[ir.Value, ir.Value]:
@@ -664,6 +837,33 @@ def _mod_int(lw: _Lowerer, a: ir.Value, d: ir.Value) -> ir.Value:
     return b.select(bad, zero, b.select(adjust, b.add(r, safe_d), r))
 
 
+def _floordiv_uint(lw: _Lowerer, a: ir.Value, d: ir.Value) -> ir.Value:
+    b = lw.b
+    zero = b.icmp_unsigned("==", d, splat(d.type, 0))
+    return b.select(zero, splat(a.type, 0), b.udiv(a, b.select(zero, splat(d.type, 1), d)))  # numpy: x // 0 is 0
+
+
+def _mod_uint(lw: _Lowerer, a: ir.Value, d: ir.Value) -> ir.Value:
+    b = lw.b
+    zero = b.icmp_unsigned("==", d, splat(d.type, 0))
+    return b.select(zero, splat(a.type, 0), b.urem(a, b.select(zero, splat(d.type, 1), d)))
+
+
+def _shift(left: bool) -> Callable[[_Lowerer, KNode, list[ir.Value]], ir.Value]:
+    """numpy's shifts: counts outside [0, bits) (compared unsigned) give 0, or for an arithmetic
+    right shift the sign; LLVM's own shifts are poison there, so the select keeps the defined arm."""
+    def rule(lw: _Lowerer, node: KNode, args: list[ir.Value]) -> ir.Value:
+        (a, c), b, dtype = args, lw.b, node.srcs[0].dtype
+        bits = dtype.itemsize * 8
+        inside = b.icmp_unsigned("<", c, splat(c.type, bits))
+        if left:
+            return b.select(inside, b.shl(a, c), splat(a.type, 0))
+        if dtype.is_unsigned:
+            return b.select(inside, b.lshr(a, c), splat(a.type, 0))
+        return b.select(inside, b.ashr(a, c), b.ashr(a, splat(a.type, bits - 1)))
+    return rule
+
+
 def _mod_float(lw: _Lowerer, a: ir.Value, d: ir.Value) -> ir.Value:
     b = lw.b
     r = b.frem(a, d)  # sign of the dividend; numpy's % takes the divisor's sign
@@ -694,7 +894,7 @@ def _cmp(pred: str) -> Callable[[_Lowerer, KNode, list[ir.Value]], ir.Value]:
         if node.srcs[0].dtype.is_float:
             # NaN compares false except for != (numpy semantics)
             return lw.b.fcmp_unordered(pred, a, c) if pred == "!=" else lw.b.fcmp_ordered(pred, a, c)
-        if node.srcs[0].dtype.is_bool:
+        if node.srcs[0].dtype.kind in "bu":
             return lw.b.icmp_unsigned(pred, a, c)
         return lw.b.icmp_signed(pred, a, c)
     return rule
@@ -708,6 +908,8 @@ def _minmax(which: str) -> Callable[[_Lowerer, KNode, list[ir.Value]], ir.Value]
             return lw.call("maximum" if which == "max" else "minimum", a.type, a, c)
         if dtype.is_bool:
             return lw.b.or_(a, c) if which == "max" else lw.b.and_(a, c)
+        if dtype.is_unsigned:
+            return lw.call("umax" if which == "max" else "umin", a.type, a, c)
         return lw.call("smax" if which == "max" else "smin", a.type, a, c)
     return rule
 
@@ -723,19 +925,21 @@ ALU_RULES: dict[str, Callable[[_Lowerer, KNode, list[ir.Value]], ir.Value]] = {
     "sub": _float_or_int(lambda lw, a, c: lw.b.fsub(a, c, flags=CONTRACT), lambda lw, a, c: lw.b.sub(a, c)),
     "mul": _float_or_int(lambda lw, a, c: lw.b.fmul(a, c, flags=CONTRACT), lambda lw, a, c: lw.b.mul(a, c)),
     "div": lambda lw, node, args: lw.b.fdiv(*args, flags=CONTRACT),
-    "idiv": _float_or_int(_floordiv_float, _floordiv_int),
-    "mod": _float_or_int(_mod_float, _mod_int),
+    "idiv": _float_or_int(_floordiv_float, _floordiv_int, _floordiv_uint),
+    "mod": _float_or_int(_mod_float, _mod_int, _mod_uint),
     "pow": _transcendental("pow"),
     "max": _minmax("max"),
     "min": _minmax("min"),
     "and": lambda lw, node, args: lw.b.and_(*args),
     "or": lambda lw, node, args: lw.b.or_(*args),
     "xor": lambda lw, node, args: lw.b.xor(*args),
+    "shl": _shift(left=True), "shr": _shift(left=False),
     "cmplt": _cmp("<"), "cmple": _cmp("<="), "cmpeq": _cmp("=="), "cmpne": _cmp("!="),
     "where": lambda lw, node, args: lw.b.select(*args),
     "neg": _float_or_int(lambda lw, a: lw.b.fneg(a), lambda lw, a: lw.b.neg(a)),
     "not": lambda lw, node, args: lw.b.not_(args[0]),
-    "abs": _float_or_int(lambda lw, a: lw.call("fabs", a.type, a), lambda lw, a: lw.call("abs", a.type, a, ir.Constant(I1, 0))),
+    "abs": _float_or_int(lambda lw, a: lw.call("fabs", a.type, a), lambda lw, a: lw.call("abs", a.type, a, ir.Constant(I1, 0)),
+                         lambda lw, a: a),
     "floor": lambda lw, node, args: lw.call("floor", args[0].type, args[0]),
     "sqrt": lambda lw, node, args: lw.call("sqrt", args[0].type, args[0]),
     "exp": _transcendental("exp"), "exp2": _transcendental("exp2"),

@@ -39,8 +39,7 @@ from llvmlite import ir
 from tinydist.base.errors import CompileError
 from tinydist.codegen.kernel import KernelAST
 from tinydist.codegen.lowering import (
-    I8, I32, I64, F32, F64, _Lowerer, _entry_alloca, combine, identity, llvm_type)
-from tinydist.graph import dtypes
+    I32, I64, F32, F64, _Lowerer, _entry_alloca, combine, from_memory, identity, llvm_type, to_memory)
 from tinydist.graph.shape import prod
 
 TRIPLE = "nvptx64-nvidia-cuda"
@@ -169,8 +168,7 @@ class _PTXLowerer(_Lowerer):
         return [idx.get(a, _c(0)) for a in range(len(self.shape))]
 
     def store_out(self, value: ir.Value, flat: ir.Value) -> None:
-        if self.ast.out_dtype is dtypes.bool_:
-            value = self.b.zext(value, I8)
+        value = to_memory(self.b, value, self.ast.out_dtype)
         out_type = llvm_type(self.ast.out_dtype, in_memory=True)
         self.b.store(value, self.b.gep(self.out, [flat], inbounds=True, source_etype=out_type))
 
@@ -221,10 +219,10 @@ class _PTXLowerer(_Lowerer):
         n_reduced = prod([self.shape[a] for a in reduced_axes])
 
         def to_mem(v: ir.Value) -> ir.Value:
-            return self.b.zext(v, I8) if dtype is dtypes.bool_ else v
+            return to_memory(self.b, v, dtype)
 
         def from_mem(v: ir.Value) -> ir.Value:
-            return self.b.icmp_unsigned("!=", v, ir.Constant(I8, 0)) if dtype is dtypes.bool_ else v
+            return from_memory(self.b, v, dtype)
 
         def slot(i: ir.Value) -> ir.Value:
             return self.b.gep(shared, [i], inbounds=True, source_etype=mem_type)

@@ -41,7 +41,7 @@ from tinydist.dist import algorithms as algo
 from tinydist.dist import shm_algorithms as shm
 from tinydist.dist.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, RankFailed
 from tinydist.dist.rendezvous import connect_mesh, coordinator_listener, register, serve_coordinator
-from tinydist.graph.collectives import Algorithm, Medium, check, resolve, shard_bounds
+from tinydist.graph.collectives import Algorithm, Medium, check, choose_partitioned, resolve, resolve_partitioned, shard_bounds
 from tinydist.graph.reduce_ops import MEAN, collective_op
 from transports.base import Link, PeerFailed
 from transports.shm_group import ShmGroup, WaitTimeout, open_group
@@ -395,12 +395,12 @@ class ProcessGroup:
             a, b = bounds[self.rank]
             flat[a:b] = rows.reshape(-1)
             if self.world > 1:
-                if self.same_host or self.world == 2:
-                    self._log_choice("all_gather", "direct", "one step: each piece goes straight to every rank")
-                    await algo.direct_gather(self.links, self.rank, flat, bounds)
-                else:
-                    self._log_choice("all_gather", "ring", "network: one neighbour per step")
+                chosen, reason = choose_partitioned("all_gather", self.medium, self.world)
+                self._log_choice("all_gather", chosen.value, reason)
+                if chosen is Algorithm.RING:
                     await algo.ring(self.links, self.rank, self.world, flat, bounds, self.rank, 0, self.world - 1, None)
+                else:
+                    await algo.direct_gather(self.links, self.rank, flat, bounds)
             return np.moveaxis(out, 0, ax)
 
         def segment(session: shm.Session) -> np.ndarray:
@@ -419,11 +419,10 @@ class ProcessGroup:
         elif not -x.ndim <= axis < x.ndim:
             error = error or f"axis {axis} is out of range for {x.ndim} dimensions"
         ax = axis % x.ndim if x.ndim else 0
-        chosen = algorithm
-        if algorithm == "auto":
-            chosen = "ring" if not self.same_host and self.world > 2 else "all2all"
-        elif algorithm == "naive":
-            chosen = "all2all"
+        chosen, reason = "all2all", ""
+        if not error:
+            algorithm_, reason = resolve_partitioned(algorithm, "reduce_scatter", self.medium, self.world)
+            chosen = algorithm_.value
         header = {"coll": "reduce_scatter", "op": op, "dtype": x.dtype.str, "shape": list(x.shape), "axis": ax,
                   "algorithm": chosen, "error": error}
 
@@ -442,6 +441,8 @@ class ProcessGroup:
             flat = rows.reshape(-1)
             ufunc = collective_op(op).ufunc
             a, b = bounds[self.rank]
+            if self.world > 1:
+                self._log_choice("reduce_scatter", chosen, reason)
             if self.world == 1:
                 piece = flat.copy()
             elif chosen == "ring":

@@ -20,7 +20,6 @@ strategy is built from the capture's bound buffers and the one lowering of sched
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -45,9 +44,6 @@ log = get_logger(layer="replay")
 
 # the calls an entry point links; copies, gathers and slice kernels replay as commands
 _LINKABLE = (KernelCall, MatmulCall)
-# output buffers an entry replay keeps for reuse, per output: a frame loop needs one or two
-OUTPUT_POOL = 4
-
 
 class ReplayUnfit(TinydistError, ValueError):
     """A strategy that was forced does not apply to this capture (the message says why)."""
@@ -99,25 +95,14 @@ class EntryReplay:
         self.output_copies = [(b(n).address, b(n).nbytes) for n in capture.output_numbers]
         self.written_copies = [(position, b(number).address, b(number).nbytes) for position, number in capture.written_args]
         self.copy = self.device.host_copy()
-        self.pools: list[list[Buffer]] = [[] for _ in capture.output_bytes]
+        self.recycled = self.device.allocator.recycled
 
     def outputs(self) -> list[Buffer]:
-        """A buffer per output: one from its pool that nothing else references any more (the
-        caller dropped the Tensor it was returned in), else a new one, kept for reuse while the
-        pool is small. A frame loop then allocates nothing; its buffers were freed and
+        """A buffer per output, recycled (`Allocator.recycled`): one the caller dropped the
+        Tensor of, as it is. A frame loop then allocates nothing; its buffers were freed and
         allocated again at every replay before — the better part of a replay's cost."""
-        outputs = []
-        for pool, nbytes in zip(self.pools, self.capture.output_bytes):
-            for buffer in pool:
-                # referenced by the pool, this loop and getrefcount's argument only
-                if sys.getrefcount(buffer) <= 3:
-                    break
-            else:
-                buffer = self.device.allocator.alloc(nbytes)
-                if len(pool) < OUTPUT_POOL:
-                    pool.append(buffer)
-            outputs.append(buffer)
-        return outputs
+        recycled = self.recycled
+        return [recycled(nbytes) for nbytes in self.capture.output_bytes]
 
     def replay(self, args: Sequence[Buffer], inline: bool) -> tuple[list[Buffer], list[Completion]]:
         copy = self.copy
@@ -167,6 +152,7 @@ class HostFrame:
         self.output_specs = [(shape, dtype.np) for shape, dtype, _ in capture.output_specs]
         self.positions = [position for position, _, _ in entry.arg_copies]
         self.writes_args = bool(capture.written_args)
+        self.recycled, self.output_bytes = entry.recycled, capture.output_bytes
         self.frame = self.device.compiler.link_frame(entry.entry, [(address, nbytes) for _, address, nbytes in entry.arg_copies],
                                                      entry.output_copies).cfunc
         host, b = self.device.host_array, capture.buffer
@@ -199,13 +185,19 @@ class HostFrame:
         the function assigns to an argument — replay through the queue then."""
         if self.writes_args:
             return BUSY
-        outputs = self.entry.outputs()
-        inputs = [args[position] for position in self.positions]
-        accesses = [(buffer, False) for buffer in inputs]
+        recycled = self.recycled
+        outputs = [recycled(nbytes) for nbytes in self.output_bytes]  # (EntryReplay.outputs, without the call)
+        accesses: list[tuple[Buffer, bool]] = []
+        addresses = []  # (`address` checks each buffer is alive)
+        for position in self.positions:
+            buffer = args[position]
+            accesses.append((buffer, False))
+            addresses.append(buffer.address)
         accesses += self.accesses
-        accesses += [(buffer, True) for buffer in outputs]
-        addresses = tuple([buffer.address for buffer in inputs] + [buffer.address for buffer in outputs])
-        return BUSY if self.device.run_now("compute", accesses, self.frame, addresses) is BUSY else outputs
+        for buffer in outputs:
+            accesses.append((buffer, True))
+            addresses.append(buffer.address)
+        return BUSY if self.device.run_now("compute", accesses, self.frame, tuple(addresses)) is BUSY else outputs
 
 
 class _Run:

@@ -324,7 +324,7 @@ def _elementwise_rule(node: LazyNode, g: Tensor) -> list[tuple[LazyNode, Tensor 
         return [(srcs[0], g * _t(srcs[0]).cos())]
     if op is Op.COS:
         return [(srcs[0], -g * _t(srcs[0]).sin())]
-    if op in (Op.FLOOR, Op.NOT, Op.IDIV, Op.AND, Op.OR, Op.XOR, Op.CMPLT, Op.CMPLE, Op.CMPEQ, Op.CMPNE):
+    if op in (Op.FLOOR, Op.NOT, Op.IDIV, Op.AND, Op.OR, Op.XOR, Op.SHL, Op.SHR, Op.CMPLT, Op.CMPLE, Op.CMPEQ, Op.CMPNE):
         return []  # piecewise constant or not float: zero gradient
     if op is Op.WHERE:
         cond = _t(srcs[0])

@@ -50,7 +50,9 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     # once, where the packed kernel would repack (and for a transposed weight, first copy) it. So
     # do a few outputs of a long reduction (a small layer's weight gradient): as dot products.
     few_long = m * n * math.prod(batch) <= FEW_OUTPUTS and k >= LONG_REDUCTION
-    if dtype.is_float and m * n * k and m * math.prod(batch) > 1 and not few_long:
+    if dtype.is_narrow_float:  # float16 products accumulate in float32 and round once, as numpy's float16 matmul
+        result = matmul(x.cast(dtypes.float32), y.cast(dtypes.float32)).cast(dtype)
+    elif dtype.is_float and m * n * k and m * math.prod(batch) > 1 and not few_long:
         result = _native_matmul(x.cast(dtype), y.cast(dtype), batch, m, k, n)
     elif dtype.is_bool:  # numpy: a logical or of ands
         result = (x.unsqueeze(-1) & y.unsqueeze(-3)).any(axis=-2)
@@ -242,7 +244,7 @@ def max_pool2d(x: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0
         with no_grad():
             out = _tiles(x, kernel).max(axis=(3, 5))
         return custom_gradient(out, [x], [x, out], lambda g, xv, outv: [_tiled_max_grad(g, xv, outv, kernel)])
-    low = float("-inf") if x.dtype.is_float else -(1 << (x.dtype.itemsize * 8 - 1))
+    low = float("-inf") if x.dtype.is_float else 0 if x.dtype.kind in "bu" else -(1 << (x.dtype.itemsize * 8 - 1))
     padded = x.pad(((0, 0), (0, 0), (ph, ph), (pw, pw)), value=low)
     return _windows(padded, kernel, stride2, dilation2).max(axis=(4, 5))
 

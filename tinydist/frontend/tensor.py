@@ -117,6 +117,9 @@ def _broadcast_shapes(x: tuple[int, ...], y: tuple[int, ...], a: tuple[int, ...]
     return tuple(result)
 
 
+_DEFAULT_DEVICE = canonical_name("CPU")
+
+
 class Tensor:
     __array_ufunc__ = None  # `ndarray + Tensor` defers to Tensor.__radd__ instead of making an object array
     __slots__ = ("node", "grad", "_grad_hooks", "__weakref__")  # grad, _grad_hooks: tinydist.frontend.autograd
@@ -129,7 +132,7 @@ class Tensor:
             if requires_grad:
                 self.requires_grad_()
             return
-        device = canonical_name(device or "CPU")
+        device = _DEFAULT_DEVICE if device is None else canonical_name(device)
         if type(data) is np.ndarray and dtype is None and data.flags.c_contiguous:  # a frame: upload it as it is
             found = dtypes.of_numpy(data.dtype)
             if found is not None:
@@ -140,8 +143,6 @@ class Tensor:
         if isinstance(data, Tensor):
             data = data.numpy()
         array = np.asarray(data)
-        if dtype is None and array.dtype == np.float16:
-            raise TypeError("dtype float16 is not supported yet; cast with .astype(np.float32)")
         target = to_dtype(dtype if dtype is not None else array.dtype)
         array = np.asarray(array, dtype=target.np, order="C")  # (ascontiguousarray would make 0-d arrays 1-d)
         self.node = _upload(array, target, device)
@@ -393,12 +394,14 @@ class Tensor:
         if common.is_bool:  # numpy: bool + bool is or, bool * bool is and, bool - bool is refused
             if op is Op.SUB:
                 raise TypeError("boolean subtract (-) is not supported, as in numpy; use ^ (xor) or logical_not")
+            if op is Op.IDIV or op is Op.MOD:  # bool // bool and bool % bool are int8, as in numpy
+                common = out_dtype = dtypes.int8
             op = {Op.ADD: Op.OR, Op.MUL: Op.AND}.get(op, op)
         a, b = a.cast(common)._broadcast_to(shape), b.cast(common)._broadcast_to(shape)
         return Tensor(elementwise(op, (a.node, b.node), out_dtype or common))
 
     def _unary(self, op: Op, float_only: bool = False) -> Tensor:
-        x = self.cast(dtypes.float_result(self.dtype)) if float_only else self
+        x = self.cast(dtypes.ufunc_float_result(self.dtype)) if float_only else self
         return Tensor(elementwise(op, (x.node,), x.dtype))
 
     def cast(self, dtype: Any) -> Tensor:
@@ -439,7 +442,14 @@ class Tensor:
     def __rand__(self, other: Any) -> Tensor: return self._bitwise(other, Op.AND)
     def __ror__(self, other: Any) -> Tensor: return self._bitwise(other, Op.OR)
     def __rxor__(self, other: Any) -> Tensor: return self._bitwise(other, Op.XOR)
-    def __invert__(self) -> Tensor: return self.logical_not() if self.dtype.is_bool else self._bitwise(-1, Op.XOR)
+    def __lshift__(self, other: Any) -> Tensor: return self._shift(other, Op.SHL)
+    def __rshift__(self, other: Any) -> Tensor: return self._shift(other, Op.SHR)
+    def __rlshift__(self, other: Any) -> Tensor: return self._operand(other)._shift(self, Op.SHL)
+    def __rrshift__(self, other: Any) -> Tensor: return self._operand(other)._shift(self, Op.SHR)
+    def __invert__(self) -> Tensor:
+        if self.dtype.is_bool:
+            return self.logical_not()
+        return self._bitwise(self._like((1 << self.dtype.itemsize * 8) - 1 if self.dtype.is_unsigned else -1), Op.XOR)
     __hash__ = object.__hash__
 
     def __matmul__(self, other: Any) -> Tensor:
@@ -458,9 +468,18 @@ class Tensor:
 
     def _bitwise(self, other: Any, op: Op) -> Tensor:
         other = self._operand(other)
-        if self.dtype.is_float or other.dtype.is_float:
+        if _promote(self, other).is_float:  # uint64 with a signed int promotes to float64, as in numpy
             raise TypeError(f"bitwise {op.value} is not defined for {self.dtype.name} and {other.dtype.name}; use integer or bool tensors")
         return self._binary(other, op)
+
+    def _shift(self, other: Any, op: Op) -> Tensor:
+        """numpy's left_shift / right_shift: a count outside [0, bits) gives 0 (-1 for a negative
+        value shifted right); right shifts of signed values are arithmetic."""
+        other = self._operand(other)
+        common = _promote(self, other)
+        if not common.is_int:
+            raise TypeError(f"shift is not defined for {self.dtype.name} and {other.dtype.name}; use integer tensors")
+        return self._binary(other, op, operand_dtype=common)
 
     def add(self, other: Any) -> Tensor: return self + other
     def sub(self, other: Any) -> Tensor: return self - other
@@ -505,7 +524,7 @@ class Tensor:
 
     def tanh(self) -> Tensor:
         # tanh(x) = sign(x) (1 - e) / (1 + e), e = exp(-2|x|) ≤ 1: never overflows
-        x = self.cast(dtypes.float_result(self.dtype))
+        x = self.cast(dtypes.ufunc_float_result(self.dtype))
         e = (x.abs() * -2).exp()
         magnitude = (1 - e) / (1 + e)
         return (x < 0).where(-magnitude, magnitude)
@@ -513,6 +532,8 @@ class Tensor:
     def pow(self, exponent: Any) -> Tensor:
         exponent_t = self._operand(exponent)
         common = _promote(self, exponent_t)
+        if common.is_bool:  # bool ** bool is int8, as in numpy
+            common = dtypes.int8
         if not common.is_float:
             if isinstance(exponent, int) and not isinstance(exponent, bool):
                 if exponent < 0:
@@ -782,7 +803,7 @@ def _upload(array: np.ndarray, dtype: DType, device: str) -> LazyNode:
     if array.size == 0:
         return Tensor.full(array.shape, 0, dtype, device).node
     dev = get_engine().device(device)
-    buffer = dev.allocator.alloc(array.nbytes)
+    buffer = dev.allocator.recycled(array.nbytes)  # a frame loop's upload: the last frame's buffer, when dropped
     if not dev.write_now(buffer, array):  # (C-contiguous: its bytes as they lie)
         batch = dev.batch("copy")
         batch.write_from_host(buffer, array)

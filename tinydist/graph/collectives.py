@@ -142,6 +142,37 @@ def choose(medium: Medium, world: int, nbytes: int, topology: Topology = Topolog
     return Algorithm.RING, "network: bandwidth-optimal 2(N-1)/N of the bytes, one neighbour per step"
 
 
+def choose_partitioned(collective: str, medium: Medium, world: int) -> tuple[Algorithm, str]:
+    """The algorithm `auto` picks for a reduce_scatter or an all_gather among `world` processes,
+    and why: each rank's part goes straight to (or is reduced straight from) every peer in one
+    step (`all2all` for reduce_scatter, `direct` for all_gather) on one host, or between two
+    ranks, where one step moves no more than a ring would; a ring between more ranks on a network
+    (one neighbour per step, (N-1)/N of the bytes each way: the bandwidth-optimal choice)."""
+    if collective not in PARTITIONED:
+        raise ValueError(f"choose_partitioned is for {' and '.join(PARTITIONED)}, not {collective!r}")
+    if medium is Medium.NETWORK and world > 2:
+        return Algorithm.RING, f"network, {world} ranks: one neighbour per step, bandwidth-optimal"
+    one_step = PARTITIONED[collective]
+    where = "two ranks" if medium is Medium.NETWORK else "one host"
+    return one_step, f"{where}: one step, each part straight to or from every rank"
+
+
+def resolve_partitioned(requested: str, collective: str, medium: Medium, world: int) -> tuple[Algorithm, str]:
+    """A reduce_scatter's or all_gather's `algorithm=`: itself when explicit (`naive` is the one-step
+    algorithm), checked against the medium, else `choose_partitioned`. TINYDIST_ALLREDUCE is the
+    allreduce's setting only."""
+    forced = check(requested, medium, what=f"{collective} algorithm")
+    if forced is None:
+        return choose_partitioned(collective, medium, world)
+    if forced is Algorithm.NAIVE:
+        return PARTITIONED[collective], "requested naive: the one-step algorithm"
+    return forced, "requested"
+
+
+# the one-step algorithm of each partitioned collective (its `naive`)
+PARTITIONED = {"reduce_scatter": Algorithm.ALL2ALL, "all_gather": Algorithm.DIRECT}
+
+
 def resolve(requested: str, medium: Medium, world: int, nbytes: int,
             topology: Topology = Topology()) -> tuple[Algorithm, str]:
     """A call's `algorithm=`: itself when explicit (checked against the medium), else TINYDIST_ALLREDUCE

@@ -42,7 +42,7 @@ class Op(enum.Enum):
     LOG2 = "log2"; SIN = "sin"; COS = "cos"; CAST = "cast"; FLOOR = "floor"  # noqa: E702
     # elementwise, binary
     ADD = "add"; SUB = "sub"; MUL = "mul"; DIV = "div"; IDIV = "idiv"; MOD = "mod"; POW = "pow"  # noqa: E702
-    MAX = "max"; MIN = "min"; AND = "and"; OR = "or"; XOR = "xor"  # noqa: E702
+    MAX = "max"; MIN = "min"; AND = "and"; OR = "or"; XOR = "xor"; SHL = "shl"; SHR = "shr"  # noqa: E702
     CMPLT = "cmplt"; CMPLE = "cmple"; CMPEQ = "cmpeq"; CMPNE = "cmpne"  # noqa: E702
     # elementwise, ternary
     WHERE = "where"
@@ -59,7 +59,7 @@ class Op(enum.Enum):
 
 UNARY = frozenset({Op.NEG, Op.ABS, Op.NOT, Op.SQRT, Op.EXP, Op.EXP2, Op.LOG, Op.LOG2, Op.SIN, Op.COS, Op.CAST, Op.FLOOR})
 BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.IDIV, Op.MOD, Op.POW, Op.MAX, Op.MIN, Op.AND, Op.OR, Op.XOR,
-                    Op.CMPLT, Op.CMPLE, Op.CMPEQ, Op.CMPNE})
+                    Op.SHL, Op.SHR, Op.CMPLT, Op.CMPLE, Op.CMPEQ, Op.CMPNE})
 ELEMENTWISE = UNARY | BINARY | {Op.WHERE}
 TRANSCENDENTAL = frozenset({Op.EXP, Op.EXP2, Op.LOG, Op.LOG2, Op.SIN, Op.COS, Op.POW})
 

@@ -9,10 +9,16 @@ and static shapes is folded at load with numpy. Each remaining node becomes one 
 over Tensor ops, so a call builds one lazy graph that `realize` fuses and schedules as a whole.
 Unsupported ops, dtypes and attribute values raise `UnsupportedModelError` at load. See docs/onnx.md.
 
-This package imports nothing from `onnx` until `load` is called.
+or, with onnxruntime's API (`tinydist.onnx.session`):
+
+    session = tinydist.onnx.InferenceSession("model.onnx", providers=["CPUExecutionProvider"])
+    outputs = session.run(None, {"input": array})  # a list, in the graph's output order
+
+This package imports nothing from `onnx` until a model is loaded.
 """
 
 from tinydist.onnx.errors import ModelLoadError, UnsupportedModelError
 from tinydist.onnx.model import OnnxModel, load
+from tinydist.onnx.session import InferenceSession, NodeArg, SessionOptions
 
-__all__ = ["ModelLoadError", "OnnxModel", "UnsupportedModelError", "load"]
+__all__ = ["InferenceSession", "ModelLoadError", "NodeArg", "OnnxModel", "SessionOptions", "UnsupportedModelError", "load"]

@@ -36,16 +36,20 @@ _SHAPE_ONLY = frozenset({"Shape", "Size"})  # ops that read only their input's s
 _Key = tuple[tuple[tuple[int, ...], ...], tuple[bytes, ...]]  # input shapes, values of the value inputs
 
 # ONNX TensorProto element types that tinydist tensors can hold.
-_ELEM_TO_NP = {1: np.float32, 6: np.int32, 7: np.int64, 9: np.bool_, 11: np.float64}
+_ELEM_TO_NP = {1: np.float32, 2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int16, 6: np.int32, 7: np.int64, 9: np.bool_,
+               10: np.float16, 11: np.float64, 12: np.uint32, 13: np.uint64}
+_SUPPORTED_NAMES = ", ".join(d.name for d in dtypes.SUPPORTED) + ", bfloat16"
 _ELEM_NAMES = {0: "UNDEFINED", 1: "FLOAT", 2: "UINT8", 3: "INT8", 4: "UINT16", 5: "INT16", 6: "INT32", 7: "INT64",
                8: "STRING", 9: "BOOL", 10: "FLOAT16", 11: "DOUBLE", 12: "UINT32", 13: "UINT64", 14: "COMPLEX64",
                15: "COMPLEX128", 16: "BFLOAT16"}
 
 
 def np_dtype_of(ctx: Any, elem_type: int) -> np.dtype:
+    if elem_type == 16:  # BFLOAT16: ml_dtypes' (onnx depends on it)
+        return dtypes.to_dtype("bfloat16").np
     if elem_type not in _ELEM_TO_NP:
         name = _ELEM_NAMES.get(elem_type, f"elem_type {elem_type}")
-        raise ctx.error(f"dtype {name} is not supported (float32, float64, int32, int64, bool)")
+        raise ctx.error(f"dtype {name} is not supported ({_SUPPORTED_NAMES})")
     return np.dtype(_ELEM_TO_NP[elem_type])
 
 
@@ -97,7 +101,7 @@ def _since_version(defs: Any, op_type: str, opset: int) -> int | None:
 
 def lift(ctx: Any, array: np.ndarray, device: str) -> Tensor:
     if array.dtype not in SUPPORTED_NP:
-        raise ctx.error(f"constant of dtype {array.dtype} is not supported (float32, float64, int32, int64, bool)")
+        raise ctx.error(f"constant of dtype {array.dtype} is not supported ({_SUPPORTED_NAMES})")
     if array.size == 1:
         return Tensor.full(array.shape, array.reshape(-1)[0].item(), dtypes.to_dtype(array.dtype), device)
     return Tensor(np.ascontiguousarray(array), device).realize()
@@ -244,7 +248,8 @@ class OnnxModel:
         # per input shapes (and values of value inputs): the graph captured once and replayed per
         # frame (None: nothing to capture)
         self._jits: dict[_Key, TinyJit | None] = {}
-        self._lifted: dict[str, Tensor] = {}
+        # constant values uploaded once, per name and value (see _lift_value)
+        self._lifted: dict[str, list[tuple[np.ndarray, Tensor]]] = {}
         if all(None not in shape for _, shape, _ in self.inputs) and not self.value_inputs:
             self._plan(tuple(tuple(shape) for _, shape, _ in self.inputs), {})  # type: ignore[arg-type]
 
@@ -296,10 +301,19 @@ class OnnxModel:
     # ---- planning ----------------------------------------------------------------------------
 
     def _lift_value(self, ctx: Any, name: str, array: np.ndarray) -> Tensor:
-        found = self._lifted.get(name)
-        if found is None:
-            found = self._lifted[name] = lift(ctx, array, self.device)
-        return found
+        """`array` (the constant value `name` has in this plan) as a Tensor, uploaded once per value.
+
+        A name keeps one value for an initializer, but a value folded from shapes has one per plan:
+        a ViT's class token expanded to the batch (Shape→Gather→Concat→Expand) is (1, 1, 32) at
+        batch 1 and (8, 1, 32) at batch 8, so the cache is keyed on the value, not the name alone
+        (keyed on the name, the batch-8 plan reused the batch-1 tensor and Concat failed)."""
+        uploaded = self._lifted.setdefault(name, [])
+        for value, tensor in uploaded:
+            if value is array or (value.shape == array.shape and value.dtype == array.dtype and np.array_equal(value, array)):
+                return tensor
+        tensor = lift(ctx, array, self.device)
+        uploaded.append((array, tensor))
+        return tensor
 
     def _key(self, shapes: tuple[tuple[int, ...], ...], values: Mapping[str, np.ndarray]) -> _Key:
         return shapes, tuple(values[name].tobytes() for name in self.input_names if name in self.value_inputs)

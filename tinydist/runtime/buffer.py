@@ -67,6 +67,12 @@ class Buffer:
         return f"Buffer({kind}device={self.device.name!r}, nbytes={self.nbytes}{state})"
 
     @property
+    def release_ref(self) -> weakref.ref[Buffer]:
+        """The weak reference whose callback gives a base buffer's memory back (it dies with it)."""
+        assert self._finalizer is not None and self._finalizer.ref is not None, f"{self!r} is a view or freed"
+        return self._finalizer.ref
+
+    @property
     def base(self) -> Buffer:
         return self if self._parent is None else self._parent
 
@@ -85,7 +91,8 @@ class Buffer:
     @property
     def address(self) -> int:
         """The memory address of this buffer's first byte (checked: the base must be alive)."""
-        self.check_alive()
+        if self._freed or (self._parent is not None and self._parent._freed):  # check_alive, inline: a replay asks per buffer
+            self.check_alive()
         return self._address + self.offset
 
     def check_alive(self) -> None:

@@ -40,28 +40,30 @@ class Access:
 class AccessLog:
     """The unfinished accesses to one base buffer."""
 
-    __slots__ = ("_lock", "_records", "generation")
+    __slots__ = ("_lock", "records", "generation")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._records: list[Access] = []
+        # unfinished accesses (finished ones pruned lazily): empty means nothing to wait for, which
+        # the per-frame paths read without a call or the lock (`Device.run_now`)
+        self.records: list[Access] = []
         self.generation = 0  # counts records added: unchanged means nobody accessed the buffer since
 
     def waits_for(self, start: int, end: int, write: bool, queue_timeline: Timeline) -> dict[Timeline, int]:
         """Timeline values an access to bytes [start, end) from the queue of `queue_timeline` must wait for."""
         waits: dict[Timeline, int] = {}
-        if not self._records:  # nothing recorded: nothing to wait for (read without the lock, as in conflicts)
+        if not self.records:  # nothing recorded: nothing to wait for (read without the lock, as in conflicts)
             return waits
         with self._lock:
             finished = 0
-            for r in self._records:
+            for r in self.records:
                 if r.timeline.value >= r.value:
                     finished += 1
                 elif (r.timeline is not queue_timeline and (write or r.write) and r.start < end and start < r.end
                         and waits.get(r.timeline, -1) < r.value):
                     waits[r.timeline] = r.value
             if finished:
-                self._records = [r for r in self._records if r.timeline.value < r.value]
+                self.records = [r for r in self.records if r.timeline.value < r.value]
         return waits
 
     def record(self, start: int, end: int, write: bool, timeline: Timeline, value: int) -> None:
@@ -77,11 +79,11 @@ class AccessLog:
 
     def _add(self, new: Access) -> None:
         kept = [new]
-        for r in self._records:
+        for r in self.records:
             if r.timeline.value < r.value and not (
                     r.timeline is new.timeline and new.start <= r.start and r.end <= new.end and (new.write or not r.write)):
                 kept.append(r)
-        self._records = kept
+        self.records = kept
         self.generation += 1
 
     def renew(self, access: Access | None, start: int, end: int, write: bool, timeline: Timeline,
@@ -89,7 +91,7 @@ class AccessLog:
         """Move `access` (an earlier record of the same range, mode and timeline) to `value` in
         place while it is still recorded, else record anew; returns the record and the generation."""
         with self._lock:
-            if access is not None and any(r is access for r in self._records):
+            if access is not None and any(r is access for r in self.records):
                 access.value = value
             else:
                 access = Access(start, end, write, timeline, value)
@@ -99,27 +101,27 @@ class AccessLog:
     def conflicts(self, start: int, end: int, write: bool) -> bool:
         """Whether unfinished work conflicts with accessing bytes [start, end) now, from any thread
         (a read conflicts with pending writes; a write with any pending access)."""
-        if not self._records:  # the common case, without the lock: nothing recorded, nothing to conflict
+        if not self.records:  # the common case, without the lock: nothing recorded, nothing to conflict
             return False
         with self._lock:
-            unfinished = [r for r in self._records if r.timeline.value < r.value]
-            if len(unfinished) < len(self._records):  # as waits_for does: the next look needs no lock
-                self._records = unfinished
+            unfinished = [r for r in self.records if r.timeline.value < r.value]
+            if len(unfinished) < len(self.records):  # as waits_for does: the next look needs no lock
+                self.records = unfinished
             return any((write or r.write) and r.start < end and start < r.end for r in unfinished)
 
     def pending(self) -> dict[Timeline, int]:
         """The latest unfinished value per timeline that touches this base (any range, any mode)."""
         result: dict[Timeline, int] = {}
-        if not self._records:  # read without the lock, as in conflicts: every freed buffer asks
+        if not self.records:  # read without the lock, as in conflicts: every freed buffer asks
             return result
         with self._lock:
-            for r in self._records:
+            for r in self.records:
                 if r.timeline.value < r.value and result.get(r.timeline, -1) < r.value:
                     result[r.timeline] = r.value
         return result
 
     def __len__(self) -> int:
-        return len(self._records)
+        return len(self.records)
 
 
 class StandingAccess:

@@ -286,8 +286,8 @@ class Device(ABC):
         if self.state is not DeviceState.OPEN:
             return BUSY
         for buffer, write in accesses:
-            offset = buffer.offset
-            if buffer.accesses.conflicts(offset, offset + buffer.nbytes, write):
+            log = buffer.accesses
+            if log.records and log.conflicts(buffer.offset, buffer.offset + buffer.nbytes, write):
                 return BUSY
         return self.queues[queue].run_if_idle(fn, args)
 
@@ -314,10 +314,15 @@ class Device(ABC):
         device's memory is the host's and no unfinished work writes `src`; None, with nothing
         done, otherwise (read it through a batch). `Tensor.numpy()` of a computed value: one
         numpy copy out of `host_array`, not an array's address taken and a memmove (~1.5 us more)."""
-        if not self.host_visible or src.accesses.conflicts(src.offset, src.offset + src.nbytes, False):
+        log = src.accesses
+        if not self.host_visible or log.records and log.conflicts(src.offset, src.offset + src.nbytes, False):
             return None
-        self.check_usable()
-        out = self.host_array(src, dtype, shape).copy()
+        if self.state is not DeviceState.OPEN:
+            self.check_usable()
+        view = src.host_view  # (host_array's own first look, without the call: every frame's .numpy())
+        if view is None or view.dtype is not dtype or view.shape != shape or src._freed or src._parent is not None:
+            view = self.host_array(src, dtype, shape)
+        out = view.copy()
         self.queues["copy"].count_copied(src.nbytes)
         return out
 
@@ -349,10 +354,12 @@ class Device(ABC):
     def write_now(self, dst: Buffer, data: np.ndarray) -> bool:
         """Copy host `data` into `dst` on this thread when this device's memory is the host's and
         no unfinished work touches `dst`; False, with nothing done, otherwise (see `read_now`)."""
-        if not self.host_visible or dst.accesses.conflicts(dst.offset, dst.offset + dst.nbytes, True):
+        log = dst.accesses
+        if not self.host_visible or log.records and log.conflicts(dst.offset, dst.offset + dst.nbytes, True):
             return False
-        self.check_usable()
-        host = _host_view(data, writable=False)
+        if self.state is not DeviceState.OPEN:
+            self.check_usable()
+        host = data if type(data) is np.ndarray and data.flags.c_contiguous else _host_view(data, writable=False)
         if host.nbytes != dst.nbytes:
             raise OutOfBounds(f"copyin size mismatch: host data has {host.nbytes} bytes, {dst!r} has {dst.nbytes}")
         copy_now(dst.address, host_address(host), dst.nbytes)

@@ -102,6 +102,9 @@ _engine_lock = threading.Lock()
 def get_engine() -> Engine:
     """The process's engine, started on first use and closed at interpreter exit."""
     global _engine
+    engine = _engine
+    if engine is not None:  # started: no lock (every upload and every op's device asks)
+        return engine
     with _engine_lock:
         if _engine is None:
             _engine = Engine()

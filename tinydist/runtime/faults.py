@@ -26,6 +26,11 @@ class FaultPoints:
         self._armed: dict[str, list[int]] = {}  # name -> [passes left before failing]
         self.hits: dict[str, int] = {}
 
+    @property
+    def armed(self) -> bool:
+        """Whether any point is armed (a hot path takes its short way only when none is)."""
+        return bool(self._armed)
+
     def check(self, name: str) -> None:
         if not self._armed:
             return

@@ -94,10 +94,18 @@ class PeerCache:
         return found
 
 
+TLS_VERSION = b"TLSv1.3"  # the only TLS version a call is admitted over
+
+
 def peer_from_auth_context(auth: Mapping[str, Iterable[bytes]], trust_domain: str, cache: PeerCache) -> Peer:
     """`auth` is gRPC's `context.auth_context()`: property name -> values."""
     if list(auth.get("transport_security_type", ())) != [b"ssl"]:
         raise IdentityError("the call is not protected by TLS")
+    versions = list(auth.get("ssl_tls_version", ()))
+    if versions != [TLS_VERSION]:  # grpc's TLS stack offers no minimum version: the negotiated one is checked here
+        got = versions[0].decode() if versions else "a version gRPC did not report"
+        raise IdentityError(f"TLS 1.3 is required and the connection negotiated {got}: use a client whose TLS "
+                            "library speaks TLS 1.3 (grpcio, OpenSSL 1.1.1 or newer)")
     pems = list(auth.get("x509_pem_cert", ()))
     if len(pems) != 1:
         raise IdentityError("no client certificate was presented")

@@ -21,6 +21,7 @@ import datetime as dt
 import ipaddress
 import os
 import re
+import stat
 import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -103,6 +104,29 @@ def _now() -> dt.datetime:
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+
+
+def check_private(path: Path, what: str, secret: bool = False) -> None:
+    """Refuse a file or folder the node trusts that someone else could change: writable by group
+    or others, or owned by another user — and, for a `secret` (a private key), readable by them.
+    Whoever can rewrite the policy, a key or the CA enrols themselves."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return  # a missing file is its reader's error, with its own message
+    problems, fixes = [], []
+    if st.st_uid != os.geteuid():
+        problems.append(f"owned by uid {st.st_uid}, not by this process's uid {os.geteuid()}")
+        fixes.append(f"chown {os.geteuid()} {path}")
+    if st.st_mode & 0o022:
+        problems.append(f"writable by {'group and others' if st.st_mode & 0o022 == 0o022 else 'group' if st.st_mode & 0o020 else 'others'}")
+        fixes.append(f"chmod go-w {path}")
+    if secret and st.st_mode & 0o044:
+        problems.append("readable by group or others")
+        fixes.append(f"chmod 600 {path}")
+    if problems:
+        raise PKIError(f"refusing {what} {path} (mode {stat.S_IMODE(st.st_mode):o}): it is {' and '.join(problems)}, so another "
+                       f"user could change what this node trusts; fix: {'; '.join(dict.fromkeys(fixes))}")
 
 
 def _write_private(path: Path, data: bytes) -> None:
@@ -242,5 +266,9 @@ class ServerCredentials:
         if missing:
             raise FileNotFoundError(f"{directory} lacks {', '.join(missing)}; refusing to start without a CA and server "
                                     f"certificate (create them with `tinydist certs init {directory}`)")
+        check_private(directory, "the PKI directory")
+        check_private(directory / "ca.pem", "the CA certificate")
+        check_private(directory / "server.pem", "the server certificate")
+        check_private(directory / "server.key", "the server key", secret=True)
         return cls((directory / "ca.pem").read_bytes(), (directory / "server.pem").read_bytes(),
                    (directory / "server.key").read_bytes())

@@ -8,6 +8,7 @@ A file that no longer parses is refused and the last good policy stays in force 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import tomllib
@@ -17,6 +18,7 @@ from typing import Any
 
 from tinydist.base.errors import TinydistError
 from tinydist.base.logs import get_logger
+from tinydist.security.pki import PKIError, check_private
 
 ROLES = ("viewer", "operator", "admin")
 RANK = {role: rank for rank, role in enumerate(ROLES)}
@@ -160,15 +162,26 @@ class PolicyStore:
         stamp = _stamp(self.path)
         if stamp is None:
             raise PolicyError(f"no policy file at {self.path}; `tinydist certs init DIR` writes a starter policy.toml")
-        self._policy = parse_policy(self.path.read_text(), self.path.parent)
+        self._policy = self._parse()
         self._stamp = stamp
         self._denied, self._deny_stamp = self._read_deny(self._policy)
+
+    def _parse(self) -> Policy:
+        """The policy file read and parsed, refused where another user could have written it; its
+        sha256 logged, so an audit can tell which policy was in force when."""
+        check_private(self.path.parent, "the policy's folder")
+        check_private(self.path, "the policy")
+        data = self.path.read_bytes()
+        policy = parse_policy(data.decode(), self.path.parent)
+        self._note("info", "policy loaded", sha256=hashlib.sha256(data).hexdigest(), identities=len(policy.identities))
+        return policy
 
     def _read_deny(self, policy: Policy) -> tuple[frozenset[str], tuple[int, int] | None]:
         path = policy.deny_list_path
         stamp = _stamp(path) if path is not None else None
         if path is None or stamp is None:
             return frozenset(), stamp
+        check_private(path, "the deny-list")
         return parse_deny_list(path.read_text()), stamp
 
     def _note(self, level: str, event: str, **fields: object) -> None:
@@ -187,14 +200,13 @@ class PolicyStore:
         with self._lock:
             if stamp != self._stamp and stamp is not None:
                 try:
-                    self._policy = parse_policy(self.path.read_text(), self.path.parent)
-                    self._note("info", "policy reloaded", identities=len(self._policy.identities))
-                except (PolicyError, OSError) as exc:
+                    self._policy = self._parse()
+                except (PolicyError, PKIError, OSError) as exc:
                     self._note("error", "policy reload refused; the previous policy stays in force", error=str(exc))
                 self._stamp = stamp
             try:
                 self._denied, self._deny_stamp = self._read_deny(self._policy)
-            except (PolicyError, OSError) as exc:
+            except (PolicyError, PKIError, OSError) as exc:
                 # A broken deny-list must not un-revoke anyone: keep the old set.
                 self._note("error", "deny-list reload refused; the previous list stays in force", error=str(exc))
                 self._deny_stamp = _stamp(self._policy.deny_list_path) if self._policy.deny_list_path else None

@@ -30,6 +30,7 @@ import numpy as np
 
 from tinydist.base.errors import TinydistError
 from tinydist.frontend.tensor import Tensor
+from tinydist.graph import dtypes
 
 __all__ = ["CheckpointError", "load", "save"]
 
@@ -38,8 +39,16 @@ class CheckpointError(TinydistError, ValueError):
     """The file is not a checkpoint `save` (or a safetensors writer) wrote completely; the message
     names the file and what does not fit."""
 
-_DTYPES = {"float32": "F32", "float64": "F64", "int32": "I32", "int64": "I64", "bool": "BOOL"}
-_NUMPY = {"F32": "<f4", "F64": "<f8", "I32": "<i4", "I64": "<i8", "BOOL": "|b1"}
+# safetensors' dtype names (BF16 and the float8s are the ones tinydist has no numpy type for)
+_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64", "int8": "I8", "int16": "I16", "int32": "I32",
+           "int64": "I64", "uint8": "U8", "uint16": "U16", "uint32": "U32", "uint64": "U64", "bool": "BOOL"}
+_NUMPY = {"F16": "<f2", "F32": "<f4", "F64": "<f8", "I8": "|i1", "I16": "<i2", "I32": "<i4", "I64": "<i8", "U8": "|u1",
+          "U16": "<u2", "U32": "<u4", "U64": "<u8", "BOOL": "|b1"}
+
+
+def _numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a safetensors dtype name (BF16 through ml_dtypes, loaded only for it)."""
+    return dtypes.to_dtype("bfloat16").np if name == "BF16" else np.dtype(_NUMPY[name])
 
 
 def _flatten(obj: Any, path: str, tensors: dict[str, np.ndarray]) -> Any:
@@ -121,7 +130,7 @@ def load(path: str | os.PathLike[str], device: str | None = None) -> Any:
         tensors: dict[str, np.ndarray] = {}
         for name, entry in header.items():
             begin, end = entry["data_offsets"]
-            dtype = np.dtype(_NUMPY[entry["dtype"]])
+            dtype = _numpy_dtype(entry["dtype"])
             array = np.frombuffer(body[begin:end], dtype=dtype).reshape(entry["shape"])
             tensors[name] = array.astype(dtype.newbyteorder("="), copy=True)
         tree = json.loads(metadata["tinydist.tree"]) if "tinydist.tree" in metadata else None

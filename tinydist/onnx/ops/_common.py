@@ -8,10 +8,11 @@ from typing import Any
 import numpy as np
 
 from tinydist.frontend.tensor import Tensor
+from tinydist.graph import dtypes
 
 Value = Any  # np.ndarray | Tensor | None
 
-SUPPORTED_NP = {np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.bool_)}
+SUPPORTED_NP = {d.np for d in dtypes.SUPPORTED} | {dtypes.to_dtype("bfloat16").np}  # onnx imports ml_dtypes anyway
 
 
 # ---- helpers -----------------------------------------------------------------------------------
@@ -53,7 +54,7 @@ def norm_axes(ctx: Any, axes: Sequence[int], ndim: int) -> list[int]:
 
 def require_float(ctx: Any, x: Tensor) -> None:
     if not x.dtype.is_float:
-        raise ctx.error(f"input dtype {x.dtype.name} is not supported (float32/float64 only)")
+        raise ctx.error(f"input dtype {x.dtype.name} is not supported (float16/float32/float64 only)")
 
 
 def shrink_axis(x: Tensor, axis: int, lo: int, hi: int) -> Tensor:
@@ -75,13 +76,15 @@ def pad_or_crop(x: Tensor, pairs: Sequence[tuple[int, int]], value: Any = 0) -> 
 def lowest(dtype: Any) -> Any:
     if dtype.is_float:
         return float("-inf")
-    return -(1 << (dtype.itemsize * 8 - 1))
+    return 0 if dtype.kind in "bu" else -(1 << (dtype.itemsize * 8 - 1))
 
 
 def highest(dtype: Any) -> Any:
     if dtype.is_float:
         return float("inf")
-    return (1 << (dtype.itemsize * 8 - 1)) - 1
+    if dtype.is_bool:
+        return True
+    return (1 << (dtype.itemsize * 8 - (dtype.kind != "u"))) - 1
 
 
 def erf(x: Tensor) -> Tensor:

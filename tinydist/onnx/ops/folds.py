@@ -54,8 +54,12 @@ def _fold_concat(ctx: Any, *xs: np.ndarray) -> np.ndarray:
 
 
 def _fold_cast(ctx: Any, x: np.ndarray) -> np.ndarray:
+    """numpy's cast, quietly: a float -inf / nan cast to an integer is the integer's lowest value
+    here as in onnxruntime (x86's conversion), and graphs rely on masking it afterwards — T5's
+    relative-position buckets take log(0) = -inf at distance 0, cast it, then Where it away."""
     from tinydist.onnx.model import np_dtype_of
-    return x.astype(np_dtype_of(ctx, ctx.attr("to")))
+    with np.errstate(invalid="ignore"):
+        return x.astype(np_dtype_of(ctx, ctx.attr("to")))
 
 
 def _fold_split(ctx: Any, x: np.ndarray, split: Any = None) -> tuple[np.ndarray, ...]:

@@ -1,0 +1,259 @@
+"""The gate every call of the node service passes before its handler runs:
+
+    TLS identity (single URI SAN, clientAuth, valid) → not revoked → enrolled → method listed in the
+    policy with a role the caller has → within its RPC rate → elevation token (admin methods)
+
+A refusal ends the call with its gRPC status and reason, before the handler reads anything; every
+call, admitted or not, ends in exactly one audit `decision` record and one RPC metric. Handler
+errors are mapped here too: an `RpcError` is its status, a device failure UNAVAILABLE, any other
+tinydist error FAILED_PRECONDITION, anything else INTERNAL (logged, never leaked).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import secrets
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from nodes.audit import AuditLog
+from tinydist.base.errors import DeviceFailed, TinydistError
+from tinydist.base.logs import get_logger
+from tinydist.observability import metrics
+from tinydist.security.identity import IdentityError, PeerCache, peer_from_auth_context
+from tinydist.security.policy import ELEVATED, RANK, Policy, PolicyStore
+from transports.pci_remote import wire
+from transports.pci_remote._generated import device_pb2 as pb
+
+SERVICE = "tinydist.v1.DeviceService"
+ELEVATION_METADATA = "tinydist-elevation"
+Code = grpc.StatusCode
+
+
+def _log():  # not at import: configuring logs then would bind the importer's stderr
+    return get_logger(component="remote-server")
+
+
+class RpcError(TinydistError):
+    """A handler's refusal: the call ends with gRPC status `code` and `reason` as its details."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+@dataclass
+class Call:
+    identity: str
+    fingerprint: str
+    role: str
+    policy: Policy
+    method: str
+    deadline: float  # monotonic
+
+
+class Gate:
+    """Admission, elevation tokens and the audit of every call; `handlers(servicer)` wraps a
+    servicer's `rpc_<Method>(request, call)` coroutines as the gated gRPC handlers."""
+
+    def __init__(self, op_timeout_s: float, policy: PolicyStore, audit: AuditLog) -> None:
+        self.op_timeout_s = op_timeout_s
+        self.policy = policy
+        self.audit = audit
+        self.handler_calls: Counter[str] = Counter()  # how often each handler body ran (tests prove refusals)
+        self._buckets: dict[str, tuple[float, float]] = {}
+        self._tokens: dict[str, list[tuple[bytes, float]]] = {}
+        self._peers = PeerCache()
+
+    def recheck(self, call: Call) -> None:
+        """Between the messages of a stream: still before the call's deadline, the certificate
+        not revoked since, the role still enough (the policy is re-read when its files change);
+        a refusal ends the stream, audited as any refusal."""
+        if time.monotonic() > call.deadline:
+            raise RpcError(Code.DEADLINE_EXCEEDED, "the stream outlived its deadline; split the transfer")
+        policy, denied = self.policy.current()
+        if call.fingerprint in denied:
+            raise _Refused(call, Code.UNAUTHENTICATED, "certificate revoked")
+        role, need = policy.role_of(call.identity), policy.min_role(call.method)
+        if role is None or need is None or RANK[role] < RANK[need]:
+            raise _Refused(call, Code.PERMISSION_DENIED, f"the policy no longer lets {role or 'a caller not enrolled'} call {call.method}")
+
+    async def messages(self, call: Call, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """A client stream's messages, each admitted by `recheck`; a client that sends nothing
+        until the call's deadline ends it (a stream holds no slot while idle for ever)."""
+        iterator = requests.__aiter__()
+        while True:
+            self.recheck(call)
+            try:
+                message = await asyncio.wait_for(iterator.__anext__(), max(call.deadline - time.monotonic(), 0.0))
+            except StopAsyncIteration:
+                return
+            except (asyncio.TimeoutError, TimeoutError):
+                raise RpcError(Code.DEADLINE_EXCEEDED, "the stream sent nothing before its deadline") from None
+            yield message
+
+    def mint_token(self, call: Call) -> tuple[str, float]:
+        """A new elevation token for the caller's certificate and its time to live in seconds
+        (the policy's, at most 60 s); the last eight stay valid until they expire."""
+        ttl = min(call.policy.token_ttl, 60.0)
+        now = time.monotonic()
+        token = secrets.token_urlsafe(32)
+        live = [(t, e) for t, e in self._tokens.get(call.fingerprint, []) if e > now][-7:]
+        live.append((token.encode(), now + ttl))
+        self._tokens[call.fingerprint] = live
+        return token, ttl
+
+    def admit(self, method: str, context: grpc.aio.ServicerContext) -> Call:
+        policy, denied = self.policy.current()
+        try:
+            peer = peer_from_auth_context(context.auth_context(), policy.trust_domain, self._peers)
+        except IdentityError as exc:
+            raise RpcError(Code.UNAUTHENTICATED, str(exc)) from None
+        call = Call(peer.identity, peer.fingerprint, "", policy, method, 0.0)
+        if peer.fingerprint in denied:
+            raise _Refused(call, Code.UNAUTHENTICATED, "certificate revoked")
+        role = policy.role_of(peer.identity)
+        if role is None:
+            raise _Refused(call, Code.PERMISSION_DENIED, "identity not enrolled")
+        call.role = role
+        need = policy.min_role(method)
+        if need is None:
+            raise _Refused(call, Code.PERMISSION_DENIED, "method not in policy (deny by default)")
+        if RANK[role] < RANK[need]:
+            raise _Refused(call, Code.PERMISSION_DENIED, f"role {role} below required {need}")
+        quota = policy.quota_of(peer.identity)
+        now = time.monotonic()
+        tokens, last = self._buckets.get(peer.identity, (quota.rpc_burst, now))
+        tokens = min(quota.rpc_burst, tokens + (now - last) * quota.rpc_per_second)
+        if tokens < 1.0:
+            self._buckets[peer.identity] = (tokens, now)
+            raise _Refused(call, Code.RESOURCE_EXHAUSTED, "rpc rate quota exceeded")
+        self._buckets[peer.identity] = (tokens - 1.0, now)
+        if method in ELEVATED:
+            self._check_token(call, context)
+        remaining = context.time_remaining()
+        budget = self.op_timeout_s if remaining is None else min(self.op_timeout_s, remaining)
+        call.deadline = now + max(budget, 0.0)
+        return call
+
+    def _check_token(self, call: Call, context: grpc.aio.ServicerContext) -> None:
+        presented = None
+        for key, value in context.invocation_metadata() or ():
+            if key == ELEVATION_METADATA:
+                presented = value.encode() if isinstance(value, str) else bytes(value)
+        if not presented:
+            raise _Refused(call, Code.PERMISSION_DENIED, "elevation token required")
+        now = time.monotonic()
+        matched_expired = False
+        for token, expires in self._tokens.get(call.fingerprint, ()):
+            if hmac.compare_digest(token, presented):
+                if expires > now:
+                    return
+                matched_expired = True
+        raise _Refused(call, Code.PERMISSION_DENIED,
+                       "elevation token expired" if matched_expired else "elevation token invalid for this certificate")
+
+    def _wrap_unary(self, method: str, impl: Callable[..., Any]) -> Callable[..., Any]:
+        async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            call, code, reason, started = None, Code.OK, "ok", time.perf_counter()
+            try:
+                call = self.admit(method, context)
+                self.handler_calls[method] += 1
+                return await impl(request, call)
+            except _Refused as exc:
+                call, code, reason = exc.call, exc.code, exc.reason
+            except RpcError as exc:
+                code, reason = exc.code, exc.reason
+            except asyncio.CancelledError:
+                code, reason = Code.CANCELLED, "cancelled by the client"
+                raise
+            except Exception as exc:  # noqa: BLE001 - classified below, never leaked
+                code, reason = classify(exc)
+            finally:
+                self._decide(call, method, code, reason, context, started)
+            await context.abort(code, reason)
+        return handler
+
+    def _wrap_stream_out(self, method: str, impl: Callable[..., AsyncIterator[Any]]) -> Callable[..., Any]:
+        async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            call, code, reason, started = None, Code.OK, "ok", time.perf_counter()
+            try:
+                call = self.admit(method, context)
+                self.handler_calls[method] += 1
+                async for reply in impl(request, call):
+                    yield reply
+            except _Refused as exc:
+                call, code, reason = exc.call, exc.code, exc.reason
+            except RpcError as exc:
+                code, reason = exc.code, exc.reason
+            except (asyncio.CancelledError, GeneratorExit):
+                code, reason = Code.CANCELLED, "cancelled by the client"
+                raise
+            except Exception as exc:  # noqa: BLE001
+                code, reason = classify(exc)
+            finally:
+                self._decide(call, method, code, reason, context, started)
+            if code is not Code.OK:
+                await context.abort(code, reason)
+        return handler
+
+    def _decide(self, call: Call | None, method: str, code: grpc.StatusCode, reason: str, context: Any,
+                started: float) -> None:
+        self.audit.decision(identity=call.identity if call else None, method=method, status=code.name, reason=reason,
+                            fingerprint=call.fingerprint if call else None, peer=context.peer())
+        metrics.record_rpc(method, code.name, time.perf_counter() - started)
+        if code in (Code.UNAUTHENTICATED, Code.PERMISSION_DENIED):
+            metrics.count_auth_denial(reason)
+
+    def handlers(self, servicer: Any) -> grpc.GenericRpcHandler:
+        service = pb.DESCRIPTOR.services_by_name["DeviceService"]
+        table = {}
+        for m in service.methods:
+            req = getattr(pb, m.input_type.name)
+            rep = getattr(pb, m.output_type.name)
+            # a method with no implementation is refused like one with no policy entry
+            impl: Callable[..., Any] = getattr(servicer, f"rpc_{m.name}", None) or self._unimplemented
+            decode = _BULK_DECODERS.get(m.name, req.FromString)
+            encode = None if m.name in _ENCODED_REPLIES else rep.SerializeToString
+            if m.server_streaming:
+                table[m.name] = grpc.unary_stream_rpc_method_handler(
+                    self._wrap_stream_out(m.name, impl), request_deserializer=decode, response_serializer=encode)
+            elif m.client_streaming:
+                table[m.name] = grpc.stream_unary_rpc_method_handler(
+                    self._wrap_unary(m.name, impl), request_deserializer=decode, response_serializer=encode)
+            else:
+                table[m.name] = grpc.unary_unary_rpc_method_handler(
+                    self._wrap_unary(m.name, impl), request_deserializer=decode, response_serializer=encode)
+        return grpc.method_handlers_generic_handler(SERVICE, table)
+
+    async def _unimplemented(self, request: Any, call: Call) -> Any:
+        raise RpcError(Code.UNIMPLEMENTED, "method not implemented")
+
+class _Refused(RpcError):
+    """A refusal after the caller was identified (the audit record names them)."""
+
+    def __init__(self, call: Call, code: grpc.StatusCode, reason: str) -> None:
+        super().__init__(code, reason)
+        self.call = call
+
+
+def classify(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, DeviceFailed):
+        return Code.UNAVAILABLE, "device failed"
+    if isinstance(exc, TinydistError):
+        return Code.FAILED_PRECONDITION, type(exc).__name__
+    _log().error("internal error in handler", error=f"{type(exc).__name__}: {exc}")
+    return Code.INTERNAL, "internal error"
+
+
+# Bulk data goes through wire.py: write-stream chunks decode to views of the received message, and
+# the read handlers return replies already encoded.
+_BULK_DECODERS: dict[str, Callable[[bytes], Any]] = {"WriteStream": wire.decode_write_request}
+_ENCODED_REPLIES = frozenset({"Read", "ReadStream"})
