@@ -74,6 +74,62 @@ def eager_stepper(name: str, devices: int = 1, rank: int = 0, world: int = 1) ->
     return step, td.synchronize
 
 
+def eager_breakdown(name: str, steps: int = 200) -> str:
+    """Where an eager step's time goes, on the caller's thread: the median over `steps` of the
+    step's wall and thread CPU time (on a loaded machine the wall time has the other processes'
+    time slices in it, the CPU time not), of each part's wall time, and the kernels the step runs
+    (the schedules its realizes ran). The parts
+    are the forward (with the batch's upload), the loss, backward (building the gradient graph),
+    the realize of loss and gradients (walk, cached schedule, its kernels: a short batch runs on
+    this thread) and the Adam update (its kept schedule over the current buffers)."""
+    import tinydist as td
+    import tinydist.engine.realize as realize_module
+    import tinydist.train.optim as optim_module
+    model = td_model(name)
+    ddp = td.parallel.DistributedDataParallel(model, devices=1)
+    opt = td.optim.Adam(ddp.parameters(), lr=1e-3)
+    data = batches(name, 8)
+    kernels: list[int] = []
+    run_schedule = realize_module.run_schedule
+
+    def counting(schedule, inputs):  # type: ignore[no-untyped-def]
+        kernels.append(len(schedule.linear))
+        return run_schedule(schedule, inputs)
+
+    parts: dict[str, list[float]] = {p: [] for p in ("forward", "loss", "backward", "realize", "update", "step", "cpu")}
+    realize_module.run_schedule = optim_module.run_schedule = counting
+    try:
+        for i in range(steps + 10):
+            x, y = data[i % len(data)]
+            c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
+            out = ddp(td.Tensor(x))
+            t1 = time.perf_counter_ns()
+            loss = td.nn.functional.cross_entropy(out, td.Tensor(y))
+            del out  # as in a step written inline: no forward value alive at the update
+            t2 = time.perf_counter_ns()
+            opt.zero_grad()
+            loss.backward()
+            t3 = time.perf_counter_ns()
+            opt.realize()
+            t4 = time.perf_counter_ns()
+            opt.step()
+            t5, c5 = time.perf_counter_ns(), time.thread_time_ns()
+            if i >= 10:
+                for part, ns in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0, c5 - c0)):
+                    parts[part].append(ns / 1e3)
+            if i == 9:
+                kernels.clear()
+        td.synchronize()
+    finally:
+        realize_module.run_schedule = run_schedule
+        optim_module.run_schedule = run_schedule
+    us = {part: statistics.median(values) for part, values in parts.items()}
+    return (f"{name:4s} eager step on the caller's thread {us['step']:.0f} us (its thread CPU time {us['cpu']:.0f} us; "
+            f"the parts' medians: forward {us['forward']:.0f}, loss {us['loss']:.0f}, backward {us['backward']:.0f}, "
+            f"realize {us['realize']:.0f}, Adam update {us['update']:.0f}); {sum(kernels) / steps:.0f} kernels in "
+            f"{len(kernels) / steps:.0f} schedules per step (median of {steps})")
+
+
 def _measure_agreed(step, seconds: float, sync) -> list[float]:
     """Like _measure, for ranks of one job: rank 0 times the warm-up and every rank then runs the
     same number of steps per window (a time budget per rank would leave one in a collective)."""
@@ -252,6 +308,7 @@ def main() -> None:
             want = EAGER_TARGETS[name]
             print(f"{name:4s} target: eager step vs torch 1 thread {eager:.2f}x "
                   f"{f'>={want}x: PASS' if eager >= want else f'>={want}x: MISS'} (median of 5 interleaved rounds)")
+        print(eager_breakdown(name))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 

@@ -356,13 +356,13 @@ class _Building:
 
 
 def _work(call: Call) -> float:
-    """Roughly how long `call` runs, in iterations of its innermost loop: a kernel's iteration
-    space, a matmul's multiply-adds; copies and slice kernels are taken as long (they are a copy
-    lane's or an allreduce's work, which a batch of its own overlaps)."""
+    """Roughly how long `call` runs, in iterations of an elementwise kernel: a kernel's iteration
+    space, a matmul's multiply-adds at MATMUL_MAC_WORK each; copies and slice kernels are taken
+    as long (they are a copy lane's or an allreduce's work, which a batch of its own overlaps)."""
     if isinstance(call, KernelCall):
         return math.prod(call.ast.shape)
     if isinstance(call, MatmulCall):
-        return call.batch * call.m * call.n * call.k
+        return call.batch * call.m * call.n * call.k * MATMUL_MAC_WORK
     return math.inf
 
 
@@ -460,12 +460,23 @@ def _link(plan: _Plan, run: _Run) -> _Run:
                 (ctypes.c_int64 * len(code))(*code), whole, calls)
 
 
-# A batch of kernels iterating this often in all takes less time than handing it to the queue's
-# worker (waking it, and the caller on completion: tens of microseconds on one core): on a device
-# whose kernels are code of this process (not a remote node's), it runs on the calling thread when
-# its queue is idle and it waits for nothing (`CommandQueue.submit`'s inline). 2**14 iterations are ~5 us of elementwise float32 work, ~80 us at worst (scalar
-# transcendentals). A realize of the graph in bench/tensor.py (97 kernels over 8x8) is 6208.
-INLINE_WORK = 1 << 14
+# A batch of kernels iterating this often in all (in `_work`'s units) runs on the calling thread
+# when its queue is idle and it waits for nothing (`CommandQueue.submit`'s inline), on a device
+# whose kernels are code of this process (not a remote node's). Handed to the queue's worker, a
+# batch this short overlaps little: the worker takes the GIL to start it and again to finish it,
+# each time waiting until this thread releases it — up to the interpreter's switch interval (5 ms)
+# while this thread builds the next graph in Python — so an eager loop whose batches are short
+# ran its host work and its kernels one after the other anyway, plus the hand-offs (the digits
+# MLP's step, batch 256: about 0.8M units, ~0.2 ms of kernels, and ~0.5 ms of waiting for the GIL
+# and the run-ahead bound per step on a quiet machine). 2**21 units are ~0.5 ms of elementwise
+# float32 work (4 iterations/ns on this machine's core), ~1.6 ms at worst (transcendentals,
+# 1.3/ns); the small CNN's step (~20M units, ~10 ms) still overlaps the host on the worker. A
+# realize of the graph in bench/tensor.py (97 kernels over 8x8) is 6208.
+INLINE_WORK = 1 << 21
+# A matmul's multiply-add in elementwise iterations: the packed kernel does ~44 per ns on one
+# core (512x512x512 float32 in 3.1 ms), an elementwise kernel ~4 iterations per ns; 1/8 leaves
+# room for packing, which dominates small products.
+MATMUL_MAC_WORK = 1 / 8
 
 
 # The command interpreter: `tinydist_commands(bases, code, count)` calls `count` kernels, each

@@ -64,6 +64,7 @@ ELEMENTWISE = UNARY | BINARY | {Op.WHERE}
 TRANSCENDENTAL = frozenset({Op.EXP, Op.EXP2, Op.LOG, Op.LOG2, Op.SIN, Op.COS, Op.POW})
 
 _ids = itertools.count()
+_ASSIGN = Op.ASSIGN
 
 
 # ---- autograd hook (tinydist.frontend.autograd) ------------------------------------------------------
@@ -87,7 +88,7 @@ class LazyNode:
         self.srcs = srcs
         self.arg = arg
         self.dtype = dtype
-        self.shape = tuple(shape)
+        self.shape = shape if type(shape) is tuple else tuple(shape)
         self.device = device
         self.buffer = buffer
         self.id = next(_ids)
@@ -104,10 +105,12 @@ class LazyNode:
                     readers.append(me)
                     # A long-lived node (a weight) is read by every graph built from it: drop dead
                     # entries whenever the list doubles, so it stays proportional to the readers alive.
-                    if len(readers) >= 32 and len(readers) & (len(readers) - 1) == 0:
+                    count = len(readers)
+                    if count >= 32 and count & (count - 1) == 0:
                         readers[:] = [ref for ref in readers if ref() is not None]
-                grad = grad or src.requires_grad
-        self.requires_grad: bool = grad and grad_mode.enabled and op is not Op.ASSIGN and dtype.is_float  # autograd hook
+                if src.requires_grad:
+                    grad = True
+        self.requires_grad: bool = grad and grad_mode.enabled and op is not _ASSIGN and dtype.is_float  # autograd hook
 
     def live_readers(self) -> Iterator[LazyNode]:
         """Unrealized nodes still alive that read this node."""
@@ -189,8 +192,12 @@ MAX_FUSED_OPS = 256
 
 def view(node: LazyNode, movement: str, arg: Any) -> LazyNode:
     """Apply a movement op (`reshape`, `permute`, `expand`, `shrink`, `pad`, `step`, `as_strided`)."""
-    if movement in _PUSHABLE and _pushable(node) and _push_size(node, MAX_FUSED_OPS) <= MAX_FUSED_OPS:
-        return drive(_push(node, movement, arg))
+    if movement in _PUSHABLE and _pushable(node):
+        size = _push_size(node, MAX_FUSED_OPS)
+        if size <= SHALLOW_PUSH:  # a few frames deep: recursion, without a generator per node
+            return _push_shallow(node, movement, arg)
+        if size <= MAX_FUSED_OPS:
+            return drive(_push(node, movement, arg))
     return _view_of(node, movement, arg)
 
 
@@ -208,6 +215,18 @@ def _push_size(node: LazyNode, limit: int) -> int:
             count += 1
             pending.extend(node.srcs)
     return count
+
+
+# Pushes through at most this many nodes recurse (as deep as the count, at most): the chains of
+# a training step's gradients are a few nodes long, and a generator per node driven by
+# `tinydist.base.walk.drive` cost about twice the recursion for them.
+SHALLOW_PUSH = 32
+
+
+def _push_shallow(node: LazyNode, movement: str, arg: Any) -> LazyNode:
+    """`_push` for a chain of at most SHALLOW_PUSH nodes, by recursion (the same nodes, in the same order)."""
+    srcs = tuple([_push_shallow(src, movement, arg) if _pushable(src) else _view_of(src, movement, arg) for src in node.srcs])
+    return elementwise(node.op, srcs, node.dtype, node.arg)
 
 
 def _push(node: LazyNode, movement: str, arg: Any) -> Step[LazyNode]:

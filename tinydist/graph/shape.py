@@ -12,6 +12,7 @@ built, naming the shapes.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -20,12 +21,21 @@ Shape = tuple[int, ...]
 Mask = tuple[tuple[int, int], ...] | None
 
 
+@functools.lru_cache(maxsize=4096)
 def contiguous_strides(shape: Shape) -> tuple[int, ...]:
+    """Row-major strides of `shape` (size-1 axes 0). Cached: every view asks whether it is
+    contiguous, and an eager step asks for the same few shapes ~50 times."""
     strides, acc = [], 1
     for size in reversed(shape):
         strides.append(acc if size != 1 else 0)
         acc *= size
     return tuple(reversed(strides))
+
+
+def _fields_only(state: dict[str, object]) -> dict[str, object]:
+    """A view's or tracker's pickled state: its fields, not what it keeps computed (a hash of
+    None differs between processes)."""
+    return {name: value for name, value in state.items() if name not in ("_hash", "contiguous", "contiguous_base")}
 
 
 def prod(values: Sequence[int]) -> int:
@@ -38,6 +48,17 @@ class View:
     strides: tuple[int, ...]
     offset: int = 0
     mask: Mask = None
+
+    def __hash__(self) -> int:
+        """The fields' hash, computed once: a view is a key of the movement and scalar caches
+        that every movement op of a step looks up (the generated __hash__ rebuilt the tuple)."""
+        found = self.__dict__.get("_hash")
+        if found is None:
+            found = self.__dict__["_hash"] = hash((self.shape, self.strides, self.offset, self.mask))
+        return found
+
+    def __getstate__(self) -> dict[str, object]:
+        return _fields_only(self.__dict__)
 
     @staticmethod
     def create(shape: Shape, strides: tuple[int, ...] | None = None, offset: int = 0, mask: Mask = None) -> View:
@@ -52,7 +73,7 @@ class View:
                 mask = None
         return View(shape, strides, offset, mask)
 
-    @property
+    @functools.cached_property
     def contiguous(self) -> bool:
         return self.offset == 0 and self.mask is None and self.strides == contiguous_strides(self.shape)
 
@@ -143,6 +164,16 @@ def _restride(old_shape: Shape, old_strides: tuple[int, ...], new_shape: Shape) 
 class ShapeTracker:
     views: tuple[View, ...]
 
+    def __hash__(self) -> int:
+        """Computed once, as View's (a tracker keys the movement cache)."""
+        found = self.__dict__.get("_hash")
+        if found is None:
+            found = self.__dict__["_hash"] = hash(self.views)
+        return found
+
+    def __getstate__(self) -> dict[str, object]:
+        return _fields_only(self.__dict__)
+
     @staticmethod
     def contiguous(shape: Shape) -> ShapeTracker:
         return ShapeTracker((View.create(tuple(shape)),))
@@ -151,9 +182,10 @@ class ShapeTracker:
     def shape(self) -> Shape:
         return self.views[-1].shape
 
-    @property
+    @functools.cached_property
     def contiguous_base(self) -> bool:
-        """True when indexing is the identity over the base's contiguous memory."""
+        """True when indexing is the identity over the base's contiguous memory (kept: every
+        view node made asks it of its tracker)."""
         return len(self.views) == 1 and self.views[0].contiguous
 
     def is_reshape_of(self, shape: Shape) -> bool:
