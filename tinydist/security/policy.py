@@ -56,6 +56,7 @@ class Quota:
     max_streams: int = 16             # of which streaming calls (WriteStream, ReadStream)
     max_programs: int = 256           # programs loaded at once, per identity; unloaded with their lease
     max_program_bytes: int = 64 << 20  # their LLVM IR and object code together, per identity
+    resets_per_minute: int = 6        # ResetDevice calls in any 60 s, per identity
 
 
 @dataclass(frozen=True)
@@ -246,6 +247,7 @@ max_calls = 64           # calls in progress at once (checked when a call starts
 max_streams = 16         # of which WriteStream / ReadStream
 max_programs = 256       # programs loaded at once; unloaded when their lease ends
 max_program_bytes = 67108864
+resets_per_minute = 6
 
 [revocation]
 deny_list = "revoked.txt"   # sha256 certificate fingerprints, one a line; re-read on change

@@ -147,7 +147,8 @@ class RemoteDevice(Device):
     def load_ir(self, ir_text: str, entry: str, signature: Sequence[str], compile: Callable[[str], bytes] | None = None) -> Program:
         self.check_usable()
         signature = check_signature(entry, signature)
-        reply = self.rpc("LoadProgram", pb.LoadProgramRequest(device=self.remote_name, kind=pb.PROGRAM_KIND_ENGINE_KERNEL,
+        lease = self.session.lease if self.session is not None else b""
+        reply = self.rpc("LoadProgram", pb.LoadProgramRequest(device=self.remote_name, kind=pb.PROGRAM_KIND_ENGINE_KERNEL, lease=lease,
                                                               llvm_ir=ir_text, entry=entry, signature=list(signature)))
         return Program(entry, signature, _Launcher(self, reply.program_id, signature), 0)
 

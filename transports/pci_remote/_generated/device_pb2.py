@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tinydist/v1/device.proto\x12\x0btinydist.v1\"\x1e\n\x0bPingRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\"\x1c\n\tPingReply\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\"\x0f\n\rWhoAmIRequest\"B\n\x0bWhoAmIReply\x12\x10\n\x08identity\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\"*\n\nDeviceInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"\x14\n\x12ListDevicesRequest\"<\n\x10ListDevicesReply\x12(\n\x07\x64\x65vices\x18\x01 \x03(\x0b\x32\x17.tinydist.v1.DeviceInfo\"V\n\x0fPciFunctionInfo\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tvendor_id\x18\x02 \x01(\r\x12\x11\n\tdevice_id\x18\x03 \x01(\r\x12\x0c\n\x04\x62\x61rs\x18\x04 \x03(\r\"\x19\n\x17ListPciFunctionsRequest\"H\n\x15ListPciFunctionsReply\x12/\n\tfunctions\x18\x01 \x03(\x0b\x32\x1c.tinydist.v1.PciFunctionInfo\"\x12\n\x10OpenLeaseRequest\"\"\n\x11RenewLeaseRequest\x12\r\n\x05lease\x18\x01 \x01(\x0c\"0\n\nLeaseReply\x12\r\n\x05lease\x18\x01 \x01(\x0c\x12\x13\n\x0bttl_seconds\x18\x02 \x01(\x01\"\"\n\x11\x43loseLeaseRequest\x12\r\n\x05lease\x18\x01 \x01(\x0c\"#\n\x0f\x43loseLeaseReply\x12\x10\n\x08released\x18\x01 \x01(\x04\"@\n\x0f\x41llocateRequest\x12\r\n\x05lease\x18\x01 \x01(\x0c\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\"/\n\rAllocateReply\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\",\n\x0b\x46reeRequest\x12\r\n\x05lease\x18\x01 \x01(\x0c\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\"\x0b\n\tFreeReply\"K\n\x0cWriteRequest\x12\r\n\x05lease\x18\x01 \x01(\x0c\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\x1d\n\nWriteReply\x12\x0f\n\x07written\x18\x01 \x01(\x04\"a\n\x0bReadRequest\x12\r\n\x05lease\x18\x01 \x01(\x0c\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x05 \x01(\x04\"\x19\n\tReadReply\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"n\n\x0b\x43opyRequest\x12\r\n\x05lease\x18\x01 \x01(\x0c\x12\x0b\n\x03\x64st\x18\x02 \x01(\x0c\x12\x12\n\ndst_offset\x18\x03 \x01(\x04\x12\x0b\n\x03src\x18\x04 \x01(\x0c\x12\x12\n\nsrc_offset\x18\x05 \x01(\x04\x12\x0e\n\x06length\x18\x06 \x01(\x04\"\x0b\n\tCopyReply\"\x7f\n\x12LoadProgramRequest\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12&\n\x04kind\x18\x02 \x01(\x0e\x32\x18.tinydist.v1.ProgramKind\x12\x0f\n\x07llvm_ir\x18\x03 \x01(\t\x12\r\n\x05\x65ntry\x18\x04 \x01(\t\x12\x11\n\tsignature\x18\x05 \x03(\t\"&\n\x10LoadProgramReply\x12\x12\n\nprogram_id\x18\x01 \x01(\t\";\n\tBufferArg\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"k\n\tLaunchArg\x12(\n\x06\x62uffer\x18\x01 \x01(\x0b\x32\x16.tinydist.v1.BufferArgH\x00\x12\r\n\x03i64\x18\x02 \x01(\x12H\x00\x12\r\n\x03\x66\x36\x34\x18\x03 \x01(\x01H\x00\x12\r\n\x03\x66\x33\x32\x18\x04 \x01(\x02H\x00\x42\x07\n\x05value\"h\n\rLaunchRequest\x12\r\n\x05lease\x18\x01 \x01(\x0c\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x12\n\nprogram_id\x18\x03 \x01(\t\x12$\n\x04\x61rgs\x18\x04 \x03(\x0b\x32\x16.tinydist.v1.LaunchArg\"\x1e\n\x0bLaunchReply\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\"\x1b\n\x19MintElevationTokenRequest\"=\n\x17MintElevationTokenReply\x12\r\n\x05token\x18\x01 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x02 \x01(\x01\"%\n\x12ResetDeviceRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"\"\n\x10ResetDeviceReply\x12\x0e\n\x06resets\x18\x01 \x01(\x04\"E\n\x14PciConfigReadRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\r\"#\n\x12PciConfigReadReply\x12\r\n\x05value\x18\x01 \x01(\r\"N\n\x0e\x42\x61rReadRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0b\n\x03\x62\x61r\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\"\x1c\n\x0c\x42\x61rReadReply\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"M\n\x0f\x42\x61rWriteRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0b\n\x03\x62\x61r\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\x0f\n\rBarWriteReply*f\n\x0bProgramKind\x12\x1c\n\x18PROGRAM_KIND_UNSPECIFIED\x10\x00\x12\x1e\n\x1aPROGRAM_KIND_ENGINE_KERNEL\x10\x01\x12\x19\n\x15PROGRAM_KIND_RAW_LLVM\x10\x02\x32\xb8\x0c\n\rDeviceService\x12\x38\n\x04Ping\x12\x18.tinydist.v1.PingRequest\x1a\x16.tinydist.v1.PingReply\x12>\n\x06WhoAmI\x12\x1a.tinydist.v1.WhoAmIRequest\x1a\x18.tinydist.v1.WhoAmIReply\x12M\n\x0bListDevices\x12\x1f.tinydist.v1.ListDevicesRequest\x1a\x1d.tinydist.v1.ListDevicesReply\x12\\\n\x10ListPciFunctions\x12$.tinydist.v1.ListPciFunctionsRequest\x1a\".tinydist.v1.ListPciFunctionsReply\x12\x43\n\tOpenLease\x12\x1d.tinydist.v1.OpenLeaseRequest\x1a\x17.tinydist.v1.LeaseReply\x12\x45\n\nRenewLease\x12\x1e.tinydist.v1.RenewLeaseRequest\x1a\x17.tinydist.v1.LeaseReply\x12J\n\nCloseLease\x12\x1e.tinydist.v1.CloseLeaseRequest\x1a\x1c.tinydist.v1.CloseLeaseReply\x12\x44\n\x08\x41llocate\x12\x1c.tinydist.v1.AllocateRequest\x1a\x1a.tinydist.v1.AllocateReply\x12\x38\n\x04\x46ree\x12\x18.tinydist.v1.FreeRequest\x1a\x16.tinydist.v1.FreeReply\x12;\n\x05Write\x12\x19.tinydist.v1.WriteRequest\x1a\x17.tinydist.v1.WriteReply\x12\x43\n\x0bWriteStream\x12\x19.tinydist.v1.WriteRequest\x1a\x17.tinydist.v1.WriteReply(\x01\x12\x38\n\x04Read\x12\x18.tinydist.v1.ReadRequest\x1a\x16.tinydist.v1.ReadReply\x12@\n\nReadStream\x12\x18.tinydist.v1.ReadRequest\x1a\x16.tinydist.v1.ReadReply0\x01\x12\x38\n\x04\x43opy\x12\x18.tinydist.v1.CopyRequest\x1a\x16.tinydist.v1.CopyReply\x12M\n\x0bLoadProgram\x12\x1f.tinydist.v1.LoadProgramRequest\x1a\x1d.tinydist.v1.LoadProgramReply\x12>\n\x06Launch\x12\x1a.tinydist.v1.LaunchRequest\x1a\x18.tinydist.v1.LaunchReply\x12\x62\n\x12MintElevationToken\x12&.tinydist.v1.MintElevationTokenRequest\x1a$.tinydist.v1.MintElevationTokenReply\x12P\n\x0eLoadRawProgram\x12\x1f.tinydist.v1.LoadProgramRequest\x1a\x1d.tinydist.v1.LoadProgramReply\x12M\n\x0bResetDevice\x12\x1f.tinydist.v1.ResetDeviceRequest\x1a\x1d.tinydist.v1.ResetDeviceReply\x12S\n\rPciConfigRead\x12!.tinydist.v1.PciConfigReadRequest\x1a\x1f.tinydist.v1.PciConfigReadReply\x12\x41\n\x07\x42\x61rRead\x12\x1b.tinydist.v1.BarReadRequest\x1a\x19.tinydist.v1.BarReadReply\x12\x44\n\x08\x42\x61rWrite\x12\x1c.tinydist.v1.BarWriteRequest\x1a\x1a.tinydist.v1.BarWriteReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tinydist/v1/device.proto\x12\x0btinydist.v1\"\x1e\n\x0bPingRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\"\x1c\n\tPingReply\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\"\x0f\n\rWhoAmIRequest\"B\n\x0bWhoAmIReply\x12\x10\n\x08identity\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\"*\n\nDeviceInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"\x14\n\x12ListDevicesRequest\"<\n\x10ListDevicesReply\x12(\n\x07\x64\x65vices\x18\x01 \x03(\x0b\x32\x17.tinydist.v1.DeviceInfo\"V\n\x0fPciFunctionInfo\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tvendor_id\x18\x02 \x01(\r\x12\x11\n\tdevice_id\x18\x03 \x01(\r\x12\x0c\n\x04\x62\x61rs\x18\x04 \x03(\r\"\x19\n\x17ListPciFunctionsRequest\"H\n\x15ListPciFunctionsReply\x12/\n\tfunctions\x18\x01 \x03(\x0b\x32\x1c.tinydist.v1.PciFunctionInfo\"\x12\n\x10OpenLeaseRequest\"\"\n\x11RenewLeaseRequest\x12\r\n\x05lease\x18\x01 \x01(\x0c\"0\n\nLeaseReply\x12\r\n\x05lease\x18\x01 \x01(\x0c\x12\x13\n\x0bttl_seconds\x18\x02 \x01(\x01\"\"\n\x11\x43loseLeaseRequest\x12\r\n\x05lease\x18\x01 \x01(\x0c\"#\n\x0f\x43loseLeaseReply\x12\x10\n\x08released\x18\x01 \x01(\x04\"@\n\x0f\x41llocateRequest\x12\r\n\x05lease\x18\x01 \x01(\x0c\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\"/\n\rAllocateReply\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\",\n\x0b\x46reeRequest\x12\r\n\x05lease\x18\x01 \x01(\x0c\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\"\x0b\n\tFreeReply\"K\n\x0cWriteRequest\x12\r\n\x05lease\x18\x01 \x01(\x0c\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\x1d\n\nWriteReply\x12\x0f\n\x07written\x18\x01 \x01(\x04\"a\n\x0bReadRequest\x12\r\n\x05lease\x18\x01 \x01(\x0c\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x05 \x01(\x04\"\x19\n\tReadReply\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"n\n\x0b\x43opyRequest\x12\r\n\x05lease\x18\x01 \x01(\x0c\x12\x0b\n\x03\x64st\x18\x02 \x01(\x0c\x12\x12\n\ndst_offset\x18\x03 \x01(\x04\x12\x0b\n\x03src\x18\x04 \x01(\x0c\x12\x12\n\nsrc_offset\x18\x05 \x01(\x04\x12\x0e\n\x06length\x18\x06 \x01(\x04\"\x0b\n\tCopyReply\"\x8e\x01\n\x12LoadProgramRequest\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12&\n\x04kind\x18\x02 \x01(\x0e\x32\x18.tinydist.v1.ProgramKind\x12\x0f\n\x07llvm_ir\x18\x03 \x01(\t\x12\r\n\x05\x65ntry\x18\x04 \x01(\t\x12\x11\n\tsignature\x18\x05 \x03(\t\x12\r\n\x05lease\x18\x06 \x01(\x0c\"&\n\x10LoadProgramReply\x12\x12\n\nprogram_id\x18\x01 \x01(\t\";\n\tBufferArg\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"k\n\tLaunchArg\x12(\n\x06\x62uffer\x18\x01 \x01(\x0b\x32\x16.tinydist.v1.BufferArgH\x00\x12\r\n\x03i64\x18\x02 \x01(\x12H\x00\x12\r\n\x03\x66\x36\x34\x18\x03 \x01(\x01H\x00\x12\r\n\x03\x66\x33\x32\x18\x04 \x01(\x02H\x00\x42\x07\n\x05value\"h\n\rLaunchRequest\x12\r\n\x05lease\x18\x01 \x01(\x0c\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x12\n\nprogram_id\x18\x03 \x01(\t\x12$\n\x04\x61rgs\x18\x04 \x03(\x0b\x32\x16.tinydist.v1.LaunchArg\"\x1e\n\x0bLaunchReply\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\"\x1b\n\x19MintElevationTokenRequest\"=\n\x17MintElevationTokenReply\x12\r\n\x05token\x18\x01 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x02 \x01(\x01\"%\n\x12ResetDeviceRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"\"\n\x10ResetDeviceReply\x12\x0e\n\x06resets\x18\x01 \x01(\x04\"E\n\x14PciConfigReadRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\r\"#\n\x12PciConfigReadReply\x12\r\n\x05value\x18\x01 \x01(\r\"N\n\x0e\x42\x61rReadRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0b\n\x03\x62\x61r\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\"\x1c\n\x0c\x42\x61rReadReply\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"M\n\x0f\x42\x61rWriteRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0b\n\x03\x62\x61r\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\x0f\n\rBarWriteReply*f\n\x0bProgramKind\x12\x1c\n\x18PROGRAM_KIND_UNSPECIFIED\x10\x00\x12\x1e\n\x1aPROGRAM_KIND_ENGINE_KERNEL\x10\x01\x12\x19\n\x15PROGRAM_KIND_RAW_LLVM\x10\x02\x32\xb8\x0c\n\rDeviceService\x12\x38\n\x04Ping\x12\x18.tinydist.v1.PingRequest\x1a\x16.tinydist.v1.PingReply\x12>\n\x06WhoAmI\x12\x1a.tinydist.v1.WhoAmIRequest\x1a\x18.tinydist.v1.WhoAmIReply\x12M\n\x0bListDevices\x12\x1f.tinydist.v1.ListDevicesRequest\x1a\x1d.tinydist.v1.ListDevicesReply\x12\\\n\x10ListPciFunctions\x12$.tinydist.v1.ListPciFunctionsRequest\x1a\".tinydist.v1.ListPciFunctionsReply\x12\x43\n\tOpenLease\x12\x1d.tinydist.v1.OpenLeaseRequest\x1a\x17.tinydist.v1.LeaseReply\x12\x45\n\nRenewLease\x12\x1e.tinydist.v1.RenewLeaseRequest\x1a\x17.tinydist.v1.LeaseReply\x12J\n\nCloseLease\x12\x1e.tinydist.v1.CloseLeaseRequest\x1a\x1c.tinydist.v1.CloseLeaseReply\x12\x44\n\x08\x41llocate\x12\x1c.tinydist.v1.AllocateRequest\x1a\x1a.tinydist.v1.AllocateReply\x12\x38\n\x04\x46ree\x12\x18.tinydist.v1.FreeRequest\x1a\x16.tinydist.v1.FreeReply\x12;\n\x05Write\x12\x19.tinydist.v1.WriteRequest\x1a\x17.tinydist.v1.WriteReply\x12\x43\n\x0bWriteStream\x12\x19.tinydist.v1.WriteRequest\x1a\x17.tinydist.v1.WriteReply(\x01\x12\x38\n\x04Read\x12\x18.tinydist.v1.ReadRequest\x1a\x16.tinydist.v1.ReadReply\x12@\n\nReadStream\x12\x18.tinydist.v1.ReadRequest\x1a\x16.tinydist.v1.ReadReply0\x01\x12\x38\n\x04\x43opy\x12\x18.tinydist.v1.CopyRequest\x1a\x16.tinydist.v1.CopyReply\x12M\n\x0bLoadProgram\x12\x1f.tinydist.v1.LoadProgramRequest\x1a\x1d.tinydist.v1.LoadProgramReply\x12>\n\x06Launch\x12\x1a.tinydist.v1.LaunchRequest\x1a\x18.tinydist.v1.LaunchReply\x12\x62\n\x12MintElevationToken\x12&.tinydist.v1.MintElevationTokenRequest\x1a$.tinydist.v1.MintElevationTokenReply\x12P\n\x0eLoadRawProgram\x12\x1f.tinydist.v1.LoadProgramRequest\x1a\x1d.tinydist.v1.LoadProgramReply\x12M\n\x0bResetDevice\x12\x1f.tinydist.v1.ResetDeviceRequest\x1a\x1d.tinydist.v1.ResetDeviceReply\x12S\n\rPciConfigRead\x12!.tinydist.v1.PciConfigReadRequest\x1a\x1f.tinydist.v1.PciConfigReadReply\x12\x41\n\x07\x42\x61rRead\x12\x1b.tinydist.v1.BarReadRequest\x1a\x19.tinydist.v1.BarReadReply\x12\x44\n\x08\x42\x61rWrite\x12\x1c.tinydist.v1.BarWriteRequest\x1a\x1a.tinydist.v1.BarWriteReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tinydist.v1.device_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROGRAMKIND']._serialized_start=2175
-  _globals['_PROGRAMKIND']._serialized_end=2277
+  _globals['_PROGRAMKIND']._serialized_start=2191
+  _globals['_PROGRAMKIND']._serialized_end=2293
   _globals['_PINGREQUEST']._serialized_start=41
   _globals['_PINGREQUEST']._serialized_end=71
   _globals['_PINGREPLY']._serialized_start=73
@@ -83,38 +83,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COPYREQUEST']._serialized_end=1202
   _globals['_COPYREPLY']._serialized_start=1204
   _globals['_COPYREPLY']._serialized_end=1215
-  _globals['_LOADPROGRAMREQUEST']._serialized_start=1217
-  _globals['_LOADPROGRAMREQUEST']._serialized_end=1344
-  _globals['_LOADPROGRAMREPLY']._serialized_start=1346
-  _globals['_LOADPROGRAMREPLY']._serialized_end=1384
-  _globals['_BUFFERARG']._serialized_start=1386
-  _globals['_BUFFERARG']._serialized_end=1445
-  _globals['_LAUNCHARG']._serialized_start=1447
-  _globals['_LAUNCHARG']._serialized_end=1554
-  _globals['_LAUNCHREQUEST']._serialized_start=1556
-  _globals['_LAUNCHREQUEST']._serialized_end=1660
-  _globals['_LAUNCHREPLY']._serialized_start=1662
-  _globals['_LAUNCHREPLY']._serialized_end=1692
-  _globals['_MINTELEVATIONTOKENREQUEST']._serialized_start=1694
-  _globals['_MINTELEVATIONTOKENREQUEST']._serialized_end=1721
-  _globals['_MINTELEVATIONTOKENREPLY']._serialized_start=1723
-  _globals['_MINTELEVATIONTOKENREPLY']._serialized_end=1784
-  _globals['_RESETDEVICEREQUEST']._serialized_start=1786
-  _globals['_RESETDEVICEREQUEST']._serialized_end=1823
-  _globals['_RESETDEVICEREPLY']._serialized_start=1825
-  _globals['_RESETDEVICEREPLY']._serialized_end=1859
-  _globals['_PCICONFIGREADREQUEST']._serialized_start=1861
-  _globals['_PCICONFIGREADREQUEST']._serialized_end=1930
-  _globals['_PCICONFIGREADREPLY']._serialized_start=1932
-  _globals['_PCICONFIGREADREPLY']._serialized_end=1967
-  _globals['_BARREADREQUEST']._serialized_start=1969
-  _globals['_BARREADREQUEST']._serialized_end=2047
-  _globals['_BARREADREPLY']._serialized_start=2049
-  _globals['_BARREADREPLY']._serialized_end=2077
-  _globals['_BARWRITEREQUEST']._serialized_start=2079
-  _globals['_BARWRITEREQUEST']._serialized_end=2156
-  _globals['_BARWRITEREPLY']._serialized_start=2158
-  _globals['_BARWRITEREPLY']._serialized_end=2173
-  _globals['_DEVICESERVICE']._serialized_start=2280
-  _globals['_DEVICESERVICE']._serialized_end=3872
+  _globals['_LOADPROGRAMREQUEST']._serialized_start=1218
+  _globals['_LOADPROGRAMREQUEST']._serialized_end=1360
+  _globals['_LOADPROGRAMREPLY']._serialized_start=1362
+  _globals['_LOADPROGRAMREPLY']._serialized_end=1400
+  _globals['_BUFFERARG']._serialized_start=1402
+  _globals['_BUFFERARG']._serialized_end=1461
+  _globals['_LAUNCHARG']._serialized_start=1463
+  _globals['_LAUNCHARG']._serialized_end=1570
+  _globals['_LAUNCHREQUEST']._serialized_start=1572
+  _globals['_LAUNCHREQUEST']._serialized_end=1676
+  _globals['_LAUNCHREPLY']._serialized_start=1678
+  _globals['_LAUNCHREPLY']._serialized_end=1708
+  _globals['_MINTELEVATIONTOKENREQUEST']._serialized_start=1710
+  _globals['_MINTELEVATIONTOKENREQUEST']._serialized_end=1737
+  _globals['_MINTELEVATIONTOKENREPLY']._serialized_start=1739
+  _globals['_MINTELEVATIONTOKENREPLY']._serialized_end=1800
+  _globals['_RESETDEVICEREQUEST']._serialized_start=1802
+  _globals['_RESETDEVICEREQUEST']._serialized_end=1839
+  _globals['_RESETDEVICEREPLY']._serialized_start=1841
+  _globals['_RESETDEVICEREPLY']._serialized_end=1875
+  _globals['_PCICONFIGREADREQUEST']._serialized_start=1877
+  _globals['_PCICONFIGREADREQUEST']._serialized_end=1946
+  _globals['_PCICONFIGREADREPLY']._serialized_start=1948
+  _globals['_PCICONFIGREADREPLY']._serialized_end=1983
+  _globals['_BARREADREQUEST']._serialized_start=1985
+  _globals['_BARREADREQUEST']._serialized_end=2063
+  _globals['_BARREADREPLY']._serialized_start=2065
+  _globals['_BARREADREPLY']._serialized_end=2093
+  _globals['_BARWRITEREQUEST']._serialized_start=2095
+  _globals['_BARWRITEREQUEST']._serialized_end=2172
+  _globals['_BARWRITEREPLY']._serialized_start=2174
+  _globals['_BARWRITEREPLY']._serialized_end=2189
+  _globals['_DEVICESERVICE']._serialized_start=2296
+  _globals['_DEVICESERVICE']._serialized_end=3888
 # @@protoc_insertion_point(module_scope)

@@ -201,18 +201,20 @@ class CopyReply(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadProgramRequest(_message.Message):
-    __slots__ = ("device", "kind", "llvm_ir", "entry", "signature")
+    __slots__ = ("device", "kind", "llvm_ir", "entry", "signature", "lease")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     LLVM_IR_FIELD_NUMBER: _ClassVar[int]
     ENTRY_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     device: str
     kind: ProgramKind
     llvm_ir: str
     entry: str
     signature: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, device: _Optional[str] = ..., kind: _Optional[_Union[ProgramKind, str]] = ..., llvm_ir: _Optional[str] = ..., entry: _Optional[str] = ..., signature: _Optional[_Iterable[str]] = ...) -> None: ...
+    lease: bytes
+    def __init__(self, device: _Optional[str] = ..., kind: _Optional[_Union[ProgramKind, str]] = ..., llvm_ir: _Optional[str] = ..., entry: _Optional[str] = ..., signature: _Optional[_Iterable[str]] = ..., lease: _Optional[bytes] = ...) -> None: ...
 
 class LoadProgramReply(_message.Message):
     __slots__ = ("program_id",)
