@@ -182,6 +182,15 @@ def connect(lab: Lab) -> Iterator[Any]:
         c.close()
 
 
+@pytest.fixture
+def credentials_env(lab: Lab, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """bob's certificate, key and CA in the environment, where the engine's remote device finds them."""
+    for part in ("cert", "key", "ca"):
+        path = tmp_path / f"bob.{part}"
+        path.write_bytes(getattr(lab.creds["bob"], part))
+        monkeypatch.setenv(f"TINYDIST_{part.upper()}", str(path))
+
+
 def code_of(fn: Any, *args: Any, **kw: Any) -> grpc.StatusCode:
     try:
         result = fn(*args, **kw)

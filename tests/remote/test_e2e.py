@@ -14,14 +14,6 @@ from tinydist.base.errors import DeviceError, DeviceUnavailable
 from tinydist.runtime.remote.device import RemoteDevice
 
 
-@pytest.fixture
-def credentials_env(lab, monkeypatch, tmp_path):
-    for part in ("cert", "key", "ca"):
-        path = tmp_path / f"bob.{part}"
-        path.write_bytes(getattr(lab.creds["bob"], part))
-        monkeypatch.setenv(f"TINYDIST_{part.upper()}", str(path))
-
-
 def test_tensor_on_remote_device_matches_numpy(server, credentials_env) -> None:
     name = f"remote://127.0.0.1:{server.port}/cpu:0"
     x = np.random.default_rng(0).standard_normal(10_000).astype(np.float32)
