@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -78,7 +79,8 @@ class DeviceService:
         self._programs: dict[tuple[str, str], Program] = {}  # content-addressed, shared by the leases holding them
         self._program_bytes: dict[tuple[str, str], int] = {}  # IR + object code of each
         self.table.on_release = self._unload
-        self._resets: dict[str, list[float]] = {}  # when each identity's resets of the last minute happened
+        self._resets: dict[str, list[float]] = {}
+        self.boot = secrets.token_bytes(16)  # tells clients this node instance from the one before a restart  # when each identity's resets of the last minute happened
         self._compile_ir = compile_ir
         self._compile_lock = asyncio.Lock()
 
@@ -131,7 +133,8 @@ class DeviceService:
         return pb.WhoAmIReply(identity=call.identity, role=call.role, fingerprint=call.fingerprint)
 
     async def rpc_ListDevices(self, request: Any, call: Call) -> pb.ListDevicesReply:
-        return pb.ListDevicesReply(devices=[pb.DeviceInfo(name=n, detail=type(d).__name__) for n, d in self.devices.items()])
+        return pb.ListDevicesReply(devices=[pb.DeviceInfo(name=n, detail=type(d).__name__) for n, d in self.devices.items()],
+                                   node_boot=self.boot)
 
     async def rpc_ListPciFunctions(self, request: Any, call: Call) -> pb.ListPciFunctionsReply:
         return pb.ListPciFunctionsReply(functions=[

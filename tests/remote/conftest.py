@@ -117,6 +117,8 @@ class ServerThread:
         return [json.loads(line) for line in self.audit_path.read_text().splitlines() if line.strip()]
 
     def stop(self) -> None:
+        if self.loop.is_closed():  # stopped already (a test that restarts its node)
+            return
         try:
             self.run(self.server.stop(0.2))
         finally:

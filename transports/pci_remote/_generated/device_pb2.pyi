@@ -55,10 +55,12 @@ class ListDevicesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListDevicesReply(_message.Message):
-    __slots__ = ("devices",)
+    __slots__ = ("devices", "node_boot")
     DEVICES_FIELD_NUMBER: _ClassVar[int]
+    NODE_BOOT_FIELD_NUMBER: _ClassVar[int]
     devices: _containers.RepeatedCompositeFieldContainer[DeviceInfo]
-    def __init__(self, devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ...) -> None: ...
+    node_boot: bytes
+    def __init__(self, devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., node_boot: _Optional[bytes] = ...) -> None: ...
 
 class PciFunctionInfo(_message.Message):
     __slots__ = ("address", "vendor_id", "device_id", "bars")
