@@ -46,7 +46,7 @@ underscore, never seen outside their module) are not drawn, but are TinydistErro
     ├── IdentityError [tinydist.security.identity]    the peer certificate names no one acceptable identity
     ├── PolicyError (ValueError) [tinydist.security.policy]    the policy file is missing or invalid; names the key
     ├── VerificationError (ValueError) [nodes.verifier]    a program refused; names the rule
-    ├── RpcError [nodes.service]    a node-service handler's refusal: .code, .reason
+    ├── RpcError [nodes.gate]       a node-service handler's refusal: .code, .reason
     ├── DmaFault [transports.rdma_bnxt.softbnxt.physmem]    the NIC model touched unmapped memory
     └── TransportError [transports.base]            a link broke its protocol or could not be set up
         ├── LinkClosed (ClosedResourceError)        this side closed the link or the group segment
