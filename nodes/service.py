@@ -43,6 +43,7 @@ class ServerConfig:
     max_concurrent_streams: int = 64
     max_connections: int = 64
     max_concurrent_rpcs: int = 256
+    max_health_watchers: int = 16  # health Watch streams at once, all callers (health is not gated)
     handshake_timeout_s: float = 5.0
     keepalive_time_s: float = 60.0
     keepalive_timeout_s: float = 20.0

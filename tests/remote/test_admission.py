@@ -170,3 +170,35 @@ def test_a_malformed_message_is_invalid_argument_and_audited(make_server, connec
     assert record["reason"] == f"malformed {method} request: not a valid protobuf message"
     # a unary request is parsed before its handler runs; a stream's messages as the handler reads them
     assert server.service.handler_calls[method] == (1 if method == "WriteStream" else 0)
+
+
+def test_330_health_watchers_from_a_revoked_certificate_do_not_stop_a_ping(make_server, connect, lab) -> None:
+    """Health is not gated by identity (it is served on the plaintext loopback port too): its Watch
+    streams are capped for all callers together, under the node's global cap."""
+    from grpc_health.v1 import health_pb2
+    server = make_server()
+    (server.dir / "revoked.txt").write_text(lab.fingerprints["dave"] + "\n")
+    carol = connect(server, "carol")
+
+    async def go() -> tuple[Counter[str], bytes]:
+        channels = [grpc.aio.secure_channel(server.target, lab.creds["dave"].channel_credentials(),
+                                            options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(6)]
+        watch = [c.unary_stream("/grpc.health.v1.Health/Watch", request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                                response_deserializer=health_pb2.HealthCheckResponse.FromString) for c in channels]
+        calls = [watch[i % 6](health_pb2.HealthCheckRequest(service=""), timeout=120) for i in range(FLOOD)]
+        pending = {asyncio.ensure_future(call.code()) for call in calls}
+        done: set[Any] = set()
+        bound = asyncio.get_running_loop().time() + 60
+        while len(done) < FLOOD - 16 and asyncio.get_running_loop().time() < bound:
+            more, pending = await asyncio.wait(pending, timeout=1, return_when=asyncio.FIRST_COMPLETED)
+            done |= more
+        reply = await asyncio.to_thread(carol.Ping, pb.PingRequest(payload=b"up"), timeout=30)
+        for call in calls:
+            call.cancel()
+        for channel in channels:
+            await channel.close()
+        return Counter(task.result().name for task in done), reply.payload
+
+    codes, payload = asyncio.run(go())
+    assert payload == b"up"
+    assert codes == Counter({"RESOURCE_EXHAUSTED": FLOOD - 16}), codes
