@@ -18,7 +18,7 @@ from nodes.server import RemoteServer
 from nodes.service import ServerConfig
 from tinydist.base.logs import get_logger
 from tinydist.security.bind import bind_address
-from tinydist.security.pki import ServerCredentials
+from tinydist.security.pki import CA_KEY, ServerCredentials
 
 
 
@@ -43,7 +43,11 @@ class NodeOptions:
 def prepare(options: NodeOptions) -> tuple[ServerConfig, ServerCredentials, Path, str | None]:
     """Check everything that must hold before a socket is opened; raises with the reason."""
     bind_address(options.listen, allow_wildcard=options.allow_wildcard)
-    pki = ServerCredentials.load(options.pki)
+    pki = ServerCredentials.load(options.pki)  # refuses a PKI directory that holds the CA key
+    if (Path(options.pki) / CA_KEY).exists():
+        get_logger(component="node").warning(
+            "the CA key is on this node; serve from a copy of the PKI directory without ca/ (the node never needs it)",
+            ca_key=str(Path(options.pki) / CA_KEY))
     policy = options.policy or (Path(options.pki) / "policy.toml")
     if not Path(policy).is_file():
         raise FileNotFoundError(f"no policy file {policy}; refusing to start (tinydist certs init writes a starter)")

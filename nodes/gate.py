@@ -1,9 +1,13 @@
 """The gate every call of the node service passes before its handler runs:
 
     TLS identity (single URI SAN, clientAuth, valid) → not revoked → enrolled → method listed in the
-    policy with a role the caller has → within its RPC rate → elevation token (admin methods)
+    policy with a role the caller has → within its concurrent call and stream caps → within its RPC
+    rate → elevation token (admin methods)
 
-A refusal ends the call with its gRPC status and reason, before the handler reads anything; every
+Every method is served as a request-streaming handler over raw bytes, so all of this runs when the
+call's headers arrive, before its request message is read or parsed (docs/remote.md, "Admission"):
+a refused caller holds no slot while its message is outstanding, and a malformed message is
+INVALID_ARGUMENT from the admitted caller. A refusal ends the call with its gRPC status and reason; every
 call, admitted or not, ends in exactly one audit `decision` record and one RPC metric. Handler
 errors are mapped here too: an `RpcError` is its status, a device failure UNAVAILABLE, any other
 tinydist error FAILED_PRECONDITION, anything else INTERNAL (logged, never leaked).
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from nodes.audit import AuditLog
 from tinydist.base.errors import DeviceFailed, TinydistError
@@ -57,6 +62,8 @@ class Call:
     policy: Policy
     method: str
     deadline: float  # monotonic
+    stream: bool = False  # counted against the identity's stream cap as well as its call cap
+    held: bool = False    # whether this call holds its identity's slots (released when it ends)
 
 
 class Gate:
@@ -71,6 +78,8 @@ class Gate:
         self._buckets: dict[str, tuple[float, float]] = {}
         self._tokens: dict[str, list[tuple[bytes, float]]] = {}
         self._peers = PeerCache()
+        self.calls_by_identity: Counter[str] = Counter()    # calls in progress, per identity
+        self.streams_by_identity: Counter[str] = Counter()  # of which streaming calls
 
     def recheck(self, call: Call) -> None:
         """Between the messages of a stream: still before the call's deadline, the certificate
@@ -110,7 +119,9 @@ class Gate:
         self._tokens[call.fingerprint] = live
         return token, ttl
 
-    def admit(self, method: str, context: grpc.aio.ServicerContext) -> Call:
+    def admit(self, method: str, context: grpc.aio.ServicerContext, stream: bool = False) -> Call:
+        """Identity → revocation → enrolment → role → concurrency caps → rate → elevation, all from
+        the call's headers: it runs when the call starts, before its first message is read."""
         policy, denied = self.policy.current()
         try:
             peer = peer_from_auth_context(context.auth_context(), policy.trust_domain, self._peers)
@@ -129,6 +140,12 @@ class Gate:
         if RANK[role] < RANK[need]:
             raise _Refused(call, Code.PERMISSION_DENIED, f"role {role} below required {need}")
         quota = policy.quota_of(peer.identity)
+        if self.calls_by_identity[peer.identity] >= quota.max_calls:
+            raise _Refused(call, Code.RESOURCE_EXHAUSTED,
+                           f"concurrent call quota exceeded ({quota.max_calls} calls in progress for this identity)")
+        if stream and self.streams_by_identity[peer.identity] >= quota.max_streams:
+            raise _Refused(call, Code.RESOURCE_EXHAUSTED,
+                           f"concurrent stream quota exceeded ({quota.max_streams} streams open for this identity)")
         now = time.monotonic()
         tokens, last = self._buckets.get(peer.identity, (quota.rpc_burst, now))
         tokens = min(quota.rpc_burst, tokens + (now - last) * quota.rpc_per_second)
@@ -141,7 +158,20 @@ class Gate:
         remaining = context.time_remaining()
         budget = self.op_timeout_s if remaining is None else min(self.op_timeout_s, remaining)
         call.deadline = now + max(budget, 0.0)
+        call.stream, call.held = stream, True
+        self.calls_by_identity[peer.identity] += 1
+        if stream:
+            self.streams_by_identity[peer.identity] += 1
         return call
+
+    def _release(self, call: Call | None) -> None:
+        if call is None or not call.held:
+            return
+        call.held = False
+        for counter in (self.calls_by_identity, self.streams_by_identity) if call.stream else (self.calls_by_identity,):
+            counter[call.identity] -= 1
+            if not counter[call.identity]:
+                del counter[call.identity]
 
     def _check_token(self, call: Call, context: grpc.aio.ServicerContext) -> None:
         presented = None
@@ -160,11 +190,37 @@ class Gate:
         raise _Refused(call, Code.PERMISSION_DENIED,
                        "elevation token expired" if matched_expired else "elevation token invalid for this certificate")
 
-    def _wrap_unary(self, method: str, impl: Callable[..., Any]) -> Callable[..., Any]:
-        async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def _one_message(self, call: Call, context: grpc.aio.ServicerContext, decode: Callable[[bytes], Any]) -> Any:
+        """The single request of a unary method, read only now that the call is admitted and
+        parsed here (malformed bytes are INVALID_ARGUMENT, audited like any refusal). Read with
+        `context.read()`: the request iterator gRPC also offers is an async generator, a few
+        microseconds more on every call."""
+        try:
+            async with asyncio.timeout_at(asyncio.get_running_loop().time() + call.deadline - time.monotonic()):
+                raw = await context.read()  # bounded: an admitted caller's unsent message holds its slot until then
+        except (asyncio.TimeoutError, TimeoutError):
+            raise RpcError(Code.DEADLINE_EXCEEDED, "the request message did not arrive before the deadline") from None
+        if raw is grpc.aio.EOF:
+            raise RpcError(Code.INVALID_ARGUMENT, f"{call.method} takes one request message; none was sent")
+        return _decode(decode, raw, call.method)
+
+    async def _decoded(self, call: Call, requests: AsyncIterator[bytes], decode: Callable[[bytes], Any]) -> AsyncIterator[Any]:
+        async for raw in self.messages(call, requests):
+            yield _decode(decode, raw, call.method)
+
+    def _wrap(self, method: str, impl: Callable[..., Any], decode: Callable[[bytes], Any],
+              client_stream: bool, server_stream: bool) -> Callable[..., Any]:
+        """The gated handler of `method`. Every method is served as a request-streaming handler
+        with raw-bytes messages, so the handler runs when the call's headers arrive: admission
+        (identity, revocation, role, concurrency caps, rate) happens before any request byte is
+        read or parsed, and a refused caller holds no slot while its message is outstanding."""
+        stream = client_stream or server_stream
+
+        async def unary_reply(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
             call, code, reason, started = None, Code.OK, "ok", time.perf_counter()
             try:
-                call = self.admit(method, context)
+                call = self.admit(method, context, stream)
+                request = self._decoded(call, requests, decode) if client_stream else await self._one_message(call, context, decode)
                 self.handler_calls[method] += 1
                 return await impl(request, call)
             except _Refused as exc:
@@ -177,15 +233,15 @@ class Gate:
             except Exception as exc:  # noqa: BLE001 - classified below, never leaked
                 code, reason = classify(exc)
             finally:
+                self._release(call)
                 self._decide(call, method, code, reason, context, started)
             await context.abort(code, reason)
-        return handler
 
-    def _wrap_stream_out(self, method: str, impl: Callable[..., AsyncIterator[Any]]) -> Callable[..., Any]:
-        async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def stream_reply(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             call, code, reason, started = None, Code.OK, "ok", time.perf_counter()
             try:
-                call = self.admit(method, context)
+                call = self.admit(method, context, stream)
+                request = await self._one_message(call, context, decode)
                 self.handler_calls[method] += 1
                 async for reply in impl(request, call):
                     yield reply
@@ -199,10 +255,12 @@ class Gate:
             except Exception as exc:  # noqa: BLE001
                 code, reason = classify(exc)
             finally:
+                self._release(call)
                 self._decide(call, method, code, reason, context, started)
             if code is not Code.OK:
                 await context.abort(code, reason)
-        return handler
+
+        return stream_reply if server_stream else unary_reply
 
     def _decide(self, call: Call | None, method: str, code: grpc.StatusCode, reason: str, context: Any,
                 started: float) -> None:
@@ -214,7 +272,7 @@ class Gate:
 
     def handlers(self, servicer: Any) -> grpc.GenericRpcHandler:
         service = pb.DESCRIPTOR.services_by_name["DeviceService"]
-        table = {}
+        table: dict[str, grpc.RpcMethodHandler] = {}
         for m in service.methods:
             req = getattr(pb, m.input_type.name)
             rep = getattr(pb, m.output_type.name)
@@ -222,15 +280,11 @@ class Gate:
             impl: Callable[..., Any] = getattr(servicer, f"rpc_{m.name}", None) or self._unimplemented
             decode = _BULK_DECODERS.get(m.name, req.FromString)
             encode = None if m.name in _ENCODED_REPLIES else rep.SerializeToString
-            if m.server_streaming:
-                table[m.name] = grpc.unary_stream_rpc_method_handler(
-                    self._wrap_stream_out(m.name, impl), request_deserializer=decode, response_serializer=encode)
-            elif m.client_streaming:
-                table[m.name] = grpc.stream_unary_rpc_method_handler(
-                    self._wrap_unary(m.name, impl), request_deserializer=decode, response_serializer=encode)
-            else:
-                table[m.name] = grpc.unary_unary_rpc_method_handler(
-                    self._wrap_unary(m.name, impl), request_deserializer=decode, response_serializer=encode)
+            handler = self._wrap(m.name, impl, decode, m.client_streaming, m.server_streaming)
+            # request-streaming on the server whatever the client sends: the same bytes on the wire,
+            # but the handler starts at the headers (see _wrap); messages stay raw bytes until admitted
+            make = grpc.stream_stream_rpc_method_handler if m.server_streaming else grpc.stream_unary_rpc_method_handler
+            table[m.name] = make(handler, request_deserializer=None, response_serializer=encode)
         return grpc.method_handlers_generic_handler(SERVICE, table)
 
     async def _unimplemented(self, request: Any, call: Call) -> Any:
@@ -242,6 +296,13 @@ class _Refused(RpcError):
     def __init__(self, call: Call, code: grpc.StatusCode, reason: str) -> None:
         super().__init__(code, reason)
         self.call = call
+
+
+def _decode(decode: Callable[[bytes], Any], raw: bytes, method: str) -> Any:
+    try:
+        return decode(raw)
+    except DecodeError:
+        raise RpcError(Code.INVALID_ARGUMENT, f"malformed {method} request: not a valid protobuf message") from None
 
 
 def classify(exc: Exception) -> tuple[grpc.StatusCode, str]:

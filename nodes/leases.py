@@ -13,7 +13,7 @@ import contextlib
 import secrets
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from nodes.audit import AuditLog, handle_tag
@@ -29,6 +29,7 @@ class Lease:
     identity: str
     expires: float  # monotonic
     handles: set[bytes] = field(default_factory=set)
+    programs: dict[tuple[str, str], int] = field(default_factory=dict)  # (device, program id) -> bytes charged
 
 
 @dataclass(eq=False)
@@ -52,6 +53,10 @@ class LeaseTable:
         self.allocations: dict[bytes, Allocation] = {}
         self.bytes_by_identity: Counter[str] = Counter()
         self.handles_by_identity: Counter[str] = Counter()
+        self.on_release: Callable[[Lease], None] | None = None  # the service unloads the lease's programs
+
+    def identity_leases(self, identity: str) -> list[Lease]:
+        return [lease for lease in self.leases.values() if lease.identity == identity]
 
     def count(self, identity: str) -> int:
         """How many leases `identity` holds open."""
@@ -119,7 +124,8 @@ class LeaseTable:
 
     def release_lease(self, lease: Lease, reason: str) -> int:
         """Close `lease` and release its allocations; returns how many it held."""
-        self.leases.pop(lease.id, None)
+        if self.leases.pop(lease.id, None) is not None and self.on_release is not None:
+            self.on_release(lease)
         count = 0
         for handle in list(lease.handles):
             alloc = self.allocations.get(handle)

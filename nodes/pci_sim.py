@@ -30,6 +30,7 @@ READABLE_CONFIG = frozenset({
     (0x2C, 2), (0x2E, 2), (0x2C, 4),             # subsystem vendor / id
 })
 CONFIG_SIZE = 4096
+BAR_ACCESS = 4  # bytes: the width and alignment of every BAR access
 
 
 @dataclass
@@ -74,9 +75,16 @@ class SimulatedPciFunction:
             return int.from_bytes(self.config[offset:offset + size], "little")
 
     def _window(self, bar: int, offset: int, length: int, write: bool) -> BarWindow:
+        """Raises LookupError (no such BAR), ValueError (not whole aligned dwords), IndexError
+        (outside the window), PermissionError (a write to a read-only window)."""
         spec = self.bars.get(bar)
         if spec is None:
             raise LookupError("no such BAR")
+        if offset % BAR_ACCESS or length % BAR_ACCESS or not length:
+            # device registers are read and written as whole aligned dwords: a split or partial
+            # access may have side effects the register's owner never saw (a read-to-clear half)
+            raise ValueError(f"BAR accesses are whole {BAR_ACCESS}-byte words at {BAR_ACCESS}-byte aligned offsets; "
+                             f"got offset {offset}, length {length}")
         start, end = spec.window
         span = end - start
         if offset > span or length > span - offset:

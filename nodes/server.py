@@ -52,6 +52,27 @@ def server_options(config: ServerConfig) -> list[tuple[str, Any]]:
     ]
 
 
+class BoundedHealth(health.aio.HealthServicer):
+    """The standard health service with its Watch streams capped, all callers together: health is
+    not gated by identity (the plaintext loopback port serves it too), so without a cap 256 idle
+    watchers — from a revoked certificate, say — would fill the node's global call cap."""
+
+    def __init__(self, max_watchers: int) -> None:
+        super().__init__()
+        self.max_watchers = max_watchers
+        self.watchers = 0
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
+        if self.watchers >= self.max_watchers:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self.max_watchers} health watchers already; poll with Check instead")
+        self.watchers += 1
+        try:
+            await super().Watch(request, context)
+        finally:
+            self.watchers -= 1
+
+
 class RemoteServer:
     """A running node service. Use `await RemoteServer.start(...)`, then `await server.stop()`."""
 
@@ -85,7 +106,7 @@ class RemoteServer:
             self.service = DeviceService(config, store, audit, devices, pci)
             self.server = grpc.aio.server(options=server_options(config), maximum_concurrent_rpcs=config.max_concurrent_rpcs)
             self.server.add_generic_rpc_handlers((self.service.handlers(),))
-            self.health = health.aio.HealthServicer()
+            self.health = BoundedHealth(config.max_health_watchers)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
             credentials = grpc.ssl_server_credentials([(pki.key, pki.cert)], root_certificates=pki.ca, require_client_auth=True)
             self.port = add_port(self.server, listen, credentials)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
-import weakref
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,8 +24,7 @@ from nodes.audit import AuditLog, handle_tag
 from nodes.gate import Call, Code, Gate, RpcError
 from nodes.leases import Allocation, Lease, LeaseTable
 from nodes.pci_sim import SimulatedPciFunction
-from nodes.verifier import ENGINE, RAW, VerificationError, verify
-from tinydist.base.config import settings
+from nodes.verifier import ENGINE, RAW, VerificationError, program_id, verify
 from tinydist.base.errors import AllocationError, CompileError
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.device import Device
@@ -44,6 +43,7 @@ class ServerConfig:
     max_concurrent_streams: int = 64
     max_connections: int = 64
     max_concurrent_rpcs: int = 256
+    max_health_watchers: int = 16  # health Watch streams at once, all callers (health is not gated)
     handshake_timeout_s: float = 5.0
     keepalive_time_s: float = 60.0
     keepalive_timeout_s: float = 20.0
@@ -77,11 +77,11 @@ class DeviceService:
         self.pci = pci if pci is not None else {}
         self.gate = Gate(config.op_timeout_s, policy, audit)
         self.table = LeaseTable(audit, config.lease_ttl_s)
-        # Programs are held per identity, an LRU of TINYDIST_LOADED_KERNELS each: a client meeting new
-        # shapes without end drops its oldest, and its code is unloaded once no identity holds it
-        # (a launch in flight holds its own). Compiled code is shared while anyone holds it.
-        self._programs: weakref.WeakValueDictionary[tuple[str, str], Program] = weakref.WeakValueDictionary()
-        self._visible: dict[str, OrderedDict[tuple[str, str], Program]] = {}
+        self._programs: dict[tuple[str, str], Program] = {}  # content-addressed, shared by the leases holding them
+        self._program_bytes: dict[tuple[str, str], int] = {}  # IR + object code of each
+        self.table.on_release = self._unload
+        self._resets: dict[str, list[float]] = {}
+        self.boot = secrets.token_bytes(16)  # tells clients this node instance from the one before a restart  # when each identity's resets of the last minute happened
         self._compile_ir = compile_ir
         self._compile_lock = asyncio.Lock()
 
@@ -134,7 +134,8 @@ class DeviceService:
         return pb.WhoAmIReply(identity=call.identity, role=call.role, fingerprint=call.fingerprint)
 
     async def rpc_ListDevices(self, request: Any, call: Call) -> pb.ListDevicesReply:
-        return pb.ListDevicesReply(devices=[pb.DeviceInfo(name=n, detail=type(d).__name__) for n, d in self.devices.items()])
+        return pb.ListDevicesReply(devices=[pb.DeviceInfo(name=n, detail=type(d).__name__) for n, d in self.devices.items()],
+                                   node_boot=self.boot)
 
     async def rpc_ListPciFunctions(self, request: Any, call: Call) -> pb.ListPciFunctionsReply:
         return pb.ListPciFunctionsReply(functions=[
@@ -314,31 +315,66 @@ class DeviceService:
 
     # ---- programs --------------------------------------------------------------------------------
 
+    def _unload(self, lease: Lease) -> None:
+        """A lease ended: its programs go with it, and a program no other lease holds leaves the node."""
+        keys = list(lease.programs)
+        lease.programs.clear()
+        for key in keys:
+            self._unload_unheld(key)
+
+    def _check_program_quota(self, call: Call, lease: Lease, key: tuple[str, str], nbytes: int) -> None:
+        """The caller's programs, over all its leases, within its count and bytes quota (a program
+        its lease already holds costs nothing again)."""
+        if key in lease.programs:
+            return
+        quota = call.policy.quota_of(call.identity)
+        leases = self.table.identity_leases(call.identity)
+        count = sum(len(held.programs) for held in leases)
+        total = sum(sum(held.programs.values()) for held in leases)
+        if count >= quota.max_programs:
+            raise RpcError(Code.RESOURCE_EXHAUSTED, f"program quota exceeded ({quota.max_programs} programs loaded for "
+                                                    "this identity; close a lease to unload its programs)")
+        if total + nbytes > quota.max_program_bytes:
+            raise RpcError(Code.RESOURCE_EXHAUSTED, f"program bytes quota exceeded ({total} of {quota.max_program_bytes} "
+                                                    "bytes held by this identity's programs; close a lease to unload them)")
+
     async def _load(self, request: pb.LoadProgramRequest, call: Call, kind: str) -> pb.LoadProgramReply:
+        lease = self._lease(call, request.lease)
         device = self._device(request.device)
+        ir_bytes = len(request.llvm_ir.encode())
+        # before any verifying or compiling (the content address is a hash: cheap)
+        address = program_id(kind, request.llvm_ir, request.entry, list(request.signature))
+        self._check_program_quota(call, lease, (request.device, address), ir_bytes)
         try:
             verified = await asyncio.to_thread(verify, request.llvm_ir, request.entry, list(request.signature), kind)
         except VerificationError as exc:
             raise RpcError(Code.INVALID_ARGUMENT, f"program refused: {exc}") from None
         key = (request.device, verified.program_id)
-        program = self._programs.get(key)
-        if program is None:
+        if key not in self._programs:
             async with self._compile_lock:
-                program = self._programs.get(key)
-                if program is None:
+                if key not in self._programs:
                     compile_ir = self._compile_ir or _default_compiler()
                     try:
                         code = await asyncio.to_thread(compile_ir, verified.ir_text)
-                        program = self._programs[key] = device.load_program(code, verified.symbol, verified.signature)
+                        self._programs[key] = device.load_program(code, verified.symbol, verified.signature)
+                        self._program_bytes[key] = ir_bytes + len(code)
                     except CompileError as exc:
                         raise RpcError(Code.INVALID_ARGUMENT, f"program does not compile: {str(exc)[:300]}") from None
-        held = self._visible.setdefault(call.identity, OrderedDict())
-        held[key] = program
-        held.move_to_end(key)
-        while len(held) > settings.LOADED_KERNELS:
-            held.popitem(last=False)
-        self._effect(call, "program_loaded", program_id=verified.program_id, kind=kind, device=request.device)
+        if key not in lease.programs:
+            try:
+                self._check_program_quota(call, lease, key, self._program_bytes[key])
+            except RpcError:
+                self._unload_unheld(key)
+                raise
+            lease.programs[key] = self._program_bytes[key]
+        self._effect(call, "program_loaded", program_id=verified.program_id, kind=kind, device=request.device,
+                     nbytes=self._program_bytes[key])
         return pb.LoadProgramReply(program_id=verified.program_id)
+
+    def _unload_unheld(self, key: tuple[str, str]) -> None:
+        if not any(key in lease.programs for lease in self.table.leases.values()):
+            self._programs.pop(key, None)
+            self._program_bytes.pop(key, None)
 
     async def rpc_LoadProgram(self, request: pb.LoadProgramRequest, call: Call) -> pb.LoadProgramReply:
         if request.kind != pb.PROGRAM_KIND_ENGINE_KERNEL:
@@ -354,12 +390,9 @@ class DeviceService:
         lease = self._lease(call, request.lease)
         key = (request.device, request.program_id)
         device = self._device(request.device)
-        held = self._visible.get(call.identity)
-        program = held.get(key) if held is not None else None
-        if held is None or program is None:
-            raise RpcError(Code.NOT_FOUND, f"no such program (never loaded by this identity, or dropped: each identity "
-                                           f"keeps its {settings.LOADED_KERNELS} most recently used programs; load it again)")
-        held.move_to_end(key)
+        program = self._programs.get(key)
+        if program is None or key not in lease.programs:
+            raise RpcError(Code.NOT_FOUND, "no such program")  # loaded under another lease, or unloaded with it
         if len(request.args) != len(program.signature):
             raise RpcError(Code.INVALID_ARGUMENT, f"program takes {len(program.signature)} arguments, got {len(request.args)}")
         values: list[Any] = []
@@ -416,6 +449,13 @@ class DeviceService:
 
     async def rpc_ResetDevice(self, request: pb.ResetDeviceRequest, call: Call) -> pb.ResetDeviceReply:
         function = self._function(request.address)
+        quota = call.policy.quota_of(call.identity)
+        now = time.monotonic()
+        recent = [t for t in self._resets.get(call.identity, ()) if t > now - 60.0]
+        if len(recent) >= quota.resets_per_minute:
+            raise RpcError(Code.RESOURCE_EXHAUSTED, f"reset rate quota exceeded ({quota.resets_per_minute} resets a minute "
+                                                    "for this identity); a device mid-reset serves nobody")
+        self._resets[call.identity] = [*recent, now]
         resets = function.reset()
         self._effect(call, "reset", address=request.address)
         return pb.ResetDeviceReply(resets=resets)
@@ -441,6 +481,8 @@ class DeviceService:
             raise RpcError(Code.PERMISSION_DENIED, "BAR window is read-only") from None
         except LookupError:
             raise RpcError(Code.NOT_FOUND, "no such BAR") from None
+        except ValueError as exc:
+            raise RpcError(Code.INVALID_ARGUMENT, str(exc)) from None
 
     async def rpc_BarRead(self, request: pb.BarReadRequest, call: Call) -> pb.BarReadReply:
         function = self._function(request.address)

@@ -10,7 +10,8 @@ What a program may contain (everything else is refused with the reason):
   global variable, no initializer that points at anything, no aliases or ifuncs;
 - no inline or module-level assembly, no indirect calls, no invoke/callbr/landingpad/indirectbr,
   no address-space casts;
-- engine kernels (the operator's kind) additionally: no ptrtoint/inttoptr, no atomics or fences.
+- engine kernels (the operator's kind) additionally: no ptrtoint/inttoptr, no atomics; a fence is
+  allowed (the codegen's streaming stores end with one; it orders memory, it touches none).
 
 What it cannot prove: that a kernel's loads and stores stay inside the buffers it is given. The
 entry receives plain pointers; out-of-bounds indexing is as possible as in any native kernel.
@@ -49,9 +50,9 @@ _BASE_OPCODES = frozenset("""
 ret br switch unreachable fneg add fadd sub fsub mul fmul udiv sdiv fdiv urem srem frem shl lshr ashr and
 or xor extractelement insertelement shufflevector extractvalue insertvalue alloca load store
 getelementptr trunc zext sext fptrunc fpext fptoui fptosi uitofp sitofp bitcast icmp fcmp phi select
-call freeze
+call freeze fence
 """.split())
-_RAW_OPCODES = _BASE_OPCODES | {"ptrtoint", "inttoptr", "fence", "atomicrmw", "cmpxchg"}
+_RAW_OPCODES = _BASE_OPCODES | {"ptrtoint", "inttoptr", "atomicrmw", "cmpxchg"}
 _LOCAL = {llvm.Linkage.internal, llvm.Linkage.private}
 _MODULE_ASM = re.compile(r"^\s*module\s+asm\b", re.M)
 

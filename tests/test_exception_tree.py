@@ -191,7 +191,8 @@ def test_pki_and_policy_files_map_their_parsers_errors(tmp_path: Path) -> None:
         ClientCredentials.load(tmp_path / "none.pem", tmp_path / "none.key", tmp_path / "ca.pem")
     assert isinstance(info.value.__cause__, FileNotFoundError)
     (tmp_path / "ca.pem").write_bytes(b"not a certificate")
-    (tmp_path / "ca.key").write_bytes(b"not a key")
+    (tmp_path / "ca").mkdir()
+    (tmp_path / "ca" / "ca.key").write_bytes(b"not a key")
     with pytest.raises(PKIError, match="do not parse") as info:
         load_ca(tmp_path)
     assert isinstance(info.value.__cause__, ValueError)

@@ -117,6 +117,8 @@ class ServerThread:
         return [json.loads(line) for line in self.audit_path.read_text().splitlines() if line.strip()]
 
     def stop(self) -> None:
+        if self.loop.is_closed():  # stopped already (a test that restarts its node)
+            return
         try:
             self.run(self.server.stop(0.2))
         finally:
@@ -180,6 +182,15 @@ def connect(lab: Lab) -> Iterator[Any]:
     yield make
     for c in clients:
         c.close()
+
+
+@pytest.fixture
+def credentials_env(lab: Lab, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """bob's certificate, key and CA in the environment, where the engine's remote device finds them."""
+    for part in ("cert", "key", "ca"):
+        path = tmp_path / f"bob.{part}"
+        path.write_bytes(getattr(lab.creds["bob"], part))
+        monkeypatch.setenv(f"TINYDIST_{part.upper()}", str(path))
 
 
 def code_of(fn: Any, *args: Any, **kw: Any) -> grpc.StatusCode:

@@ -90,7 +90,7 @@ def _request(method: str, lease: bytes, handle: bytes):
     if method in ("BarRead", "BarWrite", "ResetDevice"):
         kw["address"] = "0000:01:00.0"
     if method == "BarWrite":
-        kw.update(bar=2, data=b"x")
+        kw.update(bar=2, data=b"xxxx")
     if method == "BarRead":
         kw["length"] = 4
     message = req(**kw)
@@ -205,7 +205,7 @@ def test_audit_has_one_decision_per_call_and_no_secrets(make_server, connect) ->
         code_of(alice.Read, pb.ReadRequest(lease=lease, handle=b"\0" * 16, length=1)),
         code_of(carol.Allocate, pb.AllocateRequest(lease=lease, device="CPU:0", nbytes=1)),
         code_of(bad.Ping, pb.PingRequest()),
-        code_of(alice.BarWrite, pb.BarWriteRequest(address="0000:01:00.0", bar=2, data=b"q"), token=token),
+        code_of(alice.BarWrite, pb.BarWriteRequest(address="0000:01:00.0", bar=2, data=b"qqqq"), token=token),
         code_of(alice.Free, pb.FreeRequest(lease=lease, handle=handle)),
     ]
     records = server.audit_records()

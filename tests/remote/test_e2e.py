@@ -100,26 +100,3 @@ def test_a_capture_on_a_remote_device_replays_in_runs_and_matches_numpy(server, 
     engine.synchronize(10)
     engine.run(device.aclose)
     engine._devices.pop(device.name, None)
-
-
-def test_a_program_the_node_dropped_is_loaded_again(make_server, lab) -> None:
-    # the node keeps each identity's most recent programs; the client still holds an older one
-    from tinydist.base.config import settings
-
-    server = make_server()
-
-    async def main() -> None:
-        async with RemoteDevice(f"remote://127.0.0.1:{server.port}/CPU:0", lab.creds["bob"]) as dev:
-            buf = dev.allocator.alloc(8)
-            ir = "define void @k(ptr %p) {{\n  store i64 {}, ptr %p\n  ret void\n}}\n"
-            with settings.override(LOADED_KERNELS=1):
-                first = dev.load_ir(ir.format(11), "k", ["rw"])
-                dev.load_ir(ir.format(22), "k", ["rw"])  # the node drops the first for bob
-                loads = server.service.handler_calls["LoadProgram"]
-                with dev.batch() as batch:
-                    batch.launch(first, buf)
-                await batch.completion.wait(timeout=10)
-                assert server.service.handler_calls["LoadProgram"] == loads + 1
-            assert (await dev.copyout(buf, timeout=10)).view(np.int64)[0] == 11
-
-    anyio.run(main)

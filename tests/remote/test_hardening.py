@@ -172,3 +172,33 @@ def test_connections_have_an_age_and_an_idle_limit() -> None:
     from nodes.server import server_options
     options = dict(server_options(ServerConfig(max_connection_age_s=120, max_connection_idle_s=30)))
     assert options["grpc.max_connection_age_ms"] == 120_000 and options["grpc.max_connection_idle_ms"] == 30_000
+
+
+def test_certs_init_keeps_the_ca_key_apart_and_the_node_refuses_to_serve_next_to_it(lab, tmp_path) -> None:
+    root = tmp_path / "lab"
+    pki.init(root, TD)
+    assert (root / "ca" / "ca.key").is_file() and not (root / "ca.key").exists()
+    assert oct((root / "ca").stat().st_mode & 0o777) == "0o700"
+    node = tmp_path / "node"  # what a node gets: the lab directory without ca/
+    node.mkdir(mode=0o700)
+    for name in ("ca.pem", "server.pem", "server.key", "policy.toml", "revoked.txt"):
+        (node / name).write_bytes((root / name).read_bytes())
+        os.chmod(node / name, (root / name).stat().st_mode & 0o777)
+    ServerCredentials.load(node)
+    assert pki.issue(root, "erin").identity.endswith("/user/erin")  # the CA still signs from its own folder
+    (node / "ca.key").write_bytes((root / "ca" / "ca.key").read_bytes())  # the old layout, or a careless copy
+    os.chmod(node / "ca.key", 0o600)
+    with pytest.raises(PKIError, match=rf"refusing to serve from {node}: it holds the CA key .*mv {node / 'ca.key'}"):
+        ServerCredentials.load(node)
+    result = subprocess.run([sys.executable, "-m", "tinydist.cli", "node", "serve", "--listen", "127.0.0.1:0",
+                             "--pki", str(node)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "it holds the CA key" in result.stderr
+
+
+def test_a_lab_in_the_old_layout_is_told_where_to_move_the_ca_key(tmp_path) -> None:
+    root = tmp_path / "lab"
+    pki.init(root, TD)
+    (root / "ca" / "ca.key").rename(root / "ca.key")
+    with pytest.raises(PKIError, match=r"old layout.*mkdir -m 700 .*/ca && mv .*/ca.key .*/ca/ca.key"):
+        pki.issue(root, "erin")

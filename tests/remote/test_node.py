@@ -66,7 +66,8 @@ def test_cli_certs_and_refusals(tmp_path) -> None:
     issued = _cli("certs", "issue", str(d), "--name", "alice", "--days", "2")
     assert issued.returncode == 0 and "spiffe://tinydist.lab/user/alice" in issued.stdout
     assert _cli("certs", "issue", str(d), "--name", "../evil").returncode == 2
-    assert oct((d / "ca.key").stat().st_mode & 0o777) == "0o600"
+    assert oct((d / "ca" / "ca.key").stat().st_mode & 0o777) == "0o600" and not (d / "ca.key").exists()
+    assert oct((d / "ca").stat().st_mode & 0o777) == "0o700"
     empty = tmp_path / "empty"
     empty.mkdir()
     refused = _cli("node", "serve", "--listen", "127.0.0.1:0", "--pki", str(empty))

@@ -96,12 +96,17 @@ class Device(ABC):
     # function may call them (a capture links them into one entry point, a stream's step function
     # calls them between its waits).
     native_code: bool = False
+    # Whether the engine replaces this device with a freshly opened one at its next use after its
+    # failure refused work once (a remote device whose node restarted), instead of refusing work
+    # until `Engine.reopen`.
+    reconnects_after_failure: bool = False
 
     def __init__(self, name: str) -> None:
         self._compiler: DeviceCompiler | None = None
         self.name = name
         self.state = DeviceState.UNOPENED
         self.failure: DeviceFailed | None = None
+        self.failure_raised = False  # whether work was refused with `failure` (the caller has been told)
         self.queues: dict[str, CommandQueue] = {}
         # what every queue's timeline measures its waits and the hang rule on; set by
         # `open_device(name, clock=...)` before the device opens (a MockClock in tests)
@@ -287,6 +292,7 @@ class Device(ABC):
         if self.state is DeviceState.OPEN:
             return
         if self.failure is not None:
+            self.failure_raised = True
             raise self.failure
         if self.state is DeviceState.CLOSED:
             raise DeviceClosed(f"{self.name} is closed")

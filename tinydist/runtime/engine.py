@@ -52,6 +52,10 @@ class Engine:
         """The engine's open device `name` (opened on first use)."""
         device = self._devices.get(name)  # a canonical name already open: no parse, no lock (every upload asks)
         if device is not None:
+            if device.failure_raised and device.reconnects_after_failure:
+                # its failure refused work once (the caller was told); this use gets a fresh device.
+                # Not sooner: the operation that met the failure must not go on with a new device.
+                return self.reopen(name)
             return device
         canonical = canonical_name(name)
         with self._lock:

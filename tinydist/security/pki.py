@@ -5,7 +5,10 @@
 
 Layout of DIR:
 
-    ca.pem ca.key              the lab CA (key mode 0600; keep it off the node if you can)
+    ca/ca.key                  the lab CA's key (folder 0700, key 0600): what `certs issue` signs with and
+                               a node never needs; copy DIR to a node without ca/ (the node refuses a
+                               DIR that holds ca.key itself, and warns while DIR/ca/ is there)
+    ca.pem                     the lab CA's certificate: what the node and every client trust
     server.pem server.key      the node's certificate: DNS localhost, IP 127.0.0.1 and ::1
     policy.toml                identities → roles, method table, quotas (docs/remote.md)
     revoked.txt                sha256 fingerprints refused on every call (reloaded when it changes)
@@ -137,18 +140,34 @@ def _write_private(path: Path, data: bytes) -> None:
     os.chmod(path, 0o600)
 
 
+CA_KEY = Path("ca") / "ca.key"  # inside the directory `certs init` wrote; never in what a node serves from
+
+
+def refuse_ca_key(directory: Path) -> None:
+    """A node's PKI directory must not hold the CA key: whoever reads it (the node's user, a
+    compromised node) mints certificates for any identity. Raises PKIError naming the fix."""
+    directory = Path(directory)
+    if (directory / "ca.key").exists():
+        raise PKIError(f"refusing to serve from {directory}: it holds the CA key ({directory / 'ca.key'}), which a node never "
+                       f"needs; move it away (mkdir -m 700 {directory / 'ca'} && mv {directory / 'ca.key'} {directory / CA_KEY}, "
+                       "better off this machine); `tinydist certs issue` finds it there")
+
+
 def load_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     directory = Path(directory)
+    if (directory / "ca.key").exists() and not (directory / CA_KEY).exists():
+        raise PKIError(f"{directory} keeps its CA key at {directory / 'ca.key'}, the old layout a node would serve next to; "
+                       f"move it: mkdir -m 700 {directory / 'ca'} && mv {directory / 'ca.key'} {directory / CA_KEY}")
     try:
         cert = x509.load_pem_x509_certificate((directory / "ca.pem").read_bytes())
-        key = serialization.load_pem_private_key((directory / "ca.key").read_bytes(), password=None)
+        key = serialization.load_pem_private_key((directory / CA_KEY).read_bytes(), password=None)
     except FileNotFoundError as exc:
         raise PKIError(f"{directory} has no CA ({exc.filename}); run `tinydist certs init {directory}` first") from exc
     except (ValueError, TypeError) as exc:   # cryptography: not PEM, or a key that wants a password
-        raise PKIError(f"{directory}: ca.pem / ca.key do not parse ({exc}); restore them, or "
+        raise PKIError(f"{directory}: ca.pem / {CA_KEY} do not parse ({exc}); restore them, or "
                        f"`tinydist certs init --force {directory}` (every issued certificate stops working)") from exc
     if not isinstance(key, ec.EllipticCurvePrivateKey):
-        raise PKIError(f"{directory / 'ca.key'} is not an EC private key")
+        raise PKIError(f"{directory / CA_KEY} is not an EC private key")
     return cert, key
 
 
@@ -201,16 +220,19 @@ def make_ca(common_name: str = "tinydist lab CA", days: float = 3650.0) -> tuple
 
 def init(directory: Path, trust_domain: str = DEFAULT_TRUST_DOMAIN, *, server_dns: Sequence[str] = ("localhost",),
          server_ips: Sequence[str] = ("127.0.0.1", "::1"), days: float = 365.0, force: bool = False) -> Path:
-    """Create the CA, the server certificate, an empty deny-list and a starter policy in `directory`."""
+    """Create the CA (its key alone in `directory`/ca/), the server certificate, an empty deny-list
+    and a starter policy in `directory`."""
     directory = Path(directory)
     if not TRUST_DOMAIN_RE.match(trust_domain):
         raise PKIError(f"trust domain {trust_domain!r} must be lowercase letters, digits, dots and dashes")
-    if (directory / "ca.key").exists() and not force:
+    if ((directory / CA_KEY).exists() or (directory / "ca.key").exists()) and not force:
         raise PKIError(f"{directory} already holds a CA; pass --force to replace it (every issued certificate stops working)")
     directory.mkdir(parents=True, exist_ok=True)
+    (directory / CA_KEY).parent.mkdir(mode=0o700, exist_ok=True)
     ca_cert, ca_key = make_ca(f"tinydist lab CA ({trust_domain})")
     (directory / "ca.pem").write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
-    _write_private(directory / "ca.key", _key_pem(ca_key))
+    _write_private(directory / CA_KEY, _key_pem(ca_key))
+    (directory / "ca.key").unlink(missing_ok=True)  # --force over the old layout: no second copy left behind
     cert, key = make_certificate(ca_cert, ca_key, "tinydist node", dns=server_dns, ips=server_ips,
                                  eku=(ExtendedKeyUsageOID.SERVER_AUTH,), days=days)
     (directory / "server.pem").write_bytes(cert)
@@ -267,6 +289,7 @@ class ServerCredentials:
             raise FileNotFoundError(f"{directory} lacks {', '.join(missing)}; refusing to start without a CA and server "
                                     f"certificate (create them with `tinydist certs init {directory}`)")
         check_private(directory, "the PKI directory")
+        refuse_ca_key(directory)
         check_private(directory / "ca.pem", "the CA certificate")
         check_private(directory / "server.pem", "the server certificate")
         check_private(directory / "server.key", "the server key", secret=True)

@@ -50,6 +50,13 @@ class Quota:
     rpc_burst: float = 4000.0         # bucket size
     max_leases: int = 16              # open leases at once, per identity
     max_handles: int = 65536          # live allocations at once, per identity
+    # Calls in progress at once, per identity, checked when a call starts: with the node's global cap
+    # of 256 (ServerConfig.max_concurrent_rpcs) no identity holding its own caps can fill it alone.
+    max_calls: int = 64
+    max_streams: int = 16             # of which streaming calls (WriteStream, ReadStream)
+    max_programs: int = 256           # programs loaded at once, per identity; unloaded with their lease
+    max_program_bytes: int = 64 << 20  # their LLVM IR and object code together, per identity
+    resets_per_minute: int = 6        # ResetDevice calls in any 60 s, per identity
 
 
 @dataclass(frozen=True)
@@ -236,6 +243,11 @@ rpc_per_second = 2000
 rpc_burst = 4000
 max_leases = 16
 max_handles = 65536
+max_calls = 64           # calls in progress at once (checked when a call starts)
+max_streams = 16         # of which WriteStream / ReadStream
+max_programs = 256       # programs loaded at once; unloaded when their lease ends
+max_program_bytes = 67108864
+resets_per_minute = 6
 
 [revocation]
 deny_list = "revoked.txt"   # sha256 certificate fingerprints, one a line; re-read on change

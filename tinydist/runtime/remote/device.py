@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from tinydist.base.errors import DeviceError, DeviceNotFound, DeviceUnavailable
+from tinydist.base.errors import DeviceError, DeviceFailed, DeviceNotFound, DeviceUnavailable
 from tinydist.runtime.allocator import Allocator
 from tinydist.runtime.device import Device
 from tinydist.runtime.program import Program, check_signature
@@ -82,6 +82,7 @@ class RemoteAllocator(Allocator):
 
 
 class RemoteDevice(Device):
+    reconnects_after_failure = True  # a failure is the node's (restart, lost lease): a new session can serve
     def __init__(self, name: str, credentials: ClientCredentials | None = None) -> None:
         super().__init__(name)
         match = _NAME.match(name)
@@ -91,6 +92,7 @@ class RemoteDevice(Device):
         self._credentials = credentials
         self.session: RemoteSession | None = None
         self._allocator: RemoteAllocator | None = None
+        self._boot = b""  # the node instance the session's lease lives on
 
     @property
     def allocator(self) -> RemoteAllocator:
@@ -107,7 +109,24 @@ class RemoteDevice(Device):
         try:
             return (call or getattr(self.session.stub, method))(request, timeout=self.session.timeout, metadata=metadata)
         except grpc.RpcError as exc:
-            raise DeviceError(f"{self.name}: {method} failed: {exc.code().name}: {exc.details()}") from exc
+            raise self._error(method, exc) from exc
+
+    def _error(self, method: str, exc: grpc.RpcError) -> DeviceError:
+        """A failed call as a device error. The node no longer knowing this client's lease means
+        every buffer of it is gone: the device is marked failed with what happened (a restart, told
+        by the node's boot id, or an expired lease) and the engine opens a fresh session at its
+        next use (`reconnects_after_failure`)."""
+        if exc.code() is not grpc.StatusCode.NOT_FOUND or exc.details() != "no such lease" or self.session is None:
+            return DeviceError(f"{self.name}: {method} failed: {exc.code().name}: {exc.details()}")
+        try:
+            boot = self.session.stub.ListDevices(pb.ListDevicesRequest(), timeout=self.session.timeout).node_boot
+        except grpc.RpcError:
+            boot = None
+        if boot == self._boot:
+            what = "lease expired (the node heard nothing from this client for longer than its lease time): buffers are gone"
+        else:
+            what = "node restarted: buffers are gone"
+        return self.mark_failed(DeviceFailed(f"{self.name}: {what}; the next use reconnects"))
 
     def _open_backend(self) -> None:
         try:
@@ -129,6 +148,7 @@ class RemoteDevice(Device):
             session.close()
             raise
         self.session = session
+        self._boot = devices.node_boot
         self._allocator = RemoteAllocator(self)
 
     def _close_backend(self) -> None:
@@ -147,10 +167,10 @@ class RemoteDevice(Device):
     def load_ir(self, ir_text: str, entry: str, signature: Sequence[str], compile: Callable[[str], bytes] | None = None) -> Program:
         self.check_usable()
         signature = check_signature(entry, signature)
-        request = pb.LoadProgramRequest(device=self.remote_name, kind=pb.PROGRAM_KIND_ENGINE_KERNEL,
-                                        llvm_ir=ir_text, entry=entry, signature=list(signature))
-        reply = self.rpc("LoadProgram", request)
-        return Program(entry, signature, _Launcher(self, reply.program_id, signature, request), 0)
+        lease = self.session.lease if self.session is not None else b""
+        reply = self.rpc("LoadProgram", pb.LoadProgramRequest(device=self.remote_name, kind=pb.PROGRAM_KIND_ENGINE_KERNEL, lease=lease,
+                                                              llvm_ir=ir_text, entry=entry, signature=list(signature)))
+        return Program(entry, signature, _Launcher(self, reply.program_id, signature), 0)
 
     def host_copy(self) -> Callable[[int, int, int], None]:
         return self._copy
@@ -199,7 +219,7 @@ class RemoteDevice(Device):
                         wire.copy_into(dst + position, data)
                         position += size
                 except grpc.RpcError as exc:
-                    raise DeviceError(f"{self.name}: ReadStream failed: {exc.code().name}: {exc.details()}") from exc
+                    raise self._error("ReadStream", exc) from exc
                 if position != nbytes:
                     raise DeviceError(f"{self.name}: the node sent {position} of {nbytes} bytes")
         else:
@@ -248,16 +268,13 @@ class SourceChunks(Iterator[bytes]):
 
 class _Launcher:
     """A Program's `cfunc` for a remote kernel: buffer addresses → (handle, offset, length).
-    The node keeps each identity's most recently used programs only (TINYDIST_LOADED_KERNELS); one
-    it dropped while this client still holds it (a cached schedule's kernel) is loaded again from
-    `load`, the request that loaded it, and the launch retried once."""
+    The node holds the program for the lease it was loaded under (the session's), within the
+    identity's program quota, and unloads it with the lease."""
 
-    def __init__(self, device: RemoteDevice, program_id: str, signature: tuple[str, ...],
-                 load: pb.LoadProgramRequest) -> None:
+    def __init__(self, device: RemoteDevice, program_id: str, signature: tuple[str, ...]) -> None:
         self.device = device
         self.program_id = program_id
         self.signature = signature
-        self.load = load
 
     def __call__(self, *values: Any) -> None:
         args = []
@@ -274,12 +291,4 @@ class _Launcher:
         if session is None:
             raise DeviceError(f"{self.device.name} is closed")
         request = pb.LaunchRequest(lease=session.lease, device=self.device.remote_name, program_id=self.program_id, args=args)
-        try:
-            self.device.rpc("Launch", request)
-        except DeviceError as exc:
-            cause = exc.__cause__
-            if not (isinstance(cause, grpc.RpcError) and cause.code() == grpc.StatusCode.NOT_FOUND
-                    and "no such program" in (cause.details() or "")):
-                raise
-            self.device.rpc("LoadProgram", self.load)
-            self.device.rpc("Launch", request)
+        self.device.rpc("Launch", request)

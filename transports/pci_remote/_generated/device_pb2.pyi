@@ -55,10 +55,12 @@ class ListDevicesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListDevicesReply(_message.Message):
-    __slots__ = ("devices",)
+    __slots__ = ("devices", "node_boot")
     DEVICES_FIELD_NUMBER: _ClassVar[int]
+    NODE_BOOT_FIELD_NUMBER: _ClassVar[int]
     devices: _containers.RepeatedCompositeFieldContainer[DeviceInfo]
-    def __init__(self, devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ...) -> None: ...
+    node_boot: bytes
+    def __init__(self, devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., node_boot: _Optional[bytes] = ...) -> None: ...
 
 class PciFunctionInfo(_message.Message):
     __slots__ = ("address", "vendor_id", "device_id", "bars")
@@ -201,18 +203,20 @@ class CopyReply(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadProgramRequest(_message.Message):
-    __slots__ = ("device", "kind", "llvm_ir", "entry", "signature")
+    __slots__ = ("device", "kind", "llvm_ir", "entry", "signature", "lease")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     LLVM_IR_FIELD_NUMBER: _ClassVar[int]
     ENTRY_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     device: str
     kind: ProgramKind
     llvm_ir: str
     entry: str
     signature: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, device: _Optional[str] = ..., kind: _Optional[_Union[ProgramKind, str]] = ..., llvm_ir: _Optional[str] = ..., entry: _Optional[str] = ..., signature: _Optional[_Iterable[str]] = ...) -> None: ...
+    lease: bytes
+    def __init__(self, device: _Optional[str] = ..., kind: _Optional[_Union[ProgramKind, str]] = ..., llvm_ir: _Optional[str] = ..., entry: _Optional[str] = ..., signature: _Optional[_Iterable[str]] = ..., lease: _Optional[bytes] = ...) -> None: ...
 
 class LoadProgramReply(_message.Message):
     __slots__ = ("program_id",)
