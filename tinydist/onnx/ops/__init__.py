@@ -45,6 +45,10 @@ from tinydist.onnx.ops.norm import (
     op_depth_to_space, op_group_norm, op_instance_norm, op_lp_norm, op_lrn, op_mean_variance_norm, op_rms_norm,
     op_space_to_depth,
 )
+from tinydist.onnx.ops.quant import (
+    op_conv_integer, op_dequantize_linear, op_dynamic_quantize_linear, op_matmul_integer, op_qlinear_conv,
+    op_qlinear_matmul, op_quantize_linear,
+)
 from tinydist.onnx.ops.recurrent import op_recurrent
 from tinydist.onnx.ops.shape import (
     _arg, _reduce, op_center_crop_pad, op_eye_like, op_window, op_concat, op_constant, op_constant_of_shape, op_expand, op_flatten, op_gather,
@@ -87,6 +91,7 @@ def _b(fn: Callable[[Tensor, Tensor], Tensor]) -> Callable[..., Tensor]:
 
 _POOL = ("auto_pad", "ceil_mode", "kernel_shape", "pads", "strides")
 _REDUCE = ("keepdims", "noop_with_empty_axes", "axes")
+_CONV = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
 
 OPS: dict[str, OpSpec] = {
     "Add": OpSpec(_b(lambda a, b: a + b), min_inputs=2), "Sub": OpSpec(_b(lambda a, b: a - b), min_inputs=2),
@@ -215,6 +220,14 @@ OPS: dict[str, OpSpec] = {
     "ReduceLogSum": OpSpec(_reduce("logsum", 18), static=(1,), attrs=_REDUCE),
     "NegativeLogLikelihoodLoss": OpSpec(op_nll_loss, params=(2,), attrs=("ignore_index", "reduction"), min_inputs=2),
     "SoftmaxCrossEntropyLoss": OpSpec(op_softmax_cross_entropy, params=(2,), attrs=("ignore_index", "reduction"), min_inputs=2),
+    "QuantizeLinear": OpSpec(op_quantize_linear, params=(1, 2), attrs=("axis", "block_size", "output_dtype", "precision",
+                                                                      "saturate"), min_inputs=2),
+    "DequantizeLinear": OpSpec(op_dequantize_linear, params=(1, 2), attrs=("axis", "block_size", "output_dtype"), min_inputs=2),
+    "DynamicQuantizeLinear": OpSpec(op_dynamic_quantize_linear),
+    "MatMulInteger": OpSpec(op_matmul_integer, params=(1, 2, 3), min_inputs=2),
+    "QLinearMatMul": OpSpec(op_qlinear_matmul, params=(1, 2, 3, 4, 5, 6, 7), min_inputs=7),
+    "ConvInteger": OpSpec(op_conv_integer, params=(1, 2, 3), attrs=_CONV, min_inputs=2),
+    "QLinearConv": OpSpec(op_qlinear_conv, params=(1, 2, 3, 4, 5, 6, 7, 8), attrs=_CONV, min_inputs=8),
 }
 
 # The since_versions each handler implements, from opset 7 (the oldest accepted) to the installed
@@ -259,6 +272,9 @@ VERSIONS: dict[str, tuple[int, ...]] = {
     "Einsum": (12, 28), "RNN": (7, 14, 22),
     "BitShift": (11, 28), "CausalConvWithState": (27,), "DFT": (17, 20), "ReverseSequence": (10, 28), "SwiGLU": (28,), "HannWindow": (17,), "HammingWindow": (17,), "BlackmanWindow": (17,), "EyeLike": (9, 22),
     "CenterCropPad": (18,), "NonZero": (9, 13), "Unique": (11, 28), "Compress": (9, 11, 28), "GRU": (7, 14, 22), "LSTM": (7, 14, 22),
+    "QuantizeLinear": (10, 13, 19, 21, 23, 24, 25, 28), "DequantizeLinear": (10, 13, 19, 21, 23, 24, 25, 28),
+    "DynamicQuantizeLinear": (11,), "MatMulInteger": (10,), "QLinearMatMul": (10, 21), "ConvInteger": (10,),
+    "QLinearConv": (10,),
 }
 for _name, _spec in OPS.items():
     _spec.versions = frozenset(VERSIONS.get(_name, ()))  # an op missing here is refused at every version
