@@ -174,3 +174,34 @@ def test_reverse_sequence(check, rng, batch_axis, time_axis):
     node = N("ReverseSequence", ["x", "lens"], ["y"], batch_axis=batch_axis, time_axis=time_axis)
     check([node], {"x": x, "lens": lens}, opset=10)                 # run-time lengths
     check([node], {"x": x}, inits={"lens": lens}, opset=10)         # constant lengths
+
+
+@pytest.mark.parametrize("kw", [
+    dict(kernel_shape=[2, 2]),
+    dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
+    dict(kernel_shape=[2, 3], dilations=[2, 1], ceil_mode=1, strides=[2, 2]),
+    dict(kernel_shape=[3, 2], strides=[1, 2], storage_order=1),
+])
+def test_max_pool_indices(check, rng, kw):
+    """MaxPool's Indices output: flat indices into x with batch and channel offsets, row-major or
+    column-major (storage_order=1), padding never chosen; ties (integers from a small range) go
+    to the first maximum in the window's scan order."""
+    x = rng.integers(-3, 3, (2, 3, 7, 6)).astype(F32)
+    check([N("MaxPool", ["x"], ["y", "idx"], **kw)], {"x": x}, outputs=("y", "idx"), opset=12)
+    check([N("MaxPool", ["x"], ["y", "idx"], **kw)], {"x": f(rng, 2, 3, 7, 6)}, outputs=("y", "idx"), opset=12)
+
+
+def test_batch_norm_training_mode(check, rng):
+    """training_mode=1: normalised by the batch's statistics; the running mean and variance
+    outputs blend the inputs' with the batch's by momentum."""
+    feeds = {"x": f(rng, 4, 3, 5, 2)}
+    inits = {"s": f(rng, 3), "b": f(rng, 3), "m": f(rng, 3), "v": rng.uniform(0.5, 2, 3).astype(F32)}
+    check([N("BatchNormalization", ["x", "s", "b", "m", "v"], ["y", "rm", "rv"], training_mode=1, momentum=0.7, epsilon=1e-3)],
+          feeds, outputs=("y", "rm", "rv"), inits=inits, opset=15)
+
+
+def test_pow_integer_base_float_exponent(check, rng):
+    """Pow(int, float) keeps the base's integer dtype (a float power, truncated; a negative base to a
+    fractional power is NaN, whose cast is undefined: left out)."""
+    feeds = {"x": rng.integers(0, 9, (3, 4)).astype(np.int32), "e": rng.uniform(0, 3, (3, 4)).astype(F32).round(1)}
+    check([N("Pow", ["x", "e"], ["y"])], feeds, opset=15)

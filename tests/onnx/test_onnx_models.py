@@ -183,7 +183,6 @@ def test_unsupported_op_names_node_op_and_opset(make_model, rng):
     (N("Conv", ["x", "k"], ["y"], auto_pad="WEIRD", name="cv"), r"node 'cv' \(Conv, opset 13\): auto_pad='WEIRD'"),
     (N("Relu", ["x"], ["y"], name="r", extra=3), r"node 'r' \(Relu, opset 13\): attribute 'extra' is not supported"),
     (N("Cast", ["x"], ["y"], to=TensorProto.COMPLEX64, name="c"), r"node 'c' \(Cast, opset 13\): dtype COMPLEX64 is not supported"),
-    (N("MaxPool", ["x"], ["y", "idx"], kernel_shape=[2, 2], name="mp"), r"node 'mp' \(MaxPool, opset 13\): the Indices output"),
 ])
 def test_unsupported_attribute_values(node, match, rng):
     from onnx import numpy_helper

@@ -25,7 +25,8 @@ from tinydist.onnx.ops.data_dependent import op_compress, op_nonzero, op_unique
 from tinydist.onnx.ops.einsum import op_einsum
 from tinydist.onnx.ops.elementwise import (
     _variadic, op_cast, op_cast_like, op_clip, op_div, op_dropout, op_elu, op_gelu, op_hard_sigmoid,
-    op_hard_swish, op_identity, op_leaky_relu, op_mean, op_pow, op_softplus,
+    op_hard_swish, op_identity, op_leaky_relu, op_mean, op_optional_get_element, op_optional_has_element, op_pow,
+    op_softplus,
 )
 from tinydist.onnx.ops.elementwise import (
     ceil, op_celu, op_is_inf, op_is_nan, op_mish, op_mod, op_prelu, op_selu, op_shrink, op_sign, op_softsign,
@@ -118,6 +119,8 @@ OPS: dict[str, OpSpec] = {
     "Cast": OpSpec(op_cast, attrs=("to", "saturate", "round_mode")),
     "CastLike": OpSpec(op_cast_like, params=(1,), attrs=("saturate", "round_mode"), min_inputs=2),
     "Identity": OpSpec(op_identity),
+    "OptionalHasElement": OpSpec(op_optional_has_element, params=(0,), min_inputs=0),
+    "OptionalGetElement": OpSpec(op_optional_get_element, params=(0,)),
     "Dropout": OpSpec(op_dropout, params=(1,), static=(2,), attrs=("ratio", "seed", "is_test")),
     "MatMul": OpSpec(op_matmul, params=(1,), min_inputs=2),
     "Gemm": OpSpec(op_gemm, params=(1, 2), attrs=("alpha", "beta", "transA", "transB"), min_inputs=2),
@@ -274,7 +277,7 @@ VERSIONS: dict[str, tuple[int, ...]] = {
     "CenterCropPad": (18,), "NonZero": (9, 13), "Unique": (11, 28), "Compress": (9, 11, 28), "GRU": (7, 14, 22), "LSTM": (7, 14, 22),
     "QuantizeLinear": (10, 13, 19, 21, 23, 24, 25, 28), "DequantizeLinear": (10, 13, 19, 21, 23, 24, 25, 28),
     "DynamicQuantizeLinear": (11,), "MatMulInteger": (10,), "QLinearMatMul": (10, 21), "ConvInteger": (10,),
-    "QLinearConv": (10,),
+    "QLinearConv": (10,), "OptionalHasElement": (15, 18, 28), "OptionalGetElement": (15, 18, 28),
 }
 for _name, _spec in OPS.items():
     _spec.versions = frozenset(VERSIONS.get(_name, ()))  # an op missing here is refused at every version

@@ -43,6 +43,8 @@ def op_pow(ctx: Any, x: Tensor, y: Value) -> Tensor:
     y = as_tensor(ctx, y, "exponent")
     if x.dtype.is_float:
         return x.pow(y.cast(x.dtype))
+    if y.dtype.is_float:  # the result has the base's dtype: numpy's float64 power, truncated (the reference)
+        return x.cast(dtypes.float64).pow(y.cast(dtypes.float64)).cast(x.dtype)
     return x.pow(y)
 
 
@@ -114,6 +116,15 @@ def op_cast_like(ctx: Any, x: Tensor, like: Value) -> Tensor:
 
 def op_identity(ctx: Any, x: Tensor) -> Tensor:
     return x
+
+
+def op_optional_has_element(ctx: Any, x: Value = None) -> np.ndarray:
+    """Optional values are tensors or absent here (no optional type): absent is a missing input."""
+    return np.array(x is not None)
+
+
+def op_optional_get_element(ctx: Any, x: Value) -> Value:
+    return x  # a tensor (the optional-typed graph inputs that could be empty are refused at load)
 
 
 def op_dropout(ctx: Any, x: Tensor, ratio: Value = None, training: Value = None) -> Any:

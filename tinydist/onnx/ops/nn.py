@@ -228,9 +228,9 @@ def _pool_setup(ctx: Any, x: Tensor, dilation_ok: bool) -> tuple[Tensor, list[in
     return x, kernel, strides, dilations, pairs, outs, nd
 
 
-def _pool_reduce(x: Tensor, kernel: list[int], strides: list[int], dilations: list[int], pairs: list[tuple[int, int]],
-                 outs: list[int], value: Any, op: str) -> Tensor:
-    """Reduce (max/sum) every window of x padded with `value` → (N, C, *outs).
+def _pool_windows(x: Tensor, kernel: list[int], strides: list[int], dilations: list[int], pairs: list[tuple[int, int]],
+                  outs: list[int], value: Any) -> tuple[Tensor, tuple[int, ...]]:
+    """Every window of x padded with `value`, as one strided view, and its window axes.
 
     The strided window view leaves out every size-1 axis: a view with a size-1 axis between two
     others is mis-collapsed by codegen (see docs/onnx.md, core issues)."""
@@ -243,16 +243,49 @@ def _pool_reduce(x: Tensor, kernel: list[int], strides: list[int], dilations: li
         contiguous.append(acc)
         acc *= size
     contiguous.reverse()
-    n, c = dims[:2]
-    shape = [n, c] + list(outs) + list(kernel)
+    shape = list(dims[:2]) + list(outs) + list(kernel)
     view_strides = contiguous[:2] + [st * s for st, s in zip(contiguous[2:], strides)] + \
         [st * d for st, d in zip(contiguous[2:], dilations)]
     keep = [i for i, size in enumerate(shape) if size != 1]
     window = padded._as_strided(tuple(shape[i] for i in keep), tuple(view_strides[i] for i in keep))
-    axes = tuple(keep.index(i) for i in range(2 + len(outs), len(shape)) if i in keep)
+    return window, tuple(keep.index(i) for i in range(2 + len(outs), len(shape)) if i in keep)
+
+
+def _pool_reduce(x: Tensor, kernel: list[int], strides: list[int], dilations: list[int], pairs: list[tuple[int, int]],
+                 outs: list[int], value: Any, op: str) -> Tensor:
+    """Reduce (max/sum) every window of x padded with `value` → (N, C, *outs)."""
+    window, axes = _pool_windows(x, kernel, strides, dilations, pairs, outs, value)
     if axes:
         window = window.max(axes) if op == "max" else window.sum(axes)
-    return window.reshape(tuple([n, c] + list(outs)))
+    return window.reshape(tuple(list(x.shape[:2]) + list(outs)))
+
+
+def _max_pool_indices(ctx: Any, x: Tensor, y: Tensor, kernel: list[int], strides: list[int], dilations: list[int],
+                      pairs: list[tuple[int, int]], outs: list[int]) -> Tensor:
+    """MaxPool's Indices: the flat index into x (batch and channel included, as onnxruntime;
+    spatial axes row-major, or column-major under storage_order=1) of each window's first maximum — the smallest such index, since a window is
+    scanned in the index order; padding never wins (its index is past every real one)."""
+    n_total = math.prod(x.shape)
+    index = ctx.lift(("indices", x.shape), np.arange(n_total, dtype=np.int64).reshape(x.shape))
+    values, axes = _pool_windows(x, kernel, strides, dilations, pairs, outs, lowest(x.dtype))
+    indices, _ = _pool_windows(index, kernel, strides, dilations, pairs, outs, n_total)
+    out_shape = tuple(list(x.shape[:2]) + list(outs))
+    if axes:
+        best = y.reshape(tuple(1 if i in axes else s for i, s in enumerate(values.shape)))
+        found = (values == best).where(indices, n_total).min(axes).reshape(out_shape)
+    else:
+        found = indices.reshape(out_shape)
+    if not ctx.attr("storage_order", 0):
+        return found
+    # column-major spatial order (storage_order=1): the first spatial axis varies fastest
+    sizes = x.shape[2:]
+    step = math.prod(sizes)
+    column, rest, below = (found // step) * step, found % step, 1
+    for axis, size in enumerate(sizes):
+        after = math.prod(sizes[axis + 1:])
+        column = column + (rest // after) % size * below
+        below *= size
+    return column
 
 
 def pad_value(x: Tensor, pairs: Sequence[tuple[int, int]], value: Any) -> Tensor:
@@ -269,13 +302,11 @@ def pad_value(x: Tensor, pairs: Sequence[tuple[int, int]], value: Any) -> Tensor
 
 
 def op_max_pool(ctx: Any, x: Tensor) -> Any:
-    if ctx.n_outputs > 1 and ctx.outputs_used[1]:
-        raise ctx.error("the Indices output is not supported")
-    if ctx.attr("storage_order", 0):
-        raise ctx.error("storage_order=1 is not supported")
     x, kernel, strides, dilations, pairs, outs, nd = _pool_setup(ctx, x, True)
     y = _pool_reduce(x, kernel, strides, dilations, pairs, outs, lowest(x.dtype), "max")
-    return (y, None) if ctx.n_outputs > 1 else y
+    if ctx.n_outputs == 1 or not ctx.outputs_used[1]:
+        return (y, None) if ctx.n_outputs > 1 else y
+    return y, _max_pool_indices(ctx, x, y, kernel, strides, dilations, pairs, outs)
 
 
 def op_lp_pool(ctx: Any, x: Tensor) -> Tensor:
@@ -318,9 +349,28 @@ def op_global_max_pool(ctx: Any, x: Tensor) -> Tensor:
 
 # ---- normalisation --------------------------------------------------------------------------
 
-def op_batch_norm(ctx: Any, x: Tensor, scale: Value, bias: Value, mean: Value, var: Value) -> Tensor:
+def _batch_norm_training(ctx: Any, x: Tensor, scale: Value, bias: Value, mean: Value, var: Value) -> Any:
+    """training_mode=1 (14+): normalise with the batch's mean and (population) variance over every
+    axis but the channels; running_mean / running_var = input · momentum + batch · (1 − momentum)."""
+    require_float(ctx, x)
+    eps, momentum = ctx.attr("epsilon", 1e-5), ctx.attr("momentum", 0.9)
+    shape = (1, x.shape[1]) + (1,) * (x.ndim - 2)
+    axes = tuple(i for i in range(x.ndim) if i != 1)
+    batch_mean = x.mean(axes, keepdim=True)
+    centered = x - batch_mean
+    batch_var = (centered * centered).mean(axes, keepdim=True)
+    s, bi, m, v = (as_tensor(ctx, t, k).reshape(shape) for t, k in ((scale, "s"), (bias, "bi"), (mean, "m"), (var, "v")))
+    y = centered / (batch_var + eps).sqrt() * s + bi
+    running_mean = (m * momentum + batch_mean * (1.0 - momentum)).reshape(x.shape[1])
+    running_var = (v * momentum + batch_var * (1.0 - momentum)).reshape(x.shape[1])
+    return (y, running_mean, running_var)[:ctx.n_outputs] if ctx.n_outputs > 1 else y
+
+
+def op_batch_norm(ctx: Any, x: Tensor, scale: Value, bias: Value, mean: Value, var: Value) -> Any:
     if ctx.attr("training_mode", 0):
-        raise ctx.error("training_mode=1 is not supported (inference only)")
+        if ctx.since < 14:
+            raise ctx.error("training_mode is an attribute of version 14 on")
+        return _batch_norm_training(ctx, x, scale, bias, mean, var)
     if any(ctx.outputs_used[1:]):
         raise ctx.error("the training outputs (running mean/var) are not supported")
     require_float(ctx, x)
