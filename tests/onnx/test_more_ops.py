@@ -205,3 +205,64 @@ def test_pow_integer_base_float_exponent(check, rng):
     fractional power is NaN, whose cast is undefined: left out)."""
     feeds = {"x": rng.integers(0, 9, (3, 4)).astype(np.int32), "e": rng.uniform(0, 3, (3, 4)).astype(F32).round(1)}
     check([N("Pow", ["x", "e"], ["y"])], feeds, opset=15)
+
+
+def _graph(nodes, inputs, outputs):
+    return helper.make_graph(nodes, "body", [helper.make_tensor_value_info(n, t, s) for n, t, s in inputs],
+                             [helper.make_tensor_value_info(n, t, s) for n, t, s in outputs])
+
+
+def test_if_with_a_constant_and_a_run_time_condition(check, rng):
+    """If's branches read outer values; a constant condition takes one branch at plan time, a
+    run-time one selects between both (outputs alike) with where."""
+    from onnx import TensorProto
+    then_b = _graph([N("Mul", ["x", "x"], ["t"])], [], [("t", TensorProto.FLOAT, [3, 4])])
+    else_b = _graph([N("Neg", ["x"], ["e"])], [], [("e", TensorProto.FLOAT, [3, 4])])
+    x = f(rng, 3, 4)
+    for cond in (True, False):
+        check([N("If", ["c"], ["y"], then_branch=then_b, else_branch=else_b)], {"x": x}, opset=13,
+              inits={"c": np.array(cond)})
+    check([N("ReduceSum", ["x"], ["s"], keepdims=0), N("Greater", ["s", "zero"], ["c"]),
+           N("If", ["c"], ["y"], then_branch=then_b, else_branch=else_b)], {"x": x}, opset=13, inits={"zero": np.array(0.0, F32)})
+
+
+def test_loop_carries_state_and_stacks_scan_outputs(check, rng):
+    """Loop with a trip count, a carried value updated from an outer tensor, the iteration number,
+    and a per-iteration scan output stacked on a new first axis."""
+    from onnx import TensorProto
+    body = _graph([N("Cast", ["i"], ["fi"], to=TensorProto.FLOAT), N("Mul", ["x", "fi"], ["xi"]),
+                   N("Add", ["acc", "xi"], ["acc_out"]), N("Identity", ["cond"], ["cond_out"]), N("Sin", ["acc_out"], ["each"])],
+                  [("i", TensorProto.INT64, []), ("cond", TensorProto.BOOL, []), ("acc", TensorProto.FLOAT, [3])],
+                  [("cond_out", TensorProto.BOOL, []), ("acc_out", TensorProto.FLOAT, [3]), ("each", TensorProto.FLOAT, [3])])
+    check([N("Loop", ["m", "", "a0"], ["acc", "all"], body=body)], {"x": f(rng, 3), "a0": f(rng, 3)},
+          outputs=(("acc", TensorProto.FLOAT, [3]), ("all", TensorProto.FLOAT, [4, 3])), opset=13, inits={"m": np.array(4, I64)})
+
+
+def test_scan_with_reverse_input_and_output_axis(check, rng):
+    """Scan 9+: a running sum over axis 1 of the input read in reverse, the partial sums stacked
+    along output axis 1."""
+    from onnx import TensorProto
+    body = _graph([N("Add", ["s", "xt"], ["s_out"]), N("Identity", ["s_out"], ["y_t"])],
+                  [("s", TensorProto.FLOAT, [2]), ("xt", TensorProto.FLOAT, [2])],
+                  [("s_out", TensorProto.FLOAT, [2]), ("y_t", TensorProto.FLOAT, [2])])
+    check([N("Scan", ["s0", "x"], ["s", "ys"], body=body, num_scan_inputs=1, scan_input_axes=[1],
+             scan_input_directions=[1], scan_output_axes=[1])], {"s0": f(rng, 2), "x": f(rng, 2, 5)},
+          outputs=(("s", TensorProto.FLOAT, [2]), ("ys", TensorProto.FLOAT, [2, 5])), opset=16)
+
+
+def test_loop_refuses_a_run_time_trip_count(rng):
+    import onnx
+    from onnx import TensorProto
+
+    import tinydist.onnx as tdo
+    body = _graph([N("Identity", ["cond"], ["cond_out"]), N("Identity", ["v"], ["v_out"])],
+                  [("i", TensorProto.INT64, []), ("cond", TensorProto.BOOL, []), ("v", TensorProto.FLOAT, [3])],
+                  [("cond_out", TensorProto.BOOL, []), ("v_out", TensorProto.FLOAT, [3])])
+    graph = helper.make_graph(
+        [N("ReduceSum", ["x"], ["s"], keepdims=0), N("Cast", ["s"], ["m"], to=TensorProto.INT64),
+         N("Loop", ["m", "", "x"], ["y"], body=body)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [100])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    assert isinstance(model, onnx.ModelProto)
+    with pytest.raises(tdo.UnsupportedModelError, match="the trip count M is computed from tensor values at run time"):
+        tdo.load(model)

@@ -21,6 +21,7 @@ from typing import Any
 from tinydist.frontend.tensor import Tensor, where
 from tinydist.onnx.ops._common import SUPPORTED_NP, erf, require_float, scalar_like, tanh
 from tinydist.onnx.ops.attention import op_attention, op_linear_attention, op_rotary_embedding
+from tinydist.onnx.ops.control import op_if, op_loop, op_scan
 from tinydist.onnx.ops.data_dependent import op_compress, op_nonzero, op_unique
 from tinydist.onnx.ops.einsum import op_einsum
 from tinydist.onnx.ops.elementwise import (
@@ -38,7 +39,7 @@ from tinydist.onnx.ops.indexing import (
 )
 from tinydist.onnx.ops.loss import op_nll_loss, op_softmax_cross_entropy
 from tinydist.onnx.ops.nn import (
-    _softmax_like, op_average_pool, op_causal_conv_with_state, op_dft, op_lp_pool, op_batch_norm, op_conv, op_conv_transpose, op_gemm,
+    _softmax_like, op_affine_grid, op_average_pool, op_causal_conv_with_state, op_dft, op_lp_pool, op_batch_norm, op_conv, op_conv_transpose, op_gemm,
     op_global_average_pool, op_global_max_pool, op_hardmax, op_layer_norm, op_matmul, op_max_pool, op_resize,
     op_upsample,
 )
@@ -64,14 +65,16 @@ class OpSpec:
     """One op's handler, its param positions, the attributes it reads (of every version) and, set
     from `VERSIONS`, the schema since_versions whose semantics it implements."""
 
-    __slots__ = ("fn", "params", "static", "attrs", "min_inputs", "versions")
+    __slots__ = ("fn", "params", "static", "attrs", "min_inputs", "versions", "subgraphs")
 
     def __init__(self, fn: Callable[..., Any], params: Sequence[int] = (), attrs: Sequence[str] = (), min_inputs: int = 1,
-                 static: Sequence[int] = ()):
+                 static: Sequence[int] = (), subgraphs: bool = False):
+        # subgraphs: GRAPH attributes are bodies the handler evaluates (If / Loop / Scan); every
+        # input, declared or read by a body from the outer scope, arrives as numpy when constant
         # static: params whose values the graph's shapes depend on; fed from graph inputs, they are
         # read at call time and key the plan (see OnnxModel.value_inputs)
         self.fn, self.params, self.static = fn, frozenset(params) | frozenset(static), frozenset(static)
-        self.attrs, self.min_inputs = frozenset(attrs), min_inputs
+        self.attrs, self.min_inputs, self.subgraphs = frozenset(attrs), min_inputs, subgraphs
         self.versions: frozenset[int] = frozenset()
 
 
@@ -119,6 +122,11 @@ OPS: dict[str, OpSpec] = {
     "Cast": OpSpec(op_cast, attrs=("to", "saturate", "round_mode")),
     "CastLike": OpSpec(op_cast_like, params=(1,), attrs=("saturate", "round_mode"), min_inputs=2),
     "Identity": OpSpec(op_identity),
+    "If": OpSpec(op_if, static=(0,), attrs=("then_branch", "else_branch"), subgraphs=True),
+    "Loop": OpSpec(op_loop, static=(0, 1), attrs=("body",), min_inputs=0, subgraphs=True),
+    "Scan": OpSpec(op_scan, attrs=("body", "directions", "num_scan_inputs", "scan_input_axes", "scan_input_directions", "scan_output_axes",
+                                   "scan_output_directions"), subgraphs=True),
+    "AffineGrid": OpSpec(op_affine_grid, static=(1,), attrs=("align_corners",), min_inputs=2),
     "OptionalHasElement": OpSpec(op_optional_has_element, params=(0,), min_inputs=0),
     "OptionalGetElement": OpSpec(op_optional_get_element, params=(0,)),
     "Dropout": OpSpec(op_dropout, params=(1,), static=(2,), attrs=("ratio", "seed", "is_test")),
@@ -278,6 +286,8 @@ VERSIONS: dict[str, tuple[int, ...]] = {
     "QuantizeLinear": (10, 13, 19, 21, 23, 24, 25, 28), "DequantizeLinear": (10, 13, 19, 21, 23, 24, 25, 28),
     "DynamicQuantizeLinear": (11,), "MatMulInteger": (10,), "QLinearMatMul": (10, 21), "ConvInteger": (10,),
     "QLinearConv": (10,), "OptionalHasElement": (15, 18, 28), "OptionalGetElement": (15, 18, 28),
+    "If": (1, 11, 13, 16, 19, 21, 23, 24, 25), "Loop": (1, 11, 13, 16, 19, 21, 23, 24, 25), "Scan": (8, 9, 11, 16, 19, 21, 23, 24, 25),
+    "AffineGrid": (20,),
 }
 for _name, _spec in OPS.items():
     _spec.versions = frozenset(VERSIONS.get(_name, ()))  # an op missing here is refused at every version

@@ -670,3 +670,25 @@ def op_dft(ctx: Any, x: Tensor, dft_length: Value = None, axis_in: Value = None)
     for pos, src in enumerate(order):
         back[src] = pos
     return y.permute(tuple(back))
+
+
+def op_affine_grid(ctx: Any, theta: Tensor, size: Value) -> Tensor:
+    """AffineGrid (20): the sampling grid theta · (x, y[, z], 1) over normalised output coordinates
+    in [-1, 1] (pixel centres, or corners under align_corners), as one batched matmul with a
+    constant (H·W, 3) or (D·H·W, 4) base grid."""
+    dims = ints(ctx, size, "size")
+    spatial = dims[2:]
+    if len(spatial) not in (2, 3) or theta.shape[1:] != (len(spatial), len(spatial) + 1):
+        raise ctx.error(f"size {dims} and theta of shape {theta.shape} do not describe a 2-D or 3-D grid")
+    align = bool(ctx.attr("align_corners", 0))
+
+    def axis(n: int) -> np.ndarray:
+        if align:
+            return np.linspace(-1.0, 1.0, n) if n > 1 else np.zeros(1)
+        return (2.0 * np.arange(n) + 1.0) / n - 1.0
+
+    coords = np.meshgrid(*[axis(n) for n in spatial], indexing="ij")  # (D,) H, W
+    base = np.stack([c.reshape(-1) for c in reversed(coords)] + [np.ones(math.prod(spatial))], axis=1)
+    grid = ctx.lift(("grid", tuple(dims), align), base.astype(theta.dtype.np).reshape((1,) + base.shape))
+    out = grid.matmul(theta.permute(0, 2, 1))  # (N, points, rank)
+    return out.reshape((theta.shape[0],) + tuple(spatial) + (len(spatial),))
