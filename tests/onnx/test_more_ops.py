@@ -266,3 +266,13 @@ def test_loop_refuses_a_run_time_trip_count(rng):
     assert isinstance(model, onnx.ModelProto)
     with pytest.raises(tdo.UnsupportedModelError, match="the trip count M is computed from tensor values at run time"):
         tdo.load(model)
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "nearest", "bicubic"])
+@pytest.mark.parametrize("padding_mode", ["zeros", "border", "reflection"])
+@pytest.mark.parametrize("align_corners", [0, 1])
+def test_grid_sample(check, rng, mode, padding_mode, align_corners):
+    """GridSample over a run-time grid reaching past the borders (every padding mode matters)."""
+    feeds = {"x": f(rng, 2, 3, 5, 6), "grid": rng.uniform(-1.4, 1.4, (2, 4, 7, 2)).astype(F32)}
+    check([N("GridSample", ["x", "grid"], ["y"], mode=mode, padding_mode=padding_mode, align_corners=align_corners)],
+          feeds, opset=16, rtol=1e-4, atol=1e-5)
