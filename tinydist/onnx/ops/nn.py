@@ -754,6 +754,7 @@ def op_grid_sample(ctx: Any, x: Tensor, grid: Tensor) -> Tensor:
             v = outside.where(_reflect(v, low, high), v)
         base = v.floor()
         frac = v - base
+        taps: list[tuple[Tensor, Tensor | None]]
         if mode == "nearest":
             taps = [(v, None)]
         elif mode == "linear":
