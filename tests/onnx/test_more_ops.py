@@ -276,3 +276,16 @@ def test_grid_sample(check, rng, mode, padding_mode, align_corners):
     feeds = {"x": f(rng, 2, 3, 5, 6), "grid": rng.uniform(-1.4, 1.4, (2, 4, 7, 2)).astype(F32)}
     check([N("GridSample", ["x", "grid"], ["y"], mode=mode, padding_mode=padding_mode, align_corners=align_corners)],
           feeds, opset=16, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("center_point_box", [0, 1])
+def test_non_max_suppression_on_value_inputs(check, rng, center_point_box):
+    """NonMaxSuppression over small run-time boxes and scores (value inputs: a new value is a new
+    plan), overlapping boxes so that suppression happens, a score threshold and two classes."""
+    corner = rng.uniform(0, 4, (1, 8, 2)).astype(F32)
+    boxes = np.concatenate([corner, corner + rng.uniform(0.5, 3, (1, 8, 2)).astype(F32)], axis=2)
+    feeds = {"boxes": boxes, "scores": rng.uniform(0, 1, (1, 2, 8)).astype(F32)}
+    inits = {"m": np.array([3], I64), "iou": np.array([0.3], F32), "st": np.array([0.2], F32)}
+    got = check([N("NonMaxSuppression", ["boxes", "scores", "m", "iou", "st"], ["y"], center_point_box=center_point_box)],
+                feeds, inits=inits, opset=11)
+    assert 0 < len(got["y"]) <= 6  # at most 3 a class

@@ -22,7 +22,7 @@ from tinydist.frontend.tensor import Tensor, where
 from tinydist.onnx.ops._common import SUPPORTED_NP, erf, require_float, scalar_like, tanh
 from tinydist.onnx.ops.attention import op_attention, op_linear_attention, op_rotary_embedding
 from tinydist.onnx.ops.control import op_if, op_loop, op_scan
-from tinydist.onnx.ops.data_dependent import op_compress, op_nonzero, op_unique
+from tinydist.onnx.ops.data_dependent import op_compress, op_non_max_suppression, op_nonzero, op_unique
 from tinydist.onnx.ops.einsum import op_einsum
 from tinydist.onnx.ops.elementwise import (
     _variadic, op_cast, op_cast_like, op_clip, op_div, op_dropout, op_elu, op_gelu, op_hard_sigmoid,
@@ -127,6 +127,7 @@ OPS: dict[str, OpSpec] = {
     "Scan": OpSpec(op_scan, attrs=("body", "directions", "num_scan_inputs", "scan_input_axes", "scan_input_directions", "scan_output_axes",
                                    "scan_output_directions"), subgraphs=True),
     "GridSample": OpSpec(op_grid_sample, attrs=("align_corners", "mode", "padding_mode"), min_inputs=2),
+    "NonMaxSuppression": OpSpec(op_non_max_suppression, static=(0, 1, 2, 3, 4), attrs=("center_point_box",), min_inputs=2),
     "AffineGrid": OpSpec(op_affine_grid, static=(1,), attrs=("align_corners",), min_inputs=2),
     "OptionalHasElement": OpSpec(op_optional_has_element, params=(0,), min_inputs=0),
     "OptionalGetElement": OpSpec(op_optional_get_element, params=(0,)),
@@ -288,7 +289,7 @@ VERSIONS: dict[str, tuple[int, ...]] = {
     "DynamicQuantizeLinear": (11,), "MatMulInteger": (10,), "QLinearMatMul": (10, 21), "ConvInteger": (10,),
     "QLinearConv": (10,), "OptionalHasElement": (15, 18, 28), "OptionalGetElement": (15, 18, 28),
     "If": (1, 11, 13, 16, 19, 21, 23, 24, 25), "Loop": (1, 11, 13, 16, 19, 21, 23, 24, 25), "Scan": (8, 9, 11, 16, 19, 21, 23, 24, 25),
-    "AffineGrid": (20,), "GridSample": (16, 20, 22),
+    "AffineGrid": (20,), "GridSample": (16, 20, 22), "NonMaxSuppression": (10, 11),
 }
 for _name, _spec in OPS.items():
     _spec.versions = frozenset(VERSIONS.get(_name, ()))  # an op missing here is refused at every version
