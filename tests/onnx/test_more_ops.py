@@ -289,3 +289,11 @@ def test_non_max_suppression_on_value_inputs(check, rng, center_point_box):
     got = check([N("NonMaxSuppression", ["boxes", "scores", "m", "iou", "st"], ["y"], center_point_box=center_point_box)],
                 feeds, inits=inits, opset=11)
     assert 0 < len(got["y"]) <= 6  # at most 3 a class
+
+
+def test_col2im_with_strides_pads_and_dilations(check, rng):
+    """Col2Im: overlapping blocks summed back into the image, padding cropped."""
+    feeds = {"x": f(rng, 2, 2 * 2 * 3, 4 * 1)}  # 4 block positions down, 1 across
+    inits = {"image": np.array([6, 5], I64), "block": np.array([2, 3], I64)}
+    check([N("Col2Im", ["x", "image", "block"], ["y"], strides=[2, 1], pads=[1, 0, 1, 0], dilations=[1, 2])],
+          feeds, inits=inits, opset=18)

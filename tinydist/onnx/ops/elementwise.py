@@ -131,7 +131,10 @@ def op_dropout(ctx: Any, x: Tensor, ratio: Value = None, training: Value = None)
     """Inference: the identity. The mask as onnxruntime gives it: all zeros of x's dtype in version 7,
     all false in 10, all true from 12 on (onnx's reference gives all true throughout)."""
     if training is not None and bool(static(ctx, training, "training_mode").reshape(-1)[0]):
-        raise ctx.error("training_mode=True is not supported (inference only)")
+        # training with ratio 0 drops nothing (the identity, an all-true mask); a random mask is not supported
+        if ratio is None or not isinstance(ratio, np.ndarray) or float(ratio.reshape(-1)[0]) != 0.0:
+            raise ctx.error("training_mode=True is supported with ratio 0 only (a random mask is not supported)")
+        return (x, np.ones(x.shape, np.bool_)) if ctx.n_outputs > 1 else x
     if ctx.n_outputs > 1:
         if ctx.since < 12:
             return x, np.zeros(x.shape, np.bool_ if ctx.since >= 10 else x.dtype.np)

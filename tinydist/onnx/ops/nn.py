@@ -778,3 +778,34 @@ def op_grid_sample(ctx: Any, x: Tensor, grid: Tensor) -> Tensor:
     assert total is not None
     y = x.reshape(n, x.shape[1], -1).matmul(total.permute(0, 2, 1))  # (N, C, P)
     return y.reshape((n, x.shape[1]) + tuple(out_spatial))
+
+
+def op_col2im(ctx: Any, x: Tensor, image_shape: Value, block_shape: Value) -> Tensor:
+    """Col2Im (18): the inverse of im2col — every column's block values added at their image
+    positions (overlaps summed), as one matmul with a constant 0/1 (blocks·columns, pixels) matrix."""
+    image, block = ints(ctx, image_shape, "image_shape"), ints(ctx, block_shape, "block_shape")
+    nd = len(image)
+    if len(block) != nd:
+        raise ctx.error(f"image_shape {image} and block_shape {block} differ in rank")
+    dilations = list(ctx.attr("dilations", [1] * nd))
+    strides = list(ctx.attr("strides", [1] * nd))
+    pads = list(ctx.attr("pads", [0] * (2 * nd)))
+    counts = [(size + pads[i] + pads[i + nd] - (dilations[i] * (block[i] - 1) + 1)) // strides[i] + 1
+              for i, size in enumerate(image)]
+    k, n_cols = math.prod(block), math.prod(counts)
+    if x.ndim != 3 or x.shape[1] % k or x.shape[2] != n_cols:
+        raise ctx.error(f"input of shape {x.shape} does not hold C·{k} block values for {n_cols} columns")
+
+    def matrix() -> np.ndarray:
+        scatter = np.zeros((k * n_cols, math.prod(image)), x.dtype.np)
+        for b, offsets in enumerate(np.ndindex(*block)):
+            for c, column in enumerate(np.ndindex(*counts)):
+                pos = [column[i] * strides[i] - pads[i] + offsets[i] * dilations[i] for i in range(nd)]
+                if all(0 <= p < s for p, s in zip(pos, image)):
+                    scatter[b * n_cols + c, np.ravel_multi_index(pos, image)] = 1
+        return scatter.reshape((1,) + scatter.shape)
+
+    scatter = ctx.lift(("col2im", tuple(image), tuple(block), tuple(x.shape)), matrix())
+    channels = x.shape[1] // k
+    y = x.reshape(x.shape[0], channels, k * n_cols).matmul(scatter)
+    return y.reshape((x.shape[0], channels) + tuple(image))
