@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx import helper
+from onnx import TensorProto, helper
 
 N = helper.make_node
 F32 = np.float32
@@ -215,7 +215,6 @@ def _graph(nodes, inputs, outputs):
 def test_if_with_a_constant_and_a_run_time_condition(check, rng):
     """If's branches read outer values; a constant condition takes one branch at plan time, a
     run-time one selects between both (outputs alike) with where."""
-    from onnx import TensorProto
     then_b = _graph([N("Mul", ["x", "x"], ["t"])], [], [("t", TensorProto.FLOAT, [3, 4])])
     else_b = _graph([N("Neg", ["x"], ["e"])], [], [("e", TensorProto.FLOAT, [3, 4])])
     x = f(rng, 3, 4)
@@ -229,7 +228,6 @@ def test_if_with_a_constant_and_a_run_time_condition(check, rng):
 def test_loop_carries_state_and_stacks_scan_outputs(check, rng):
     """Loop with a trip count, a carried value updated from an outer tensor, the iteration number,
     and a per-iteration scan output stacked on a new first axis."""
-    from onnx import TensorProto
     body = _graph([N("Cast", ["i"], ["fi"], to=TensorProto.FLOAT), N("Mul", ["x", "fi"], ["xi"]),
                    N("Add", ["acc", "xi"], ["acc_out"]), N("Identity", ["cond"], ["cond_out"]), N("Sin", ["acc_out"], ["each"])],
                   [("i", TensorProto.INT64, []), ("cond", TensorProto.BOOL, []), ("acc", TensorProto.FLOAT, [3])],
@@ -241,7 +239,6 @@ def test_loop_carries_state_and_stacks_scan_outputs(check, rng):
 def test_scan_with_reverse_input_and_output_axis(check, rng):
     """Scan 9+: a running sum over axis 1 of the input read in reverse, the partial sums stacked
     along output axis 1."""
-    from onnx import TensorProto
     body = _graph([N("Add", ["s", "xt"], ["s_out"]), N("Identity", ["s_out"], ["y_t"])],
                   [("s", TensorProto.FLOAT, [2]), ("xt", TensorProto.FLOAT, [2])],
                   [("s_out", TensorProto.FLOAT, [2]), ("y_t", TensorProto.FLOAT, [2])])
@@ -252,7 +249,6 @@ def test_scan_with_reverse_input_and_output_axis(check, rng):
 
 def test_loop_refuses_a_run_time_trip_count(rng):
     import onnx
-    from onnx import TensorProto
 
     import tinydist.onnx as tdo
     body = _graph([N("Identity", ["cond"], ["cond_out"]), N("Identity", ["v"], ["v_out"])],
@@ -297,3 +293,26 @@ def test_col2im_with_strides_pads_and_dilations(check, rng):
     inits = {"image": np.array([6, 5], I64), "block": np.array([2, 3], I64)}
     check([N("Col2Im", ["x", "image", "block"], ["y"], strides=[2, 1], pads=[1, 0, 1, 0], dilations=[1, 2])],
           feeds, inits=inits, opset=18)
+
+
+@pytest.mark.parametrize("shape", [(3, 3), (2, 4, 4), (5, 1, 1)])
+def test_det(check, rng, shape):
+    check([N("Det", ["x"], ["y"])], {"x": f(rng, *shape)}, opset=13, rtol=1e-4, atol=1e-5)
+
+
+def test_max_unpool_inverts_max_pool_indices(check, rng):
+    """MaxPool's run-time Indices fed to MaxUnpool: each maximum back at its place, zeros elsewhere.
+    (For an output_shape larger than the unpooled shape onnxruntime reads the indices in the
+    larger layout, onnx's reference in the unpooled one, padding after; tinydist follows the
+    reference, so that case is the node suite's.)"""
+    check([N("MaxPool", ["x"], ["p", "i"], kernel_shape=[2, 2], strides=[2, 2]),
+           N("MaxUnpool", ["p", "i", "shape"], ["y"], kernel_shape=[2, 2], strides=[2, 2])],
+          {"x": f(rng, 2, 3, 6, 4)}, outputs=(("y", TensorProto.FLOAT, [2, 3, 6, 4]),),
+          inits={"shape": np.array([2, 3, 6, 4], I64)}, opset=11)
+
+
+@pytest.mark.parametrize("mode", ["linear", "circular"])
+def test_tensor_scatter(check, rng, mode):
+    """TensorScatter: per-batch run-time write positions into a cache along the sequence axis."""
+    feeds = {"cache": f(rng, 3, 2, 6, 4), "update": f(rng, 3, 2, 2, 4), "at": np.array([0, 4, 5 if mode == "circular" else 3], I64)}
+    check([N("TensorScatter", ["cache", "update", "at"], ["y"], mode=mode)], feeds, opset=24)

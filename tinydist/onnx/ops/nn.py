@@ -809,3 +809,53 @@ def op_col2im(ctx: Any, x: Tensor, image_shape: Value, block_shape: Value) -> Te
     channels = x.shape[1] // k
     y = x.reshape(x.shape[0], channels, k * n_cols).matmul(scatter)
     return y.reshape((x.shape[0], channels) + tuple(image))
+
+
+def op_max_unpool(ctx: Any, x: Tensor, indices: Tensor, output_shape: Value = None) -> Tensor:
+    """MaxUnpool (9, 11, 22): x's values at their (run-time) flat indices into the output, zeros
+    elsewhere, as a one-hot select (O(input × output) elements), indices into the pooling's
+    inverse shape ((in − 1)·stride − pads + kernel); a larger output_shape pads it with zeros
+    after (the reference's placement)."""
+    kernel = list(ctx.attr("kernel_shape"))
+    nd = len(kernel)
+    strides = list(ctx.attr("strides", [1] * nd))
+    pads = list(ctx.attr("pads", [0] * (2 * nd)))
+    inferred = tuple(x.shape[:2]) + tuple((size - 1) * strides[i] - pads[i] - pads[i + nd] + kernel[i]
+                                          for i, size in enumerate(x.shape[2:]))
+    total = math.prod(inferred)
+    positions = ctx.lift(("positions", total), np.arange(total, dtype=np.int64).reshape(1, total))
+    onehot = indices.cast(dtypes.int64).reshape(-1, 1) == positions  # (input elements, output elements)
+    y = onehot.where(x.reshape(-1, 1), 0).sum(0, dtype=x.dtype).reshape(inferred)
+    if output_shape is None:
+        return y
+    shape = ints(ctx, output_shape, "output_shape")
+    if len(shape) != len(inferred) or any(s < i for s, i in zip(shape, inferred)):
+        raise ctx.error(f"output_shape {shape} is smaller than the unpooled shape {inferred}")
+    return pad_value(y, [(0, s - i) for s, i in zip(shape, inferred)], 0)  # the unpooled values at the origin
+
+
+def op_det(ctx: Any, x: Tensor) -> Tensor:
+    """Det over the last two axes by the Leibniz formula (n! products of n entries): exact
+    arithmetic order for the small matrices it is for; n > 6 is refused."""
+    require_float(ctx, x)
+    n = x.shape[-1]
+    if x.ndim < 2 or x.shape[-2] != n:
+        raise ctx.error(f"input of shape {x.shape} is not a (batch of) square matrices")
+    if n > 6:
+        raise ctx.error(f"a {n}x{n} determinant is not supported (the Leibniz formula is used, up to 6x6)")
+    import itertools
+
+    rows = [shrink_axis(x, x.ndim - 2, i, i + 1).reshape(x.shape[:-2] + (n,)) for i in range(n)]
+    entries = [[shrink_axis(row, row.ndim - 1, j, j + 1).reshape(x.shape[:-2]) for j in range(n)] for row in rows]
+    total: Tensor | None = None
+    for perm in itertools.permutations(range(n)):
+        inversions = sum(perm[i] > perm[j] for i in range(n) for j in range(i + 1, n))
+        term = entries[0][perm[0]]
+        for i in range(1, n):
+            term = term * entries[i][perm[i]]
+        if total is None:
+            total = term if inversions % 2 == 0 else term * -1.0
+        else:
+            total = total - term if inversions % 2 else total + term
+    assert total is not None
+    return total
