@@ -316,3 +316,33 @@ def test_tensor_scatter(check, rng, mode):
     """TensorScatter: per-batch run-time write positions into a cache along the sequence axis."""
     feeds = {"cache": f(rng, 3, 2, 6, 4), "update": f(rng, 3, 2, 2, 4), "at": np.array([0, 4, 5 if mode == "circular" else 3], I64)}
     check([N("TensorScatter", ["cache", "update", "at"], ["y"], mode=mode)], feeds, opset=24)
+
+
+@pytest.mark.parametrize("op,attrs,state", [
+    ("Adagrad", dict(decay_factor=0.1, epsilon=1e-5, norm_coefficient=0.01), 1),
+    ("Momentum", dict(alpha=0.9, beta=0.5, mode="nesterov", norm_coefficient=0.01), 1),
+    ("Adam", dict(alpha=0.9, beta=0.99, epsilon=1e-6, norm_coefficient=0.01, norm_coefficient_post=0.02), 2),
+])
+@pytest.mark.parametrize("step", [0, 3])
+def test_training_optimizers_equal_onnx_reference(rng, op, attrs, state, step):
+    """The ai.onnx.preview.training optimizers on two tensors, against onnx's reference evaluator
+    (onnxruntime's default build has no training ops); T = 0 and T > 0 differ for Momentum / Adam."""
+    from onnx.reference import ReferenceEvaluator
+
+    import tinydist.onnx as tdo
+    shapes = [(3, 4), (5,)]
+    names = ["R", "T"] + [f"{kind}{i}" for kind in ["X", "G"] + [f"S{k}" for k in range(state)] for i in range(2)]
+    feeds = {"R": np.array(0.1, F32), "T": np.array(step, I64)}
+    for name in names[2:]:
+        feeds[name] = (rng.uniform(0.1, 2.0, shapes[int(name[-1])])).astype(F32)
+    outputs = [f"{kind}{i}_new" for kind in ["X"] + [f"S{k}" for k in range(state)] for i in range(2)]
+    domain = "ai.onnx.preview.training"
+    graph = helper.make_graph(
+        [helper.make_node(op, names, outputs, domain=domain, **attrs)], "g",
+        [helper.make_tensor_value_info(n, TensorProto.INT64 if n == "T" else TensorProto.FLOAT, list(feeds[n].shape)) for n in names],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, list(shapes[int(o[-5])])) for o in outputs])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(domain, 1)])
+    want = ReferenceEvaluator(model).run(None, feeds)
+    got = tdo.load(model)(feeds)
+    for name, expected in zip(outputs, want):
+        np.testing.assert_allclose(got[name], expected, rtol=1e-5, atol=1e-6, err_msg=name)

@@ -25,7 +25,7 @@ from tinydist.frontend.jit import JitError, TinyJit
 from tinydist.frontend.tensor import Tensor
 from tinydist.graph import dtypes
 from tinydist.onnx.errors import ModelLoadError, UnsupportedModelError
-from tinydist.onnx.ops import FOLDS, OPS, SUPPORTED_NP
+from tinydist.onnx.ops import DOMAIN_OPS, FOLDS, OPS, SUPPORTED_NP
 from tinydist.onnx.ops._common import OUTER
 from tinydist.runtime.engine import get_engine
 from tinydist.runtime.registry import canonical_name
@@ -94,10 +94,10 @@ class NodeCtx:
         return found
 
 
-def _since_version(defs: Any, op_type: str, opset: int) -> int | None:
-    """The since_version of `op_type`'s default-domain schema at `opset` (None: no such op there)."""
+def _since_version(defs: Any, op_type: str, opset: int, domain: str = "") -> int | None:
+    """The since_version of `op_type`'s schema in `domain` at `opset` (None: no such op there)."""
     try:
-        return int(defs.get_schema(op_type, opset, "").since_version)
+        return int(defs.get_schema(op_type, opset, domain).since_version)
     except defs.SchemaError:
         return None
 
@@ -191,8 +191,12 @@ class OnnxModel:
         graph = proto.graph
         opsets = {imp.domain or "ai.onnx": imp.version for imp in proto.opset_import}
         self.opset = opsets.get("ai.onnx", opsets.get("", 0))
+        self._opsets = opsets
         latest = defs.onnx_opset_version()
-        if not MIN_OPSET <= self.opset <= latest:
+        # a model of other domains only (the training optimizers) imports no default opset
+        other_only = self.opset == 0 and opsets and all(d in DOMAIN_OPS for d in opsets) and \
+            all((n.domain or "ai.onnx") in DOMAIN_OPS for n in graph.node)
+        if not other_only and not MIN_OPSET <= self.opset <= latest:
             raise UnsupportedModelError(f"model opset {self.opset} is not supported (default-domain opsets "
                                         f"{MIN_OPSET}–{latest}, the range of the installed onnx {onnx.__version__})")
         self.graph_name = graph.name
@@ -238,12 +242,17 @@ class OnnxModel:
             name = scope + (node.name or f"{node.op_type}_{index}")
             ctx_name = f"node {name!r} ({node.op_type}, opset {self.opset})"
             domain = node.domain or "ai.onnx"
-            if domain != "ai.onnx":
-                raise UnsupportedModelError(f"{ctx_name}: domain {node.domain!r} is not supported (only the default ONNX domain)")
-            spec = OPS.get(node.op_type)
+            if domain != "ai.onnx" and domain not in DOMAIN_OPS:
+                raise UnsupportedModelError(f"{ctx_name}: domain {node.domain!r} is not supported (the default ONNX "
+                                            f"domain and {', '.join(DOMAIN_OPS)})")
+            spec = OPS.get(node.op_type) if domain == "ai.onnx" else DOMAIN_OPS[domain].get(node.op_type)
             if spec is None:
                 raise UnsupportedModelError(f"{ctx_name}: op type {node.op_type!r} is not supported")
-            since = _since_version(defs, node.op_type, self.opset)
+            if domain == "ai.onnx":
+                since = _since_version(defs, node.op_type, self.opset)
+            else:
+                ctx_name = f"node {name!r} ({node.op_type}, {domain} opset {self._opsets.get(domain, 0)})"
+                since = _since_version(defs, node.op_type, self._opsets.get(domain, 0), domain)
             if since is None:
                 raise UnsupportedModelError(f"{ctx_name}: op type {node.op_type!r} does not exist at opset {self.opset}")
             if since not in spec.versions:

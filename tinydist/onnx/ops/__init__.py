@@ -52,6 +52,7 @@ from tinydist.onnx.ops.quant import (
     op_qlinear_matmul, op_quantize_linear,
 )
 from tinydist.onnx.ops.recurrent import op_recurrent
+from tinydist.onnx.ops.training import op_adagrad, op_adam, op_momentum
 from tinydist.onnx.ops.shape import (
     _arg, _reduce, op_center_crop_pad, op_eye_like, op_window, op_concat, op_constant, op_constant_of_shape, op_expand, op_flatten, op_gather,
     op_pad, op_range, op_reshape, op_shape, op_size, op_slice, op_split, op_squeeze, op_tile,
@@ -299,4 +300,16 @@ VERSIONS: dict[str, tuple[int, ...]] = {
 for _name, _spec in OPS.items():
     _spec.versions = frozenset(VERSIONS.get(_name, ()))  # an op missing here is refused at every version
 
-__all__ = ["FOLDS", "OPS", "SUPPORTED_NP", "VERSIONS", "OpSpec"]
+# Other domains: their ops by domain, with the since_versions implemented.
+TRAINING = "ai.onnx.preview.training"
+DOMAIN_OPS: dict[str, dict[str, OpSpec]] = {TRAINING: {
+    "Adagrad": OpSpec(op_adagrad, static=(0, 1), attrs=("decay_factor", "epsilon", "norm_coefficient"), min_inputs=5),
+    "Momentum": OpSpec(op_momentum, static=(0, 1), attrs=("alpha", "beta", "mode", "norm_coefficient"), min_inputs=5),
+    "Adam": OpSpec(op_adam, static=(0, 1), attrs=("alpha", "beta", "epsilon", "norm_coefficient", "norm_coefficient_post"),
+                   min_inputs=6),
+}}
+for _ops in DOMAIN_OPS.values():
+    for _spec in _ops.values():
+        _spec.versions = frozenset({1})
+
+__all__ = ["DOMAIN_OPS", "FOLDS", "OPS", "SUPPORTED_NP", "VERSIONS", "OpSpec"]
