@@ -346,3 +346,11 @@ def test_training_optimizers_equal_onnx_reference(rng, op, attrs, state, step):
     got = tdo.load(model)(feeds)
     for name, expected in zip(outputs, want):
         np.testing.assert_allclose(got[name], expected, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("onesided", [0, 1])
+def test_stft_with_a_window(check, rng, onesided):
+    feeds = {"signal": f(rng, 2, 50, 1)}
+    inits = {"step": np.array(6, I64), "window": np.hanning(12).astype(F32), "length": np.array(12, I64)}
+    check([N("STFT", ["signal", "step", "window", "length"], ["y"], onesided=onesided)], feeds, inits=inits, opset=17,
+          rtol=1e-4, atol=1e-5)

@@ -39,7 +39,7 @@ from tinydist.onnx.ops.indexing import (
 )
 from tinydist.onnx.ops.loss import op_nll_loss, op_softmax_cross_entropy
 from tinydist.onnx.ops.nn import (
-    _softmax_like, op_affine_grid, op_average_pool, op_col2im, op_det, op_grid_sample, op_max_unpool, op_causal_conv_with_state, op_dft, op_lp_pool, op_batch_norm, op_conv, op_conv_transpose, op_gemm,
+    _softmax_like, op_affine_grid, op_average_pool, op_col2im, op_det, op_grid_sample, op_max_unpool, op_stft, op_causal_conv_with_state, op_dft, op_lp_pool, op_batch_norm, op_conv, op_conv_transpose, op_gemm,
     op_global_average_pool, op_global_max_pool, op_hardmax, op_layer_norm, op_matmul, op_max_pool, op_resize,
     op_upsample,
 )
@@ -132,6 +132,7 @@ OPS: dict[str, OpSpec] = {
     "Col2Im": OpSpec(op_col2im, static=(1, 2), attrs=("dilations", "pads", "strides"), min_inputs=3),
     "MaxUnpool": OpSpec(op_max_unpool, static=(2,), attrs=("kernel_shape", "pads", "strides"), min_inputs=2),
     "Det": OpSpec(op_det),
+    "STFT": OpSpec(op_stft, params=(2,), static=(1, 3), attrs=("onesided",), min_inputs=2),
     "TensorScatter": OpSpec(op_tensor_scatter, attrs=("axis", "mode"), min_inputs=2),
     "AffineGrid": OpSpec(op_affine_grid, static=(1,), attrs=("align_corners",), min_inputs=2),
     "OptionalHasElement": OpSpec(op_optional_has_element, params=(0,), min_inputs=0),
@@ -295,7 +296,7 @@ VERSIONS: dict[str, tuple[int, ...]] = {
     "QLinearConv": (10,), "OptionalHasElement": (15, 18, 28), "OptionalGetElement": (15, 18, 28),
     "If": (1, 11, 13, 16, 19, 21, 23, 24, 25), "Loop": (1, 11, 13, 16, 19, 21, 23, 24, 25), "Scan": (8, 9, 11, 16, 19, 21, 23, 24, 25),
     "AffineGrid": (20,), "GridSample": (16, 20, 22), "NonMaxSuppression": (10, 11), "Col2Im": (18,),
-    "MaxUnpool": (9, 11, 22), "Det": (11, 22), "TensorScatter": (24,),
+    "MaxUnpool": (9, 11, 22), "Det": (11, 22), "TensorScatter": (24,), "STFT": (17,),
 }
 for _name, _spec in OPS.items():
     _spec.versions = frozenset(VERSIONS.get(_name, ()))  # an op missing here is refused at every version

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from tinydist.frontend.functional import conv2d
-from tinydist.frontend.tensor import Tensor, cat
+from tinydist.frontend.tensor import Tensor, cat, stack
 from tinydist.graph import dtypes
 from tinydist.onnx.ops._common import (
     Value, as_tensor, gather_where, ints, lowest, norm_axes, norm_axis, pad_or_crop, require_float,
@@ -859,3 +859,37 @@ def op_det(ctx: Any, x: Tensor) -> Tensor:
             total = total - term if inversions % 2 else total + term
     assert total is not None
     return total
+
+
+def op_stft(ctx: Any, x: Tensor, frame_step: Value, window: Value = None, frame_length: Value = None) -> Tensor:
+    """STFT (17): frames of frame_length every frame_step samples, times the window, each through
+    the DFT matrix (onesided by default: n // 2 + 1 bins) → (batch, frames, bins, 2)."""
+    require_float(ctx, x)
+    if x.ndim != 3 or x.shape[-1] not in (1, 2):
+        raise ctx.error(f"signal must be (batch, length, 1 or 2), got shape {x.shape}")
+    step = ints(ctx, frame_step, "frame_step")[0]
+    if frame_length is not None:
+        n = ints(ctx, frame_length, "frame_length")[0]
+    elif window is not None:
+        n = window.shape[0]
+    else:
+        raise ctx.error("needs a window or a frame_length")
+    onesided = bool(ctx.attr("onesided", 1))
+    if x.shape[-1] == 2 and onesided:
+        raise ctx.error("onesided=1 needs a real signal")
+    length = x.shape[1]
+    if step <= 0 or n <= 0 or n > length:
+        raise ctx.error(f"frame_step {step} / frame_length {n} do not fit a signal of length {length}")
+    count = (length - n) // step + 1
+    frames = stack([shrink_axis(x, 1, f * step, f * step + n) for f in range(count)], 1)  # (B, F, n, c)
+    if window is not None:
+        w = as_tensor(ctx, window, "window").cast(x.dtype)
+        frames = frames * w.reshape(1, 1, n, 1)
+    parts = frames.permute(0, 1, 3, 2)  # (B, F, c, n)
+    if x.shape[-1] == 1:
+        parts = cat([parts, Tensor.zeros(parts.shape, dtype=x.dtype, device=x.device)], 2)
+    matrix = _dft_matrix(n, n, False, onesided)
+    m = ctx.lift(("stft", n, onesided), np.ascontiguousarray(matrix.astype(x.dtype.np)).reshape((1,) + matrix.shape))
+    bins = matrix.shape[1] // 2
+    y = parts.reshape(1, -1, 2 * n).matmul(m)  # (1, B·F, 2·bins): [re | im]
+    return y.reshape(x.shape[0], count, 2, bins).permute(0, 1, 3, 2)
