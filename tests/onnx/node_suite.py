@@ -2,7 +2,7 @@
 
 The onnx wheel ships the generators (`onnx.backend.test.case.node`), not the data: collecting the
 cases takes ~12 s, so they are generated once per onnx version into the cache dir
-(`$TINYDIST_CACHE_DIR/onnx-node-suite/<onnx version>/<case>.npz`: the model's bytes, every data
+(`$TINYDIST_CACHE_DIR/onnx-node-suite/<onnx version>-<format>/<case>.npz`: the model's bytes, every data
 set's inputs and expected outputs, onnx's rtol/atol; no pickles). A case is in the suite when every
 graph input and output is a tensor of a dtype outside string / bfloat16 / float8 / float4 /
 float6 / int4 / int2 (cases with sequence, optional or map values are in the suite and fail).
@@ -40,6 +40,9 @@ EXCLUDED_ELEM = {8: "string", 16: "bfloat16", 17: "float8", 18: "float8", 19: "f
                  23: "float4", 21: "int4", 22: "int4", 25: "int2", 26: "int2", 27: "float6", 28: "float6"}
 
 
+_FORMAT = 2  # of the cached files: 2 reads TensorProto data sets as arrays (1 counted them as non-tensor)
+
+
 class Case:
     __slots__ = ("name", "op", "opset", "model", "data_sets", "rtol", "atol", "non_tensor")
 
@@ -53,7 +56,7 @@ def _cache_dir() -> Path:
     import onnx
 
     from tinydist.base.config import settings
-    return Path(settings.CACHE_DIR) / "onnx-node-suite" / onnx.__version__
+    return Path(settings.CACHE_DIR) / "onnx-node-suite" / f"{onnx.__version__}-{_FORMAT}"
 
 
 def _value_elems(model: Any) -> list[int | None]:
@@ -68,6 +71,12 @@ def _opset(model: Any) -> int:
     return next((imp.version for imp in model.opset_import if imp.domain in ("", "ai.onnx")), 0)
 
 
+def _as_array(value: Any) -> Any:
+    """A data set's value as numpy: some generators give TensorProtos (Cast's, to keep exact bits)."""
+    from onnx import TensorProto, numpy_helper
+    return numpy_helper.to_array(value) if isinstance(value, TensorProto) else value
+
+
 def _generate(directory: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -79,6 +88,7 @@ def _generate(directory: Path) -> None:
         elems = _value_elems(case.model)
         if any(e in EXCLUDED_ELEM for e in elems):
             continue
+        case.data_sets = [([_as_array(v) for v in ins], [_as_array(v) for v in outs]) for ins, outs in case.data_sets]
         base = re.sub(r"_expanded.*$", "", case.name)
         op = single.get(case.name) or single.get(base) or case.model.graph.node[-1].op_type
         non_tensor = None in elems or any(not isinstance(v, (np.ndarray, np.generic))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx import helper
+from onnx import TensorProto, helper
 
 N = helper.make_node
 F32 = np.float32
@@ -174,3 +174,183 @@ def test_reverse_sequence(check, rng, batch_axis, time_axis):
     node = N("ReverseSequence", ["x", "lens"], ["y"], batch_axis=batch_axis, time_axis=time_axis)
     check([node], {"x": x, "lens": lens}, opset=10)                 # run-time lengths
     check([node], {"x": x}, inits={"lens": lens}, opset=10)         # constant lengths
+
+
+@pytest.mark.parametrize("kw", [
+    dict(kernel_shape=[2, 2]),
+    dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
+    dict(kernel_shape=[2, 3], dilations=[2, 1], ceil_mode=1, strides=[2, 2]),
+    dict(kernel_shape=[3, 2], strides=[1, 2], storage_order=1),
+])
+def test_max_pool_indices(check, rng, kw):
+    """MaxPool's Indices output: flat indices into x with batch and channel offsets, row-major or
+    column-major (storage_order=1), padding never chosen; ties (integers from a small range) go
+    to the first maximum in the window's scan order."""
+    x = rng.integers(-3, 3, (2, 3, 7, 6)).astype(F32)
+    check([N("MaxPool", ["x"], ["y", "idx"], **kw)], {"x": x}, outputs=("y", "idx"), opset=12)
+    check([N("MaxPool", ["x"], ["y", "idx"], **kw)], {"x": f(rng, 2, 3, 7, 6)}, outputs=("y", "idx"), opset=12)
+
+
+def test_batch_norm_training_mode(check, rng):
+    """training_mode=1: normalised by the batch's statistics; the running mean and variance
+    outputs blend the inputs' with the batch's by momentum."""
+    feeds = {"x": f(rng, 4, 3, 5, 2)}
+    inits = {"s": f(rng, 3), "b": f(rng, 3), "m": f(rng, 3), "v": rng.uniform(0.5, 2, 3).astype(F32)}
+    check([N("BatchNormalization", ["x", "s", "b", "m", "v"], ["y", "rm", "rv"], training_mode=1, momentum=0.7, epsilon=1e-3)],
+          feeds, outputs=("y", "rm", "rv"), inits=inits, opset=15)
+
+
+def test_pow_integer_base_float_exponent(check, rng):
+    """Pow(int, float) keeps the base's integer dtype (a float power, truncated; a negative base to a
+    fractional power is NaN, whose cast is undefined: left out)."""
+    feeds = {"x": rng.integers(0, 9, (3, 4)).astype(np.int32), "e": rng.uniform(0, 3, (3, 4)).astype(F32).round(1)}
+    check([N("Pow", ["x", "e"], ["y"])], feeds, opset=15)
+
+
+def _graph(nodes, inputs, outputs):
+    return helper.make_graph(nodes, "body", [helper.make_tensor_value_info(n, t, s) for n, t, s in inputs],
+                             [helper.make_tensor_value_info(n, t, s) for n, t, s in outputs])
+
+
+def test_if_with_a_constant_and_a_run_time_condition(check, rng):
+    """If's branches read outer values; a constant condition takes one branch at plan time, a
+    run-time one selects between both (outputs alike) with where."""
+    then_b = _graph([N("Mul", ["x", "x"], ["t"])], [], [("t", TensorProto.FLOAT, [3, 4])])
+    else_b = _graph([N("Neg", ["x"], ["e"])], [], [("e", TensorProto.FLOAT, [3, 4])])
+    x = f(rng, 3, 4)
+    for cond in (True, False):
+        check([N("If", ["c"], ["y"], then_branch=then_b, else_branch=else_b)], {"x": x}, opset=13,
+              inits={"c": np.array(cond)})
+    check([N("ReduceSum", ["x"], ["s"], keepdims=0), N("Greater", ["s", "zero"], ["c"]),
+           N("If", ["c"], ["y"], then_branch=then_b, else_branch=else_b)], {"x": x}, opset=13, inits={"zero": np.array(0.0, F32)})
+
+
+def test_loop_carries_state_and_stacks_scan_outputs(check, rng):
+    """Loop with a trip count, a carried value updated from an outer tensor, the iteration number,
+    and a per-iteration scan output stacked on a new first axis."""
+    body = _graph([N("Cast", ["i"], ["fi"], to=TensorProto.FLOAT), N("Mul", ["x", "fi"], ["xi"]),
+                   N("Add", ["acc", "xi"], ["acc_out"]), N("Identity", ["cond"], ["cond_out"]), N("Sin", ["acc_out"], ["each"])],
+                  [("i", TensorProto.INT64, []), ("cond", TensorProto.BOOL, []), ("acc", TensorProto.FLOAT, [3])],
+                  [("cond_out", TensorProto.BOOL, []), ("acc_out", TensorProto.FLOAT, [3]), ("each", TensorProto.FLOAT, [3])])
+    check([N("Loop", ["m", "", "a0"], ["acc", "all"], body=body)], {"x": f(rng, 3), "a0": f(rng, 3)},
+          outputs=(("acc", TensorProto.FLOAT, [3]), ("all", TensorProto.FLOAT, [4, 3])), opset=13, inits={"m": np.array(4, I64)})
+
+
+def test_scan_with_reverse_input_and_output_axis(check, rng):
+    """Scan 9+: a running sum over axis 1 of the input read in reverse, the partial sums stacked
+    along output axis 1."""
+    body = _graph([N("Add", ["s", "xt"], ["s_out"]), N("Identity", ["s_out"], ["y_t"])],
+                  [("s", TensorProto.FLOAT, [2]), ("xt", TensorProto.FLOAT, [2])],
+                  [("s_out", TensorProto.FLOAT, [2]), ("y_t", TensorProto.FLOAT, [2])])
+    check([N("Scan", ["s0", "x"], ["s", "ys"], body=body, num_scan_inputs=1, scan_input_axes=[1],
+             scan_input_directions=[1], scan_output_axes=[1])], {"s0": f(rng, 2), "x": f(rng, 2, 5)},
+          outputs=(("s", TensorProto.FLOAT, [2]), ("ys", TensorProto.FLOAT, [2, 5])), opset=16)
+
+
+def test_loop_refuses_a_run_time_trip_count(rng):
+    import onnx
+
+    import tinydist.onnx as tdo
+    body = _graph([N("Identity", ["cond"], ["cond_out"]), N("Identity", ["v"], ["v_out"])],
+                  [("i", TensorProto.INT64, []), ("cond", TensorProto.BOOL, []), ("v", TensorProto.FLOAT, [3])],
+                  [("cond_out", TensorProto.BOOL, []), ("v_out", TensorProto.FLOAT, [3])])
+    graph = helper.make_graph(
+        [N("ReduceSum", ["x"], ["s"], keepdims=0), N("Cast", ["s"], ["m"], to=TensorProto.INT64),
+         N("Loop", ["m", "", "x"], ["y"], body=body)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [100])], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    assert isinstance(model, onnx.ModelProto)
+    with pytest.raises(tdo.UnsupportedModelError, match="the trip count M is computed from tensor values at run time"):
+        tdo.load(model)
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "nearest", "bicubic"])
+@pytest.mark.parametrize("padding_mode", ["zeros", "border", "reflection"])
+@pytest.mark.parametrize("align_corners", [0, 1])
+def test_grid_sample(check, rng, mode, padding_mode, align_corners):
+    """GridSample over a run-time grid reaching past the borders (every padding mode matters)."""
+    feeds = {"x": f(rng, 2, 3, 5, 6), "grid": rng.uniform(-1.4, 1.4, (2, 4, 7, 2)).astype(F32)}
+    check([N("GridSample", ["x", "grid"], ["y"], mode=mode, padding_mode=padding_mode, align_corners=align_corners)],
+          feeds, opset=16, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("center_point_box", [0, 1])
+def test_non_max_suppression_on_value_inputs(check, rng, center_point_box):
+    """NonMaxSuppression over small run-time boxes and scores (value inputs: a new value is a new
+    plan), overlapping boxes so that suppression happens, a score threshold and two classes."""
+    corner = rng.uniform(0, 4, (1, 8, 2)).astype(F32)
+    boxes = np.concatenate([corner, corner + rng.uniform(0.5, 3, (1, 8, 2)).astype(F32)], axis=2)
+    feeds = {"boxes": boxes, "scores": rng.uniform(0, 1, (1, 2, 8)).astype(F32)}
+    inits = {"m": np.array([3], I64), "iou": np.array([0.3], F32), "st": np.array([0.2], F32)}
+    got = check([N("NonMaxSuppression", ["boxes", "scores", "m", "iou", "st"], ["y"], center_point_box=center_point_box)],
+                feeds, inits=inits, opset=11)
+    assert 0 < len(got["y"]) <= 6  # at most 3 a class
+
+
+def test_col2im_with_strides_pads_and_dilations(check, rng):
+    """Col2Im: overlapping blocks summed back into the image, padding cropped."""
+    feeds = {"x": f(rng, 2, 2 * 2 * 3, 4 * 1)}  # 4 block positions down, 1 across
+    inits = {"image": np.array([6, 5], I64), "block": np.array([2, 3], I64)}
+    check([N("Col2Im", ["x", "image", "block"], ["y"], strides=[2, 1], pads=[1, 0, 1, 0], dilations=[1, 2])],
+          feeds, inits=inits, opset=18)
+
+
+@pytest.mark.parametrize("shape", [(3, 3), (2, 4, 4), (5, 1, 1)])
+def test_det(check, rng, shape):
+    check([N("Det", ["x"], ["y"])], {"x": f(rng, *shape)}, opset=13, rtol=1e-4, atol=1e-5)
+
+
+def test_max_unpool_inverts_max_pool_indices(check, rng):
+    """MaxPool's run-time Indices fed to MaxUnpool: each maximum back at its place, zeros elsewhere.
+    (For an output_shape larger than the unpooled shape onnxruntime reads the indices in the
+    larger layout, onnx's reference in the unpooled one, padding after; tinydist follows the
+    reference, so that case is the node suite's.)"""
+    check([N("MaxPool", ["x"], ["p", "i"], kernel_shape=[2, 2], strides=[2, 2]),
+           N("MaxUnpool", ["p", "i", "shape"], ["y"], kernel_shape=[2, 2], strides=[2, 2])],
+          {"x": f(rng, 2, 3, 6, 4)}, outputs=(("y", TensorProto.FLOAT, [2, 3, 6, 4]),),
+          inits={"shape": np.array([2, 3, 6, 4], I64)}, opset=11)
+
+
+@pytest.mark.parametrize("mode", ["linear", "circular"])
+def test_tensor_scatter(check, rng, mode):
+    """TensorScatter: per-batch run-time write positions into a cache along the sequence axis."""
+    feeds = {"cache": f(rng, 3, 2, 6, 4), "update": f(rng, 3, 2, 2, 4), "at": np.array([0, 4, 5 if mode == "circular" else 3], I64)}
+    check([N("TensorScatter", ["cache", "update", "at"], ["y"], mode=mode)], feeds, opset=24)
+
+
+@pytest.mark.parametrize("op,attrs,state", [
+    ("Adagrad", dict(decay_factor=0.1, epsilon=1e-5, norm_coefficient=0.01), 1),
+    ("Momentum", dict(alpha=0.9, beta=0.5, mode="nesterov", norm_coefficient=0.01), 1),
+    ("Adam", dict(alpha=0.9, beta=0.99, epsilon=1e-6, norm_coefficient=0.01, norm_coefficient_post=0.02), 2),
+])
+@pytest.mark.parametrize("step", [0, 3])
+def test_training_optimizers_equal_onnx_reference(rng, op, attrs, state, step):
+    """The ai.onnx.preview.training optimizers on two tensors, against onnx's reference evaluator
+    (onnxruntime's default build has no training ops); T = 0 and T > 0 differ for Momentum / Adam."""
+    from onnx.reference import ReferenceEvaluator
+
+    import tinydist.onnx as tdo
+    shapes = [(3, 4), (5,)]
+    names = ["R", "T"] + [f"{kind}{i}" for kind in ["X", "G"] + [f"S{k}" for k in range(state)] for i in range(2)]
+    feeds = {"R": np.array(0.1, F32), "T": np.array(step, I64)}
+    for name in names[2:]:
+        feeds[name] = (rng.uniform(0.1, 2.0, shapes[int(name[-1])])).astype(F32)
+    outputs = [f"{kind}{i}_new" for kind in ["X"] + [f"S{k}" for k in range(state)] for i in range(2)]
+    domain = "ai.onnx.preview.training"
+    graph = helper.make_graph(
+        [helper.make_node(op, names, outputs, domain=domain, **attrs)], "g",
+        [helper.make_tensor_value_info(n, TensorProto.INT64 if n == "T" else TensorProto.FLOAT, list(feeds[n].shape)) for n in names],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, list(shapes[int(o[-5])])) for o in outputs])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(domain, 1)])
+    want = ReferenceEvaluator(model).run(None, feeds)
+    got = tdo.load(model)(feeds)
+    for name, expected in zip(outputs, want):
+        np.testing.assert_allclose(got[name], expected, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("onesided", [0, 1])
+def test_stft_with_a_window(check, rng, onesided):
+    feeds = {"signal": f(rng, 2, 50, 1)}
+    inits = {"step": np.array(6, I64), "window": np.hanning(12).astype(F32), "length": np.array(12, I64)}
+    check([N("STFT", ["signal", "step", "window", "length"], ["y"], onesided=onesided)], feeds, inits=inits, opset=17,
+          rtol=1e-4, atol=1e-5)

@@ -252,6 +252,17 @@ def test_zero_size_tensors():
     check(td.Tensor.zeros(0, 4, dtype=td.int32) * 2, np.zeros((0, 4), np.int32))
 
 
+def test_views_of_a_realized_zero_size_tensor():
+    """Realizing an empty tensor gives it no buffer; it keeps its sources, so views of it still
+    work (it had lost them: a reshape after realize raised IndexError — the ONNX node cases
+    reshape_allowzero_reordered and tril_zero, whose inputs are realized before the capture)."""
+    z = np.zeros((0, 3, 4), np.float32)
+    t = td.Tensor(z).realize()
+    check(t.reshape(3, 4, 0), z.reshape(3, 4, 0))
+    check(t.permute(2, 0, 1) + 1, z.transpose(2, 0, 1) + 1)
+    check(t.reshape(3, 4, 0).realize().reshape(0, 12), z.reshape(0, 12))
+
+
 @pytest.mark.parametrize("shifts", [[(0, 0), (1, 2), (2, 1)], [(i, j) for i in range(4) for j in range(5)]])
 def test_sum_of_shifted_pads(shifts):
     # the loads of one kernel masked on different ranges of the same axes (convolution taps): the

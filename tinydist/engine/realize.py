@@ -109,7 +109,9 @@ def realize(targets: Sequence[LazyNode], ran: list[Realized] | None = None) -> l
     completions, buffers = run_schedule(schedule, inputs)
     for node, buffer in zip(pending, buffers):
         node.buffer = buffer
-        if not node.requires_grad or node.op in (Op.BUFFER, Op.ASSIGN):  # autograd hook: backward() walks srcs
+        # autograd hook: backward() walks srcs. An empty node gets no buffer (None): it keeps its
+        # sources, or it would be an unrealized view of nothing (a later reshape of it failed)
+        if buffer is not None and (not node.requires_grad or node.op in (Op.BUFFER, Op.ASSIGN)):
             node.srcs = ()  # the graph below is no longer needed: let it be collected
     if ran is not None:
         ran.append(Realized(schedule, inputs, pending))

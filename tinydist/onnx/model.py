@@ -25,7 +25,8 @@ from tinydist.frontend.jit import JitError, TinyJit
 from tinydist.frontend.tensor import Tensor
 from tinydist.graph import dtypes
 from tinydist.onnx.errors import ModelLoadError, UnsupportedModelError
-from tinydist.onnx.ops import FOLDS, OPS, SUPPORTED_NP
+from tinydist.onnx.ops import DOMAIN_OPS, FOLDS, OPS, SUPPORTED_NP
+from tinydist.onnx.ops._common import OUTER
 from tinydist.runtime.engine import get_engine
 from tinydist.runtime.registry import canonical_name
 
@@ -59,13 +60,15 @@ class NodeCtx:
     `since` is the `since_version` of the op's schema at the model's opset: the version whose
     semantics the handler implements (handlers branch on it, never on the opset)."""
 
-    __slots__ = ("name", "op_type", "opset", "since", "attrs", "n_outputs", "outputs_used", "_memo", "_device")
+    __slots__ = ("name", "op_type", "opset", "since", "attrs", "n_outputs", "outputs_used", "_memo", "_device", "run_body")
 
     def __init__(self, name: str, op_type: str, opset: int, since: int, attrs: dict[str, Any], n_outputs: int,
                  outputs_used: list[bool], device: str) -> None:
         self.name, self.op_type, self.opset, self.since, self.attrs = name, op_type, opset, since, attrs
         self.n_outputs, self.outputs_used, self._device = n_outputs, outputs_used, device
         self._memo: dict[Any, Tensor] = {}
+        # evaluates a subgraph (If / Loop / Scan bodies): set by the model
+        self.run_body: Callable[[Body, Mapping[str, Any]], list[Any]] | None = None
 
     def error(self, message: str) -> UnsupportedModelError:
         return UnsupportedModelError(f"node {self.name!r} ({self.op_type}, opset {self.opset}): {message}")
@@ -91,10 +94,10 @@ class NodeCtx:
         return found
 
 
-def _since_version(defs: Any, op_type: str, opset: int) -> int | None:
-    """The since_version of `op_type`'s default-domain schema at `opset` (None: no such op there)."""
+def _since_version(defs: Any, op_type: str, opset: int, domain: str = "") -> int | None:
+    """The since_version of `op_type`'s schema in `domain` at `opset` (None: no such op there)."""
     try:
-        return int(defs.get_schema(op_type, opset, "").since_version)
+        return int(defs.get_schema(op_type, opset, domain).since_version)
     except defs.SchemaError:
         return None
 
@@ -105,6 +108,17 @@ def lift(ctx: Any, array: np.ndarray, device: str) -> Tensor:
     if array.size == 1:
         return Tensor.full(array.shape, array.reshape(-1)[0].item(), dtypes.to_dtype(array.dtype), device)
     return Tensor(np.ascontiguousarray(array), device).realize()
+
+
+class Body:
+    """A parsed subgraph: its nodes, input and output names, initializers, and the outer-scope
+    names it reads (from the graph around it)."""
+
+    __slots__ = ("nodes", "inputs", "outputs", "consts", "outer")
+
+    def __init__(self, nodes: list[Any], inputs: list[str], outputs: list[str], consts: dict[str, np.ndarray],
+                 outer: list[str]) -> None:
+        self.nodes, self.inputs, self.outputs, self.consts, self.outer = nodes, inputs, outputs, consts, outer
 
 
 class _GraphCtx:
@@ -168,7 +182,7 @@ class OnnxModel:
 
     def __init__(self, proto: Any, device: str = "CPU") -> None:
         import onnx  # the optional extra: imported only when a model is loaded
-        from onnx import defs, helper, numpy_helper
+        from onnx import defs, numpy_helper
 
         # canonical ("cpu:1" -> "CPU:1"), as every Tensor names its device: compared with the feed's
         # devices, and opened now so that a device this machine lacks fails the load, not a frame
@@ -177,8 +191,12 @@ class OnnxModel:
         graph = proto.graph
         opsets = {imp.domain or "ai.onnx": imp.version for imp in proto.opset_import}
         self.opset = opsets.get("ai.onnx", opsets.get("", 0))
+        self._opsets = opsets
         latest = defs.onnx_opset_version()
-        if not MIN_OPSET <= self.opset <= latest:
+        # a model of other domains only (the training optimizers) imports no default opset
+        other_only = self.opset == 0 and opsets and all(d in DOMAIN_OPS for d in opsets) and \
+            all((n.domain or "ai.onnx") in DOMAIN_OPS for n in graph.node)
+        if not other_only and not MIN_OPSET <= self.opset <= latest:
             raise UnsupportedModelError(f"model opset {self.opset} is not supported (default-domain opsets "
                                         f"{MIN_OPSET}–{latest}, the range of the installed onnx {onnx.__version__})")
         self.graph_name = graph.name
@@ -202,17 +220,39 @@ class OnnxModel:
         used: set[str] = {name for name in self.output_names}
         for node in graph.node:
             used.update(i for i in node.input if i)
-        self._nodes: list[_Node] = []
-        for index, node in enumerate(graph.node):
-            name = node.name or f"{node.op_type}_{index}"
+        self._nodes = self._parse_nodes(graph.node, used, "")
+        self.value_inputs = self._find_value_inputs()
+        self._plans: dict[_Key, _Plan] = {}
+        # per input shapes (and values of value inputs): the graph captured once and replayed per
+        # frame (None: nothing to capture)
+        self._jits: dict[_Key, TinyJit | None] = {}
+        # constant values uploaded once, per name and value (see _lift_value)
+        self._lifted: dict[str, list[tuple[np.ndarray, Tensor]]] = {}
+        if all(None not in shape for _, shape, _ in self.inputs) and not self.value_inputs:
+            self._plan(tuple(tuple(shape) for _, shape, _ in self.inputs), {})  # type: ignore[arg-type]
+
+    def _parse_nodes(self, graph_nodes: Any, used: set[str], scope: str) -> list[_Node]:
+        """Check and prepare the nodes of a graph (`scope`: "" for the model's, a prefix for the
+        node names of a subgraph); a subgraph attribute (If's branches, Loop's and Scan's body)
+        becomes a `Body`, and the outer-scope names it reads become extra inputs of its node."""
+        from onnx import defs, helper, numpy_helper
+
+        nodes: list[_Node] = []
+        for index, node in enumerate(graph_nodes):
+            name = scope + (node.name or f"{node.op_type}_{index}")
             ctx_name = f"node {name!r} ({node.op_type}, opset {self.opset})"
             domain = node.domain or "ai.onnx"
-            if domain != "ai.onnx":
-                raise UnsupportedModelError(f"{ctx_name}: domain {node.domain!r} is not supported (only the default ONNX domain)")
-            spec = OPS.get(node.op_type)
+            if domain != "ai.onnx" and domain not in DOMAIN_OPS:
+                raise UnsupportedModelError(f"{ctx_name}: domain {node.domain!r} is not supported (the default ONNX "
+                                            f"domain and {', '.join(DOMAIN_OPS)})")
+            spec = OPS.get(node.op_type) if domain == "ai.onnx" else DOMAIN_OPS[domain].get(node.op_type)
             if spec is None:
                 raise UnsupportedModelError(f"{ctx_name}: op type {node.op_type!r} is not supported")
-            since = _since_version(defs, node.op_type, self.opset)
+            if domain == "ai.onnx":
+                since = _since_version(defs, node.op_type, self.opset)
+            else:
+                ctx_name = f"node {name!r} ({node.op_type}, {domain} opset {self._opsets.get(domain, 0)})"
+                since = _since_version(defs, node.op_type, self._opsets.get(domain, 0), domain)
             if since is None:
                 raise UnsupportedModelError(f"{ctx_name}: op type {node.op_type!r} does not exist at opset {self.opset}")
             if since not in spec.versions:
@@ -220,9 +260,15 @@ class OnnxModel:
                     f"{ctx_name}: {node.op_type} (domain ai.onnx) version {since} (the version at opset {self.opset}) "
                     f"is not implemented; implemented versions: {', '.join(map(str, sorted(spec.versions)))}")
             attrs: dict[str, Any] = {}
+            outer: list[str] = []
             for attr in node.attribute:
                 if attr.name not in spec.attrs:
                     raise UnsupportedModelError(f"{ctx_name}: attribute {attr.name!r} is not supported")
+                if attr.type == attr.GRAPH and spec.subgraphs:
+                    body = self._parse_body(attr.g, f"{name}/{attr.name}/")
+                    outer.extend(n for n in body.outer if n not in outer)
+                    attrs[attr.name] = body
+                    continue
                 if attr.type in (attr.GRAPH, attr.GRAPHS, attr.SPARSE_TENSOR, attr.SPARSE_TENSORS, attr.TYPE_PROTO,
                                  attr.TYPE_PROTOS) or attr.ref_attr_name:
                     raise UnsupportedModelError(f"{ctx_name}: attribute {attr.name!r} of this kind is not supported")
@@ -239,19 +285,65 @@ class OnnxModel:
                 inputs.pop()
             if len(inputs) < spec.min_inputs:
                 raise UnsupportedModelError(f"{ctx_name}: needs at least {spec.min_inputs} inputs, has {len(inputs)}")
+            if spec.subgraphs:
+                attrs[OUTER] = len(outer)
+                inputs += outer  # the handler gets the outer values after its declared inputs
+                used.update(outer)
             outputs = list(node.output)
             ctx = NodeCtx(name, node.op_type, self.opset, since, attrs, len(outputs), [o in used for o in outputs],
                           self.device)
-            self._nodes.append(_Node(spec, ctx, inputs, outputs))
-        self.value_inputs = self._find_value_inputs()
-        self._plans: dict[_Key, _Plan] = {}
-        # per input shapes (and values of value inputs): the graph captured once and replayed per
-        # frame (None: nothing to capture)
-        self._jits: dict[_Key, TinyJit | None] = {}
-        # constant values uploaded once, per name and value (see _lift_value)
-        self._lifted: dict[str, list[tuple[np.ndarray, Tensor]]] = {}
-        if all(None not in shape for _, shape, _ in self.inputs) and not self.value_inputs:
-            self._plan(tuple(tuple(shape) for _, shape, _ in self.inputs), {})  # type: ignore[arg-type]
+            ctx.run_body = self._run_body
+            nodes.append(_Node(spec, ctx, inputs, outputs))
+        return nodes
+
+    def _parse_body(self, graph: Any, scope: str) -> Body:
+        from onnx import numpy_helper
+
+        consts = {init.name: numpy_helper.to_array(init) for init in graph.initializer}
+        inputs = [vi.name for vi in graph.input]
+        outputs = [vi.name for vi in graph.output]
+        used = set(outputs) | {i for node in graph.node for i in node.input if i}
+        nodes = self._parse_nodes(graph.node, used, scope)
+        defined = set(consts) | set(inputs)
+        outer: list[str] = []
+        for node in nodes:
+            for name in node.inputs:
+                if name and name not in defined and name not in outer:
+                    outer.append(name)
+            defined.update(o for o in node.outputs if o)
+        outer.extend(o for o in outputs if o not in defined and o not in outer)
+        return Body(nodes, inputs, outputs, consts, outer)
+
+    def _run_body(self, body: Body, bound: Mapping[str, Any]) -> list[Any]:
+        """Evaluate a subgraph once over `bound` (its inputs and the outer values it reads: numpy
+        constants or Tensors), node by node as a plan does: all-constant nodes fold to numpy, the
+        others build Tensor ops."""
+        values: dict[str, Any] = dict(body.consts)
+        values.update(bound)
+        for node in body.nodes:
+            ctx, spec = node.ctx, node.spec
+            missing = [i for i in node.inputs if i and i not in values]
+            if missing:
+                raise ctx.error(f"input {missing[0]!r} is not produced by any earlier node, initializer or graph input")
+            try:
+                if all(not i or isinstance(values[i], np.ndarray) for i in node.inputs):
+                    results: Sequence[Any] = self._fold(node, values)
+                else:
+                    args = [None if not i else values[i] if (isinstance(values[i], Tensor) or pos in spec.params or spec.subgraphs)
+                            else lift(ctx, values[i], self.device) for pos, i in enumerate(node.inputs)]
+                    result = spec.fn(ctx, *args)
+                    results = result if isinstance(result, tuple) else (result,)
+            except UnsupportedModelError:
+                raise
+            except (ValueError, TypeError, IndexError, np.exceptions.AxisError) as e:
+                raise ctx.error(f"{type(e).__name__}: {e}") from e
+            for out, value in zip(node.outputs, results):
+                if out and value is not None:
+                    values[out] = value
+        missing = [o for o in body.outputs if o not in values]
+        if missing:
+            raise UnsupportedModelError(f"subgraph output {missing[0]!r} is not produced by any node")
+        return [values[o] for o in body.outputs]
 
     def _find_value_inputs(self) -> frozenset[str]:
         """Graph inputs whose *values* some node's static input (a shape, axes, pads, starts/ends,
@@ -355,7 +447,8 @@ class OnnxModel:
                         spec_args.append((slot_of[name], None))
                         args.append(dry[slot_of[name]])
                     else:
-                        value = consts[name] if pos in spec.params else self._lift_value(ctx, name, consts[name])
+                        raw = pos in spec.params or spec.subgraphs
+                        value = consts[name] if raw else self._lift_value(ctx, name, consts[name])
                         spec_args.append((-1, value))
                         args.append(value)
                 results = spec.fn(ctx, *args)
@@ -406,7 +499,8 @@ class OnnxModel:
         if fold is not None:
             result = fold(ctx, *values)
         else:
-            args = [v if (v is None or pos in spec.params) else lift(ctx, v, self.device) for pos, v in enumerate(values)]
+            args = [v if (v is None or pos in spec.params or spec.subgraphs) else lift(ctx, v, self.device)
+                    for pos, v in enumerate(values)]
             result = spec.fn(ctx, *args)
         results = result if isinstance(result, tuple) else (result,)
         return [r.numpy() if isinstance(r, Tensor) else (np.asarray(r) if r is not None else None) for r in results]

@@ -21,11 +21,13 @@ from typing import Any
 from tinydist.frontend.tensor import Tensor, where
 from tinydist.onnx.ops._common import SUPPORTED_NP, erf, require_float, scalar_like, tanh
 from tinydist.onnx.ops.attention import op_attention, op_linear_attention, op_rotary_embedding
-from tinydist.onnx.ops.data_dependent import op_compress, op_nonzero, op_unique
+from tinydist.onnx.ops.control import op_if, op_loop, op_scan
+from tinydist.onnx.ops.data_dependent import op_compress, op_non_max_suppression, op_nonzero, op_unique
 from tinydist.onnx.ops.einsum import op_einsum
 from tinydist.onnx.ops.elementwise import (
     _variadic, op_cast, op_cast_like, op_clip, op_div, op_dropout, op_elu, op_gelu, op_hard_sigmoid,
-    op_hard_swish, op_identity, op_leaky_relu, op_mean, op_pow, op_softplus,
+    op_hard_swish, op_identity, op_leaky_relu, op_mean, op_optional_get_element, op_optional_has_element, op_pow,
+    op_softplus,
 )
 from tinydist.onnx.ops.elementwise import (
     ceil, op_celu, op_is_inf, op_is_nan, op_mish, op_mod, op_prelu, op_selu, op_shrink, op_sign, op_softsign,
@@ -33,11 +35,11 @@ from tinydist.onnx.ops.elementwise import (
 )
 from tinydist.onnx.ops.folds import FOLDS
 from tinydist.onnx.ops.indexing import (
-    op_cumprod, op_cumsum, op_gather_elements, op_reverse_sequence, op_gather_nd, op_one_hot, op_scatter_elements, op_scatter_nd, op_top_k, op_trilu,
+    op_cumprod, op_cumsum, op_gather_elements, op_tensor_scatter, op_reverse_sequence, op_gather_nd, op_one_hot, op_scatter_elements, op_scatter_nd, op_top_k, op_trilu,
 )
 from tinydist.onnx.ops.loss import op_nll_loss, op_softmax_cross_entropy
 from tinydist.onnx.ops.nn import (
-    _softmax_like, op_average_pool, op_causal_conv_with_state, op_dft, op_lp_pool, op_batch_norm, op_conv, op_conv_transpose, op_gemm,
+    _softmax_like, op_affine_grid, op_average_pool, op_col2im, op_det, op_grid_sample, op_max_unpool, op_stft, op_causal_conv_with_state, op_dft, op_lp_pool, op_batch_norm, op_conv, op_conv_transpose, op_gemm,
     op_global_average_pool, op_global_max_pool, op_hardmax, op_layer_norm, op_matmul, op_max_pool, op_resize,
     op_upsample,
 )
@@ -45,7 +47,12 @@ from tinydist.onnx.ops.norm import (
     op_depth_to_space, op_group_norm, op_instance_norm, op_lp_norm, op_lrn, op_mean_variance_norm, op_rms_norm,
     op_space_to_depth,
 )
+from tinydist.onnx.ops.quant import (
+    op_conv_integer, op_dequantize_linear, op_dynamic_quantize_linear, op_matmul_integer, op_qlinear_conv,
+    op_qlinear_matmul, op_quantize_linear,
+)
 from tinydist.onnx.ops.recurrent import op_recurrent
+from tinydist.onnx.ops.training import op_adagrad, op_adam, op_momentum
 from tinydist.onnx.ops.shape import (
     _arg, _reduce, op_center_crop_pad, op_eye_like, op_window, op_concat, op_constant, op_constant_of_shape, op_expand, op_flatten, op_gather,
     op_pad, op_range, op_reshape, op_shape, op_size, op_slice, op_split, op_squeeze, op_tile,
@@ -59,14 +66,16 @@ class OpSpec:
     """One op's handler, its param positions, the attributes it reads (of every version) and, set
     from `VERSIONS`, the schema since_versions whose semantics it implements."""
 
-    __slots__ = ("fn", "params", "static", "attrs", "min_inputs", "versions")
+    __slots__ = ("fn", "params", "static", "attrs", "min_inputs", "versions", "subgraphs")
 
     def __init__(self, fn: Callable[..., Any], params: Sequence[int] = (), attrs: Sequence[str] = (), min_inputs: int = 1,
-                 static: Sequence[int] = ()):
+                 static: Sequence[int] = (), subgraphs: bool = False):
+        # subgraphs: GRAPH attributes are bodies the handler evaluates (If / Loop / Scan); every
+        # input, declared or read by a body from the outer scope, arrives as numpy when constant
         # static: params whose values the graph's shapes depend on; fed from graph inputs, they are
         # read at call time and key the plan (see OnnxModel.value_inputs)
         self.fn, self.params, self.static = fn, frozenset(params) | frozenset(static), frozenset(static)
-        self.attrs, self.min_inputs = frozenset(attrs), min_inputs
+        self.attrs, self.min_inputs, self.subgraphs = frozenset(attrs), min_inputs, subgraphs
         self.versions: frozenset[int] = frozenset()
 
 
@@ -87,6 +96,7 @@ def _b(fn: Callable[[Tensor, Tensor], Tensor]) -> Callable[..., Tensor]:
 
 _POOL = ("auto_pad", "ceil_mode", "kernel_shape", "pads", "strides")
 _REDUCE = ("keepdims", "noop_with_empty_axes", "axes")
+_CONV = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
 
 OPS: dict[str, OpSpec] = {
     "Add": OpSpec(_b(lambda a, b: a + b), min_inputs=2), "Sub": OpSpec(_b(lambda a, b: a - b), min_inputs=2),
@@ -113,7 +123,21 @@ OPS: dict[str, OpSpec] = {
     "Cast": OpSpec(op_cast, attrs=("to", "saturate", "round_mode")),
     "CastLike": OpSpec(op_cast_like, params=(1,), attrs=("saturate", "round_mode"), min_inputs=2),
     "Identity": OpSpec(op_identity),
-    "Dropout": OpSpec(op_dropout, params=(1,), static=(2,), attrs=("ratio", "seed", "is_test")),
+    "If": OpSpec(op_if, static=(0,), attrs=("then_branch", "else_branch"), subgraphs=True),
+    "Loop": OpSpec(op_loop, static=(0, 1), attrs=("body",), min_inputs=0, subgraphs=True),
+    "Scan": OpSpec(op_scan, attrs=("body", "directions", "num_scan_inputs", "scan_input_axes", "scan_input_directions", "scan_output_axes",
+                                   "scan_output_directions"), subgraphs=True),
+    "GridSample": OpSpec(op_grid_sample, attrs=("align_corners", "mode", "padding_mode"), min_inputs=2),
+    "NonMaxSuppression": OpSpec(op_non_max_suppression, static=(0, 1, 2, 3, 4), attrs=("center_point_box",), min_inputs=2),
+    "Col2Im": OpSpec(op_col2im, static=(1, 2), attrs=("dilations", "pads", "strides"), min_inputs=3),
+    "MaxUnpool": OpSpec(op_max_unpool, static=(2,), attrs=("kernel_shape", "pads", "strides"), min_inputs=2),
+    "Det": OpSpec(op_det),
+    "STFT": OpSpec(op_stft, params=(2,), static=(1, 3), attrs=("onesided",), min_inputs=2),
+    "TensorScatter": OpSpec(op_tensor_scatter, attrs=("axis", "mode"), min_inputs=2),
+    "AffineGrid": OpSpec(op_affine_grid, static=(1,), attrs=("align_corners",), min_inputs=2),
+    "OptionalHasElement": OpSpec(op_optional_has_element, params=(0,), min_inputs=0),
+    "OptionalGetElement": OpSpec(op_optional_get_element, params=(0,)),
+    "Dropout": OpSpec(op_dropout, static=(1, 2), attrs=("ratio", "seed", "is_test")),
     "MatMul": OpSpec(op_matmul, params=(1,), min_inputs=2),
     "Gemm": OpSpec(op_gemm, params=(1, 2), attrs=("alpha", "beta", "transA", "transB"), min_inputs=2),
     "Conv": OpSpec(op_conv, params=(1, 2), attrs=("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides"), min_inputs=2),
@@ -215,6 +239,14 @@ OPS: dict[str, OpSpec] = {
     "ReduceLogSum": OpSpec(_reduce("logsum", 18), static=(1,), attrs=_REDUCE),
     "NegativeLogLikelihoodLoss": OpSpec(op_nll_loss, params=(2,), attrs=("ignore_index", "reduction"), min_inputs=2),
     "SoftmaxCrossEntropyLoss": OpSpec(op_softmax_cross_entropy, params=(2,), attrs=("ignore_index", "reduction"), min_inputs=2),
+    "QuantizeLinear": OpSpec(op_quantize_linear, params=(1, 2), attrs=("axis", "block_size", "output_dtype", "precision",
+                                                                      "saturate"), min_inputs=2),
+    "DequantizeLinear": OpSpec(op_dequantize_linear, params=(1, 2), attrs=("axis", "block_size", "output_dtype"), min_inputs=2),
+    "DynamicQuantizeLinear": OpSpec(op_dynamic_quantize_linear),
+    "MatMulInteger": OpSpec(op_matmul_integer, params=(1, 2, 3), min_inputs=2),
+    "QLinearMatMul": OpSpec(op_qlinear_matmul, params=(1, 2, 3, 4, 5, 6, 7), min_inputs=7),
+    "ConvInteger": OpSpec(op_conv_integer, params=(1, 2, 3), attrs=_CONV, min_inputs=2),
+    "QLinearConv": OpSpec(op_qlinear_conv, params=(1, 2, 3, 4, 5, 6, 7, 8), attrs=_CONV, min_inputs=8),
 }
 
 # The since_versions each handler implements, from opset 7 (the oldest accepted) to the installed
@@ -259,8 +291,26 @@ VERSIONS: dict[str, tuple[int, ...]] = {
     "Einsum": (12, 28), "RNN": (7, 14, 22),
     "BitShift": (11, 28), "CausalConvWithState": (27,), "DFT": (17, 20), "ReverseSequence": (10, 28), "SwiGLU": (28,), "HannWindow": (17,), "HammingWindow": (17,), "BlackmanWindow": (17,), "EyeLike": (9, 22),
     "CenterCropPad": (18,), "NonZero": (9, 13), "Unique": (11, 28), "Compress": (9, 11, 28), "GRU": (7, 14, 22), "LSTM": (7, 14, 22),
+    "QuantizeLinear": (10, 13, 19, 21, 23, 24, 25, 28), "DequantizeLinear": (10, 13, 19, 21, 23, 24, 25, 28),
+    "DynamicQuantizeLinear": (11,), "MatMulInteger": (10,), "QLinearMatMul": (10, 21), "ConvInteger": (10,),
+    "QLinearConv": (10,), "OptionalHasElement": (15, 18, 28), "OptionalGetElement": (15, 18, 28),
+    "If": (1, 11, 13, 16, 19, 21, 23, 24, 25), "Loop": (1, 11, 13, 16, 19, 21, 23, 24, 25), "Scan": (8, 9, 11, 16, 19, 21, 23, 24, 25),
+    "AffineGrid": (20,), "GridSample": (16, 20, 22), "NonMaxSuppression": (10, 11), "Col2Im": (18,),
+    "MaxUnpool": (9, 11, 22), "Det": (11, 22), "TensorScatter": (24,), "STFT": (17,),
 }
 for _name, _spec in OPS.items():
     _spec.versions = frozenset(VERSIONS.get(_name, ()))  # an op missing here is refused at every version
 
-__all__ = ["FOLDS", "OPS", "SUPPORTED_NP", "VERSIONS", "OpSpec"]
+# Other domains: their ops by domain, with the since_versions implemented.
+TRAINING = "ai.onnx.preview.training"
+DOMAIN_OPS: dict[str, dict[str, OpSpec]] = {TRAINING: {
+    "Adagrad": OpSpec(op_adagrad, static=(0, 1), attrs=("decay_factor", "epsilon", "norm_coefficient"), min_inputs=5),
+    "Momentum": OpSpec(op_momentum, static=(0, 1), attrs=("alpha", "beta", "mode", "norm_coefficient"), min_inputs=5),
+    "Adam": OpSpec(op_adam, static=(0, 1), attrs=("alpha", "beta", "epsilon", "norm_coefficient", "norm_coefficient_post"),
+                   min_inputs=6),
+}}
+for _ops in DOMAIN_OPS.values():
+    for _spec in _ops.values():
+        _spec.versions = frozenset({1})
+
+__all__ = ["DOMAIN_OPS", "FOLDS", "OPS", "SUPPORTED_NP", "VERSIONS", "OpSpec"]

@@ -11,6 +11,7 @@ from tinydist.frontend.tensor import Tensor
 from tinydist.graph import dtypes
 
 Value = Any  # np.ndarray | Tensor | None
+OUTER = "\0outer"  # attrs key of a subgraph op (If / Loop / Scan): how many trailing inputs are outer-scope values
 
 SUPPORTED_NP = {d.np for d in dtypes.SUPPORTED} | {dtypes.to_dtype("bfloat16").np}  # onnx imports ml_dtypes anyway
 

@@ -43,6 +43,8 @@ def op_pow(ctx: Any, x: Tensor, y: Value) -> Tensor:
     y = as_tensor(ctx, y, "exponent")
     if x.dtype.is_float:
         return x.pow(y.cast(x.dtype))
+    if y.dtype.is_float:  # the result has the base's dtype: numpy's float64 power, truncated (the reference)
+        return x.cast(dtypes.float64).pow(y.cast(dtypes.float64)).cast(x.dtype)
     return x.pow(y)
 
 
@@ -116,11 +118,23 @@ def op_identity(ctx: Any, x: Tensor) -> Tensor:
     return x
 
 
+def op_optional_has_element(ctx: Any, x: Value = None) -> np.ndarray:
+    """Optional values are tensors or absent here (no optional type): absent is a missing input."""
+    return np.array(x is not None)
+
+
+def op_optional_get_element(ctx: Any, x: Value) -> Value:
+    return x  # a tensor (the optional-typed graph inputs that could be empty are refused at load)
+
+
 def op_dropout(ctx: Any, x: Tensor, ratio: Value = None, training: Value = None) -> Any:
     """Inference: the identity. The mask as onnxruntime gives it: all zeros of x's dtype in version 7,
     all false in 10, all true from 12 on (onnx's reference gives all true throughout)."""
     if training is not None and bool(static(ctx, training, "training_mode").reshape(-1)[0]):
-        raise ctx.error("training_mode=True is not supported (inference only)")
+        # training with ratio 0 drops nothing (the identity, an all-true mask); a random mask is not supported
+        if ratio is None or not isinstance(ratio, np.ndarray) or float(ratio.reshape(-1)[0]) != 0.0:
+            raise ctx.error("training_mode=True is supported with ratio 0 only (a random mask is not supported)")
+        return (x, np.ones(x.shape, np.bool_)) if ctx.n_outputs > 1 else x
     if ctx.n_outputs > 1:
         if ctx.since < 12:
             return x, np.zeros(x.shape, np.bool_ if ctx.since >= 10 else x.dtype.np)

@@ -236,3 +236,28 @@ def op_reverse_sequence(ctx: Any, x: Tensor, lens: Value) -> Tensor:
     mask = onehot.reshape((b, t, t) + (1,) * len(rest))
     picked = _select_sum(mask, moved.reshape((b, 1, t) + rest), 2, x.dtype)
     return picked if batch_axis == 0 else picked.permute((1, 0) + tuple(range(2, x.ndim)))
+
+
+def op_tensor_scatter(ctx: Any, cache: Tensor, update: Tensor, write_indices: Tensor | None = None) -> Tensor:
+    """TensorScatter (24): each batch entry's update written into the cache along `axis` (default
+    -2, the sequence) from its write index on — `linear`, or wrapping around under `circular`.
+    Run-time indices: a where-select over (cache position, update position) pairs."""
+    axis = norm_axis(ctx, ctx.attr("axis", -2), cache.ndim)
+    if axis == 0:
+        raise ctx.error("axis must not be the batch axis 0")
+    circular = ctx.attr("mode", "linear") == "circular"
+    if ctx.attr("mode", "linear") not in ("linear", "circular"):
+        raise ctx.error(f"mode={ctx.attr('mode')!r} is not supported (linear, circular)")
+    b, s_len, t_len = cache.shape[0], cache.shape[axis], update.shape[axis]
+    pre, post = math.prod(cache.shape[1:axis]), math.prod(cache.shape[axis + 1:])
+    start = write_indices.cast(dtypes.int64).reshape(b, 1, 1) if write_indices is not None else Tensor.zeros(
+        b, 1, 1, dtype=dtypes.int64, device=cache.device)
+    target = start + ctx.lift("t", np.arange(t_len, dtype=np.int64).reshape(1, 1, t_len))
+    if circular:
+        target = target % s_len
+    hits = target == ctx.lift("s", np.arange(s_len, dtype=np.int64).reshape(1, s_len, 1))  # (B, S, T)
+    upd = update.reshape(b, pre, 1, t_len, post)
+    picked = hits.reshape(b, 1, s_len, t_len, 1).where(upd, 0).sum(3, dtype=cache.dtype)  # (B, pre, S, post)
+    written = hits.any(2)
+    out = written.reshape(b, 1, s_len, 1).where(picked, cache.reshape(b, pre, s_len, post))
+    return out.reshape(cache.shape)

@@ -9,12 +9,13 @@ from typing import Any
 import numpy as np
 
 from tinydist.frontend.functional import conv2d
-from tinydist.frontend.tensor import Tensor, cat
+from tinydist.frontend.tensor import Tensor, cat, stack
 from tinydist.graph import dtypes
 from tinydist.onnx.ops._common import (
     Value, as_tensor, gather_where, ints, lowest, norm_axes, norm_axis, pad_or_crop, require_float,
-    scalar_like, static,
+    scalar_like, shrink_axis, static,
 )
+from tinydist.onnx.ops.elementwise import round_half_even
 
 
 # ---- matmul, gemm --------------------------------------------------------------------------------
@@ -228,9 +229,9 @@ def _pool_setup(ctx: Any, x: Tensor, dilation_ok: bool) -> tuple[Tensor, list[in
     return x, kernel, strides, dilations, pairs, outs, nd
 
 
-def _pool_reduce(x: Tensor, kernel: list[int], strides: list[int], dilations: list[int], pairs: list[tuple[int, int]],
-                 outs: list[int], value: Any, op: str) -> Tensor:
-    """Reduce (max/sum) every window of x padded with `value` → (N, C, *outs).
+def _pool_windows(x: Tensor, kernel: list[int], strides: list[int], dilations: list[int], pairs: list[tuple[int, int]],
+                  outs: list[int], value: Any) -> tuple[Tensor, tuple[int, ...]]:
+    """Every window of x padded with `value`, as one strided view, and its window axes.
 
     The strided window view leaves out every size-1 axis: a view with a size-1 axis between two
     others is mis-collapsed by codegen (see docs/onnx.md, core issues)."""
@@ -243,16 +244,49 @@ def _pool_reduce(x: Tensor, kernel: list[int], strides: list[int], dilations: li
         contiguous.append(acc)
         acc *= size
     contiguous.reverse()
-    n, c = dims[:2]
-    shape = [n, c] + list(outs) + list(kernel)
+    shape = list(dims[:2]) + list(outs) + list(kernel)
     view_strides = contiguous[:2] + [st * s for st, s in zip(contiguous[2:], strides)] + \
         [st * d for st, d in zip(contiguous[2:], dilations)]
     keep = [i for i, size in enumerate(shape) if size != 1]
     window = padded._as_strided(tuple(shape[i] for i in keep), tuple(view_strides[i] for i in keep))
-    axes = tuple(keep.index(i) for i in range(2 + len(outs), len(shape)) if i in keep)
+    return window, tuple(keep.index(i) for i in range(2 + len(outs), len(shape)) if i in keep)
+
+
+def _pool_reduce(x: Tensor, kernel: list[int], strides: list[int], dilations: list[int], pairs: list[tuple[int, int]],
+                 outs: list[int], value: Any, op: str) -> Tensor:
+    """Reduce (max/sum) every window of x padded with `value` → (N, C, *outs)."""
+    window, axes = _pool_windows(x, kernel, strides, dilations, pairs, outs, value)
     if axes:
         window = window.max(axes) if op == "max" else window.sum(axes)
-    return window.reshape(tuple([n, c] + list(outs)))
+    return window.reshape(tuple(list(x.shape[:2]) + list(outs)))
+
+
+def _max_pool_indices(ctx: Any, x: Tensor, y: Tensor, kernel: list[int], strides: list[int], dilations: list[int],
+                      pairs: list[tuple[int, int]], outs: list[int]) -> Tensor:
+    """MaxPool's Indices: the flat index into x (batch and channel included, as onnxruntime;
+    spatial axes row-major, or column-major under storage_order=1) of each window's first maximum — the smallest such index, since a window is
+    scanned in the index order; padding never wins (its index is past every real one)."""
+    n_total = math.prod(x.shape)
+    index = ctx.lift(("indices", x.shape), np.arange(n_total, dtype=np.int64).reshape(x.shape))
+    values, axes = _pool_windows(x, kernel, strides, dilations, pairs, outs, lowest(x.dtype))
+    indices, _ = _pool_windows(index, kernel, strides, dilations, pairs, outs, n_total)
+    out_shape = tuple(list(x.shape[:2]) + list(outs))
+    if axes:
+        best = y.reshape(tuple(1 if i in axes else s for i, s in enumerate(values.shape)))
+        found = (values == best).where(indices, n_total).min(axes).reshape(out_shape)
+    else:
+        found = indices.reshape(out_shape)
+    if not ctx.attr("storage_order", 0):
+        return found
+    # column-major spatial order (storage_order=1): the first spatial axis varies fastest
+    sizes = x.shape[2:]
+    step = math.prod(sizes)
+    column, rest, below = (found // step) * step, found % step, 1
+    for axis, size in enumerate(sizes):
+        after = math.prod(sizes[axis + 1:])
+        column = column + (rest // after) % size * below
+        below *= size
+    return column
 
 
 def pad_value(x: Tensor, pairs: Sequence[tuple[int, int]], value: Any) -> Tensor:
@@ -269,13 +303,11 @@ def pad_value(x: Tensor, pairs: Sequence[tuple[int, int]], value: Any) -> Tensor
 
 
 def op_max_pool(ctx: Any, x: Tensor) -> Any:
-    if ctx.n_outputs > 1 and ctx.outputs_used[1]:
-        raise ctx.error("the Indices output is not supported")
-    if ctx.attr("storage_order", 0):
-        raise ctx.error("storage_order=1 is not supported")
     x, kernel, strides, dilations, pairs, outs, nd = _pool_setup(ctx, x, True)
     y = _pool_reduce(x, kernel, strides, dilations, pairs, outs, lowest(x.dtype), "max")
-    return (y, None) if ctx.n_outputs > 1 else y
+    if ctx.n_outputs == 1 or not ctx.outputs_used[1]:
+        return (y, None) if ctx.n_outputs > 1 else y
+    return y, _max_pool_indices(ctx, x, y, kernel, strides, dilations, pairs, outs)
 
 
 def op_lp_pool(ctx: Any, x: Tensor) -> Tensor:
@@ -318,9 +350,28 @@ def op_global_max_pool(ctx: Any, x: Tensor) -> Tensor:
 
 # ---- normalisation --------------------------------------------------------------------------
 
-def op_batch_norm(ctx: Any, x: Tensor, scale: Value, bias: Value, mean: Value, var: Value) -> Tensor:
+def _batch_norm_training(ctx: Any, x: Tensor, scale: Value, bias: Value, mean: Value, var: Value) -> Any:
+    """training_mode=1 (14+): normalise with the batch's mean and (population) variance over every
+    axis but the channels; running_mean / running_var = input · momentum + batch · (1 − momentum)."""
+    require_float(ctx, x)
+    eps, momentum = ctx.attr("epsilon", 1e-5), ctx.attr("momentum", 0.9)
+    shape = (1, x.shape[1]) + (1,) * (x.ndim - 2)
+    axes = tuple(i for i in range(x.ndim) if i != 1)
+    batch_mean = x.mean(axes, keepdim=True)
+    centered = x - batch_mean
+    batch_var = (centered * centered).mean(axes, keepdim=True)
+    s, bi, m, v = (as_tensor(ctx, t, k).reshape(shape) for t, k in ((scale, "s"), (bias, "bi"), (mean, "m"), (var, "v")))
+    y = centered / (batch_var + eps).sqrt() * s + bi
+    running_mean = (m * momentum + batch_mean * (1.0 - momentum)).reshape(x.shape[1])
+    running_var = (v * momentum + batch_var * (1.0 - momentum)).reshape(x.shape[1])
+    return (y, running_mean, running_var)[:ctx.n_outputs] if ctx.n_outputs > 1 else y
+
+
+def op_batch_norm(ctx: Any, x: Tensor, scale: Value, bias: Value, mean: Value, var: Value) -> Any:
     if ctx.attr("training_mode", 0):
-        raise ctx.error("training_mode=1 is not supported (inference only)")
+        if ctx.since < 14:
+            raise ctx.error("training_mode is an attribute of version 14 on")
+        return _batch_norm_training(ctx, x, scale, bias, mean, var)
     if any(ctx.outputs_used[1:]):
         raise ctx.error("the training outputs (running mean/var) are not supported")
     require_float(ctx, x)
@@ -620,3 +671,225 @@ def op_dft(ctx: Any, x: Tensor, dft_length: Value = None, axis_in: Value = None)
     for pos, src in enumerate(order):
         back[src] = pos
     return y.permute(tuple(back))
+
+
+def op_affine_grid(ctx: Any, theta: Tensor, size: Value) -> Tensor:
+    """AffineGrid (20): the sampling grid theta · (x, y[, z], 1) over normalised output coordinates
+    in [-1, 1] (pixel centres, or corners under align_corners), as one batched matmul with a
+    constant (H·W, 3) or (D·H·W, 4) base grid."""
+    dims = ints(ctx, size, "size")
+    spatial = dims[2:]
+    if len(spatial) not in (2, 3) or theta.shape[1:] != (len(spatial), len(spatial) + 1):
+        raise ctx.error(f"size {dims} and theta of shape {theta.shape} do not describe a 2-D or 3-D grid")
+    align = bool(ctx.attr("align_corners", 0))
+
+    def axis(n: int) -> np.ndarray:
+        if align:
+            return np.linspace(-1.0, 1.0, n) if n > 1 else np.zeros(1)
+        return (2.0 * np.arange(n) + 1.0) / n - 1.0
+
+    coords = np.meshgrid(*[axis(n) for n in spatial], indexing="ij")  # (D,) H, W
+    base = np.stack([c.reshape(-1) for c in reversed(coords)] + [np.ones(math.prod(spatial))], axis=1)
+    grid = ctx.lift(("grid", tuple(dims), align), base.astype(theta.dtype.np).reshape((1,) + base.shape))
+    out = grid.matmul(theta.permute(0, 2, 1))  # (N, points, rank)
+    return out.reshape((theta.shape[0],) + tuple(spatial) + (len(spatial),))
+
+
+def _reflect(v: Tensor, low: float, high: float) -> Tensor:
+    """Reflect coordinates by the near border until they lie in [low, high] (onnx's _gs_reflect)."""
+    span = high - low
+    if span <= 0:
+        return v * 0.0 + low
+    below, above = low - v, v - high
+    out = v
+    for dist, near, far, sign in ((below, low, high, 1.0), (above, high, low, -1.0)):
+        folds = (dist / span).floor()
+        rest = dist - folds * span
+        even = (folds - (folds * 0.5).floor() * 2.0) == 0.0
+        moved = even.where(rest * sign + near, far - rest * sign)
+        out = (dist > 0.0).where(moved, out)
+    return out
+
+
+def _cubic_coeffs(t: Tensor) -> list[Tensor]:
+    a = -0.75
+    x0, x1, x2, x3 = t + 1.0, t, 1.0 - t, 2.0 - t
+    return [((x0 * a - 5 * a) * x0 + 8 * a) * x0 - 4 * a, ((x1 * (a + 2)) - (a + 3)) * x1 * x1 + 1.0,
+            ((x2 * (a + 2)) - (a + 3)) * x2 * x2 + 1.0, ((x3 * a - 5 * a) * x3 + 8 * a) * x3 - 4 * a]
+
+
+def op_grid_sample(ctx: Any, x: Tensor, grid: Tensor) -> Tensor:
+    """GridSample (16, 20, 22) as onnx's reference: per spatial axis, the sampled coordinates'
+    neighbours (1 nearest, 2 linear, 4 cubic) with their weights and padded pixel indices become
+    an (N, points, size) weight matrix; the axes' matrices multiply into one (N, points, pixels)
+    matrix, applied to x with one batched matmul. O(points × pixels): for the small images and
+    grids of spatial transformers, not for resampling large images. Cubic with border padding
+    clamps only its taps, not the coordinate, as onnxruntime and PyTorch (the reference clamps
+    both; its node cases agree either way)."""
+    require_float(ctx, x)
+    spatial = x.shape[2:]
+    nd = len(spatial)
+    if grid.ndim != nd + 2 or grid.shape[-1] != nd or grid.shape[0] != x.shape[0]:
+        raise ctx.error(f"grid of shape {grid.shape} does not match input of shape {x.shape}")
+    raw_mode = ctx.attr("mode", "linear" if ctx.since >= 20 else "bilinear")
+    mode = {"bilinear": "linear", "bicubic": "cubic"}.get(raw_mode, raw_mode)  # version 16's names
+    padding = ctx.attr("padding_mode", "zeros")
+    if mode not in ("nearest", "linear", "cubic") or padding not in ("zeros", "border", "reflection"):
+        raise ctx.error(f"mode={mode!r} / padding_mode={padding!r} is not supported")
+    align = bool(ctx.attr("align_corners", 0))
+    n, out_spatial = x.shape[0], grid.shape[1:-1]
+    points = math.prod(out_spatial)
+    g = grid.reshape(n, points, nd).cast(x.dtype)
+    total: Tensor | None = None
+    for i, size in enumerate(spatial):
+        coord = shrink_axis(g, 2, nd - 1 - i, nd - i)  # (N, P, 1): the grid lists x (width) first
+        v = (coord + 1.0) * 0.5 * (size - 1) if align else ((coord + 1.0) * size - 1.0) * 0.5
+        low, high = (0.0, size - 1.0) if align else (-0.5, size - 0.5)
+        if mode == "nearest":
+            v = round_half_even(v)
+        outside = (v < low) | (v > high)
+        if padding == "border" and mode != "cubic":  # cubic clamps its taps only (onnxruntime, PyTorch)
+            v = outside.where(v.maximum(0.0).minimum(size - 1.0), v)
+        elif padding == "reflection":
+            v = outside.where(_reflect(v, low, high), v)
+        base = v.floor()
+        frac = v - base
+        taps: list[tuple[Tensor, Tensor | None]]
+        if mode == "nearest":
+            taps = [(v, None)]
+        elif mode == "linear":
+            taps = [(base, 1.0 - frac), (base + 1.0, frac)]
+        else:
+            taps = list(zip([base - 1.0, base, base + 1.0, base + 2.0], _cubic_coeffs(frac)))
+        pixels = ctx.lift(("pixels", size, x.dtype.name), np.arange(size, dtype=x.dtype.np).reshape(1, 1, size))
+        weights: Tensor | None = None
+        for j, w in taps:
+            if padding == "border":
+                j = j.maximum(0.0).minimum(size - 1.0)
+            elif padding == "reflection":
+                j = _reflect(j, low, high)
+            j = j.cast(dtypes.int64).cast(x.dtype)  # the reference's int(): toward zero
+            hit = j == pixels  # (N, P, size); out of range hits nothing: zero padding
+            term = hit.cast(x.dtype) if w is None else hit.where(w, 0.0)
+            weights = term if weights is None else weights + term
+        assert weights is not None
+        total = weights if total is None else (total.reshape(n, points, -1, 1) * weights.reshape(n, points, 1, size)).reshape(
+            n, points, -1)
+    assert total is not None
+    y = x.reshape(n, x.shape[1], -1).matmul(total.permute(0, 2, 1))  # (N, C, P)
+    return y.reshape((n, x.shape[1]) + tuple(out_spatial))
+
+
+def op_col2im(ctx: Any, x: Tensor, image_shape: Value, block_shape: Value) -> Tensor:
+    """Col2Im (18): the inverse of im2col — every column's block values added at their image
+    positions (overlaps summed), as one matmul with a constant 0/1 (blocks·columns, pixels) matrix."""
+    image, block = ints(ctx, image_shape, "image_shape"), ints(ctx, block_shape, "block_shape")
+    nd = len(image)
+    if len(block) != nd:
+        raise ctx.error(f"image_shape {image} and block_shape {block} differ in rank")
+    dilations = list(ctx.attr("dilations", [1] * nd))
+    strides = list(ctx.attr("strides", [1] * nd))
+    pads = list(ctx.attr("pads", [0] * (2 * nd)))
+    counts = [(size + pads[i] + pads[i + nd] - (dilations[i] * (block[i] - 1) + 1)) // strides[i] + 1
+              for i, size in enumerate(image)]
+    k, n_cols = math.prod(block), math.prod(counts)
+    if x.ndim != 3 or x.shape[1] % k or x.shape[2] != n_cols:
+        raise ctx.error(f"input of shape {x.shape} does not hold C·{k} block values for {n_cols} columns")
+
+    def matrix() -> np.ndarray:
+        scatter = np.zeros((k * n_cols, math.prod(image)), x.dtype.np)
+        for b, offsets in enumerate(np.ndindex(*block)):
+            for c, column in enumerate(np.ndindex(*counts)):
+                pos = [column[i] * strides[i] - pads[i] + offsets[i] * dilations[i] for i in range(nd)]
+                if all(0 <= p < s for p, s in zip(pos, image)):
+                    scatter[b * n_cols + c, np.ravel_multi_index(pos, image)] = 1
+        return scatter.reshape((1,) + scatter.shape)
+
+    scatter = ctx.lift(("col2im", tuple(image), tuple(block), tuple(x.shape)), matrix())
+    channels = x.shape[1] // k
+    y = x.reshape(x.shape[0], channels, k * n_cols).matmul(scatter)
+    return y.reshape((x.shape[0], channels) + tuple(image))
+
+
+def op_max_unpool(ctx: Any, x: Tensor, indices: Tensor, output_shape: Value = None) -> Tensor:
+    """MaxUnpool (9, 11, 22): x's values at their (run-time) flat indices into the output, zeros
+    elsewhere, as a one-hot select (O(input × output) elements), indices into the pooling's
+    inverse shape ((in − 1)·stride − pads + kernel); a larger output_shape pads it with zeros
+    after (the reference's placement)."""
+    kernel = list(ctx.attr("kernel_shape"))
+    nd = len(kernel)
+    strides = list(ctx.attr("strides", [1] * nd))
+    pads = list(ctx.attr("pads", [0] * (2 * nd)))
+    inferred = tuple(x.shape[:2]) + tuple((size - 1) * strides[i] - pads[i] - pads[i + nd] + kernel[i]
+                                          for i, size in enumerate(x.shape[2:]))
+    total = math.prod(inferred)
+    positions = ctx.lift(("positions", total), np.arange(total, dtype=np.int64).reshape(1, total))
+    onehot = indices.cast(dtypes.int64).reshape(-1, 1) == positions  # (input elements, output elements)
+    y = onehot.where(x.reshape(-1, 1), 0).sum(0, dtype=x.dtype).reshape(inferred)
+    if output_shape is None:
+        return y
+    shape = ints(ctx, output_shape, "output_shape")
+    if len(shape) != len(inferred) or any(s < i for s, i in zip(shape, inferred)):
+        raise ctx.error(f"output_shape {shape} is smaller than the unpooled shape {inferred}")
+    return pad_value(y, [(0, s - i) for s, i in zip(shape, inferred)], 0)  # the unpooled values at the origin
+
+
+def op_det(ctx: Any, x: Tensor) -> Tensor:
+    """Det over the last two axes by the Leibniz formula (n! products of n entries): exact
+    arithmetic order for the small matrices it is for; n > 6 is refused."""
+    require_float(ctx, x)
+    n = x.shape[-1]
+    if x.ndim < 2 or x.shape[-2] != n:
+        raise ctx.error(f"input of shape {x.shape} is not a (batch of) square matrices")
+    if n > 6:
+        raise ctx.error(f"a {n}x{n} determinant is not supported (the Leibniz formula is used, up to 6x6)")
+    import itertools
+
+    rows = [shrink_axis(x, x.ndim - 2, i, i + 1).reshape(x.shape[:-2] + (n,)) for i in range(n)]
+    entries = [[shrink_axis(row, row.ndim - 1, j, j + 1).reshape(x.shape[:-2]) for j in range(n)] for row in rows]
+    total: Tensor | None = None
+    for perm in itertools.permutations(range(n)):
+        inversions = sum(perm[i] > perm[j] for i in range(n) for j in range(i + 1, n))
+        term = entries[0][perm[0]]
+        for i in range(1, n):
+            term = term * entries[i][perm[i]]
+        if total is None:
+            total = term if inversions % 2 == 0 else term * -1.0
+        else:
+            total = total - term if inversions % 2 else total + term
+    assert total is not None
+    return total
+
+
+def op_stft(ctx: Any, x: Tensor, frame_step: Value, window: Value = None, frame_length: Value = None) -> Tensor:
+    """STFT (17): frames of frame_length every frame_step samples, times the window, each through
+    the DFT matrix (onesided by default: n // 2 + 1 bins) → (batch, frames, bins, 2)."""
+    require_float(ctx, x)
+    if x.ndim != 3 or x.shape[-1] not in (1, 2):
+        raise ctx.error(f"signal must be (batch, length, 1 or 2), got shape {x.shape}")
+    step = ints(ctx, frame_step, "frame_step")[0]
+    if frame_length is not None:
+        n = ints(ctx, frame_length, "frame_length")[0]
+    elif window is not None:
+        n = window.shape[0]
+    else:
+        raise ctx.error("needs a window or a frame_length")
+    onesided = bool(ctx.attr("onesided", 1))
+    if x.shape[-1] == 2 and onesided:
+        raise ctx.error("onesided=1 needs a real signal")
+    length = x.shape[1]
+    if step <= 0 or n <= 0 or n > length:
+        raise ctx.error(f"frame_step {step} / frame_length {n} do not fit a signal of length {length}")
+    count = (length - n) // step + 1
+    frames = stack([shrink_axis(x, 1, f * step, f * step + n) for f in range(count)], 1)  # (B, F, n, c)
+    if window is not None:
+        w = as_tensor(ctx, window, "window").cast(x.dtype)
+        frames = frames * w.reshape(1, 1, n, 1)
+    parts = frames.permute(0, 1, 3, 2)  # (B, F, c, n)
+    if x.shape[-1] == 1:
+        parts = cat([parts, Tensor.zeros(parts.shape, dtype=x.dtype, device=x.device)], 2)
+    matrix = _dft_matrix(n, n, False, onesided)
+    m = ctx.lift(("stft", n, onesided), np.ascontiguousarray(matrix.astype(x.dtype.np)).reshape((1,) + matrix.shape))
+    bins = matrix.shape[1] // 2
+    y = parts.reshape(1, -1, 2 * n).matmul(m)  # (1, B·F, 2·bins): [re | im]
+    return y.reshape(x.shape[0], count, 2, bins).permute(0, 1, 3, 2)
