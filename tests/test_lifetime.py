@@ -21,7 +21,9 @@ def test_dropping_the_last_reference_frees_results_and_intermediates_without_gc(
             y = ((x * 2 + i).softmax(1) @ x).sum(0)
             assert y.numpy().shape == (64,)
             del y
-            assert allocator.statistics().live_buffers == baseline
+            # (<=: a recycled buffer an earlier test still held may go idle meanwhile, and idle ones
+            # count as cached; what this proves is that nothing this graph made stays alive)
+            assert allocator.statistics().live_buffers <= baseline
     finally:
         gc.enable()
 
@@ -46,7 +48,7 @@ def test_a_training_step_through_custom_gradient_rules_leaves_nothing_alive_with
             assert loss.numpy().shape == ()
             del loss
             td.autograd.pending_roots.clear()  # what an optimizer step does with the backward's root
-            assert allocator.statistics().live_buffers == baseline
+            assert allocator.statistics().live_buffers <= baseline  # (<=: see the test above)
             assert len(td.autograd._custom) == 0
     finally:
         gc.enable()

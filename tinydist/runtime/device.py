@@ -413,7 +413,17 @@ class Device(ABC):
         host = data if type(data) is np.ndarray and data.flags.c_contiguous else _host_view(data, writable=False)
         if host.nbytes != dst.nbytes:
             raise OutOfBounds(f"copyin size mismatch: host data has {host.nbytes} bytes, {dst!r} has {dst.nbytes}")
-        copy_now(dst.address, host_address(host), dst.nbytes)
+        if host is data and dst.nbytes <= HOLD_GIL_BYTES:
+            # numpy's copy into the buffer's view (kept on it: a recycled frame buffer's next upload
+            # finds it, as .numpy() does): 0.3 us where an address, a memmove call and its
+            # argument conversions cost 1.6 us; a short copy keeps the GIL, as copy_now does
+            dst.check_alive()  # (a cached view does not check it)
+            view = dst.host_view
+            if view is None or view.dtype is not data.dtype or view.shape != data.shape:
+                view = self.host_array(dst, data.dtype, data.shape)
+            view[...] = data
+        else:
+            copy_now(dst.address, host_address(host), dst.nbytes)
         self.queues["copy"].count_copied(dst.nbytes)
         return True
 
