@@ -28,17 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Report  # noqa: E402
 
 
-def mappings() -> int:
-    return len(Path("/proc/self/maps").read_text().splitlines())
-
-
-def rss_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", type=int, default=5000)
@@ -50,6 +39,7 @@ def main() -> None:
         import numpy as np
 
         import tinydist as td
+        from tinydist.testing import process_resources  # (after TINYDIST_CACHE_DIR is set)
 
         samples: list[tuple[int, int, float]] = []
         step = max(args.shapes // 10, 1)
@@ -58,7 +48,8 @@ def main() -> None:
             (td.Tensor(x) * 2.0 + float(n)).exp().numpy()
             if n % step == 0:
                 gc.collect()
-                samples.append((n, mappings(), rss_mib()))
+                resources = process_resources()
+                samples.append((n, int(resources["mappings"]), resources["rss_mib"]))
                 print(f"shapes {n:6d}   mappings {samples[-1][1]:6d}   RSS {samples[-1][2]:8.1f} MiB", flush=True)
     (n0, maps0, rss0), (n1, maps1, rss1) = samples[len(samples) // 2 - 1], samples[-1]
     per_map, per_rss = (maps1 - maps0) / (n1 - n0), (rss1 - rss0) / (n1 - n0) * 1024

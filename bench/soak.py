@@ -36,21 +36,10 @@ import numpy as np
 
 import tinydist as td
 from tinydist.runtime.engine import get_engine
+from tinydist.testing import process_resources
 from tinydist.train.nn import functional as F
 
 TRUST_DOMAIN = "tinydist.lab"
-
-
-def sample() -> dict[str, float]:
-    """This process's resources now, from /proc."""
-    status = Path("/proc/self/status").read_text()
-    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-    return {
-        "rss_mib": int(fields["VmRSS"].split()[0]) / 1024,
-        "fds": len(os.listdir("/proc/self/fd")),
-        "threads": int(fields["Threads"]),
-        "mappings": sum(1 for _ in open("/proc/self/maps")),
-    }
 
 
 def free_port() -> int:
@@ -189,7 +178,7 @@ def main() -> int:
                     counts[name] += 1
                 now = time.monotonic()
                 if now >= next_sample:
-                    samples.append({"t_s": round(now - start, 1), **sample()})
+                    samples.append({"t_s": round(now - start, 1), **process_resources()})
                     next_sample = now + args.interval
                     print(json.dumps(samples[-1]), flush=True)
         finally:

@@ -1,5 +1,6 @@
 """Test support (not used by the engine itself): small hand-written kernels shared by tests and
-benchmarks, and `MockClock`, virtual time for the runtime's waits.
+benchmarks, `MockClock`, virtual time for the runtime's waits, and `process_resources`, what this
+process holds (the soak, the kernel-memory benchmark and its test sample it).
 
 Kernel symbol names must be unique per process (the loader refuses a second object defining the
 same one), so every kernel takes its name as an argument.
@@ -8,6 +9,7 @@ same one), so every kernel takes its name as an argument.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -290,3 +292,13 @@ exit:
   ret void
 }}
 """
+
+
+def process_resources() -> dict[str, float]:
+    """This process's RSS (MiB), open file descriptors, threads and memory mappings, from /proc."""
+    with open("/proc/self/status") as file:
+        status = dict(line.split(":", 1) for line in file if ":" in line)
+    with open("/proc/self/maps") as maps:
+        mappings = sum(1 for _ in maps)
+    return {"rss_mib": int(status["VmRSS"].split()[0]) / 1024, "fds": len(os.listdir("/proc/self/fd")),
+            "threads": int(status["Threads"]), "mappings": mappings}

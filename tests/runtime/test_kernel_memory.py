@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gc
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,23 +18,13 @@ from tinydist.runtime import get_engine
 from tinydist.runtime.compiler import DeviceCompiler
 from tinydist.runtime.cpu.loader import native_loader
 from tinydist.schedule import create_schedule, schedule_cache
+from tinydist.testing import process_resources
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self")
 
 # The tests that reopen a device (so its compiler reads their LOADED_KERNELS) use this one, never the
 # default CPU:0: a reopen frees every buffer of the old device, cached tensors of other tests included.
 REOPENED = "CPU:3"
-
-
-def mappings() -> int:
-    return len(Path("/proc/self/maps").read_text().splitlines())
-
-
-def rss_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS in /proc/self/status")
 
 
 def aligned(values: np.ndarray) -> np.ndarray:
@@ -67,7 +56,8 @@ def test_5000_distinct_shapes_plateau_in_mappings_and_rss(monkeypatch: pytest.Mo
         program = compiler.kernel(_ast(n))
         if n in (1000, 2000, 5000):
             gc.collect()
-            samples[n] = (mappings(), rss_mib(), native_loader.loaded)
+            resources = process_resources()
+            samples[n] = (resources["mappings"], resources["rss_mib"], native_loader.loaded)
     assert len(compiler) == 256 and compiler.evicted == 5000 - 256
     (maps_1k, rss_1k, _), (maps_2k, rss_2k, loaded_2k), (maps_5k, rss_5k, loaded_5k) = (samples[n] for n in (1000, 2000, 5000))
     # unbounded, 3,000 more shapes kept ~6,000 mappings and ~500 MiB

@@ -267,10 +267,11 @@ class Allocator(ABC):
 
     def statistics(self) -> AllocatorStatistics:
         with self._locked():
-            idle = sum(self._idle_recycled().values())
-            live = len(self._ledger) - len(self._idle_recycled())
-            return AllocatorStatistics(live, sum(self._ledger.values()) - idle, self._reserved - idle, self._peak,
-                                       self.limit_bytes, self._cached_bytes + idle)
+            idle = self._idle_recycled()  # (one scan: it reads every pooled buffer's reference count)
+            idle_bytes = sum(idle.values())
+            return AllocatorStatistics(len(self._ledger) - len(idle), sum(self._ledger.values()) - idle_bytes,
+                                       self._reserved - idle_bytes, self._peak, self.limit_bytes,
+                                       self._cached_bytes + idle_bytes)
 
     def outstanding(self) -> dict[int, int]:
         """address -> bytes of every live buffer (mapped, not given back, not idle in the cache)."""
