@@ -34,6 +34,8 @@ PYTHON = sys.executable
 # rounds of one revision under load (measured: replay and train figures move 5-10 % round to round).
 NOISE = 0.10
 _LINE = re.compile(r"^(?P<name>[^:\n]{3,120}):\s+(?:[A-Za-z_][\w.-]*\s+)?(?P<value>-?\d+(?:\.\d+)?(?:e[-+]?\d+)?)\s+(?P<unit>\S+)")
+# A table row without a colon: its label is the text before its first number (p50 in a latency table).
+_ROW = re.compile(r"^(?P<name>[A-Za-z][^\d\n]*?[A-Za-z)\]])\s+(?P<value>-?\d+(?:\.\d+)?)(?:\s|$)")
 _RATIO = re.compile(r"(?P<ratio>\d+(?:\.\d+)?)x\b")
 
 
@@ -56,21 +58,25 @@ def run_once(tree: Path, script: str, args: list[str], scratch: Path) -> dict[st
     env = dict(os.environ, PYTHONPATH=str(tree))
     cmd = [PYTHON, str(path), *args]
     out_json = scratch / "figures.json"
+    out_json.unlink(missing_ok=True)
     if takes_json(path):
-        out_json.unlink(missing_ok=True)
         cmd += ["--json", str(out_json)]
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise SystemExit(f"{script} at {tree.name} exited {proc.returncode}:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
     if out_json.exists():
-        return {r["name"]: (float(r["value"]), r["unit"], r.get("ratio")) for r in json.loads(out_json.read_text())}
+        records = json.loads(out_json.read_text())
+        if isinstance(records, list) and all(isinstance(r, dict) and "name" in r for r in records):  # bench/_common.Report
+            return {r["name"]: (float(r["value"]), r["unit"], r.get("ratio")) for r in records}
     figures: dict[str, tuple[float, str, float | None]] = {}
     for line in proc.stdout.splitlines():
-        match = _LINE.match(line.strip())
+        text = line.strip()
+        match = _LINE.match(text)
+        unit = match["unit"] if match else ""
+        match = match or _ROW.match(text)
         if match:
-            tail = line[match.end():]
-            ratio = _RATIO.search(tail)
-            figures[match["name"].strip()] = (float(match["value"]), match["unit"], float(ratio["ratio"]) if ratio else None)
+            ratio = _RATIO.search(text[match.end():])
+            figures[" ".join(match["name"].split())] = (float(match["value"]), unit, float(ratio["ratio"]) if ratio else None)
     return figures
 
 

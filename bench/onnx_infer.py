@@ -75,7 +75,7 @@ def tinydist_runners(model, x):
     loaded = tdo.load(model)
     eager = tdo.load(model)
     return [("tinydist model(feed) (jit replay)", lambda: loaded({"x": x})["y"]),
-            ("tinydist eager (graph per frame)", lambda: eager._run_eagerly([td.Tensor(x)])["y"])]
+            ("tinydist eager (graph per frame)", lambda: eager.run_tensors({"x": td.Tensor(x)})[0].numpy())]
 
 
 def main() -> int:
