@@ -33,7 +33,7 @@ PYTHON = sys.executable
 # A figure more than this far from equal is called out: the spread this machine shows between two
 # rounds of one revision under load (measured: replay and train figures move 5-10 % round to round).
 NOISE = 0.10
-_LINE = re.compile(r"^(?P<name>[^:\n]{3,120}):\s+(?:[A-Za-z_][\w.-]*\s+)?(?P<value>-?\d+(?:\.\d+)?(?:e[-+]?\d+)?)\s+(?P<unit>\S+)")
+_LINE = re.compile(r"^(?P<name>[^:\n]{3,120}):\s+(?:[A-Za-z_][\w.()-]*\s+){0,3}(?P<value>-?\d+(?:\.\d+)?(?:e[-+]?\d+)?)\s+(?P<unit>[^\s,;]+)")
 # A table row without a colon: its label is the text before its first number (p50 in a latency table).
 _ROW = re.compile(r"^(?P<name>[A-Za-z][^\d\n]*?[A-Za-z)\]])\s+(?P<value>-?\d+(?:\.\d+)?)(?:\s|$)")
 _RATIO = re.compile(r"(?P<ratio>\d+(?:\.\d+)?)x\b")

@@ -46,12 +46,14 @@ def test_compare_revisions_reads_report_json_and_printed_tables(tmp_path: Path) 
     (tmp_path / "bench" / "table.py").write_text(
         "print('model runtime p50 p90')\n"
         "print('mlp   tinydist model(feed) (jit replay)   8.0   9.5   p50 ratio vs onnxruntime 1.09x')\n"
-        "print('sum 16M f32: tinydist 3.3 ms (numpy 3.0 ms; ratio 0.92x) target >=2x: MISS')\n")
+        "print('sum 16M f32: tinydist 3.3 ms (numpy 3.0 ms; ratio 0.92x) target >=2x: MISS')\n"
+        "print('2 devices 1 MiB: tinydist auto 0.53 ms, ring 5.31 ms, naive 0.43 ms')\n")
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     assert compare.run_once(tmp_path, "bench/report.py", [], scratch) == {"launch/direct": (0.5, "us per call", 2.0)}
     assert compare.run_once(tmp_path, "bench/table.py", [], scratch) == {
-        "mlp tinydist model(feed) (jit replay)": (8.0, "", 1.09), "sum 16M f32": (3.3, "ms", 0.92)}
+        "mlp tinydist model(feed) (jit replay)": (8.0, "", 1.09), "sum 16M f32": (3.3, "ms", 0.92),
+        "2 devices 1 MiB": (0.53, "ms", None)}
     assert compare.verdict(1.0, 1.2, "us per call") == "SLOWER"
     assert compare.verdict(1.0, 1.2, "GFLOP/s") == "faster"
     assert compare.verdict(1.0, 1.05, "ms") == "same"
