@@ -49,3 +49,25 @@ def test_suite_selection_leaves_out_only_the_excluded_dtypes(suite):
     for case in cases:
         model = onnx.load_from_string(case.model)
         assert not set(node_suite._value_elems(model)) & set(node_suite.EXCLUDED_ELEM), case.name
+
+
+def _ops_of(graph: onnx.GraphProto) -> set[str]:
+    ops = set()
+    for node in graph.node:
+        ops.add(node.op_type)
+        for attribute in node.attribute:
+            for sub in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+                ops |= _ops_of(sub)
+    return ops
+
+
+def test_every_case_of_an_op_the_real_architectures_use_passes(suite):
+    """Issue 28: 100 % of the node-suite cases of every op in tests/onnx/architectures/models/."""
+    cases, outcomes = suite
+    models = sorted((node_suite.ROOT / "tests" / "onnx" / "architectures" / "models").glob("*.onnx"))
+    assert len(models) >= 30
+    used = set().union(*(_ops_of(onnx.load(str(path), load_external_data=False).graph) for path in models))
+    covered = {case.op for case in cases} & used
+    assert len(covered) >= 40, f"the suite has cases for only {sorted(covered)} of the set's ops {sorted(used)}"
+    failing = {case.name: outcomes[case.name] for case in cases if case.op in used and outcomes[case.name] != "pass"}
+    assert not failing, f"node-suite cases of ops the real architectures use fail: {failing}"
