@@ -20,12 +20,12 @@ from typing import Any
 
 from tinydist.frontend.tensor import Tensor, where
 from tinydist.onnx.ops._common import SUPPORTED_NP, erf, require_float, scalar_like, tanh
-from tinydist.onnx.ops.attention import op_attention, op_linear_attention, op_rotary_embedding
+from tinydist.onnx.ops.attention import op_attention, op_flex_attention, op_linear_attention, op_rotary_embedding
 from tinydist.onnx.ops.control import op_if, op_loop, op_scan
 from tinydist.onnx.ops.data_dependent import op_compress, op_non_max_suppression, op_nonzero, op_unique
 from tinydist.onnx.ops.einsum import op_einsum
 from tinydist.onnx.ops.elementwise import (
-    _variadic, op_cast, op_cast_like, op_clip, op_div, op_dropout, op_elu, op_gelu, op_hard_sigmoid,
+    _variadic, op_bitcast, op_cast, op_cast_like, op_clip, op_div, op_dropout, op_elu, op_gelu, op_hard_sigmoid,
     op_hard_swish, op_identity, op_leaky_relu, op_mean, op_optional_get_element, op_optional_has_element, op_pow,
     op_softplus,
 )
@@ -121,6 +121,7 @@ OPS: dict[str, OpSpec] = {
     "Not": OpSpec(_u(lambda x: x.logical_not())), "And": OpSpec(_b(lambda a, b: a & b), min_inputs=2),
     "Or": OpSpec(_b(lambda a, b: a | b), min_inputs=2), "Xor": OpSpec(_b(lambda a, b: a ^ b), min_inputs=2),
     "Cast": OpSpec(op_cast, attrs=("to", "saturate", "round_mode")),
+    "BitCast": OpSpec(op_bitcast, attrs=("to",)),
     "CastLike": OpSpec(op_cast_like, params=(1,), attrs=("saturate", "round_mode"), min_inputs=2),
     "Identity": OpSpec(op_identity),
     "If": OpSpec(op_if, static=(0,), attrs=("then_branch", "else_branch"), subgraphs=True),
@@ -255,7 +256,7 @@ OPS: dict[str, OpSpec] = {
 VERSIONS: dict[str, tuple[int, ...]] = {
     "Abs": (6, 13), "Add": (7, 13, 14), "And": (7,), "ArgMax": (1, 11, 12, 13), "ArgMin": (1, 11, 12, 13),
     "AveragePool": (7, 10, 11, 19, 22), "BatchNormalization": (7, 9, 14, 15),
-    "Cast": (6, 9, 13, 19, 21, 23, 24, 25, 28), "CastLike": (15, 19, 21, 23, 24, 25), "Clip": (6, 11, 12, 13),
+    "Cast": (6, 9, 13, 19, 21, 23, 24, 25, 28), "BitCast": (26,), "CastLike": (15, 19, 21, 23, 24, 25), "Clip": (6, 11, 12, 13),
     "Concat": (4, 11, 13), "Constant": (1, 9, 11, 12, 13, 19, 21, 23, 24, 25),
     "ConstantOfShape": (9, 20, 21, 23, 24, 25), "Conv": (1, 11, 22), "ConvTranspose": (1, 11, 22), "Cos": (7, 22),
     "Div": (7, 13, 14), "Dropout": (7, 10, 12, 13, 22), "Elu": (6, 22), "Equal": (7, 11, 13, 19), "Erf": (9, 13),
@@ -302,8 +303,11 @@ for _name, _spec in OPS.items():
     _spec.versions = frozenset(VERSIONS.get(_name, ()))  # an op missing here is refused at every version
 
 # Other domains: their ops by domain, with the since_versions implemented.
-TRAINING = "ai.onnx.preview.training"
-DOMAIN_OPS: dict[str, dict[str, OpSpec]] = {TRAINING: {
+TRAINING, PREVIEW = "ai.onnx.preview.training", "ai.onnx.preview"
+DOMAIN_OPS: dict[str, dict[str, OpSpec]] = {PREVIEW: {
+    "FlexAttention": OpSpec(op_flex_attention, attrs=("prob_mod", "scale", "score_mod", "softmax_precision"), min_inputs=3,
+                            subgraphs=True),
+}, TRAINING: {
     "Adagrad": OpSpec(op_adagrad, static=(0, 1), attrs=("decay_factor", "epsilon", "norm_coefficient"), min_inputs=5),
     "Momentum": OpSpec(op_momentum, static=(0, 1), attrs=("alpha", "beta", "mode", "norm_coefficient"), min_inputs=5),
     "Adam": OpSpec(op_adam, static=(0, 1), attrs=("alpha", "beta", "epsilon", "norm_coefficient", "norm_coefficient_post"),
