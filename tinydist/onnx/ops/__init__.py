@@ -52,6 +52,8 @@ from tinydist.onnx.ops.quant import (
     op_qlinear_matmul, op_quantize_linear,
 )
 from tinydist.onnx.ops.recurrent import op_recurrent
+from tinydist.onnx.ops.text import op_tfidf_vectorizer
+from tinydist.onnx.ops.vision import op_deform_conv, op_roi_align
 from tinydist.onnx.ops.training import op_adagrad, op_adam, op_momentum
 from tinydist.onnx.ops.shape import (
     _arg, _reduce, op_center_crop_pad, op_eye_like, op_window, op_concat, op_constant, op_constant_of_shape, op_expand, op_flatten, op_gather,
@@ -235,6 +237,13 @@ OPS: dict[str, OpSpec] = {
     "EyeLike": OpSpec(op_eye_like, params=(0,), attrs=("dtype", "k")),
     "CenterCropPad": OpSpec(op_center_crop_pad, static=(1,), attrs=("axes",), min_inputs=2),
     "Einsum": OpSpec(op_einsum, attrs=("equation",)),
+    "RoiAlign": OpSpec(op_roi_align, params=(1,), attrs=("coordinate_transformation_mode", "mode", "output_height", "output_width",
+                                                        "sampling_ratio", "spatial_scale"), min_inputs=3),
+    "DeformConv": OpSpec(op_deform_conv, params=(1, 3), attrs=("dilations", "group", "kernel_shape", "offset_group", "pads",
+                                                              "strides"), min_inputs=3),
+    "TfIdfVectorizer": OpSpec(op_tfidf_vectorizer, attrs=("max_gram_length", "max_skip_count", "min_gram_length", "mode",
+                                                          "ngram_counts", "ngram_indexes", "pool_int64s", "pool_strings",
+                                                          "weights")),
     "LpPool": OpSpec(op_lp_pool, attrs=_POOL + ("dilations", "p")),
     "CumProd": OpSpec(op_cumprod, static=(1,), attrs=("exclusive", "reverse"), min_inputs=2),
     "ReduceLogSum": OpSpec(_reduce("logsum", 18), static=(1,), attrs=_REDUCE),
@@ -289,7 +298,7 @@ VERSIONS: dict[str, tuple[int, ...]] = {
     "DepthToSpace": (1, 11, 13, 28), "SpaceToDepth": (1, 13, 28), "Attention": (23, 24, 25), "RotaryEmbedding": (23,), "LinearAttention": (27,),
     "NegativeLogLikelihoodLoss": (12, 13, 22), "SoftmaxCrossEntropyLoss": (12, 13),
     "LpPool": (2, 11, 18, 22), "CumProd": (26,), "ReduceLogSum": (1, 11, 13, 18, 28),
-    "Einsum": (12, 28), "RNN": (7, 14, 22),
+    "Einsum": (12, 28), "DeformConv": (19, 22), "RoiAlign": (10, 16, 22), "TfIdfVectorizer": (9,), "RNN": (7, 14, 22),
     "BitShift": (11, 28), "CausalConvWithState": (27,), "DFT": (17, 20), "ReverseSequence": (10, 28), "SwiGLU": (28,), "HannWindow": (17,), "HammingWindow": (17,), "BlackmanWindow": (17,), "EyeLike": (9, 22),
     "CenterCropPad": (18,), "NonZero": (9, 13), "Unique": (11, 28), "Compress": (9, 11, 28), "GRU": (7, 14, 22), "LSTM": (7, 14, 22),
     "QuantizeLinear": (10, 13, 19, 21, 23, 24, 25, 28), "DequantizeLinear": (10, 13, 19, 21, 23, 24, 25, 28),
