@@ -56,7 +56,7 @@ from tinydist.onnx.ops.text import op_tfidf_vectorizer
 from tinydist.onnx.ops.vision import op_deform_conv, op_roi_align
 from tinydist.onnx.ops.training import op_adagrad, op_adam, op_momentum
 from tinydist.onnx.ops.shape import (
-    _arg, _reduce, op_center_crop_pad, op_eye_like, op_window, op_concat, op_constant, op_constant_of_shape, op_expand, op_flatten, op_gather,
+    _arg, _reduce, op_center_crop_pad, op_eye_like, op_mel_weight_matrix, op_window, op_concat, op_constant, op_constant_of_shape, op_expand, op_flatten, op_gather,
     op_pad, op_range, op_reshape, op_shape, op_size, op_slice, op_split, op_squeeze, op_tile,
     op_transpose, op_unsqueeze,
 )
@@ -234,6 +234,7 @@ OPS: dict[str, OpSpec] = {
     "SwiGLU": OpSpec(op_swiglu, attrs=("alpha",), min_inputs=2),
     **{f"{kind.capitalize()}Window": OpSpec(op_window(kind), static=(0,), attrs=("output_datatype", "periodic"))
        for kind in ("hann", "hamming", "blackman")},
+    "MelWeightMatrix": OpSpec(op_mel_weight_matrix, static=(0, 1, 2, 3, 4), attrs=("output_datatype",), min_inputs=5),
     "EyeLike": OpSpec(op_eye_like, params=(0,), attrs=("dtype", "k")),
     "CenterCropPad": OpSpec(op_center_crop_pad, static=(1,), attrs=("axes",), min_inputs=2),
     "Einsum": OpSpec(op_einsum, attrs=("equation",)),
@@ -299,7 +300,7 @@ VERSIONS: dict[str, tuple[int, ...]] = {
     "NegativeLogLikelihoodLoss": (12, 13, 22), "SoftmaxCrossEntropyLoss": (12, 13),
     "LpPool": (2, 11, 18, 22), "CumProd": (26,), "ReduceLogSum": (1, 11, 13, 18, 28),
     "Einsum": (12, 28), "DeformConv": (19, 22), "RoiAlign": (10, 16, 22), "TfIdfVectorizer": (9,), "RNN": (7, 14, 22),
-    "BitShift": (11, 28), "CausalConvWithState": (27,), "DFT": (17, 20), "ReverseSequence": (10, 28), "SwiGLU": (28,), "HannWindow": (17,), "HammingWindow": (17,), "BlackmanWindow": (17,), "EyeLike": (9, 22),
+    "BitShift": (11, 28), "CausalConvWithState": (27,), "DFT": (17, 20), "ReverseSequence": (10, 28), "SwiGLU": (28,), "HannWindow": (17,), "HammingWindow": (17,), "BlackmanWindow": (17,), "EyeLike": (9, 22), "MelWeightMatrix": (17,),
     "CenterCropPad": (18,), "NonZero": (9, 13), "Unique": (11, 28), "Compress": (9, 11, 28), "GRU": (7, 14, 22), "LSTM": (7, 14, 22),
     "QuantizeLinear": (10, 13, 19, 21, 23, 24, 25, 28), "DequantizeLinear": (10, 13, 19, 21, 23, 24, 25, 28),
     "DynamicQuantizeLinear": (11,), "MatMulInteger": (10,), "QLinearMatMul": (10, 21), "ConvInteger": (10,),
