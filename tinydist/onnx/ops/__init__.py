@@ -53,7 +53,7 @@ from tinydist.onnx.ops.quant import (
 )
 from tinydist.onnx.ops.recurrent import op_recurrent
 from tinydist.onnx.ops.text import op_tfidf_vectorizer
-from tinydist.onnx.ops.vision import op_deform_conv, op_roi_align
+from tinydist.onnx.ops.vision import op_deform_conv, op_image_decoder, op_roi_align
 from tinydist.onnx.ops.training import op_adagrad, op_adam, op_momentum
 from tinydist.onnx.ops.shape import (
     _arg, _reduce, op_center_crop_pad, op_eye_like, op_mel_weight_matrix, op_window, op_concat, op_constant, op_constant_of_shape, op_expand, op_flatten, op_gather,
@@ -68,15 +68,19 @@ class OpSpec:
     """One op's handler, its param positions, the attributes it reads (of every version) and, set
     from `VERSIONS`, the schema since_versions whose semantics it implements."""
 
-    __slots__ = ("fn", "params", "static", "attrs", "min_inputs", "versions", "subgraphs")
+    __slots__ = ("fn", "params", "static", "data", "attrs", "min_inputs", "versions", "subgraphs")
 
     def __init__(self, fn: Callable[..., Any], params: Sequence[int] = (), attrs: Sequence[str] = (), min_inputs: int = 1,
-                 static: Sequence[int] = (), subgraphs: bool = False):
+                 static: Sequence[int] = (), subgraphs: bool = False, data: Sequence[int] = ()):
         # subgraphs: GRAPH attributes are bodies the handler evaluates (If / Loop / Scan); every
         # input, declared or read by a body from the outer scope, arrives as numpy when constant
         # static: params whose values the graph's shapes depend on; fed from graph inputs, they are
         # read at call time and key the plan (see OnnxModel.value_inputs)
-        self.fn, self.params, self.static = fn, frozenset(params) | frozenset(static), frozenset(static)
+        # data: static params read at call time whatever their size (an encoded image), where other
+        # static inputs past a few dozen elements are taken for data and refused
+        self.fn, self.params, self.static = fn, frozenset(params) | frozenset(static) | frozenset(data), \
+            frozenset(static) | frozenset(data)
+        self.data = frozenset(data)
         self.attrs, self.min_inputs, self.subgraphs = frozenset(attrs), min_inputs, subgraphs
         self.versions: frozenset[int] = frozenset()
 
@@ -240,6 +244,7 @@ OPS: dict[str, OpSpec] = {
     "Einsum": OpSpec(op_einsum, attrs=("equation",)),
     "RoiAlign": OpSpec(op_roi_align, params=(1,), attrs=("coordinate_transformation_mode", "mode", "output_height", "output_width",
                                                         "sampling_ratio", "spatial_scale"), min_inputs=3),
+    "ImageDecoder": OpSpec(op_image_decoder, data=(0,), attrs=("pixel_format",)),
     "DeformConv": OpSpec(op_deform_conv, params=(1, 3), attrs=("dilations", "group", "kernel_shape", "offset_group", "pads",
                                                               "strides"), min_inputs=3),
     "TfIdfVectorizer": OpSpec(op_tfidf_vectorizer, attrs=("max_gram_length", "max_skip_count", "min_gram_length", "mode",
@@ -299,7 +304,7 @@ VERSIONS: dict[str, tuple[int, ...]] = {
     "DepthToSpace": (1, 11, 13, 28), "SpaceToDepth": (1, 13, 28), "Attention": (23, 24, 25), "RotaryEmbedding": (23,), "LinearAttention": (27,),
     "NegativeLogLikelihoodLoss": (12, 13, 22), "SoftmaxCrossEntropyLoss": (12, 13),
     "LpPool": (2, 11, 18, 22), "CumProd": (26,), "ReduceLogSum": (1, 11, 13, 18, 28),
-    "Einsum": (12, 28), "DeformConv": (19, 22), "RoiAlign": (10, 16, 22), "TfIdfVectorizer": (9,), "RNN": (7, 14, 22),
+    "Einsum": (12, 28), "DeformConv": (19, 22), "ImageDecoder": (20,), "RoiAlign": (10, 16, 22), "TfIdfVectorizer": (9,), "RNN": (7, 14, 22),
     "BitShift": (11, 28), "CausalConvWithState": (27,), "DFT": (17, 20), "ReverseSequence": (10, 28), "SwiGLU": (28,), "HannWindow": (17,), "HammingWindow": (17,), "BlackmanWindow": (17,), "EyeLike": (9, 22), "MelWeightMatrix": (17,),
     "CenterCropPad": (18,), "NonZero": (9, 13), "Unique": (11, 28), "Compress": (9, 11, 28), "GRU": (7, 14, 22), "LSTM": (7, 14, 22),
     "QuantizeLinear": (10, 13, 19, 21, 23, 24, 25, 28), "DequantizeLinear": (10, 13, 19, 21, 23, 24, 25, 28),

@@ -8,6 +8,7 @@ sized for the detection heads and small feature maps these ops run on.
 
 from __future__ import annotations
 
+import io
 import math
 from typing import Any
 
@@ -173,3 +174,31 @@ def op_roi_align(ctx: Any, x: Tensor, rois: Value, batch_indices: Tensor) -> Ten
         one = ctx.lift(("roi", i), rois[i:i + 1])
         parts.append(_roi_align(ctx, x, one, batch_indices[i:i + 1], grid_h, grid_w))
     return cat(parts, 0)
+
+
+def op_image_decoder(ctx: Any, encoded: Value) -> np.ndarray:
+    """ImageDecoder (20): the (H, W, 3) RGB / BGR or (H, W, 1) grayscale uint8 pixels of an encoded
+    image (JPEG, PNG, BMP, TIFF, WebP, PNM, JPEG 2000 …), decoded on the host with Pillow as onnx's
+    reference does. The pixels' shape is the image's, so the bytes are read when the model is
+    called (a graph input of any length is a value input: a new image is a new plan) and the
+    pixels enter the graph as a constant."""
+    if isinstance(encoded, Tensor):
+        raise ctx.error("the encoded image is computed from tensor values at run time: its pixels' shape depends on "
+                        "the bytes, so they must come from a graph input or an initializer")
+    pixel_format = ctx.attr("pixel_format", "RGB")
+    if pixel_format not in ("RGB", "BGR", "Grayscale"):
+        raise ctx.error(f"pixel_format={pixel_format!r} is not supported (RGB, BGR, Grayscale)")
+    if encoded.dtype != np.uint8 or encoded.ndim != 1:
+        raise ctx.error(f"the encoded image must be a 1-D uint8 tensor, got {encoded.dtype}{list(encoded.shape)}")
+    try:
+        import PIL.Image
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("ImageDecoder needs the optional 'pillow' package: pip install 'tinydist[image]'") from e
+    try:
+        with PIL.Image.open(io.BytesIO(encoded.tobytes())) as image:
+            if pixel_format == "Grayscale":
+                return np.ascontiguousarray(np.asarray(image.convert("L"))[:, :, None])
+            rgb = np.asarray(image.convert("RGB"))
+    except (OSError, ValueError, PIL.Image.DecompressionBombError) as e:  # UnidentifiedImageError is an OSError
+        raise ctx.error(f"the {encoded.size} bytes are not an image Pillow can decode ({e})") from e
+    return np.ascontiguousarray(rgb[:, :, ::-1] if pixel_format == "BGR" else rgb)
