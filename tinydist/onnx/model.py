@@ -353,7 +353,8 @@ class OnnxModel:
         scales/sizes, split, k, repeats …) is computed from: read at call time, and part of the
         plan's and the capture's key. Walks back from each static input through the nodes that
         compute it, stopping at Shape / Size (which read only shapes). An input with more than
-        `_MAX_VALUE_INPUT` elements is data, not a shape: it stays a tensor, and the node refuses."""
+        `_MAX_VALUE_INPUT` elements is data, not a shape: it stays a tensor, and the node refuses —
+        unless the op reads it whole (`OpSpec.data`: ImageDecoder's encoded bytes)."""
         producer = {out: node for node in self._nodes for out in node.outputs if out}
         graph_inputs = set(self.input_names)
         found: set[str] = set()
