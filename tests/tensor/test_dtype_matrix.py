@@ -174,6 +174,30 @@ def test_cast_matches_numpy_astype(src, dst):
     check(td.Tensor(x).cast(dst), expected)
 
 
+SAME_SIZE = [(a, b) for a in ALL for b in ALL if np.dtype(a).itemsize == np.dtype(b).itemsize]
+
+
+@pytest.mark.parametrize("src,dst", SAME_SIZE, ids=[f"{np.dtype(a).name}-{np.dtype(b).name}" for a, b in SAME_SIZE])
+def test_bitcast_matches_numpy_view(src, dst):
+    """bitcast is numpy's .view (ONNX BitCast's reference), in a fused kernel after an op of the
+    source dtype: its bits, whatever they mean (NaNs compare equal as NaNs). Into bool only the
+    bytes 0 and 1 are bools numpy can hold."""
+    x = sample(src, 64, 7)
+    if np.dtype(dst) == np.bool_:
+        x = (np.arange(64) % 2).astype(src)
+    t = td.Tensor(x)
+    check((t.maximum(t) if np.dtype(src) != np.bool_ else t | t).bitcast(dst), x.view(dst))
+
+
+def test_bitcast_in_a_chain_and_refused_sizes():
+    """|x| by clearing the sign bit of the float32 bits, as the bit trick computes it; sizes that differ are refused."""
+    x = sample(np.float32, 64, 3)
+    got = (td.Tensor(x).bitcast(np.int32) & 0x7FFFFFFF).bitcast(np.float32)
+    np.testing.assert_array_equal(got.numpy(), np.abs(x))
+    with pytest.raises(ValueError, match="sizes must match"):
+        td.Tensor(x).bitcast(np.int64)
+
+
 def test_float64_to_float16_rounds_once():
     """Through float32 these would round twice: 1 + 2**-11 + 2**-40 is just above a float16 tie."""
     x = np.array([1 + 2.0 ** -11 + 2.0 ** -40, 65519.99, 65520.0, 2.0 ** -25, 2.0 ** -24 * 1.5], np.float64)

@@ -821,6 +821,15 @@ def _to_int64_x86(lw: _Lowerer, x: ir.Value) -> ir.Value:
     return b.select(inside, _fptosi_sat(lw, x, to), splat(to, -(1 << 63)))
 
 
+def _bitcast(lw: _Lowerer, src: DType, dst: DType, x: ir.Value) -> ir.Value:
+    """The bits of `x` (its memory form: a bool's byte, a float16's 16 bits) read as `dst`."""
+    bits = to_memory(lw.b, x, src)
+    want = llvm_type(dst, in_memory=True, width=lw.width)
+    if bits.type != want:
+        bits = lw.b.bitcast(bits, want)
+    return from_memory(lw.b, bits, dst)
+
+
 def _cast(lw: _Lowerer, node: KNode, args: list[ir.Value]) -> ir.Value:
     """numpy's astype (which ONNX's Cast follows): float → int truncates toward zero; into an int
     narrower than 32 bits or an unsigned one it wraps modulo 2**bits, as numpy's x86-64 conversion
@@ -997,6 +1006,7 @@ ALU_RULES: dict[str, Callable[[_Lowerer, KNode, list[ir.Value]], ir.Value]] = {
     "log": _transcendental("log"), "log2": _transcendental("log2"),
     "sin": _transcendental("sin"), "cos": _transcendental("cos"),
     "cast": _cast,
+    "bitcast": lambda lw, node, args: _bitcast(lw, node.srcs[0].dtype, node.dtype, args[0]),
 }
 
 

@@ -414,6 +414,16 @@ class Tensor:
 
     astype = cast
 
+    def bitcast(self, dtype: Any) -> Tensor:
+        """The same bits read as `dtype`, of the same size (numpy's `.view(dtype)`; a bool is its byte)."""
+        dtype = to_dtype(dtype)
+        if dtype.itemsize != self.dtype.itemsize:
+            raise ValueError(f"bitcast from {self.dtype.name} ({8 * self.dtype.itemsize} bits) to {dtype.name} "
+                             f"({8 * dtype.itemsize} bits): the sizes must match; cast() converts values")
+        if dtype is self.dtype:
+            return self
+        return Tensor(elementwise(Op.BITCAST, (self.node,), dtype))
+
     def __add__(self, other: Any) -> Tensor: return self._binary(other, Op.ADD)
     def __radd__(self, other: Any) -> Tensor: return self._binary(other, Op.ADD, reverse=True)
     def __sub__(self, other: Any) -> Tensor: return self._binary(other, Op.SUB)

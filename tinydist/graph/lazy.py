@@ -40,6 +40,7 @@ class Op(enum.Enum):
     # elementwise, unary
     NEG = "neg"; ABS = "abs"; NOT = "not"; SQRT = "sqrt"; EXP = "exp"; EXP2 = "exp2"; LOG = "log"  # noqa: E702
     LOG2 = "log2"; SIN = "sin"; COS = "cos"; CAST = "cast"; FLOOR = "floor"  # noqa: E702
+    BITCAST = "bitcast"      # the same bits read as another dtype of the same size (bool: its byte)
     # elementwise, binary
     ADD = "add"; SUB = "sub"; MUL = "mul"; DIV = "div"; IDIV = "idiv"; MOD = "mod"; POW = "pow"  # noqa: E702
     MAX = "max"; MIN = "min"; AND = "and"; OR = "or"; XOR = "xor"; SHL = "shl"; SHR = "shr"  # noqa: E702
@@ -57,7 +58,8 @@ class Op(enum.Enum):
     ALLREDUCE = "allreduce"  # srcs: one per device, all alike; arg (reduce op, i): their reduction on srcs[i]'s device
 
 
-UNARY = frozenset({Op.NEG, Op.ABS, Op.NOT, Op.SQRT, Op.EXP, Op.EXP2, Op.LOG, Op.LOG2, Op.SIN, Op.COS, Op.CAST, Op.FLOOR})
+UNARY = frozenset({Op.NEG, Op.ABS, Op.NOT, Op.SQRT, Op.EXP, Op.EXP2, Op.LOG, Op.LOG2, Op.SIN, Op.COS, Op.CAST, Op.FLOOR,
+                   Op.BITCAST})
 BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.IDIV, Op.MOD, Op.POW, Op.MAX, Op.MIN, Op.AND, Op.OR, Op.XOR,
                     Op.SHL, Op.SHR, Op.CMPLT, Op.CMPLE, Op.CMPEQ, Op.CMPNE})
 ELEMENTWISE = UNARY | BINARY | {Op.WHERE}

@@ -33,6 +33,9 @@ from tinydist.runtime.registry import canonical_name
 MIN_OPSET = 7  # the oldest default-domain opset onnxruntime runs; the newest is the installed onnx's
 _REQUIRED = object()
 _MAX_VALUE_INPUT = 64  # elements: shape vectors, axes, pads, scales are a handful
+# plans (and captures) kept per model when value inputs key them, the oldest dropped first: a
+# value input that changes every call (an ImageDecoder's encoded bytes) would otherwise keep one each
+_MAX_VALUE_PLANS = 32
 _SHAPE_ONLY = frozenset({"Shape", "Size"})  # ops that read only their input's shape, never its values
 _Key = tuple[tuple[tuple[int, ...], ...], tuple[bytes, ...]]  # input shapes, values of the value inputs
 
@@ -350,24 +353,27 @@ class OnnxModel:
         scales/sizes, split, k, repeats …) is computed from: read at call time, and part of the
         plan's and the capture's key. Walks back from each static input through the nodes that
         compute it, stopping at Shape / Size (which read only shapes). An input with more than
-        `_MAX_VALUE_INPUT` elements is data, not a shape: it stays a tensor, and the node refuses."""
+        `_MAX_VALUE_INPUT` elements is data, not a shape: it stays a tensor, and the node refuses —
+        unless the op reads it whole (`OpSpec.data`: ImageDecoder's encoded bytes)."""
         producer = {out: node for node in self._nodes for out in node.outputs if out}
         graph_inputs = set(self.input_names)
         found: set[str] = set()
-        seen: set[str] = set()
-        stack = [name for node in self._nodes for pos, name in enumerate(node.inputs) if name and pos in node.spec.static]
+        seen: set[tuple[str, bool]] = set()
+        # (name, whole): `whole` for the values an op reads whatever their size (OpSpec.data)
+        stack = [(name, pos in node.spec.data) for node in self._nodes for pos, name in enumerate(node.inputs)
+                 if name and pos in node.spec.static]
         while stack:
-            name = stack.pop()
-            if name in seen:
+            name, whole = stack.pop()
+            if (name, whole) in seen:
                 continue
-            seen.add(name)
+            seen.add((name, whole))
             if name in graph_inputs:
                 shape = next(shape for n, shape, _ in self.inputs if n == name)
-                if None in shape or math.prod(d or 0 for d in shape) <= _MAX_VALUE_INPUT:
+                if whole or None in shape or math.prod(d or 0 for d in shape) <= _MAX_VALUE_INPUT:
                     found.add(name)
             node = producer.get(name)
             if node is not None and node.ctx.op_type not in _SHAPE_ONLY:
-                stack.extend(i for i in node.inputs if i)
+                stack.extend((i, whole) for i in node.inputs if i)
         return frozenset(found)
 
     @staticmethod
@@ -490,6 +496,8 @@ class OnnxModel:
                 raise gctx.error(f"computes shape {got_shape}, the graph declares {declared_shape}")
         plan = _Plan(steps, len(dry), [slot_of.get(name, -1) for name in self.input_names], outputs)
         self._plans[key] = plan
+        if self.value_inputs and len(self._plans) > _MAX_VALUE_PLANS:
+            del self._plans[next(iter(self._plans))]
         return plan
 
     def _fold(self, node: _Node, consts: dict[str, np.ndarray]) -> Sequence[Any]:
@@ -587,6 +595,8 @@ class OnnxModel:
             def outputs(*tensors: Tensor) -> tuple[Tensor, ...]:
                 return self._tensor_outputs(shapes, values, *tensors)
             self._jits[key] = TinyJit(outputs)
+            if self.value_inputs and len(self._jits) > _MAX_VALUE_PLANS:
+                del self._jits[next(iter(self._jits))]
         jitted = self._jits[key]
         if jitted is not None:
             try:

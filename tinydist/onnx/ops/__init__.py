@@ -20,12 +20,12 @@ from typing import Any
 
 from tinydist.frontend.tensor import Tensor, where
 from tinydist.onnx.ops._common import SUPPORTED_NP, erf, require_float, scalar_like, tanh
-from tinydist.onnx.ops.attention import op_attention, op_linear_attention, op_rotary_embedding
+from tinydist.onnx.ops.attention import op_attention, op_flex_attention, op_linear_attention, op_rotary_embedding
 from tinydist.onnx.ops.control import op_if, op_loop, op_scan
 from tinydist.onnx.ops.data_dependent import op_compress, op_non_max_suppression, op_nonzero, op_unique
 from tinydist.onnx.ops.einsum import op_einsum
 from tinydist.onnx.ops.elementwise import (
-    _variadic, op_cast, op_cast_like, op_clip, op_div, op_dropout, op_elu, op_gelu, op_hard_sigmoid,
+    _variadic, op_bitcast, op_cast, op_cast_like, op_clip, op_div, op_dropout, op_elu, op_gelu, op_hard_sigmoid,
     op_hard_swish, op_identity, op_leaky_relu, op_mean, op_optional_get_element, op_optional_has_element, op_pow,
     op_softplus,
 )
@@ -52,9 +52,11 @@ from tinydist.onnx.ops.quant import (
     op_qlinear_matmul, op_quantize_linear,
 )
 from tinydist.onnx.ops.recurrent import op_recurrent
+from tinydist.onnx.ops.text import op_tfidf_vectorizer
+from tinydist.onnx.ops.vision import op_deform_conv, op_image_decoder, op_roi_align
 from tinydist.onnx.ops.training import op_adagrad, op_adam, op_momentum
 from tinydist.onnx.ops.shape import (
-    _arg, _reduce, op_center_crop_pad, op_eye_like, op_window, op_concat, op_constant, op_constant_of_shape, op_expand, op_flatten, op_gather,
+    _arg, _reduce, op_center_crop_pad, op_eye_like, op_mel_weight_matrix, op_window, op_concat, op_constant, op_constant_of_shape, op_expand, op_flatten, op_gather,
     op_pad, op_range, op_reshape, op_shape, op_size, op_slice, op_split, op_squeeze, op_tile,
     op_transpose, op_unsqueeze,
 )
@@ -66,15 +68,19 @@ class OpSpec:
     """One op's handler, its param positions, the attributes it reads (of every version) and, set
     from `VERSIONS`, the schema since_versions whose semantics it implements."""
 
-    __slots__ = ("fn", "params", "static", "attrs", "min_inputs", "versions", "subgraphs")
+    __slots__ = ("fn", "params", "static", "data", "attrs", "min_inputs", "versions", "subgraphs")
 
     def __init__(self, fn: Callable[..., Any], params: Sequence[int] = (), attrs: Sequence[str] = (), min_inputs: int = 1,
-                 static: Sequence[int] = (), subgraphs: bool = False):
+                 static: Sequence[int] = (), subgraphs: bool = False, data: Sequence[int] = ()):
         # subgraphs: GRAPH attributes are bodies the handler evaluates (If / Loop / Scan); every
         # input, declared or read by a body from the outer scope, arrives as numpy when constant
         # static: params whose values the graph's shapes depend on; fed from graph inputs, they are
         # read at call time and key the plan (see OnnxModel.value_inputs)
-        self.fn, self.params, self.static = fn, frozenset(params) | frozenset(static), frozenset(static)
+        # data: static params read at call time whatever their size (an encoded image), where other
+        # static inputs past a few dozen elements are taken for data and refused
+        self.fn, self.params, self.static = fn, frozenset(params) | frozenset(static) | frozenset(data), \
+            frozenset(static) | frozenset(data)
+        self.data = frozenset(data)
         self.attrs, self.min_inputs, self.subgraphs = frozenset(attrs), min_inputs, subgraphs
         self.versions: frozenset[int] = frozenset()
 
@@ -121,6 +127,7 @@ OPS: dict[str, OpSpec] = {
     "Not": OpSpec(_u(lambda x: x.logical_not())), "And": OpSpec(_b(lambda a, b: a & b), min_inputs=2),
     "Or": OpSpec(_b(lambda a, b: a | b), min_inputs=2), "Xor": OpSpec(_b(lambda a, b: a ^ b), min_inputs=2),
     "Cast": OpSpec(op_cast, attrs=("to", "saturate", "round_mode")),
+    "BitCast": OpSpec(op_bitcast, attrs=("to",)),
     "CastLike": OpSpec(op_cast_like, params=(1,), attrs=("saturate", "round_mode"), min_inputs=2),
     "Identity": OpSpec(op_identity),
     "If": OpSpec(op_if, static=(0,), attrs=("then_branch", "else_branch"), subgraphs=True),
@@ -231,9 +238,18 @@ OPS: dict[str, OpSpec] = {
     "SwiGLU": OpSpec(op_swiglu, attrs=("alpha",), min_inputs=2),
     **{f"{kind.capitalize()}Window": OpSpec(op_window(kind), static=(0,), attrs=("output_datatype", "periodic"))
        for kind in ("hann", "hamming", "blackman")},
+    "MelWeightMatrix": OpSpec(op_mel_weight_matrix, static=(0, 1, 2, 3, 4), attrs=("output_datatype",), min_inputs=5),
     "EyeLike": OpSpec(op_eye_like, params=(0,), attrs=("dtype", "k")),
     "CenterCropPad": OpSpec(op_center_crop_pad, static=(1,), attrs=("axes",), min_inputs=2),
     "Einsum": OpSpec(op_einsum, attrs=("equation",)),
+    "RoiAlign": OpSpec(op_roi_align, params=(1,), attrs=("coordinate_transformation_mode", "mode", "output_height", "output_width",
+                                                        "sampling_ratio", "spatial_scale"), min_inputs=3),
+    "ImageDecoder": OpSpec(op_image_decoder, data=(0,), attrs=("pixel_format",)),
+    "DeformConv": OpSpec(op_deform_conv, params=(1, 3), attrs=("dilations", "group", "kernel_shape", "offset_group", "pads",
+                                                              "strides"), min_inputs=3),
+    "TfIdfVectorizer": OpSpec(op_tfidf_vectorizer, attrs=("max_gram_length", "max_skip_count", "min_gram_length", "mode",
+                                                          "ngram_counts", "ngram_indexes", "pool_int64s", "pool_strings",
+                                                          "weights")),
     "LpPool": OpSpec(op_lp_pool, attrs=_POOL + ("dilations", "p")),
     "CumProd": OpSpec(op_cumprod, static=(1,), attrs=("exclusive", "reverse"), min_inputs=2),
     "ReduceLogSum": OpSpec(_reduce("logsum", 18), static=(1,), attrs=_REDUCE),
@@ -255,7 +271,7 @@ OPS: dict[str, OpSpec] = {
 VERSIONS: dict[str, tuple[int, ...]] = {
     "Abs": (6, 13), "Add": (7, 13, 14), "And": (7,), "ArgMax": (1, 11, 12, 13), "ArgMin": (1, 11, 12, 13),
     "AveragePool": (7, 10, 11, 19, 22), "BatchNormalization": (7, 9, 14, 15),
-    "Cast": (6, 9, 13, 19, 21, 23, 24, 25, 28), "CastLike": (15, 19, 21, 23, 24, 25), "Clip": (6, 11, 12, 13),
+    "Cast": (6, 9, 13, 19, 21, 23, 24, 25, 28), "BitCast": (26,), "CastLike": (15, 19, 21, 23, 24, 25), "Clip": (6, 11, 12, 13),
     "Concat": (4, 11, 13), "Constant": (1, 9, 11, 12, 13, 19, 21, 23, 24, 25),
     "ConstantOfShape": (9, 20, 21, 23, 24, 25), "Conv": (1, 11, 22), "ConvTranspose": (1, 11, 22), "Cos": (7, 22),
     "Div": (7, 13, 14), "Dropout": (7, 10, 12, 13, 22), "Elu": (6, 22), "Equal": (7, 11, 13, 19), "Erf": (9, 13),
@@ -288,8 +304,8 @@ VERSIONS: dict[str, tuple[int, ...]] = {
     "DepthToSpace": (1, 11, 13, 28), "SpaceToDepth": (1, 13, 28), "Attention": (23, 24, 25), "RotaryEmbedding": (23,), "LinearAttention": (27,),
     "NegativeLogLikelihoodLoss": (12, 13, 22), "SoftmaxCrossEntropyLoss": (12, 13),
     "LpPool": (2, 11, 18, 22), "CumProd": (26,), "ReduceLogSum": (1, 11, 13, 18, 28),
-    "Einsum": (12, 28), "RNN": (7, 14, 22),
-    "BitShift": (11, 28), "CausalConvWithState": (27,), "DFT": (17, 20), "ReverseSequence": (10, 28), "SwiGLU": (28,), "HannWindow": (17,), "HammingWindow": (17,), "BlackmanWindow": (17,), "EyeLike": (9, 22),
+    "Einsum": (12, 28), "DeformConv": (19, 22), "ImageDecoder": (20,), "RoiAlign": (10, 16, 22), "TfIdfVectorizer": (9,), "RNN": (7, 14, 22),
+    "BitShift": (11, 28), "CausalConvWithState": (27,), "DFT": (17, 20), "ReverseSequence": (10, 28), "SwiGLU": (28,), "HannWindow": (17,), "HammingWindow": (17,), "BlackmanWindow": (17,), "EyeLike": (9, 22), "MelWeightMatrix": (17,),
     "CenterCropPad": (18,), "NonZero": (9, 13), "Unique": (11, 28), "Compress": (9, 11, 28), "GRU": (7, 14, 22), "LSTM": (7, 14, 22),
     "QuantizeLinear": (10, 13, 19, 21, 23, 24, 25, 28), "DequantizeLinear": (10, 13, 19, 21, 23, 24, 25, 28),
     "DynamicQuantizeLinear": (11,), "MatMulInteger": (10,), "QLinearMatMul": (10, 21), "ConvInteger": (10,),
@@ -302,8 +318,11 @@ for _name, _spec in OPS.items():
     _spec.versions = frozenset(VERSIONS.get(_name, ()))  # an op missing here is refused at every version
 
 # Other domains: their ops by domain, with the since_versions implemented.
-TRAINING = "ai.onnx.preview.training"
-DOMAIN_OPS: dict[str, dict[str, OpSpec]] = {TRAINING: {
+TRAINING, PREVIEW = "ai.onnx.preview.training", "ai.onnx.preview"
+DOMAIN_OPS: dict[str, dict[str, OpSpec]] = {PREVIEW: {
+    "FlexAttention": OpSpec(op_flex_attention, attrs=("prob_mod", "scale", "score_mod", "softmax_precision"), min_inputs=3,
+                            subgraphs=True),
+}, TRAINING: {
     "Adagrad": OpSpec(op_adagrad, static=(0, 1), attrs=("decay_factor", "epsilon", "norm_coefficient"), min_inputs=5),
     "Momentum": OpSpec(op_momentum, static=(0, 1), attrs=("alpha", "beta", "mode", "norm_coefficient"), min_inputs=5),
     "Adam": OpSpec(op_adam, static=(0, 1), attrs=("alpha", "beta", "epsilon", "norm_coefficient", "norm_coefficient_post"),

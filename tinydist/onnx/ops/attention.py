@@ -1,4 +1,5 @@
-"""Attention (opset 23, 24, 25) and RotaryEmbedding (23), composed from Tensor matmul, softmax and where.
+"""Attention (opset 23, 24, 25), RotaryEmbedding (23), LinearAttention (27) and FlexAttention
+(ai.onnx.preview 1), composed from Tensor matmul, softmax and where.
 
 Attention follows onnx's reference (onnx/reference/ops/op_attention.py), the source of the node
 suite's expected values: Q and K are each scaled by sqrt(scale) before QK^T; masks become an
@@ -17,6 +18,7 @@ import numpy as np
 from tinydist.frontend.tensor import Tensor, cat
 from tinydist.graph import dtypes
 from tinydist.onnx.ops._common import Value, as_tensor, gather_where, require_float
+from tinydist.onnx.ops.control import _run, _split_outer
 
 NEG_INF = float("-inf")
 
@@ -204,6 +206,11 @@ def op_linear_attention(ctx: Any, q: Tensor, k: Tensor, v: Tensor, past_state: T
     if not q.ndim == k.ndim == v.ndim == 3:
         raise ctx.error(f"query, key and value must be 3-D (B, T, H·D), got {q.shape}, {k.shape}, {v.shape}")
     b, t, _ = q.shape
+    out_dtype = q.dtype
+    state_dtype = past_state.dtype if past_state is not None else out_dtype
+    if out_dtype.itemsize < 4:  # float16 / bfloat16: the state accumulates in float32, as onnx's reference
+        q, k, v = q.cast(dtypes.float32), k.cast(dtypes.float32), v.cast(dtypes.float32)
+        decay, beta, past_state = (None if t_ is None else t_.cast(dtypes.float32) for t_ in (decay, beta, past_state))
     q4, k4, v4 = _heads(q, hq), _heads(k, hk), _heads(v, hk)           # (B, H, T, D)
     dk, dv = q4.shape[3], v4.shape[3]
     group = hq // hk
@@ -227,4 +234,48 @@ def op_linear_attention(ctx: Any, q: Tensor, k: Tensor, v: Tensor, past_state: T
         read = state.reshape(b, hk, 1, dk, dv).expand(b, hk, group, dk, dv).reshape(b, hq, dk, dv) if group > 1 else state
         outs.append(((q4[:, :, i, :].reshape(b, hq, dk, 1) * read).sum(2) * scale).reshape(b, hq, 1, dv))
     y = cat(outs, 2).permute(0, 2, 1, 3).reshape(b, t, hq * dv)
-    return (y, state)[:max(ctx.n_outputs, 1)]
+    return (y.cast(out_dtype), state.cast(state_dtype))[:max(ctx.n_outputs, 1)]
+
+
+def op_flex_attention(ctx: Any, *args: Value) -> Tensor:
+    """FlexAttention (ai.onnx.preview 1), as onnx's reference: Q and K each scaled by sqrt(scale)
+    in Q's dtype, QK^T cast to the softmax precision (float32 for float16 inputs), then the
+    score_mod body, softmax over the keys, the prob_mod body, and P·V in that precision, cast to
+    V's dtype. Each body is evaluated once over the (B, Hq, L, S) tensor, at plan time."""
+    (q, k, v), outer = _split_outer(ctx, args)
+    q, k, v = as_tensor(ctx, q, "Q"), as_tensor(ctx, k, "K"), as_tensor(ctx, v, "V")
+    require_float(ctx, q)
+    if not q.ndim == k.ndim == v.ndim == 4:
+        raise ctx.error(f"Q, K and V must be rank 4, got shapes {q.shape}, {k.shape}, {v.shape}")
+    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2] or q.shape[3] != k.shape[3]:
+        raise ctx.error(f"Q {q.shape}, K {k.shape} and V {v.shape} do not share heads, sequence and head sizes")
+    q_heads, kv_heads = q.shape[1], k.shape[1]
+    if q_heads != kv_heads:
+        if q_heads % kv_heads:
+            raise ctx.error(f"{q_heads} query heads are not a multiple of {kv_heads} key / value heads")
+        reps = q_heads // kv_heads  # grouped-query attention: query head h reads KV head h // reps
+
+        def repeat(t: Tensor) -> Tensor:
+            b, h, s, d = t.shape
+            return t.reshape(b, h, 1, s, d).expand(b, h, reps, s, d).reshape(b, h * reps, s, d)
+        k, v = repeat(k), repeat(v)
+    scale = ctx.attr("scale", 1.0 / math.sqrt(q.shape[3]))
+    root = float(np.sqrt(np.float32(scale)).astype(q.dtype.np))
+    precision = ctx.attr("softmax_precision", 0)
+    compute = ctx.target_dtype(precision) if precision else (dtypes.float32 if q.dtype.itemsize < 4 else q.dtype)
+    scores = (q * root).matmul((k * root).permute(0, 1, 3, 2)).cast(compute)
+
+    def modify(name: str, x: Tensor) -> Tensor:
+        if not ctx.has_attr(name):
+            return x
+        body = ctx.attr(name)
+        if len(body.inputs) != 1 or len(body.outputs) != 1:
+            raise ctx.error(f"{name} must have one input and one output, has {len(body.inputs)} and {len(body.outputs)}")
+        (y,) = _run(ctx, body, [x], outer)
+        y = as_tensor(ctx, y, name)
+        if y.shape != x.shape:
+            raise ctx.error(f"{name} changed the shape {x.shape} into {y.shape}")
+        return y.cast(compute)
+
+    probs = modify("prob_mod", modify("score_mod", scores).softmax(-1))
+    return probs.matmul(v.cast(compute)).cast(v.dtype)

@@ -109,6 +109,15 @@ def op_cast(ctx: Any, x: Tensor) -> Tensor:
     return x.cast(ctx.target_dtype(ctx.attr("to")))
 
 
+def op_bitcast(ctx: Any, x: Tensor) -> Tensor:
+    """BitCast (26): the same bits as dtype `to`, of the same size (numpy's view, onnx's reference)."""
+    to = ctx.target_dtype(ctx.attr("to"))
+    if to.itemsize != x.dtype.itemsize:
+        raise ctx.error(f"BitCast from {x.dtype.name} ({8 * x.dtype.itemsize} bits) to {to.name} ({8 * to.itemsize} bits): "
+                        "input and output types must have the same size")
+    return x.bitcast(to)
+
+
 def op_cast_like(ctx: Any, x: Tensor, like: Value) -> Tensor:
     dtype = like.dtype if isinstance(like, Tensor) else dtypes.to_dtype(like.dtype)
     return x.cast(dtype)

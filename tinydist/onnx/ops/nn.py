@@ -97,10 +97,28 @@ def _to_2d(x: Tensor) -> Tensor:
     return x.reshape(x.shape[:2] + (1,) + x.shape[2:]) if x.ndim == 3 else x
 
 
+def _conv3d(x: Tensor, w: Tensor, strides: Sequence[int], dilations: Sequence[int], groups: int) -> Tensor:
+    """A 3-D convolution of an already padded x as a sum over the kernel's depth of 2-D ones: tap
+    kd reads the depth slices kd·d, kd·d + s, …, folded into the batch, with w[:, :, kd]."""
+    n, c, depth = x.shape[:3]
+    oc, kd_size = w.shape[0], w.shape[2]
+    (sd, *s2), (dd, *d2) = strides, dilations
+    out_d = (depth - (kd_size - 1) * dd - 1) // sd + 1
+    total: Tensor | None = None
+    for kd in range(kd_size):
+        start = kd * dd
+        part = x[:, :, start:start + (out_d - 1) * sd + 1:sd]                     # (N, C, D', H, W)
+        flat = part.permute(0, 2, 1, 3, 4).reshape(n * out_d, c, part.shape[3], part.shape[4])
+        y = conv2d(flat, w[:, :, kd], None, tuple(s2), 0, tuple(d2), groups)
+        total = y if total is None else total + y
+    assert total is not None
+    return total.reshape(n, out_d, oc, total.shape[2], total.shape[3]).permute(0, 2, 1, 3, 4)
+
+
 def op_conv(ctx: Any, x: Tensor, w: Value, b: Value = None) -> Tensor:
     nd = x.ndim - 2
-    if nd not in (1, 2):
-        raise ctx.error(f"{nd}-D convolution is not supported (1-D and 2-D only)")
+    if nd not in (1, 2, 3):
+        raise ctx.error(f"{nd}-D convolution is not supported (1-D, 2-D and 3-D only)")
     require_float(ctx, x)
     if w.ndim != x.ndim:
         raise ctx.error(f"weight shape {w.shape} does not match input rank {x.ndim}")
@@ -116,16 +134,19 @@ def op_conv(ctx: Any, x: Tensor, w: Value, b: Value = None) -> Tensor:
         x, kernel, strides, dilations, pairs = _to_2d(x), [1] + kernel, [1] + strides, [1] + dilations, [(0, 0)] + pairs
         w = w.reshape(w.shape[:2] + (1,) + w.shape[2:])
     x = pad_or_crop(x, [(0, 0), (0, 0)] + pairs)
-    out = conv2d(x, as_tensor(ctx, w, "W"), None, tuple(strides), 0, tuple(dilations), groups)
+    if nd == 3:
+        out = _conv3d(x, as_tensor(ctx, w, "W"), strides, dilations, groups)
+    else:
+        out = conv2d(x, as_tensor(ctx, w, "W"), None, tuple(strides), 0, tuple(dilations), groups)
     if b is not None:
-        out = out + as_tensor(ctx, b, "bias").reshape(1, oc, 1, 1)
+        out = out + as_tensor(ctx, b, "bias").reshape((1, oc) + (1,) * (out.ndim - 2))
     return out.reshape(out.shape[:2] + out.shape[3:]) if nd == 1 else out
 
 
 def op_conv_transpose(ctx: Any, x: Tensor, w: Value, b: Value = None) -> Tensor:
     nd = x.ndim - 2
-    if nd not in (1, 2):
-        raise ctx.error(f"{nd}-D ConvTranspose is not supported (1-D and 2-D only)")
+    if nd not in (1, 2, 3):
+        raise ctx.error(f"{nd}-D ConvTranspose is not supported (1-D, 2-D and 3-D only)")
     require_float(ctx, x)
     groups = ctx.attr("group", 1)
     cin, ocg = w.shape[0], w.shape[1]
@@ -164,16 +185,20 @@ def op_conv_transpose(ctx: Any, x: Tensor, w: Value, b: Value = None) -> Tensor:
         x = _to_2d(x)
         wconv = wconv.reshape(wconv.shape[:2] + (1,) + wconv.shape[2:])
         kernel, strides, dilations, out_pad, pairs = [1] + kernel, [1] + strides, [1] + dilations, [0] + out_pad, [(0, 0)] + pairs
-    n, c, h, wd = x.shape
-    if strides != [1, 1]:
-        sh, sw = strides
-        x = x.reshape(n, c, h, 1, wd, 1).pad(((0, 0), (0, 0), (0, 0), (0, sh - 1), (0, 0), (0, sw - 1)))
-        x = x.reshape(n, c, h * sh, wd * sw).shrink(((0, n), (0, c), (0, (h - 1) * sh + 1), (0, (wd - 1) * sw + 1)))
+    if any(st != 1 for st in strides):  # zero-stuff: s - 1 zeros after each input element of every axis
+        n, c, *sizes = x.shape
+        x = x.reshape([n, c] + [v for size in sizes for v in (size, 1)])
+        x = x.pad([(0, 0), (0, 0)] + [p for st in strides for p in ((0, 0), (0, st - 1))])
+        x = x.reshape([n, c] + [size * st for size, st in zip(sizes, strides)])
+        x = x.shrink([(0, n), (0, c)] + [(0, (size - 1) * st + 1) for size, st in zip(sizes, strides)])
     edge = [(d * (k - 1) - pb, d * (k - 1) - pe + op) for d, k, (pb, pe), op in zip(dilations, kernel, pairs, out_pad)]
     x = pad_or_crop(x, [(0, 0), (0, 0)] + edge)
-    out = conv2d(x, as_tensor(ctx, wconv, "W"), None, 1, 0, tuple(dilations), groups)
+    if len(kernel) == 3:
+        out = _conv3d(x, as_tensor(ctx, wconv, "W"), [1, 1, 1], dilations, groups)
+    else:
+        out = conv2d(x, as_tensor(ctx, wconv, "W"), None, 1, 0, tuple(dilations), groups)
     if b is not None:
-        out = out + as_tensor(ctx, b, "bias").reshape(1, oc, 1, 1)
+        out = out + as_tensor(ctx, b, "bias").reshape((1, oc) + (1,) * (out.ndim - 2))
     return out.reshape(out.shape[:2] + out.shape[3:]) if nd == 1 else out
 
 
