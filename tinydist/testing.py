@@ -9,8 +9,11 @@ same one), so every kernel takes its name as an argument.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import itertools
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +21,11 @@ import numpy as np
 from llvmlite import ir
 
 from tinydist.codegen import transcendental
+from tinydist.codegen.compile_cache import compile_glue
+from tinydist.codegen.stream_sync import futex_syscall
 from tinydist.runtime.clock import Wakeup
+from tinydist.runtime.cpu.loader import native_loader
+from tinydist.runtime.program import Program
 
 SCALE_SIGNATURE = ("w", "r", "f32", "i64")
 SAXPY_SIGNATURE = ("rw", "r", "f32", "i64")
@@ -143,13 +150,25 @@ class MockClock:
     sees every task blocked, and the runtime's waiters (event-loop tasks, worker threads) have no
     one loop that could see that, so a test says how far time moves, and `wait_for_waiters` tells
     it when the waits it means to time out are armed.
+
+    Native code reads it too (`native_now_address`: a captured step's cross-stream waits time their
+    deadline on it, `tinydist.runtime.clock.native_now`). Those waits are no Python objects to
+    count, so the clock counts its native readings instead, and `wait_for_native_readings` blocks
+    until there are so many (woken by the reading itself, a futex): a test knows a native wait has
+    looked at the clock since it last moved.
     """
+
+    _names = itertools.count()
 
     def __init__(self, start: float = 0.0) -> None:
         self._time = start
         self._changed = threading.Condition()  # guards the lists below; notified on every change
         self._alarms: list[_MockAlarm] = []  # async deadlines not yet due, in arming order
         self._blocked: list[_MockWakeup] = []  # threads in `wait`, neither released nor due
+        # what native readings see: [now in ns, readings so far, threads waiting for a reading]
+        self._native = np.zeros(3, np.int64)
+        self._native[0] = round(start * 1e9)
+        self._native_reading: Program | None = None
 
     def __repr__(self) -> str:
         return f"MockClock(now={self._time:g}, waiters={self.waiters})"
@@ -176,6 +195,7 @@ class MockClock:
             raise ValueError(f"MockClock.advance({seconds!r}): time only moves forward; pass seconds >= 0")
         with self._changed:
             self._time += seconds
+            self._native[0] = round(self._time * 1e9)
             due = [alarm for alarm in self._alarms if alarm.deadline <= self._time]
             self._alarms = [alarm for alarm in self._alarms if alarm.deadline > self._time]
             self._blocked = [wake for wake in self._blocked if wake.deadline > self._time]
@@ -190,6 +210,68 @@ class MockClock:
         with self._changed:
             if not self._changed.wait_for(lambda: len(self._alarms) + len(self._blocked) == count, timeout):
                 raise AssertionError(f"{self!r}: expected {count} armed waits, still {self.waiters} after {timeout:g}s")
+
+    # ---- native readings ---------------------------------------------------------------------
+
+    @property
+    def native_now_address(self) -> int:
+        """The address of a native `i64 now()`: this clock in nanoseconds, counted in `native_readings`
+        (compiled on first use; Linux only, where native waits are)."""
+        if self._native_reading is None:
+            futex = futex_syscall()
+            if futex is None:
+                raise RuntimeError("MockClock's native reading wakes its waiters with a futex: Linux only")
+            syscall = ctypes.cast(_LIBC.syscall, ctypes.c_void_p).value
+            now, readings, waiting = (self._native.ctypes.data + 8 * k for k in range(3))
+            name = f"td_mock_clock_now_{next(self._names)}"
+            # the time is loaded before the reading is counted: a count of n means n readings are over
+            ir_text = f"""
+define i64 @{name}() {{
+entry:
+  %t = load atomic i64, ptr inttoptr (i64 {now} to ptr) acquire, align 8
+  %r = atomicrmw add ptr inttoptr (i64 {readings} to ptr), i64 1 seq_cst
+  %w = load atomic i64, ptr inttoptr (i64 {waiting} to ptr) seq_cst, align 8
+  %any = icmp ne i64 %w, 0
+  br i1 %any, label %wake, label %done
+wake:
+  %f = call i64 (i64, ...) inttoptr (i64 {syscall} to ptr)(i64 {futex}, ptr inttoptr (i64 {readings} to ptr), i64 {_FUTEX_WAKE_PRIVATE}, i64 2147483647)
+  br label %done
+done:
+  ret i64 %t
+}}
+"""
+            self._native_reading = native_loader.load(compile_glue(ir_text), name, [])
+        return self._native_reading.address
+
+    @property
+    def native_readings(self) -> int:
+        """How many times native code has read this clock."""
+        return int(self._native[1])
+
+    def wait_for_native_readings(self, count: int, timeout: float = 10.0) -> None:
+        """Block until native code has read this clock `count` times in all. A wait that reads the
+        time before deciding (`tinydist.codegen.stream_sync`) has decided on a reading taken after
+        the clock last moved once two more readings than `native_readings` then are over, and has
+        lived through that decision once three are. `timeout` is real time, a guard as in
+        `wait_for_waiters`."""
+        futex = futex_syscall()
+        assert futex is not None, "native readings are waited for with a futex: Linux only"
+        readings = self._native.ctypes.data + 8
+        guard = time.monotonic() + timeout
+        with self._changed:
+            self._native[2] += 1
+        try:
+            while (seen := self.native_readings) < count:
+                left = guard - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"{self!r}: expected {count} native readings, still {seen} after {timeout:g}s")
+                # sleeps only while the count is still `seen` (checked in the kernel), until a reading wakes it
+                span = (ctypes.c_long * 2)(int(left), int(left % 1 * 1e9))
+                _LIBC.syscall(ctypes.c_long(futex), ctypes.c_void_p(readings), ctypes.c_long(_FUTEX_WAIT_PRIVATE),
+                              ctypes.c_long(seen & 0xFFFFFFFF), span)
+        finally:
+            with self._changed:
+                self._native[2] -= 1
 
     # ---- the Clock protocol (tinydist.runtime.clock) ------------------------------------------
 
@@ -224,6 +306,10 @@ class MockClock:
                     self._blocked.remove(wakeup)
                     self._changed.notify_all()
             return wakeup.released
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_FUTEX_WAIT_PRIVATE, _FUTEX_WAKE_PRIVATE = 128, 129
 
 
 class _MockAlarm:
