@@ -13,7 +13,6 @@ import ctypes
 import itertools
 import os
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,8 +21,8 @@ from llvmlite import ir
 
 from tinydist.codegen import transcendental
 from tinydist.codegen.compile_cache import compile_glue
-from tinydist.codegen.stream_sync import futex_syscall
 from tinydist.runtime.clock import Wakeup
+from tinydist.runtime.cpu import futex
 from tinydist.runtime.cpu.loader import native_loader
 from tinydist.runtime.program import Program
 
@@ -216,31 +215,17 @@ class MockClock:
     @property
     def native_now_address(self) -> int:
         """The address of a native `i64 now()`: this clock in nanoseconds, counted in `native_readings`
-        (compiled on first use; Linux only, where native waits are)."""
+        (compiled on first use)."""
         if self._native_reading is None:
-            futex = futex_syscall()
-            if futex is None:
-                raise RuntimeError("MockClock's native reading wakes its waiters with a futex: Linux only")
-            syscall = ctypes.cast(_LIBC.syscall, ctypes.c_void_p).value
-            now, readings, waiting = (self._native.ctypes.data + 8 * k for k in range(3))
+            now, readings, waiting = (f"inttoptr (i64 {self._native.ctypes.data + 8 * k} to ptr)" for k in range(3))
             name = f"td_mock_clock_now_{next(self._names)}"
             # the time is loaded before the reading is counted: a count of n means n readings are over
-            ir_text = f"""
-define i64 @{name}() {{
-entry:
-  %t = load atomic i64, ptr inttoptr (i64 {now} to ptr) acquire, align 8
-  %r = atomicrmw add ptr inttoptr (i64 {readings} to ptr), i64 1 seq_cst
-  %w = load atomic i64, ptr inttoptr (i64 {waiting} to ptr) seq_cst, align 8
-  %any = icmp ne i64 %w, 0
-  br i1 %any, label %wake, label %done
-wake:
-  %f = call i64 (i64, ...) inttoptr (i64 {syscall} to ptr)(i64 {futex}, ptr inttoptr (i64 {readings} to ptr), i64 {_FUTEX_WAKE_PRIVATE}, i64 2147483647)
-  br label %done
-done:
-  ret i64 %t
-}}
-"""
-            self._native_reading = native_loader.load(compile_glue(ir_text), name, [])
+            lines = [f"define i64 @{name}() {{", "entry:",
+                     f"  %t = load atomic i64, ptr {now} acquire, align 8",
+                     f"  %r = atomicrmw add ptr {readings}, i64 1 seq_cst",
+                     *futex.wake_ir(readings, waiting, str(futex.SYSCALL_ADDRESS), "reading"),
+                     "  ret i64 %t", "}", ""]
+            self._native_reading = native_loader.load(compile_glue("\n".join(lines)), name, [])
         return self._native_reading.address
 
     @property
@@ -249,29 +234,13 @@ done:
         return int(self._native[1])
 
     def wait_for_native_readings(self, count: int, timeout: float = 10.0) -> None:
-        """Block until native code has read this clock `count` times in all. A wait that reads the
-        time before deciding (`tinydist.codegen.stream_sync`) has decided on a reading taken after
-        the clock last moved once two more readings than `native_readings` then are over, and has
-        lived through that decision once three are. `timeout` is real time, a guard as in
-        `wait_for_waiters`."""
-        futex = futex_syscall()
-        assert futex is not None, "native readings are waited for with a futex: Linux only"
-        readings = self._native.ctypes.data + 8
-        guard = time.monotonic() + timeout
-        with self._changed:
-            self._native[2] += 1
+        """Block until native code has read this clock `count` times in all (woken by the reading).
+        `timeout` is real time, a guard as in `wait_for_waiters`."""
         try:
-            while (seen := self.native_readings) < count:
-                left = guard - time.monotonic()
-                if left <= 0:
-                    raise AssertionError(f"{self!r}: expected {count} native readings, still {seen} after {timeout:g}s")
-                # sleeps only while the count is still `seen` (checked in the kernel), until a reading wakes it
-                span = (ctypes.c_long * 2)(int(left), int(left % 1 * 1e9))
-                _LIBC.syscall(ctypes.c_long(futex), ctypes.c_void_p(readings), ctypes.c_long(_FUTEX_WAIT_PRIVATE),
-                              ctypes.c_long(seen & 0xFFFFFFFF), span)
-        finally:
-            with self._changed:
-                self._native[2] -= 1
+            futex.wait_for_count(self._native.ctypes.data + 8, count, timeout, self._native.ctypes.data + 16)
+        except TimeoutError as e:
+            raise AssertionError(f"{self!r}: expected {count} native readings, still {self.native_readings} "
+                                 f"after {timeout:g}s") from e
 
     # ---- the Clock protocol (tinydist.runtime.clock) ------------------------------------------
 
@@ -306,10 +275,6 @@ done:
                     self._blocked.remove(wakeup)
                     self._changed.notify_all()
             return wakeup.released
-
-
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_FUTEX_WAIT_PRIVATE, _FUTEX_WAKE_PRIVATE = 128, 129
 
 
 class _MockAlarm:
@@ -356,28 +321,54 @@ class _MockWakeup:
             self.clock._changed.notify_all()
 
 
+SPIN_WORDS = 3  # a spin kernel's `spins`: [iterations, threads waiting on them, libc's syscall address]
+
+
 def spin_until_ir(name: str, publishes_progress: bool) -> str:
     """`void name(i64* flag, i64* spins)`: count iterations into `spins[0]` until `flag[0]` is
     non-zero — a kernel that runs exactly as long as a test wants. With `publishes_progress` it
     stores each iteration into its progress word (`tinydist.codegen.progress`) as a generated
-    kernel does; without, it is a stuck kernel to the hang rule."""
+    kernel does; without, it is a stuck kernel to the hang rule. `spins` is SPIN_WORDS long, set
+    up by `prepare_spins`; while a thread waits in `wait_for_spins`, each iteration wakes it."""
     publish = (f"  store atomic i64 %next, ptr @{name}_progress monotonic, align 8\n" if publishes_progress else "")
     word = f"@{name}_progress = global i64 0, align 64\n" if publishes_progress else ""
+    wake = "\n".join(futex.wake_ir("%spins", "%waitingp", "%syscall", "watched"))
     return f"""{word}
 define void @{name}(ptr noalias %flag, ptr noalias %spins) {{
 entry:
+  %waitingp = getelementptr i64, ptr %spins, i64 1
+  %syscallp = getelementptr i64, ptr %spins, i64 2
+  %syscall = load i64, ptr %syscallp, align 8
   br label %loop
 loop:
-  %i = phi i64 [0, %entry], [%next, %loop]
+  %i = phi i64 [0, %entry], [%next, %watched_done]
   %next = add i64 %i, 1
-  store atomic i64 %next, ptr %spins monotonic, align 8
-{publish}  %stop = load atomic i64, ptr %flag monotonic, align 8
+  store atomic i64 %next, ptr %spins seq_cst, align 8
+{publish}{wake}
+  %stop = load atomic i64, ptr %flag monotonic, align 8
   %done = icmp ne i64 %stop, 0
   br i1 %done, label %exit, label %loop
 exit:
   ret void
 }}
 """
+
+
+def prepare_spins(address: int) -> None:
+    """Set up the SPIN_WORDS int64 words at `address` as a spin kernel's `spins` (none counted yet)."""
+    words = (ctypes.c_int64 * SPIN_WORDS).from_address(address)
+    words[0], words[1], words[2] = 0, 0, futex.SYSCALL_ADDRESS
+
+
+def spin_count(address: int) -> int:
+    """The iterations a spin kernel counted into the `spins` at `address`."""
+    return ctypes.c_int64.from_address(address).value
+
+
+def wait_for_spins(address: int, count: int, timeout: float = 20.0) -> int:
+    """Block until the spin kernel on the `spins` at `address` has counted `count` iterations (it
+    wakes this thread; no polling); returns the count. `timeout` is a real-time guard."""
+    return futex.wait_for_count(address, count, timeout, address + 8)
 
 
 def process_resources() -> dict[str, float]:
