@@ -232,18 +232,21 @@ def test_the_park_signal_parks_jit_code_and_never_python_or_libc() -> None:
     (it may hold the GIL or a lock) returns from it, however often; one in a JIT kernel sleeps."""
     release, ran = threading.Event(), threading.Event()
     parked = containment.parked()
+    rounds, after = [0], [1 << 62]  # `ran` is set by the first round past `after`
 
     def python_and_libc() -> None:
         while not release.is_set():
             ctypes.memmove(bytes(64), b"x" * 64, 64)  # libc, the GIL released around it
-            ran.set()
+            rounds[0] += 1
+            if rounds[0] > after[0]:
+                ran.set()
 
     thread = threading.Thread(target=python_and_libc, daemon=True)
     thread.start()
     try:
         for _ in range(200):
             containment.signal_to_park(thread)
-        ran.clear()
+        after[0] = rounds[0]
         # a round begun after the signals: it returned to user space, so it took every one of them
         assert ran.wait(20), "a thread running Python was parked"
         assert containment.parked() == parked
