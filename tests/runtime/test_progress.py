@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 
 import anyio
 import numpy as np
@@ -37,10 +38,16 @@ def _word(address: int) -> int:
     return ctypes.c_int64.from_address(address).value
 
 
-def _asleep(thread: threading.Thread) -> bool:
-    """Whether `thread` is asleep (S). Read a bounded number of times, with no sleep between: a
-    thread the handler counted as parked is a few instructions short of its `pause()`."""
-    return any(containment.thread_state(thread) == "S" for _ in range(100_000))
+def _paused(thread: threading.Thread) -> bool:
+    """Whether `thread` is blocked in `pause()` (x86-64 system call 34, /proc/<tid>/syscall), where
+    the parking handler leaves it. Read until it is, bounded: a thread the handler counted as
+    parked is a few instructions short of that call, and no event marks its arrival."""
+    guard = time.monotonic() + 20
+    while time.monotonic() < guard:
+        with open(f"/proc/self/task/{thread.native_id}/syscall") as file:
+            if file.read().split()[0] == "34":
+                return True
+    return False
 
 
 def _spins(dev) -> tuple:
@@ -139,7 +146,7 @@ async def test_a_stuck_kernel_is_declared_hung_within_two_timeouts(clock: MockCl
             # loop) and asleep there
             worker = dev.queues["compute"].worker
             await anyio.to_thread.run_sync(containment.wait_for_parked, parked + 1)
-            assert containment.parked() == parked + 1 and _asleep(worker)
+            assert containment.parked() == parked + 1 and _paused(worker)
         finally:
             ctypes.c_int64.from_address(flag.address).value = 1  # let the stuck worker go
 
@@ -268,7 +275,7 @@ def test_the_park_signal_parks_jit_code_and_never_python_or_libc() -> None:
             break
         except TimeoutError:
             continue
-    assert containment.parked() == parked + 1 and _asleep(spinner) and spinner.is_alive()
+    assert containment.parked() == parked + 1 and _paused(spinner) and spinner.is_alive()
     # asleep for good in the handler's parking branch: it never reads `flag` again
 
 
