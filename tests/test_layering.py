@@ -198,3 +198,48 @@ def test_layout_doc_lists_the_modules_on_disk() -> None:
 def test_layout_doc_draws_the_layers_in_rank_order() -> None:
     headings = [m.group(1) for m in re.finditer(r"^## \d+\. (\w+)", (ROOT / "docs" / "layout.md").read_text(), re.M)]
     assert headings == [name for name, _ in LAYERS], f"docs/layout.md's layer headings {headings} != LAYERS"
+
+
+# ---------------------------------------------------------------------------------------------- the check itself
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+_SMALL_TREE = {
+    "tinydist/__init__.py": "",
+    "tinydist/base/__init__.py": "",
+    "tinydist/base/errors.py": "class TinydistError(Exception):\n    pass\n",
+    "tinydist/graph/__init__.py": "",
+    "tinydist/graph/lazy.py": "from tinydist.base.errors import TinydistError\n",  # down: base is below graph
+    "tinydist/runtime/__init__.py": "",
+    "tinydist/runtime/buffer.py": "import tinydist.graph.lazy\n",
+}
+
+
+def test_a_tree_whose_imports_point_down_passes(tmp_path: Path) -> None:
+    assert upward_imports(_tree(tmp_path, _SMALL_TREE)) == ([], set())
+
+
+def test_an_upward_import_is_reported_with_its_file_and_line(tmp_path: Path) -> None:
+    """base may import nothing of ours: the third line of errors.py reaching up into graph fails,
+    and so does one inside a function (deferred is still a dependency)."""
+    root = _tree(tmp_path, {**_SMALL_TREE, "tinydist/base/errors.py":
+                            '"""Errors."""\n\nfrom tinydist.graph import lazy\n\n\ndef later():\n    import tinydist.runtime.buffer\n'})
+    violations, used = upward_imports(root)
+    assert len(violations) == 2 and not used, violations
+    assert violations[0].startswith("tinydist/base/errors.py:3 (base, rank 0) imports tinydist.graph.lazy (graph, rank 1)")
+    assert violations[1].startswith("tinydist/base/errors.py:7 (base, rank 0) imports tinydist.runtime.buffer "
+                                    f"(inside a function) (runtime, rank {RANK['runtime']})")
+
+
+def test_an_exception_holds_only_in_the_form_it_names(tmp_path: Path) -> None:
+    """graph.lazy may name the runtime's Buffer for the type checker only; imported at run time it is upward."""
+    typed = "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from tinydist.runtime.buffer import Buffer\n"
+    assert upward_imports(_tree(tmp_path / "typed", {**_SMALL_TREE, "tinydist/graph/lazy.py": typed})) == (
+        [], {("tinydist.graph.lazy", "tinydist.runtime.buffer")})
+    eager = "from tinydist.runtime.buffer import Buffer\n"
+    violations, _ = upward_imports(_tree(tmp_path / "eager", {**_SMALL_TREE, "tinydist/graph/lazy.py": eager}))
+    assert [v.split(" (graph")[0] for v in violations] == ["tinydist/graph/lazy.py:1"], violations

@@ -9,6 +9,8 @@ same one), so every kernel takes its name as an argument.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import itertools
 import os
 import threading
 from collections.abc import Callable
@@ -18,7 +20,11 @@ import numpy as np
 from llvmlite import ir
 
 from tinydist.codegen import transcendental
+from tinydist.codegen.compile_cache import compile_glue
 from tinydist.runtime.clock import Wakeup
+from tinydist.runtime.cpu import futex
+from tinydist.runtime.cpu.loader import native_loader
+from tinydist.runtime.program import Program
 
 SCALE_SIGNATURE = ("w", "r", "f32", "i64")
 SAXPY_SIGNATURE = ("rw", "r", "f32", "i64")
@@ -143,13 +149,25 @@ class MockClock:
     sees every task blocked, and the runtime's waiters (event-loop tasks, worker threads) have no
     one loop that could see that, so a test says how far time moves, and `wait_for_waiters` tells
     it when the waits it means to time out are armed.
+
+    Native code reads it too (`native_now_address`: a captured step's cross-stream waits time their
+    deadline on it, `tinydist.runtime.clock.native_now`). Those waits are no Python objects to
+    count, so the clock counts its native readings instead, and `wait_for_native_readings` blocks
+    until there are so many (woken by the reading itself, a futex): a test knows a native wait has
+    looked at the clock since it last moved.
     """
+
+    _names = itertools.count()
 
     def __init__(self, start: float = 0.0) -> None:
         self._time = start
         self._changed = threading.Condition()  # guards the lists below; notified on every change
         self._alarms: list[_MockAlarm] = []  # async deadlines not yet due, in arming order
         self._blocked: list[_MockWakeup] = []  # threads in `wait`, neither released nor due
+        # what native readings see: [now in ns, readings so far, threads waiting for a reading]
+        self._native = np.zeros(3, np.int64)
+        self._native[0] = round(start * 1e9)
+        self._native_reading: Program | None = None
 
     def __repr__(self) -> str:
         return f"MockClock(now={self._time:g}, waiters={self.waiters})"
@@ -176,6 +194,7 @@ class MockClock:
             raise ValueError(f"MockClock.advance({seconds!r}): time only moves forward; pass seconds >= 0")
         with self._changed:
             self._time += seconds
+            self._native[0] = round(self._time * 1e9)
             due = [alarm for alarm in self._alarms if alarm.deadline <= self._time]
             self._alarms = [alarm for alarm in self._alarms if alarm.deadline > self._time]
             self._blocked = [wake for wake in self._blocked if wake.deadline > self._time]
@@ -190,6 +209,38 @@ class MockClock:
         with self._changed:
             if not self._changed.wait_for(lambda: len(self._alarms) + len(self._blocked) == count, timeout):
                 raise AssertionError(f"{self!r}: expected {count} armed waits, still {self.waiters} after {timeout:g}s")
+
+    # ---- native readings ---------------------------------------------------------------------
+
+    @property
+    def native_now_address(self) -> int:
+        """The address of a native `i64 now()`: this clock in nanoseconds, counted in `native_readings`
+        (compiled on first use)."""
+        if self._native_reading is None:
+            now, readings, waiting = (f"inttoptr (i64 {self._native.ctypes.data + 8 * k} to ptr)" for k in range(3))
+            name = f"td_mock_clock_now_{next(self._names)}"
+            # the time is loaded before the reading is counted: a count of n means n readings are over
+            lines = [f"define i64 @{name}() {{", "entry:",
+                     f"  %t = load atomic i64, ptr {now} acquire, align 8",
+                     f"  %r = atomicrmw add ptr {readings}, i64 1 seq_cst",
+                     *futex.wake_ir(readings, waiting, str(futex.SYSCALL_ADDRESS), "reading"),
+                     "  ret i64 %t", "}", ""]
+            self._native_reading = native_loader.load(compile_glue("\n".join(lines)), name, [])
+        return self._native_reading.address
+
+    @property
+    def native_readings(self) -> int:
+        """How many times native code has read this clock."""
+        return int(self._native[1])
+
+    def wait_for_native_readings(self, count: int, timeout: float = 10.0) -> None:
+        """Block until native code has read this clock `count` times in all (woken by the reading).
+        `timeout` is real time, a guard as in `wait_for_waiters`."""
+        try:
+            futex.wait_for_count(self._native.ctypes.data + 8, count, timeout, self._native.ctypes.data + 16)
+        except TimeoutError as e:
+            raise AssertionError(f"{self!r}: expected {count} native readings, still {self.native_readings} "
+                                 f"after {timeout:g}s") from e
 
     # ---- the Clock protocol (tinydist.runtime.clock) ------------------------------------------
 
@@ -270,28 +321,54 @@ class _MockWakeup:
             self.clock._changed.notify_all()
 
 
+SPIN_WORDS = 3  # a spin kernel's `spins`: [iterations, threads waiting on them, libc's syscall address]
+
+
 def spin_until_ir(name: str, publishes_progress: bool) -> str:
     """`void name(i64* flag, i64* spins)`: count iterations into `spins[0]` until `flag[0]` is
     non-zero — a kernel that runs exactly as long as a test wants. With `publishes_progress` it
     stores each iteration into its progress word (`tinydist.codegen.progress`) as a generated
-    kernel does; without, it is a stuck kernel to the hang rule."""
+    kernel does; without, it is a stuck kernel to the hang rule. `spins` is SPIN_WORDS long, set
+    up by `prepare_spins`; while a thread waits in `wait_for_spins`, each iteration wakes it."""
     publish = (f"  store atomic i64 %next, ptr @{name}_progress monotonic, align 8\n" if publishes_progress else "")
     word = f"@{name}_progress = global i64 0, align 64\n" if publishes_progress else ""
+    wake = "\n".join(futex.wake_ir("%spins", "%waitingp", "%syscall", "watched"))
     return f"""{word}
 define void @{name}(ptr noalias %flag, ptr noalias %spins) {{
 entry:
+  %waitingp = getelementptr i64, ptr %spins, i64 1
+  %syscallp = getelementptr i64, ptr %spins, i64 2
+  %syscall = load i64, ptr %syscallp, align 8
   br label %loop
 loop:
-  %i = phi i64 [0, %entry], [%next, %loop]
+  %i = phi i64 [0, %entry], [%next, %watched_done]
   %next = add i64 %i, 1
-  store atomic i64 %next, ptr %spins monotonic, align 8
-{publish}  %stop = load atomic i64, ptr %flag monotonic, align 8
+  store atomic i64 %next, ptr %spins seq_cst, align 8
+{publish}{wake}
+  %stop = load atomic i64, ptr %flag monotonic, align 8
   %done = icmp ne i64 %stop, 0
   br i1 %done, label %exit, label %loop
 exit:
   ret void
 }}
 """
+
+
+def prepare_spins(address: int) -> None:
+    """Set up the SPIN_WORDS int64 words at `address` as a spin kernel's `spins` (none counted yet)."""
+    words = (ctypes.c_int64 * SPIN_WORDS).from_address(address)
+    words[0], words[1], words[2] = 0, 0, futex.SYSCALL_ADDRESS
+
+
+def spin_count(address: int) -> int:
+    """The iterations a spin kernel counted into the `spins` at `address`."""
+    return ctypes.c_int64.from_address(address).value
+
+
+def wait_for_spins(address: int, count: int, timeout: float = 20.0) -> int:
+    """Block until the spin kernel on the `spins` at `address` has counted `count` iterations (it
+    wakes this thread; no polling); returns the count. `timeout` is a real-time guard."""
+    return futex.wait_for_count(address, count, timeout, address + 8)
 
 
 def process_resources() -> dict[str, float]:

@@ -379,23 +379,36 @@ def test_a_device_failing_mid_step_stops_the_other_devices_part_with_its_error()
 
 
 def test_a_device_that_stands_still_mid_step_is_declared_hung_by_the_waiting_part() -> None:
+    """The step's native wait times its deadline on the devices' clock, a MockClock here: CPU:2's
+    part waits on through exactly the timeout with CPU:3 standing still, and gives up just past it."""
     import threading
 
     from tinydist.base.config import settings
     from tinydist.base.errors import DeviceFailed, DeviceHang
     from tinydist.runtime.engine import get_engine
+    from tinydist.testing import MockClock
 
     engine = get_engine()
-    with settings.override(TIMELINE_TIMEOUT=0.3):  # baked into the step's native waits at capture
-        step, x = _captured_over(("CPU:2", "CPU:3"))
+    clock = MockClock()
     gate = threading.Event()
     try:
-        engine.device("CPU:3").queues["compute"].submit([(gate.wait, (60,))])
+        second, third = engine.reopen("CPU:2", clock=clock), engine.reopen("CPU:3", clock=clock)
+        with settings.override(TIMELINE_TIMEOUT=60):  # baked into the step's native waits at capture
+            step, x = _captured_over(("CPU:2", "CPU:3"))
+        third.queues["compute"].submit([(gate.wait, (60,))])
+        readings = clock.native_readings
         out = step(x)
+        # CPU:2's step function started its chain, then its wait on CPU:3 (started and checked once)
+        clock.wait_for_native_readings(readings + 3)
+        assert clock.waiters == 0, "only the native wait times anything: moving the clock wakes no timeline"
+        clock.advance(60)
+        clock.wait_for_native_readings(clock.native_readings + 3)  # it checked the time now and waited on
+        assert third.failure is None and second.failure is None
+        clock.advance(1e-3)
         with pytest.raises(DeviceFailed, match=r"waited for CPU:3/compute's part 0 of replay 2, and CPU:3/compute "
-                                               r"made no progress for 0.3s"):
+                                               r"made no progress for 60s"):
             out.numpy()
-        assert isinstance(engine.device("CPU:3").failure, DeviceHang)
+        assert isinstance(third.failure, DeviceHang)
     finally:
         gate.set()
         for name in ("CPU:2", "CPU:3"):

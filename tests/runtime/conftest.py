@@ -55,8 +55,8 @@ def gate(gates: list[Gate]) -> Callable[[], Gate]:
 
 
 @contextlib.asynccontextmanager
-async def _open_checked(name: str, gates: list[Gate]) -> AsyncIterator[Device]:
-    dev = open_device(name)
+async def _open_checked(name: str, gates: list[Gate], clock: MockClock) -> AsyncIterator[Device]:
+    dev = open_device(name, clock=clock)
     await dev.open()
     try:
         yield dev
@@ -67,14 +67,14 @@ async def _open_checked(name: str, gates: list[Gate]) -> AsyncIterator[Device]:
 
 
 @pytest.fixture
-async def cpu(gates: list[Gate]) -> AsyncIterator[Device]:
-    """An open CPU:0, closed after the test (after opening any gate the test left shut)."""
-    async with _open_checked("CPU:0", gates) as dev:
+async def cpu(gates: list[Gate], clock: MockClock) -> AsyncIterator[Device]:
+    """An open CPU:0 on the test's `clock`, closed after the test (after opening any gate the test left shut)."""
+    async with _open_checked("CPU:0", gates, clock) as dev:
         yield dev
 
 
 @pytest.fixture
-async def cpu1(gates: list[Gate]) -> AsyncIterator[Device]:
-    """An open CPU:1, closed after the test."""
-    async with _open_checked("CPU:1", gates) as dev:
+async def cpu1(gates: list[Gate], clock: MockClock) -> AsyncIterator[Device]:
+    """An open CPU:1 on the test's `clock`, closed after the test."""
+    async with _open_checked("CPU:1", gates, clock) as dev:
         yield dev

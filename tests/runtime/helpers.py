@@ -1,4 +1,4 @@
-"""Helpers shared by the runtime tests: test kernels, a queue gate, bounded polling, mock-clock steps."""
+"""Helpers shared by the runtime tests: test kernels, a queue gate, mock-clock steps."""
 
 from __future__ import annotations
 
@@ -101,14 +101,6 @@ class Gate:
 
     def open(self) -> None:
         self.event.set()
-
-
-async def until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    """Bounded polling for a state the runtime exposes no event for (e.g. a waiter registering)."""
-    with anyio.fail_after(timeout):
-        while not predicate():
-            await anyio.sleep(0.002)
-    assert predicate(), what
 
 
 async def armed(clock: MockClock, waiters: int) -> None:

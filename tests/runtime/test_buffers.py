@@ -13,17 +13,21 @@ from tinydist.base.errors import BufferInUse, BufferError_, OutOfBounds, UseAfte
 from tinydist.runtime.command_queue import CommandQueue
 from tinydist.runtime.device import Device
 
-from .helpers import Gate, Kernels, until
+from tinydist.testing import MockClock
+
+from .helpers import Gate, Kernels, armed
 
 pytestmark = pytest.mark.anyio
 
 
-async def _complete_after(queue: CommandQueue, value: int, gate: Gate) -> None:
-    """Open `gate` once a waiter for `value` is registered, and return when the wait finishes."""
+async def _complete_after(queue: CommandQueue, value: int, gate: Gate, clock: MockClock) -> None:
+    """Open `gate` once a waiter for `value` is registered (its deadline armed on `clock`, the
+    device's), and return when the wait finishes."""
     with anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
             tg.start_soon(queue.timeline.wait, value, 20)
-            await until(lambda: queue.timeline.statistics().async_waiters >= 1 or queue.timeline.reached(value))
+            await armed(clock, 1)
+            assert queue.timeline.statistics().async_waiters == 1 and not queue.timeline.reached(value)
             gate.open()
 
 
@@ -162,7 +166,7 @@ async def test_double_free_and_use_after_free(cpu: Device) -> None:
     assert cpu.queues["copy"].last_submitted == 0  # refused requests queued nothing
 
 
-async def test_free_while_a_kernel_is_in_flight_defers_give_back(cpu: Device, kernels: Kernels, gate) -> None:
+async def test_free_while_a_kernel_is_in_flight_defers_give_back(cpu: Device, kernels: Kernels, gate, clock: MockClock) -> None:
     alloc = cpu.allocator
     scale = cpu.load_program(kernels.scale, "rt_scale_f32", ["w", "r", "f32", "i64"])
     x, y = alloc.alloc(4096), alloc.alloc(4096)
@@ -179,7 +183,7 @@ async def test_free_while_a_kernel_is_in_flight_defers_give_back(cpu: Device, ke
     stats = alloc.statistics()
     assert stats.live_buffers == 2 and stats.live_bytes == 8192 and stats.reserved_bytes == 8192
     assert y_address in alloc.outstanding()  # ...but the memory is still there for the kernel
-    await _complete_after(compute, batch.completion.value, stall)
+    await _complete_after(compute, batch.completion.value, stall, clock)
     stats = alloc.statistics()
     assert stats.live_buffers == 1 and stats.live_bytes == 4096 and stats.reserved_bytes == 4096
     assert y_address not in alloc.outstanding()
@@ -197,7 +201,7 @@ async def test_garbage_collected_bases_give_memory_back(cpu: Device) -> None:
     assert alloc.outstanding() == {}
 
 
-async def test_garbage_collected_base_in_flight_waits_for_the_work(cpu: Device, kernels: Kernels, gate) -> None:
+async def test_garbage_collected_base_in_flight_waits_for_the_work(cpu: Device, kernels: Kernels, gate, clock: MockClock) -> None:
     alloc = cpu.allocator
     scale = cpu.load_program(kernels.scale, "rt_scale_f32", ["w", "r", "f32", "i64"])
     x, y = alloc.alloc(4096), alloc.alloc(4096)
@@ -209,7 +213,7 @@ async def test_garbage_collected_base_in_flight_waits_for_the_work(cpu: Device, 
     del y
     gc.collect()
     assert alloc.statistics().live_buffers == 2
-    await _complete_after(compute, batch.completion.value, stall)
+    await _complete_after(compute, batch.completion.value, stall, clock)
     assert alloc.statistics().live_buffers == 1 and alloc.statistics().live_bytes == 4096
 
 
@@ -242,7 +246,7 @@ async def test_from_blob_memory_is_used_in_place_and_never_freed(cpu: Device, ke
     assert alloc.statistics().live_buffers == 1 and list(alloc.outstanding().values()) == [256]
 
 
-async def test_from_blob_owner_lives_until_free_and_last_use(cpu: Device, kernels: Kernels, gate) -> None:
+async def test_from_blob_owner_lives_until_free_and_last_use(cpu: Device, kernels: Kernels, gate, clock: MockClock) -> None:
     alloc = cpu.allocator
     scale = cpu.load_program(kernels.scale, "rt_scale_f32", ["w", "r", "f32", "i64"])
     host = np.zeros(256, np.float32)
@@ -261,7 +265,7 @@ async def test_from_blob_owner_lives_until_free_and_last_use(cpu: Device, kernel
     del blob
     gc.collect()
     assert owner() is not None   # a kernel still writes into it
-    await _complete_after(compute, batch.completion.value, stall)
+    await _complete_after(compute, batch.completion.value, stall, clock)
     gc.collect()
     assert owner() is None       # freed and no longer used: released
     assert alloc.outstanding().keys() == {x.address}

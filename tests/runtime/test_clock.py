@@ -104,3 +104,64 @@ def test_wait_for_waiters_names_what_it_found_when_the_count_never_comes() -> No
     clock = MockClock()
     with pytest.raises(AssertionError, match=r"MockClock\(now=0, waiters=0\): expected 1 armed waits, still 0"):
         clock.wait_for_waiters(1, timeout=0)
+
+
+def test_native_code_reads_each_clock_as_python_does() -> None:
+    """On the system clock native code reads CLOCK_MONOTONIC itself (no address); a MockClock's
+    native reading gives its time in nanoseconds, as it moves, and counts each reading; a clock
+    with no native reading is refused by name."""
+    import ctypes
+
+    from tinydist.runtime.clock import native_now
+
+    assert native_now(SYSTEM_CLOCK) is None
+    clock = MockClock(start=2.5)
+    read = ctypes.CFUNCTYPE(ctypes.c_int64)(native_now(clock))
+    assert (read(), clock.native_readings) == (2_500_000_000, 1)
+    clock.advance(0.75)
+    assert (read(), clock.native_readings) == (3_250_000_000, 2)
+    clock.wait_for_native_readings(2, timeout=0)  # already there: returns at once
+
+    class Wall:
+        def now(self) -> float: return time.time()
+        def call_at(self, deadline, callback, *args): raise NotImplementedError
+        def wakeup(self): raise NotImplementedError
+        def wait(self, wakeup, deadline) -> bool: raise NotImplementedError
+
+    with pytest.raises(TypeError, match=r"has no native reading .* native waits cannot be timed on it"):
+        native_now(Wall())
+
+
+def _in_futex_wait_on(thread: threading.Thread, address: int) -> bool:
+    """Whether `thread` is blocked in the futex system call on `address` (/proc/<tid>/syscall)."""
+    from tinydist.codegen.stream_sync import futex_syscall
+
+    with open(f"/proc/self/task/{thread.native_id}/syscall") as file:
+        fields = file.read().split()
+    return fields[:2] == [str(futex_syscall()), hex(address)]
+
+
+def test_wait_for_native_readings_is_woken_by_the_reading() -> None:
+    import ctypes
+
+    clock = MockClock()
+    read = ctypes.CFUNCTYPE(ctypes.c_int64)(clock.native_now_address)
+    done = threading.Event()
+
+    def waiter() -> None:
+        clock.wait_for_native_readings(3, timeout=3600)
+        done.set()
+
+    thread = threading.Thread(target=waiter, daemon=True)
+    thread.start()
+    read(), read()
+    readings = clock._native.ctypes.data + 8
+    guard = time.monotonic() + 20
+    while not _in_futex_wait_on(thread, readings):  # no event for "asleep in the kernel": read it, bounded
+        assert time.monotonic() < guard, "the waiter never went to sleep on the count"
+    assert not done.is_set() and clock.native_readings == 2
+    read()
+    assert done.wait(20), "the third reading did not wake the waiter (its own guard is an hour)"
+    thread.join(10)
+    with pytest.raises(AssertionError, match=r"expected 4 native readings, still 3"):
+        clock.wait_for_native_readings(4, timeout=0)

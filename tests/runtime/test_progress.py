@@ -3,6 +3,9 @@
 Time is a `MockClock`: "longer than the timeout" is ten 60 s deadlines passed while the kernel
 runs, in milliseconds of real time. A test moves the clock only once it has seen the kernel's
 progress word change after the watchdog last read it, so no outcome depends on machine speed.
+Nothing sleeps: a test waits for a kernel's iterations and for a worker's parking on futexes the
+kernel and the parking handler wake (`tinydist.testing.wait_for_spins`, `containment.wait_for_parked`);
+one child process keeps a real deadline, since what it proves is the exit in real time.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from tinydist.graph import dtypes
 from tinydist.runtime.cpu import containment
 from tinydist.runtime.device import DeviceState
 from tinydist.runtime.registry import open_device
-from tinydist.testing import MockClock, spin_until_ir
+from tinydist.testing import SPIN_WORDS, MockClock, prepare_spins, spin_count, spin_until_ir, wait_for_spins
 
-from .helpers import armed, until
+from .helpers import armed
 
 pytestmark = pytest.mark.anyio
 
@@ -35,14 +38,24 @@ def _word(address: int) -> int:
     return ctypes.c_int64.from_address(address).value
 
 
-def _wait_until_changed(address: int, seen: int, timeout: float = 20.0) -> int:
-    """The word at `address` once it differs from `seen` (bounded polling, real time)."""
-    deadline = time.monotonic() + timeout
-    while (value := _word(address)) == seen:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the word at {address:#x} stayed {seen} for {timeout:g}s")
-        time.sleep(0.001)
-    return value
+def _paused(thread: threading.Thread) -> bool:
+    """Whether `thread` is blocked in `pause()` (x86-64 system call 34, /proc/<tid>/syscall), where
+    the parking handler leaves it. Read until it is, bounded: a thread the handler counted as
+    parked is a few instructions short of that call, and no event marks its arrival."""
+    guard = time.monotonic() + 20
+    while time.monotonic() < guard:
+        with open(f"/proc/self/task/{thread.native_id}/syscall") as file:
+            if file.read().split()[0] == "34":
+                return True
+    return False
+
+
+def _spins(dev) -> tuple:
+    """A spin kernel's stop flag (down) and its `spins` words, on `dev`."""
+    flag, spins = dev.allocator.alloc(8), dev.allocator.alloc(8 * SPIN_WORDS)
+    ctypes.c_int64.from_address(flag.address).value = 0
+    prepare_spins(spins.address)
+    return flag, spins
 
 
 def _spin_kernel(dev, name: str, publishes: bool):
@@ -53,8 +66,7 @@ async def test_a_kernel_longer_than_the_timeout_completes_while_it_publishes_pro
     async with open_device("CPU:2", clock=clock) as dev:
         kernel = _spin_kernel(dev, "hang_test_spin_publishing", publishes=True)
         assert kernel.progress, "the kernel's progress word was not found"
-        flag, spins = dev.allocator.alloc(8), dev.allocator.alloc(8)
-        ctypes.c_int64.from_address(flag.address).value = 0
+        flag, spins = _spins(dev)
         with dev.batch() as batch:
             batch.launch(kernel, flag, spins)
         outcome: list[BaseException | None] = []
@@ -73,7 +85,9 @@ async def test_a_kernel_longer_than_the_timeout_completes_while_it_publishes_pro
                     for _ in range(10):
                         await armed(clock, 1)  # re-armed: the watchdog has read the words for the last deadline
                         seen = _word(kernel.progress)
-                        await anyio.to_thread.run_sync(_wait_until_changed, kernel.progress, seen)
+                        # it stores the count, then its progress word: a count two past `seen` means the word moved
+                        await anyio.to_thread.run_sync(wait_for_spins, spins.address, seen + 2)
+                        assert _word(kernel.progress) > seen
                         clock.advance(TIMEOUT)
                     await armed(clock, 1)
                     assert outcome == [] and dev.state is DeviceState.OPEN
@@ -83,7 +97,7 @@ async def test_a_kernel_longer_than_the_timeout_completes_while_it_publishes_pro
             ctypes.c_int64.from_address(flag.address).value = 1  # a failed assertion must not leave it spinning
         assert outcome == [None]
         assert dev.state is DeviceState.OPEN and dev.failure is None
-        assert _word(spins.address) > 10
+        assert spin_count(spins.address) > 10
 
 
 async def test_a_stuck_kernel_is_declared_hung_within_two_timeouts(clock: MockClock) -> None:
@@ -108,8 +122,8 @@ async def test_a_stuck_kernel_is_declared_hung_within_two_timeouts(clock: MockCl
 
         stuck = _spin_kernel(dev, "hang_test_spin_silent", publishes=False)
         assert stuck.progress == 0
-        flag, spins = dev.allocator.alloc(8), dev.allocator.alloc(8)
-        ctypes.c_int64.from_address(flag.address).value = 0
+        flag, spins = _spins(dev)
+        parked = containment.parked()
         with dev.batch() as batch:
             batch.launch(stuck, flag, spins)
         try:
@@ -117,7 +131,7 @@ async def test_a_stuck_kernel_is_declared_hung_within_two_timeouts(clock: MockCl
                 async with anyio.create_task_group() as tg:
                     async def advance_twice() -> None:
                         await armed(clock, 1)
-                        await anyio.to_thread.run_sync(_wait_until_changed, spins.address, 0)  # it runs
+                        await anyio.to_thread.run_sync(wait_for_spins, spins.address, 1)  # it runs
                         clock.advance(TIMEOUT)  # first deadline: credits the matmul's earlier progress
                         await armed(clock, 1)
                         assert dev.state is DeviceState.OPEN
@@ -128,12 +142,11 @@ async def test_a_stuck_kernel_is_declared_hung_within_two_timeouts(clock: MockCl
             assert dev.state is DeviceState.FAILED and dev.failure is info.value
             assert clock.now() == 2 * TIMEOUT
             assert "Engine.reopen" in str(info.value)
-            # contained: the stuck worker sleeps (parked in its signal handler), its loop stopped
+            # contained: the stuck worker parked in its signal handler (which never returns into the
+            # loop) and asleep there
             worker = dev.queues["compute"].worker
-            await until(lambda: containment.thread_state(worker) == "S", what="the stuck worker parked")
-            counted = _word(spins.address)
-            await anyio.to_thread.run_sync(time.sleep, 0.05)
-            assert _word(spins.address) == counted and containment.thread_state(worker) == "S"
+            await anyio.to_thread.run_sync(containment.wait_for_parked, parked + 1)
+            assert containment.parked() == parked + 1 and _paused(worker)
         finally:
             ctypes.c_int64.from_address(flag.address).value = 1  # let the stuck worker go
 
@@ -169,7 +182,6 @@ async def test_a_big_kernel_publishes_once_per_block_and_a_small_one_not_at_all(
 
 _AFTER_A_HANG = """
 import ctypes
-import time
 import numpy as np
 import tinydist as td
 from tinydist.runtime.cpu import containment
@@ -177,32 +189,26 @@ from tinydist.base.errors import DeviceHang
 from tinydist.codegen.compile_cache import compile_kernel
 from tinydist.runtime.device import KEPT_FOR_STUCK_WORKERS
 from tinydist.runtime.engine import get_engine
-from tinydist.testing import spin_until_ir
+from tinydist.testing import SPIN_WORDS, prepare_spins, spin_count, spin_until_ir, wait_for_spins
 
 engine = get_engine()
 dev = engine.device("CPU:1")
 kernel = dev.load_program(compile_kernel(spin_until_ir("exit_test_spin", False)), "exit_test_spin", ["r", "w"])
-flag, spins = dev.allocator.alloc(8), dev.allocator.alloc(8)
+flag, spins = dev.allocator.alloc(8), dev.allocator.alloc(8 * SPIN_WORDS)
 ctypes.c_int64.from_address(flag.address).value = 0
+prepare_spins(spins.address)
 with dev.batch() as batch:
     batch.launch(kernel, flag, spins)
-
-
-def spins_seen():
-    time.sleep(0.02)
-    return ctypes.c_int64.from_address(spins.address).value
-
-
 try:
     batch.completion.wait_blocking(timeout=0.5)  # this wait's own deadline; the setting stays at an hour
 except DeviceHang as hang:
     print("hang:", hang)
 worker = dev.queues["compute"].worker
-for _ in range(2000):  # bounded: the parking signal is handled within a scheduling slice
-    if containment.thread_state(worker) == "S":
-        break
-    time.sleep(0.005)
-print("stuck worker:", containment.thread_state(worker), "spinning:", spins_seen() != spins_seen())
+if containment.SUPPORTED:
+    containment.wait_for_parked(1)  # woken by the parking itself
+    print("stuck worker parked:", containment.parked())
+else:  # left running: it keeps counting
+    print("stuck worker running:", wait_for_spins(spins.address, spin_count(spins.address) + 1) > 0)
 fresh = engine.reopen("CPU:1")
 print("reopened:", fresh is not dev, fresh.state.value, "kept:", KEPT_FOR_STUCK_WORKERS["CPU:1"] > 0)
 print("later work:", td.Tensor(np.arange(6, dtype=np.float32), device="CPU:1").sum().item())
@@ -222,8 +228,7 @@ def test_after_a_real_hang_the_device_reopens_and_the_process_exits_without_anot
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].startswith("hang: timeline CPU:1/compute stayed at 0") and "no kernel" in lines[0], done.stdout
-    expected_state = "S spinning: False" if containment.SUPPORTED else "R spinning: True"
-    assert lines[1] == f"stuck worker: {expected_state}", done.stdout
+    assert lines[1] == ("stuck worker parked: 1" if containment.SUPPORTED else "stuck worker running: True"), done.stdout
     assert lines[2] == "reopened: True open kept: True", done.stdout
     assert lines[3] == "later work: 15.0", done.stdout
 
@@ -232,41 +237,46 @@ def test_after_a_real_hang_the_device_reopens_and_the_process_exits_without_anot
 def test_the_park_signal_parks_jit_code_and_never_python_or_libc() -> None:
     """The handler's own rule, signalled by hand: a thread interrupted in the interpreter or libc
     (it may hold the GIL or a lock) returns from it, however often; one in a JIT kernel sleeps."""
-    release = threading.Event()
-    rounds = [0]
+    release, ran = threading.Event(), threading.Event()
+    parked = containment.parked()
+    rounds, after = [0], [1 << 62]  # `ran` is set by the first round past `after`
 
     def python_and_libc() -> None:
         while not release.is_set():
-            rounds[0] += 1
             ctypes.memmove(bytes(64), b"x" * 64, 64)  # libc, the GIL released around it
+            rounds[0] += 1
+            if rounds[0] > after[0]:
+                ran.set()
 
     thread = threading.Thread(target=python_and_libc, daemon=True)
     thread.start()
     try:
         for _ in range(200):
             containment.signal_to_park(thread)
-        before = rounds[0]
-        deadline = time.monotonic() + 20
-        while rounds[0] == before and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert rounds[0] > before, "a thread running Python was parked"
+        after[0] = rounds[0]
+        # a round begun after the signals: it returned to user space, so it took every one of them
+        assert ran.wait(20), "a thread running Python was parked"
+        assert containment.parked() == parked
     finally:
         release.set()
     thread.join(20)
     assert not thread.is_alive()
 
     kernel = _native_spin("park_test_spin")
-    flag, spins = ctypes.c_int64(0), ctypes.c_int64(0)
+    flag, spins = ctypes.c_int64(0), (ctypes.c_int64 * SPIN_WORDS)()
+    prepare_spins(ctypes.addressof(spins))
     spinner = threading.Thread(target=kernel.cfunc, args=(ctypes.addressof(flag), ctypes.addressof(spins)), daemon=True)
     spinner.start()
-    _wait_until_changed(ctypes.addressof(spins), 0)
-    deadline = time.monotonic() + 20
-    while containment.thread_state(spinner) != "S" and time.monotonic() < deadline:
-        containment.signal_to_park(spinner)  # lands in the kernel's loop, or its ctypes call around it
-        time.sleep(0.01)
-    counted = spins.value
-    time.sleep(0.05)
-    assert spins.value == counted and spinner.is_alive()  # asleep for good: it never reads `flag` again
+    wait_for_spins(ctypes.addressof(spins), 1)
+    for _ in range(100):  # a signal landing in the ctypes call around the kernel, not in it, is returned from
+        containment.signal_to_park(spinner)
+        try:
+            containment.wait_for_parked(parked + 1, timeout=1)
+            break
+        except TimeoutError:
+            continue
+    assert containment.parked() == parked + 1 and _paused(spinner) and spinner.is_alive()
+    # asleep for good in the handler's parking branch: it never reads `flag` again
 
 
 def _native_spin(name: str):

@@ -12,6 +12,13 @@ runtime's hang rule). It then records why in its stream's status words, sets the
 every other stream of the capture stops too, and the step function returns at once; the caller
 reads the status and turns it into an error. A signal wakes sleepers only when there are any.
 
+The timeout is on the device's clock (`tinydist.runtime.clock`): on the system clock the wait reads
+CLOCK_MONOTONIC with `clock_gettime` itself (the clock `time.monotonic` reads); on any other clock
+it calls that clock's native reading (`now_address`, a `tinydist.testing.MockClock`'s in tests), so
+a test moves a native wait's deadline by hand as it moves a timeline's. The choice is made when the
+function is generated: on the system clock the code is the very code it was before the clock could
+be chosen (the same IR text), so production pays nothing for it.
+
 A call of a step function stands for one replay; when the next replay is already queued and
 marked ready (`publish`), the function runs it straight on, so a queue's worker returns to
 Python — and takes the GIL — once per chain of replays.
@@ -97,7 +104,7 @@ class Part:
 
 def step_function_ir(name: str, block: ControlLayout, stream: int, parts: Sequence[Part], parts_per_stream: Sequence[int],
                      slots: int, ring: int, row_words: int, ready: int, timeout_ns: int, chain_ns: int,
-                     kernel_words: Sequence[int] | None = None) -> str:
+                     kernel_words: Sequence[int] | None = None, now_address: int | None = None) -> str:
     """LLVM IR of `void name()`: stream `stream`'s parts of a replay, in order, each after its waits
     and followed by a signal. `slots` is the address of the ring of per-replay argument rows
     (`ring` rows of `row_words` int64 words; replay r reads row r % ring).
@@ -111,7 +118,10 @@ def step_function_ir(name: str, block: ControlLayout, stream: int, parts: Sequen
     `kernel_words`, per stream, is the address of a table of the progress words
     (`tinydist.codegen.progress`) of the kernels that stream runs: int64 [count, address, ...].
     A wait counts a change in their sum as progress of that stream, so a part running one long
-    kernel is waited for while the kernel publishes; without tables only counters count."""
+    kernel is waited for while the kernel publishes; without tables only counters count.
+
+    `now_address` is the address of a native `i64 now()` giving the device's clock in nanoseconds
+    (`tinydist.runtime.clock.native_now`); None reads CLOCK_MONOTONIC, the system clock."""
     if ring & (ring - 1):
         raise ValueError(f"ring must be a power of two, got {ring}")
     futex = futex_syscall()
@@ -126,16 +136,20 @@ def step_function_ir(name: str, block: ControlLayout, stream: int, parts: Sequen
     def word(s: int, field: int) -> str:
         return f"ptr inttoptr (i64 {block.address(s, field)} to ptr)"
 
+    if now_address is None:
+        now = [f"  %r = call i32 inttoptr (i64 {clock} to ptr)(i32 {_CLOCK_MONOTONIC}, ptr %ts)",
+               "  %s = load i64, ptr %ts, align 8",
+               "  %pn = getelementptr i64, ptr %ts, i64 1",
+               "  %n = load i64, ptr %pn, align 8",
+               "  %m = mul i64 %s, 1000000000",
+               "  %t = add i64 %m, %n"]
+    else:
+        now = [f"  %t = call i64 inttoptr (i64 {now_address} to ptr)()"]
     out = [
         f"define internal i64 @\"{now_fn}\"() {{",
         "entry:",
         "  %ts = alloca [2 x i64], align 8",
-        f"  %r = call i32 inttoptr (i64 {clock} to ptr)(i32 {_CLOCK_MONOTONIC}, ptr %ts)",
-        "  %s = load i64, ptr %ts, align 8",
-        "  %pn = getelementptr i64, ptr %ts, i64 1",
-        "  %n = load i64, ptr %pn, align 8",
-        "  %m = mul i64 %s, 1000000000",
-        "  %t = add i64 %m, %n",
+        *now,
         "  ret i64 %t",
         "}",
         "",

@@ -37,6 +37,7 @@ from tinydist.base.errors import DeviceFailed, DeviceHang
 from tinydist.codegen.compile_cache import compile_glue
 from tinydist.codegen.stream_sync import ABORTED, OK, Part, Slot, Wait, futex_syscall, step_function_ir
 from tinydist.runtime.buffer import Buffer
+from tinydist.runtime.clock import native_now
 from tinydist.runtime.command_queue import CommandQueue
 from tinydist.runtime.cpu.loader import native_loader
 from tinydist.runtime.cpu.stream_control import ControlBlock, native_address, publish
@@ -174,6 +175,13 @@ class NativeStreams:
         self.rows = np.zeros((RING, max(row_words, 1)), np.int64)
         self.ready = np.zeros(RING, np.int64)  # word r % RING is r + 1 once replay r may run back to back
         self.timeout = settings.TIMELINE_TIMEOUT
+        # the native waits time their deadline on the devices' clock, as their timelines do
+        clocks = {id(st.device.clock): st.device.clock for st in self.streams}
+        if len(clocks) != 1:
+            raise ValueError("a captured step's streams time their waits on one clock, but its devices are on "
+                             f"{len(clocks)}: " + ", ".join(f"{st.device.name}: {st.device.clock!r}" for st in self.streams)
+                             + "; open them on the same clock")
+        now_address = native_now(self.streams[0].device.clock)
         counts = [len(s.units) for s in self.streams]
         # per stream, the progress words of the kernels it runs: a peer waiting on a part that
         # runs one long kernel counts the kernel's progress (tinydist.codegen.progress)
@@ -183,7 +191,7 @@ class NativeStreams:
             parts = [Part(tuple(waits[id(u)]), tuple(u.commands)) for u in st.units]
             ir_text = step_function_ir(name, self.block, s, parts, counts, self.rows.ctypes.data, RING,
                                        self.rows.shape[1], self.ready.ctypes.data, int(self.timeout * 1e9), CHAIN_NS,
-                                       [table.ctypes.data for table in self.kernel_words])
+                                       [table.ctypes.data for table in self.kernel_words], now_address)
             # (the kernels it calls stay loaded while it is: their progress words, read by the waits, with them)
             program = st.device.load_program(compile_glue(ir_text), name, [], calls=calls.get(s, ()))
             st.step = _StepCommand(self, s, program.cfunc)

@@ -11,6 +11,11 @@ time and a test cannot pass or fail by how loaded the machine is (trio's `Clock`
 The four operations are the two kinds of wait a timeline has: an async wait arms an alarm on its
 event loop (`call_at`); a worker thread blocks on a one-shot `Wakeup` that a signal releases
 (`wakeup`, `wait`).
+
+Native code that times a wait itself (a captured step's cross-stream waits,
+`tinydist.codegen.stream_sync`) reads the same clock through `native_now`: on the system clock it
+reads CLOCK_MONOTONIC directly, as `time.monotonic` does; another clock offers a native reading of
+its own (`native_now_address`), or cannot time native waits.
 """
 
 from __future__ import annotations
@@ -76,6 +81,20 @@ class SystemClock:
 
 
 SYSTEM_CLOCK = SystemClock()
+
+
+def native_now(clock: Clock) -> int | None:
+    """How native code reads `clock`: None on the system clock (it calls clock_gettime(CLOCK_MONOTONIC),
+    the clock `time.monotonic` reads, with no call into Python), else the address of the clock's
+    native `i64 now()` in nanoseconds, its `native_now_address` (`tinydist.testing.MockClock` has one)."""
+    if isinstance(clock, SystemClock):
+        return None
+    address = getattr(clock, "native_now_address", None)
+    if not isinstance(address, int) or address == 0:
+        raise TypeError(f"{clock!r} has no native reading (native_now_address, the address of a native "
+                        "`i64 now()` in nanoseconds), so native waits cannot be timed on it; capture the step on "
+                        "devices on the system clock or a tinydist.testing.MockClock")
+    return address
 
 
 def require_clock(clock: object) -> Clock:

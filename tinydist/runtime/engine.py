@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from tinydist.base.errors import DeviceClosed
+from tinydist.runtime.clock import SYSTEM_CLOCK, Clock
 from tinydist.runtime.device import Device
 from tinydist.runtime.registry import canonical_name, open_device
 
@@ -55,28 +56,33 @@ class Engine:
             if device.failure_raised and device.reconnects_after_failure:
                 # its failure refused work once (the caller was told); this use gets a fresh device.
                 # Not sooner: the operation that met the failure must not go on with a new device.
-                return self.reopen(name)
+                return self.reopen(name, clock=device.clock)
             return device
-        canonical = canonical_name(name)
+        return self._open(canonical_name(name), SYSTEM_CLOCK)
+
+    def _open(self, canonical: str, clock: Clock) -> Device:
+        """The open device `canonical`, opened on `clock` unless another thread opened it first."""
         with self._lock:
             device = self._devices.get(canonical)
             if device is None:
-                device = open_device(canonical)
+                device = open_device(canonical, clock=clock)
                 self.run(device.open)
                 self._devices[canonical] = device
             return device
 
-    def reopen(self, name: str) -> Device:
-        """Close the engine's device `name` (a failed one, say) and open a fresh one in its place.
-        Nothing of the old device carries over: its buffers, and steps captured on it, are gone.
-        After a `DeviceHang` the close waits at most a second for the stuck worker, never another
-        timeout; the worker stays parked and the old memory mapped (docs/hangs.md)."""
+    def reopen(self, name: str, *, clock: Clock = SYSTEM_CLOCK) -> Device:
+        """Close the engine's device `name` (a failed one, say) and open a fresh one in its place,
+        on `clock` (real time unless a test passes a `tinydist.testing.MockClock`; a device opened
+        on first use is on real time, one reopened after its failure on the clock it was on). Nothing of the old device carries over: its buffers,
+        and steps captured on it, are gone. After a `DeviceHang` the close waits at most a second for
+        the stuck worker, never another timeout; the worker stays parked and the old memory mapped
+        (docs/hangs.md)."""
         canonical = canonical_name(name)
         with self._lock:
             old = self._devices.pop(canonical, None)
         if old is not None:
             self.run(old.aclose)
-        return self.device(canonical)
+        return self._open(canonical, clock)
 
     def synchronize(self, timeout: float | None = None) -> None:
         """Block until all work submitted so far on the engine's devices has completed."""

@@ -10,7 +10,9 @@ could hold the GIL or a lock every other thread needs. A thread blocked in a wai
 already burns nothing and is not signalled. The parked thread never touches memory again; its
 device keeps that memory mapped until exit (`Device.aclose`), and the process exits past it (the
 workers are daemon threads). x86-64 Linux only (where the interrupted address is read from the
-signal's context); elsewhere a stuck worker is left running, as before.
+signal's context); elsewhere a stuck worker is left running, as before. The handler counts the
+threads it parks and wakes whoever waits for that count (`wait_for_parked`): tests, instead of
+watching a thread's state until it changes.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import threading
 import numpy as np
 
 from tinydist.codegen.compile_cache import compile_glue
+from tinydist.runtime.cpu import futex
 from tinydist.runtime.cpu.loader import native_loader
 from tinydist.runtime.program import Program
 
@@ -39,6 +42,9 @@ _MAX_RANGES = 4096
 # [count, lo0, hi0, lo1, hi1, ...]: the executable mappings backed by a file (or the kernel's
 # [vdso]); refreshed before each signal, read by the handler
 _mapped_code = np.zeros(1 + 2 * _MAX_RANGES, np.uint64)
+# how many threads the handler has parked: raised, and its futex woken, as a thread commits to
+# parking (once per hang, so the wake costs nothing anywhere else), for `wait_for_parked`
+_parked = np.zeros(1, np.int64)
 
 
 class _SigAction(ctypes.Structure):
@@ -46,7 +52,8 @@ class _SigAction(ctypes.Structure):
                 ("restorer", ctypes.c_void_p)]
 
 
-def _handler_ir(holds_gil: int, pause: int, table: int) -> str:
+def _handler_ir(holds_gil: int, pause: int, table: int, parked: int) -> str:
+    wake = "\n".join(futex.wake_ir(f"inttoptr (i64 {parked} to ptr)", None, str(futex.SYSCALL_ADDRESS), "parked"))
     return f"""
 define void @{_HANDLER}(i32 %signal, ptr %info, ptr %context) {{
 entry:
@@ -77,8 +84,12 @@ python:
   %holding = icmp ne i32 %held, 0
   br i1 %holding, label %back, label %park
 park:
+  %parked_before = atomicrmw add ptr inttoptr (i64 {parked} to ptr), i64 1 seq_cst
+{wake}
+  br label %asleep
+asleep:
   %woken = call i32 inttoptr (i64 {pause} to ptr)()
-  br label %park
+  br label %asleep
 back:
   ret void
 }}
@@ -94,7 +105,7 @@ def _install() -> Program:
     pause = ctypes.cast(libc.pause, ctypes.c_void_p).value
     holds_gil = ctypes.cast(ctypes.pythonapi.PyGILState_Check, ctypes.c_void_p).value
     assert pause and holds_gil
-    ir = _handler_ir(holds_gil, pause, _mapped_code.ctypes.data)
+    ir = _handler_ir(holds_gil, pause, _mapped_code.ctypes.data, _parked.ctypes.data)
     program = native_loader.load(compile_glue(ir), _HANDLER, ["i64", "i64", "i64"])
     action = _SigAction(program.address, (ctypes.c_ulong * 16)(), _SA_SIGINFO | _SA_RESTART, None)
     sigaction = libc.sigaction
@@ -124,6 +135,18 @@ def thread_state(thread: threading.Thread) -> str | None:
             return stat.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return None
+
+
+def parked() -> int:
+    """How many threads the parking handler has parked in this process."""
+    return int(_parked[0])
+
+
+def wait_for_parked(count: int, timeout: float = 10.0) -> None:
+    """Block until the handler has parked `count` threads in all, woken by the parking itself.
+    A thread counted is in the handler's parking branch, which never returns into the code it
+    interrupted; it enters `pause()` right after. `timeout` is a guard in real time (TimeoutError)."""
+    futex.wait_for_count(_parked.ctypes.data, count, timeout)
 
 
 def park_if_running(thread: threading.Thread) -> bool:
