@@ -6,10 +6,12 @@ tinydist must tell the hosts apart as it does two machines.
   TCP; 4 ranks (2 per host: shared memory inside a host, TCP between); 4 ranks with the modelled RDMA
   NIC (TINYDIST_RDMA_NIC=soft) between the hosts. Every socket is bound to its host's veth address.
 - the cluster scheduler: 4 nodes (2 per host, 2 devices each) under an mTLS coordinator served on
-  host a's veth address; the plan sees 2 host groups by host key and the hierarchical allreduce
-  equals numpy.
-- the veth taken down mid-job: every rank raises CollectiveTimeout within TINYDIST_COLLECTIVE_TIMEOUT
-  (the documented bound for a peer that goes silent, docs/collectives.md) plus slack; none hangs.
+  host a's veth address; the plan sees 2 host groups by host key, puts its across-groups stage on
+  the link measured between the hosts (TCP, or the modelled RDMA NIC), and the hierarchical
+  allreduce equals numpy.
+- the veth taken down mid-job (TCP and modelled RDMA): every rank raises a classified
+  CollectiveError naming its peer within TINYDIST_COLLECTIVE_TIMEOUT (the documented bound for a
+  peer that goes silent, docs/collectives.md) plus slack; none hangs.
 
 Marked `integration` (all but the last, the skip reason's own test): `make test` deselects them (pyproject's addopts), `make integration` runs them
 (.ci/run calls it after `make test`). They skip, with the reason, where namespaces cannot be made
@@ -116,7 +118,8 @@ def test_collectives_across_two_hosts_equal_numpy(hosts, tmp_path, case):
 
 
 @pytest.mark.integration
-def test_scheduler_sees_two_hosts_and_hierarchical_allreduce_equals_numpy(hosts, tmp_path):
+@pytest.mark.parametrize("between", ["tcp", "rdma_bnxt"])
+def test_scheduler_sees_two_hosts_and_hierarchical_allreduce_equals_numpy(hosts, tmp_path, between):
     from tinydist.security import pki
     lab = tmp_path / "lab"
     pki.init(lab, server_ips=("127.0.0.1", hosts.a.ip))     # the coordinator is served on host a's veth
@@ -143,7 +146,8 @@ def test_scheduler_sees_two_hosts_and_hierarchical_allreduce_equals_numpy(hosts,
              "--world", str(world), "--steps", str(steps), "--size", str(size), "--out", str(out), "--status",
              "--pki", str(lab), "--address", host.ip],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-            env=env(TINYDIST_COORDINATOR_ALLOW_REMOTE="1", TINYDIST_TRANSPORT="auto", TINYDIST_RDMA_NIC="off"))))
+            env=env(TINYDIST_COORDINATOR_ALLOW_REMOTE="1", TINYDIST_TRANSPORT="auto",
+                    TINYDIST_RDMA_NIC="soft" if between == "rdma_bnxt" else "off"))))
     try:
         for o in outs:
             assert o.finish(120) == 0, o.text
@@ -152,8 +156,11 @@ def test_scheduler_sees_two_hosts_and_hierarchical_allreduce_equals_numpy(hosts,
         # one peer group per host, found by host key (the namespace's host name), two nodes in each
         for host, nodes in ((hosts.a, "node-0, node-2"), (hosts.b, "node-1, node-3")):
             assert any(f"(host, host {host.name}/" in line and nodes in line for line in plan.splitlines()), plan
-        assert "over 8 devices in 2 peer groups" in plan, plan
-        assert "allreduce-across-groups" in plan, plan
+        header = next(line for line in plan.splitlines() if "over 8 devices in 2 peer groups" in line)
+        assert "): hierarchical, modelled" in header, plan       # reduce in each host, allreduce between them
+        # the stage between the hosts runs over the link the probe measured between them
+        across = next(line for line in plan.splitlines() if "allreduce-across-groups" in line)
+        assert f" over {between} " in across, plan
     finally:
         for o in outs:
             o.close()
