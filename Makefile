@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint bench soak install clean env-doc process-replay process-replay-update differential-long
+.PHONY: demo test integration lint bench soak install clean env-doc process-replay process-replay-update differential-long
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest -q
+
+# Tests marked `integration` (pyproject's addopts leaves them out of `make test`): two hosts in network
+# namespaces (tests/cluster/test_two_hosts.py). They need root; elsewhere they skip and -rs prints why.
+integration: $(STAMP)
+	$(BIN)/python -m pytest -q -rs -m integration
 
 # The schedules and LLVM IR of a fixed graph corpus, against the goldens in tests/schedule/process_replay/.
 process-replay: $(STAMP)

@@ -42,9 +42,12 @@ class ClusterJob:
     @classmethod
     def start(cls, coordinator: str, node_id: str, devices: Sequence[str], *, world_size: int, rank: int = -1,
               credentials: Credentials | None = None, host_key: str | None = None, wait_timeout: float = 60.0,
-              dist_timeout: float | None = None, probe: bool = True) -> ClusterJob:
+              dist_timeout: float | None = None, probe: bool = True, address: str = "127.0.0.1") -> ClusterJob:
+        """Join, wait for `world_size` members, td.dist.init. `address`: the interface this node's
+        rendezvous and mesh listen on, the one the other nodes reach (loopback by default; another
+        address needs TINYDIST_COORDINATOR_ALLOW_REMOTE=1, the bind policy of tinydist.dist)."""
         agent = NodeAgent(coordinator, node_id, devices, rank=rank, world_size=world_size, host_key=host_key,
-                          credentials=credentials)
+                          credentials=credentials, address=address)
         try:
             agent.join()
             agent.wait(world_size, wait_timeout)

@@ -72,9 +72,20 @@ class RdmaNic:
             raise
         return cls(dev, nic, address)
 
+    async def wire_address(self, local_ip: str) -> tuple[str, int] | None:
+        """Where a peer dials the model's wire: on the interface our control socket to it uses (`local_ip`),
+        so a peer on another host (network namespace) can reach it; None for a real NIC (no wire)."""
+        if self.soft is None:
+            return None
+        return await self.soft.wire.listen(local_ip)
+
     async def dial(self, gid: bytes, address: list | tuple | None) -> None:
         if self.soft is not None and address is not None:
-            await self.soft.wire.dial(gid, (address[0], int(address[1])))
+            try:
+                await self.soft.wire.dial(gid, (address[0], int(address[1])))
+            except (OSError, asyncio.TimeoutError) as exc:
+                raise TransportError(f"cannot reach the peer's RDMA wire (softbnxt model) at {address[0]}:{address[1]}: "
+                                     f"{exc!r}; is the peer on a network this host reaches?") from exc
 
     async def close(self) -> None:
         try:
@@ -209,8 +220,9 @@ class RdmaLink(SocketLink):
                 qp = link._live_qp()
                 dev = nic.dev
                 psn = (rank * 0x10001 + peer * 0x101) & 0xffffff
+                wire = await nic.wire_address(sock.getsockname()[0])
                 await _send_json(sock, {"gid": dev.gid.hex(), "mac": dev.mac.hex(), "qpn": qp.qpn, "psn": psn,
-                                        "wire": list(nic.address) if nic.address else None,
+                                        "wire": list(wire) if wire else None,
                                         "in_va": link.data_in.va, "in_rkey": link.data_in.rkey})
                 info = await _recv_json(sock)
                 gid, mac = bytes.fromhex(info["gid"]), bytes.fromhex(info["mac"])

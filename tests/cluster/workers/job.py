@@ -35,6 +35,7 @@ def main() -> int:
     p.add_argument("--out")
     p.add_argument("--stall-at", type=int, default=-1, help="sleep before this step's allreduce (a kill target)")
     p.add_argument("--host-key")
+    p.add_argument("--address", default="127.0.0.1", help="the interface other nodes reach this one on")
     p.add_argument("--pki", help="certificate dir: use DIR/clients/<node-id>.pem (mTLS)")
     p.add_argument("--status", action="store_true", help="rank 0 prints the plan")
     p.add_argument("--hold", type=float, default=0.0, help="stay joined this long after the last step")
@@ -51,7 +52,7 @@ def main() -> int:
                                  f"{args.pki}/ca.pem")
     devices = args.devices.split(",")
     job = ClusterJob.start(args.coordinator, args.node_id, devices, world_size=args.world, rank=args.rank,
-                           credentials=creds, host_key=args.host_key)
+                           credentials=creds, host_key=args.host_key, address=args.address)
     rank, world = job.rank, job.world_size
     ndev = len(devices)
     print(f"JOINED rank={rank} world={world}", flush=True)

@@ -8,8 +8,10 @@ A frame is `u32 length | header | payload`. The header is little-endian:
 
 One frame carries `npkts` consecutive MTU packets of one message (PSNs psn..psn+npkts-1), so the
 model does not pay Python costs per 4 KiB; PSN accounting, go-back-N and duplicate detection still
-count packets. Each NIC listens on 127.0.0.1 (an ephemeral port) and dials each peer once: it
-transmits on the connection it dialed and receives on the ones it accepted.
+count packets. Each NIC listens on 127.0.0.1 (an ephemeral port), and on demand on the address a
+link's control socket uses (`listen`: a peer in another network namespace cannot reach our
+loopback), and dials each peer once: it transmits on the connection it dialed and receives on the
+ones it accepted.
 """
 
 from __future__ import annotations
@@ -161,7 +163,8 @@ class _FrameProtocol(asyncio.BufferedProtocol):
 
 
 class TcpWire:
-    """One NIC's port: a loopback listener for inbound frames and one dialed connection per peer GID."""
+    """One NIC's port: listeners for inbound frames (loopback, plus one per interface asked for) and
+    one dialed connection per peer GID."""
 
     BUF = 4 << 20
     DIRECT = 64 * 1024             # frames with payloads at least this big may be received straight into host memory
@@ -169,16 +172,24 @@ class TcpWire:
     def __init__(self, on_frame: Callable[..., None], place: Callable | None = None) -> None:
         self.on_frame = on_frame
         self.place = place         # place(header, paylen) -> writable view for the payload, or None (then on_frame copies)
-        self.server: asyncio.base_events.Server | None = None
+        self.servers: dict[str, asyncio.base_events.Server] = {}       # by the host they listen on
         self.peers: dict[bytes, asyncio.StreamWriter] = {}
         self.inbound: set = set()
         self.address: tuple[str, int] | None = None
 
     async def start(self) -> tuple[str, int]:
-        loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(lambda: _FrameProtocol(self), "127.0.0.1", 0)
-        self.address = self.server.sockets[0].getsockname()[:2]
+        self.address = await self.listen("127.0.0.1")
         return self.address
+
+    async def listen(self, host: str) -> tuple[str, int]:
+        """The (host, port) this port receives on at `host` (an interface address), listening there first
+        if it does not yet. The caller passes an address its peer already reached it on (the link's
+        control socket), so nothing is exposed that the job had not already exposed."""
+        server = self.servers.get(host)
+        if server is None:
+            loop = asyncio.get_running_loop()
+            server = self.servers[host] = await loop.create_server(lambda: _FrameProtocol(self), host, 0)
+        return server.sockets[0].getsockname()[:2]
 
     async def dial(self, gid: bytes, address: tuple[str, int], timeout: float = 10.0) -> None:
         if gid in self.peers:
@@ -211,11 +222,11 @@ class TcpWire:
         self.peers.clear()
         for t in list(self.inbound):
             t.close()
-        if self.server is not None:
-            self.server.close()
+        servers, self.servers = list(self.servers.values()), {}
+        for server in servers:
+            server.close()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.server.wait_closed(), 2)
-            self.server = None
+                await asyncio.wait_for(server.wait_closed(), 2)
         for w in writers:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(w.wait_closed(), 1)
