@@ -75,9 +75,9 @@ def test_sequence_ops_inside_a_graph_capture_and_match_onnxruntime(rng):
 
 def test_sequence_graph_inputs_and_outputs_round_trip_as_lists(rng):
     """A sequence input is a list of arrays and a sequence output comes back as one, through
-    InferenceSession as through onnxruntime; a new length is a new plan."""
-    nodes = [N("SequenceInsert", ["seq", "x"], ["grown"]), N("SequenceAt", ["seq", "zero"], ["first"]),
-             N("Identity", ["seq"], ["same"])]
+    InferenceSession as through onnxruntime; a new length is a new plan and a new capture."""
+    nodes = [N("Add", ["x", "x"], ["x2"]), N("SequenceInsert", ["seq", "x2"], ["grown"]), N("SequenceAt", ["seq", "zero"], ["at"]),
+             N("Neg", ["at"], ["first"]), N("Identity", ["seq"], ["same"])]
     zero = helper.make_tensor("zero", TensorProto.INT64, [], [0])
     model = _model(nodes, [helper.make_value_info("seq", SEQ_F), _tensor("x", [3])],
                    [helper.make_value_info("grown", SEQ_F), helper.make_value_info("first", helper.make_tensor_type_proto(TensorProto.FLOAT, None)),
@@ -87,9 +87,12 @@ def test_sequence_graph_inputs_and_outputs_round_trip_as_lists(rng):
     assert [(a.name, a.type, a.shape) for a in session.get_inputs()] == \
         [(a.name, a.type, a.shape) for a in reference.get_inputs()]
     assert [a.type for a in session.get_outputs()] == [a.type for a in reference.get_outputs()]
-    for length in (1, 3, 2):
+    for length in (1, 3, 3, 3, 2):
         feed = {"seq": [rng.normal(size=(k + 1,)).astype(F32) for k in range(length)], "x": rng.normal(size=3).astype(F32)}
         _same(session.run(None, feed), reference.run(None, feed))
+    # length 3's three calls: captured on the second, replayed on the third (the elements passed flat)
+    captured = [j for j in session.model._jits.values() if j is not None and j.captured is not None]
+    assert [j.calls for j in captured] == [3]
     with pytest.raises(TypeError, match=r"input 'seq': expected a sequence \(a list of arrays\)"):
         session.run(None, {"seq": np.zeros(3, F32), "x": np.zeros(3, F32)})
     with pytest.raises(ValueError, match=r"input 'seq\[1\]': expected dtype float32, got int64"):

@@ -36,7 +36,9 @@ from tinydist.runtime.registry import canonical_name
 MIN_OPSET = 1
 _REQUIRED = object()
 _MAX_VALUE_INPUT = 64  # elements: shape vectors, axes, pads, scales are a handful
-_SHAPE_ONLY = frozenset({"Shape", "Size"})  # ops that read only their input's shape, never its values
+# ops that read only their input's shape (or a sequence's length), never its values
+_SHAPE_ONLY = frozenset({"Shape", "Size", "SequenceLength"})
+_LEAF = object()  # in an output's template: a tensor the captured graph returns
 # input shapes (a sequence input's: ("seq", element shapes...); an empty optional's: ("none",)),
 # values of the value inputs
 _Key = tuple[tuple[Any, ...], tuple[bytes, ...]]
@@ -145,6 +147,13 @@ def _is_const(value: Any) -> bool:
     return isinstance(value, np.ndarray) or value is EMPTY or (isinstance(value, list) and all(_is_const(v) for v in value))
 
 
+def _arrays(value: Any) -> list[np.ndarray]:
+    """A fed sequence's / optional's arrays, depth first (an empty optional has none)."""
+    if isinstance(value, list):
+        return [a for v in value for a in _arrays(v)]
+    return [] if value is EMPTY else [value]
+
+
 def _leaves(value: Any) -> list[Tensor]:
     if isinstance(value, Tensor):
         return [value]
@@ -165,6 +174,15 @@ def _kind_of(tp: Any, what: str) -> Kind:
         return ("optional", _kind_of(tp.optional_type.elem_type, what))
     raise _GraphCtx(what).error(f"{(field or 'untyped').replace('_type', '')} values are not supported "
                                 "(tensors, sequences and optionals)")
+
+
+def _nest(key: Any, kind: Kind, leaf: Callable[[Any, np.dtype], Any]) -> Any:
+    """A sequence / optional input's value from its key (see `_Key`): `leaf(shape, dtype)` per tensor."""
+    if kind[0] == "optional":
+        return EMPTY if key == ("none",) else _nest(key, kind[1], leaf)
+    if kind[0] == "sequence":
+        return [_nest(k, kind[1], leaf) for k in key[1:]]
+    return leaf(key, kind[2])
 
 
 def _kind_text(kind: Kind) -> str:
@@ -200,13 +218,32 @@ class _Node:
 
 
 class _Plan:
-    """Closures for one set of input shapes."""
+    """Closures for one set of input shapes; per output, its slot (or constant value) and its
+    template: the value with each run-time tensor replaced by `_LEAF` (the order in which the
+    captured graph returns them)."""
 
-    __slots__ = ("steps", "n_slots", "input_slots", "outputs")
+    __slots__ = ("steps", "n_slots", "input_slots", "outputs", "templates")
 
     def __init__(self, steps: list[Callable[[list[Any]], None]], n_slots: int, input_slots: list[int],
-                 outputs: list[tuple[int, Any]]) -> None:
+                 outputs: list[tuple[int, Any]], templates: list[Any]) -> None:
         self.steps, self.n_slots, self.input_slots, self.outputs = steps, n_slots, input_slots, outputs
+        self.templates = templates
+
+
+def _template(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return _LEAF
+    return [_template(v) for v in value] if isinstance(value, list) else value
+
+
+def _fill(template: Any, leaves: Any) -> Any:
+    """An output from its template: `_LEAF`s from `leaves` (an iterator of arrays), constants copied
+    (an empty optional: None, as onnxruntime gives it)."""
+    if template is _LEAF:
+        return next(leaves)
+    if isinstance(template, list):
+        return [_fill(t, leaves) for t in template]
+    return None if template is EMPTY else np.array(template, copy=True)
 
 
 def _make_step(fn: Callable[..., Any], ctx: NodeCtx, spec: list[tuple[int, Any]], out_slots: list[int],
@@ -346,8 +383,8 @@ class OnnxModel:
                 if attr.type == attr.TYPE_PROTO:  # Optional's `type`: the element type of an empty optional
                     attrs[attr.name] = attr.tp
                     continue
-                if attr.type in (attr.GRAPH, attr.GRAPHS, attr.SPARSE_TENSOR, attr.SPARSE_TENSORS, attr.TYPE_PROTO,
-                                 attr.TYPE_PROTOS) or attr.ref_attr_name:
+                if attr.type in (attr.GRAPH, attr.GRAPHS, attr.SPARSE_TENSOR, attr.SPARSE_TENSORS, attr.TYPE_PROTOS) \
+                        or attr.ref_attr_name:
                     raise UnsupportedModelError(f"{ctx_name}: attribute {attr.name!r} of this kind is not supported")
                 value = helper.get_attribute_value(attr)
                 if isinstance(value, bytes):
@@ -499,11 +536,7 @@ class OnnxModel:
 
     def _dry(self, key: Any, kind: Kind) -> Any:
         """A placeholder value of `kind` for an input's key (its shape, or its structure of shapes)."""
-        if kind[0] == "optional":
-            return EMPTY if key == ("none",) else self._dry(key, kind[1])
-        if kind[0] == "sequence":
-            return [self._dry(k, kind[1]) for k in key[1:]]
-        return Tensor.full(key, 0, dtypes.to_dtype(kind[2]), self.device)
+        return _nest(key, kind, lambda shape, dtype: Tensor.full(shape, 0, dtypes.to_dtype(dtype), self.device))
 
     def _key(self, shapes: tuple[tuple[int, ...], ...], values: Mapping[str, np.ndarray]) -> _Key:
         return shapes, tuple(values[name].tobytes() for name in self.input_names if name in self.value_inputs)
@@ -590,7 +623,8 @@ class OnnxModel:
             if declared_shape is not None and (len(declared_shape) != len(got_shape) or
                                                any(d is not None and d != g for d, g in zip(declared_shape, got_shape))):
                 raise gctx.error(f"computes shape {got_shape}, the graph declares {declared_shape}")
-        plan = _Plan(steps, len(dry), [slot_of.get(name, -1) for name in self.input_names], outputs)
+        templates = [_template(dry[slot]) if slot >= 0 else const for slot, const in outputs]
+        plan = _Plan(steps, len(dry), [slot_of.get(name, -1) for name in self.input_names], outputs, templates)
         self._plans[key] = plan
         return plan
 
@@ -627,10 +661,10 @@ class OnnxModel:
             raise ValueError(f"input {name!r}: expected shape {want}, got {tuple(got_shape)}")
 
     def _structured(self, name: str, kind: Kind, value: Any, tensors: bool) -> tuple[Any, Any]:
-        """A sequence / optional input's key (its structure of shapes) and its value with every
-        element checked against the declared kind and, from numpy, uploaded (`tensors`: the
-        elements are td.Tensors already). A sequence is a list (or tuple) of arrays, an empty
-        optional None, as onnxruntime takes them."""
+        """A sequence / optional input's key (its structure of shapes) and its value (lists of
+        arrays, or of td.Tensors when `tensors`; EMPTY for None) with every element checked against
+        the declared kind. A sequence is a list (or tuple) of arrays, an empty optional None, as
+        onnxruntime takes them."""
         if kind[0] == "optional":
             return (("none",), EMPTY) if value is None else self._structured(name, kind[1], value, tensors)
         if kind[0] == "sequence":
@@ -647,7 +681,7 @@ class OnnxModel:
             return value.shape, value
         array = self._as_array(value, dtype)
         self._check_value(name, shape, dtype, array.shape, array.dtype)
-        return array.shape, Tensor(array, self.device)
+        return array.shape, array
 
     @staticmethod
     def _as_array(value: Any, dtype: np.dtype) -> np.ndarray:
@@ -719,22 +753,29 @@ class OnnxModel:
         Each input shape's graph is captured with td.jit (on its second call) and replayed per
         frame afterwards: numpy in, one native entry point, numpy out. The arrays are passed in
         the graph's declared input order, whatever order its nodes reach them in, and uploaded to
-        the model's device (the weights' device) for the calls before the capture. A model with
-        sequence or optional graph inputs or outputs runs eagerly on every call (its graph is
-        built per call: the capture's calling convention is a flat list of tensors); sequences
-        inside a graph capture like any other value."""
+        the model's device (the weights' device) for the calls before the capture. A sequence
+        input is passed as its elements (its length and their shapes key the capture, as a
+        tensor's shape does), and a sequence output is rebuilt from the tensors the capture
+        returns and the constants its plan folded."""
         self._check_feed(feed)
-        if self._kinds:
-            return self._call_structured(feed)
-        arrays = []
+        shapes_list: list[Any] = []
+        fed: list[np.ndarray] = []
+        values: dict[str, np.ndarray] = {}
         for name, shape, dtype in self.inputs:
+            if name in self._kinds:
+                key, value = self._structured(name, self._kinds[name], feed[name], tensors=False)
+                shapes_list.append(key)
+                fed.extend(_arrays(value))
+                continue
             assert dtype is not None
             array = self._as_array(feed[name], dtype)
             self._check_value(name, shape, dtype, array.shape, array.dtype)
-            arrays.append(array)
-        shapes = tuple(a.shape for a in arrays)
-        values = {name: np.array(a, copy=True) for name, a in zip(self.input_names, arrays) if name in self.value_inputs}
-        fed = [a for name, a in zip(self.input_names, arrays) if name not in self.value_inputs]
+            shapes_list.append(array.shape)
+            if name in self.value_inputs:
+                values[name] = np.array(array, copy=True)
+            else:
+                fed.append(array)
+        shapes = tuple(shapes_list)
         key = self._key(shapes, values)
         if key not in self._jits:
             def outputs(*tensors: Tensor) -> tuple[Tensor, ...]:
@@ -747,43 +788,25 @@ class OnnxModel:
             except JitError:  # e.g. every output is an input or a constant: nothing to capture
                 self._jits[key] = None
             else:
-                constants = self._constant_outputs(shapes, values)
-                return {name: np.array(constants[i], copy=True) if i in constants else next(results)
-                        for i, name in enumerate(self.output_names)}
-        tensors = [None if name in self.value_inputs else Tensor(a, self.device) for name, a in zip(self.input_names, arrays)]
-        return self._run_eagerly(shapes, tensors, values)
+                plan = self._plans.get(key) or self._plan(shapes, values)
+                return {name: _fill(template, results) for name, template in zip(self.output_names, plan.templates)}
+        return self._run_eagerly(shapes, self._inputs_of(shapes, [Tensor(a, self.device) for a in fed]), values)
 
-    def _call_structured(self, feed: Mapping[str, Any]) -> dict[str, Any]:
-        shapes: list[Any] = []
-        tensors: list[Any] = []
-        values: dict[str, np.ndarray] = {}
-        for name, shape, dtype in self.inputs:
-            if name in self._kinds:
-                key, value = self._structured(name, self._kinds[name], feed[name], tensors=False)
-                shapes.append(key)
-                tensors.append(value)
-                continue
-            assert dtype is not None
-            array = self._as_array(feed[name], dtype)
-            self._check_value(name, shape, dtype, array.shape, array.dtype)
-            shapes.append(array.shape)
-            if name in self.value_inputs:
-                values[name] = np.array(array, copy=True)
-                tensors.append(None)
-            else:
-                tensors.append(Tensor(array, self.device))
-        return self._run_eagerly(tuple(shapes), tensors, values)
-
-    def _tensor_outputs(self, shapes: tuple[tuple[int, ...], ...], values: Mapping[str, np.ndarray],
-                        *fed: Tensor) -> tuple[Tensor, ...]:
+    def _inputs_of(self, shapes: tuple[Any, ...], fed: Sequence[Tensor]) -> list[Any]:
+        """The inputs in graph order from the fed tensors (a sequence's elements in turn; None
+        for a value input)."""
         it = iter(fed)
-        tensors = [None if name in self.value_inputs else next(it) for name in self.input_names]
-        return tuple(r for r in self._run(shapes, tensors, values) if isinstance(r, Tensor))
+        out: list[Any] = []
+        for (name, _, _), shape in zip(self.inputs, shapes):
+            if name in self._kinds:
+                out.append(_nest(shape, self._kinds[name], lambda _shape, _dtype: next(it)))
+            else:
+                out.append(None if name in self.value_inputs else next(it))
+        return out
 
-    def _constant_outputs(self, shapes: tuple[tuple[int, ...], ...], values: Mapping[str, np.ndarray]) -> dict[int, Any]:
-        """Outputs the graph folds to constants for these input shapes and values (position -> value)."""
-        plan = self._plans.get(self._key(shapes, values)) or self._plan(shapes, values)
-        return {i: const for i, (slot, const) in enumerate(plan.outputs) if slot < 0}
+    def _tensor_outputs(self, shapes: tuple[Any, ...], values: Mapping[str, np.ndarray], *fed: Tensor) -> tuple[Tensor, ...]:
+        """The run-time tensors of every output, in template order (what the capture returns)."""
+        return tuple(t for r in self._run(shapes, self._inputs_of(shapes, fed), values) for t in _leaves(r))
 
     def _run_eagerly(self, shapes: tuple[Any, ...], tensors: list[Any], values: Mapping[str, np.ndarray]) -> dict[str, Any]:
         results = self._run(shapes, tensors, values)
