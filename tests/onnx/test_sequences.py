@@ -183,3 +183,16 @@ def test_a_run_time_condition_choosing_between_sequences_is_refused():
                    inits=[helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0])])
     with pytest.raises(tdo.UnsupportedModelError, match="a branch gives a sequence or optional"):
         tdo.InferenceSession(model).run(None, {"x": np.ones(100, F32)})
+
+
+def test_run_tensors_takes_and_gives_lists_of_tensors(rng):
+    """run_tensors: a sequence input is a list of td.Tensors, a sequence output a list of lazy ones."""
+    from tinydist.frontend.tensor import Tensor
+
+    nodes = [N("SequenceMap", ["seq"], ["doubled"], body=helper.make_graph(
+        [N("Add", ["e", "e"], ["d"])], "map", [_tensor("e", None)], [_tensor("d", None)]))]
+    model = _model(nodes, [helper.make_value_info("seq", SEQ_F)], [helper.make_value_info("doubled", SEQ_F)])
+    arrays = [rng.normal(size=(2, k + 1)).astype(F32) for k in range(3)]
+    (out,) = tdo.load(model).run_tensors({"seq": [Tensor(a) for a in arrays]})
+    assert isinstance(out, list) and all(isinstance(t, Tensor) for t in out)
+    _same([t.numpy() for t in out], _ort(model, {"seq": arrays})[0])

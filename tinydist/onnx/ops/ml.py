@@ -64,6 +64,8 @@ class _Trees:
         targets, weights = np.asarray(a("leaf_targetids"), np.int64), np.asarray(a("leaf_weights"), np.float64).reshape(-1)
         self.n_targets = int(a("n_targets"))
         m = len(self.features)
+        if not m or not len(a("tree_roots")):
+            raise ctx.error("the ensemble has no nodes or no tree_roots")
         if not all(len(v) == m for v in (self.modes, self.splits, true_ids, false_ids, true_leaf, false_leaf, self.tracks)):
             raise ctx.error("the nodes_* attributes differ in length")
         if m and not ((self.features >= 0) & (self.features < n_features)).all():
@@ -146,16 +148,13 @@ def op_tree_ensemble(ctx: Any, x: Tensor) -> Tensor:
     key = ("trees", x.shape[1])
     trees: _Trees = ctx.memo(key, lambda: _Trees(ctx, x.shape[1]))
     np_dtype = x.dtype.np
-    if len(trees.features):
-        feature_mask = ctx.lift(key + ("features",), lambda: trees.features[:, None] == np.arange(x.shape[1])[None, :])
-        xf = gather_where(x, feature_mask, 1, 1)  # (N, nodes): each node's feature
-        split = ctx.lift(("splits", np_dtype.str), lambda: trees.splits.astype(np_dtype)[None, :])
-        tested = _tests(ctx, trees, xf, split, np_dtype).cast(x.dtype)
-        hits = tested.matmul(ctx.lift(key + ("paths",), lambda: trees.path_matrix().astype(np_dtype)))
-        hits = hits + ctx.lift(key + ("falses",), lambda: trees.falses().astype(np_dtype)[None, :])
-        reached = hits == ctx.lift(key + ("lengths",), lambda: trees.lengths().astype(np_dtype)[None, :])
-    else:  # every tree is a single leaf
-        reached = Tensor.full((x.shape[0], len(trees.paths)), True, dtypes.bool_, x.device)
+    feature_mask = ctx.lift(key + ("features",), lambda: trees.features[:, None] == np.arange(x.shape[1])[None, :])
+    xf = gather_where(x, feature_mask, 1, 1)  # (N, nodes): each node's feature
+    split = ctx.lift(("splits", np_dtype.str), lambda: trees.splits.astype(np_dtype)[None, :])
+    tested = _tests(ctx, trees, xf, split, np_dtype).cast(x.dtype)
+    hits = tested.matmul(ctx.lift(key + ("paths",), lambda: trees.path_matrix().astype(np_dtype)))
+    hits = hits + ctx.lift(key + ("falses",), lambda: trees.falses().astype(np_dtype)[None, :])
+    reached = hits == ctx.lift(key + ("lengths",), lambda: trees.lengths().astype(np_dtype)[None, :])
     leaf_values = ctx.lift(key + ("weights",), lambda: (np.eye(trees.n_targets)[trees.targets] * trees.weights[:, None]).astype(np_dtype))
     if aggregate in (_SUM, _AVERAGE):
         out = reached.cast(x.dtype).matmul(leaf_values)
