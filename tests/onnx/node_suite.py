@@ -192,11 +192,11 @@ def run_case(case: Case) -> str:
 def _compare(what: str, have: Any, want: Any, case: Case) -> str | None:
     """None when `have` matches `want` (arrays, lists of them for sequences, None for an empty
     optional), else what differs; values by `assert_allclose` (raises AssertionError)."""
-    if isinstance(want, list) or want is None:
-        if not isinstance(have, list) if want is not None else have is not None:
-            return f"{what}: {type(have).__name__}, expected {'a sequence' if want is not None else 'None'}"
-        if want is None:
-            return None
+    if want is None:
+        return None if have is None else f"{what}: {type(have).__name__}, expected None (an empty optional)"
+    if isinstance(want, list):
+        if not isinstance(have, list):
+            return f"{what}: {type(have).__name__}, expected a sequence"
         if len(have) != len(want):
             return f"{what}: a sequence of {len(have)}, expected {len(want)}"
         return next((p for k, (h, w) in enumerate(zip(have, want)) if (p := _compare(f"{what}[{k}]", h, w, case))), None)
