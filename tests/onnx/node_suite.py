@@ -3,9 +3,11 @@
 The onnx wheel ships the generators (`onnx.backend.test.case.node`), not the data: collecting the
 cases takes ~12 s, so they are generated once per onnx version into the cache dir
 (`$TINYDIST_CACHE_DIR/onnx-node-suite/<onnx version>-<format>/<case>.npz`: the model's bytes, every data
-set's inputs and expected outputs, onnx's rtol/atol; no pickles). A case is in the suite when every
-graph input and output is a tensor of a dtype outside string / bfloat16 / float8 / float4 /
-float6 / int4 / int2 (cases with sequence, optional or map values are in the suite and fail).
+set's inputs and expected outputs, onnx's rtol/atol; no pickles). A case is in the suite when no
+graph input or output (nor a sequence's or optional's element) is of a dtype among string /
+bfloat16 / float8 / float4 / float6 / int4 / int2. Sequence values are stored element by element
+and fed as lists of arrays, an empty optional as None, as onnxruntime takes them; cases with map
+values are in the suite and fail.
 
 Each case is loaded with `tinydist.onnx.load` and called on every data set; outputs are compared as
 onnx's own backend runner does (shape, dtype, then `assert_allclose(rtol, atol)` with the case's
@@ -40,7 +42,7 @@ EXCLUDED_ELEM = {8: "string", 16: "bfloat16", 17: "float8", 18: "float8", 19: "f
                  23: "float4", 21: "int4", 22: "int4", 25: "int2", 26: "int2", 27: "float6", 28: "float6"}
 
 
-_FORMAT = 2  # of the cached files: 2 reads TensorProto data sets as arrays (1 counted them as non-tensor)
+_FORMAT = 3  # of the cached files: 3 stores sequences and optionals (2 read TensorProto data sets as arrays)
 
 
 class Case:
@@ -60,11 +62,42 @@ def _cache_dir() -> Path:
 
 
 def _value_elems(model: Any) -> list[int | None]:
-    """Element type of every graph input and output (None: not a tensor)."""
-    out: list[int | None] = []
-    for vi in list(model.graph.input) + list(model.graph.output):
-        out.append(vi.type.tensor_type.elem_type if vi.type.HasField("tensor_type") else None)
-    return out
+    """Element type of every graph input and output, through sequences and optionals (None: a map
+    or another type the suite does not feed)."""
+    def elem(tp: Any) -> int | None:
+        field = tp.WhichOneof("value")
+        if field == "tensor_type":
+            return int(tp.tensor_type.elem_type)
+        if field in ("sequence_type", "optional_type"):
+            return elem(getattr(tp, field).elem_type)
+        return None
+    return [elem(vi.type) for vi in list(model.graph.input) + list(model.graph.output)]
+
+
+def _storable(value: Any) -> bool:
+    if isinstance(value, list):
+        return all(_storable(v) for v in value)
+    return value is None or isinstance(value, (np.ndarray, np.generic))
+
+
+def _store(arrays: dict[str, np.ndarray], key: str, value: Any) -> None:
+    """`key` holds an array; a sequence is `key.seq` (its length) and `key.<k>` per element; None is `key.none`."""
+    if value is None:
+        arrays[key + ".none"] = np.zeros(0)
+    elif isinstance(value, list):
+        arrays[key + ".seq"] = np.array(len(value))
+        for k, v in enumerate(value):
+            _store(arrays, f"{key}.{k}", v)
+    else:
+        arrays[key] = np.asarray(value)
+
+
+def _restore(z: Any, key: str) -> Any:
+    if key + ".none" in z.files:
+        return None
+    if key + ".seq" in z.files:
+        return [_restore(z, f"{key}.{k}") for k in range(int(z[key + ".seq"]))]
+    return z[key]
 
 
 def _opset(model: Any) -> int:
@@ -91,15 +124,16 @@ def _generate(directory: Path) -> None:
         case.data_sets = [([_as_array(v) for v in ins], [_as_array(v) for v in outs]) for ins, outs in case.data_sets]
         base = re.sub(r"_expanded.*$", "", case.name)
         op = single.get(case.name) or single.get(base) or case.model.graph.node[-1].op_type
-        non_tensor = None in elems or any(not isinstance(v, (np.ndarray, np.generic))
-                                          for ins, outs in case.data_sets for v in (*ins, *outs))
+        non_tensor = None in elems or not all(_storable(v) for ins, outs in case.data_sets for v in (*ins, *outs))
         arrays: dict[str, np.ndarray] = {"model": np.frombuffer(case.model.SerializeToString(), np.uint8),
                                          "meta": np.array([case.rtol, case.atol, _opset(case.model), non_tensor], np.float64),
                                          "op": np.array(op)}
         if not non_tensor:
             for i, (ins, outs) in enumerate(case.data_sets):
-                arrays.update({f"in_{i}_{j}": np.asarray(v) for j, v in enumerate(ins)})
-                arrays.update({f"out_{i}_{j}": np.asarray(v) for j, v in enumerate(outs)})
+                for j, v in enumerate(ins):
+                    _store(arrays, f"in_{i}_{j}", v)
+                for j, v in enumerate(outs):
+                    _store(arrays, f"out_{i}_{j}", v)
         buffer = io.BytesIO()
         np.savez(buffer, **arrays)
         (directory / f"{case.name}.npz").write_bytes(buffer.getvalue())
@@ -115,12 +149,12 @@ def load_cases() -> list[Case]:
     for path in sorted(directory.glob("*.npz")):
         with np.load(path, allow_pickle=False) as z:
             rtol, atol, opset, non_tensor = z["meta"].tolist()
-            sets: dict[int, tuple[dict[int, np.ndarray], dict[int, np.ndarray]]] = collections.defaultdict(lambda: ({}, {}))
+            sets: dict[int, tuple[dict[int, Any], dict[int, Any]]] = collections.defaultdict(lambda: ({}, {}))
             for key in z.files:
                 kind, _, rest = key.partition("_")
                 if kind in ("in", "out"):
-                    i, j = (int(p) for p in rest.split("_"))
-                    sets[i][0 if kind == "in" else 1][j] = z[key]
+                    i, j = (int(p) for p in rest.split(".")[0].split("_"))
+                    sets[i][0 if kind == "in" else 1][j] = _restore(z, f"{kind}_{i}_{j}")
             data = [([ins[j] for j in sorted(ins)], [outs[j] for j in sorted(outs)]) for _, (ins, outs) in sorted(sets.items())]
             cases.append(Case(path.stem, str(z["op"]), int(opset), z["model"].tobytes(), data, rtol, atol, bool(non_tensor)))
     return cases
@@ -133,7 +167,7 @@ def run_case(case: Case) -> str:
     import tinydist.onnx as tdo
 
     if case.non_tensor:
-        return "sequence, optional or map values are not supported"
+        return "map values are not supported"
     proto = onnx.load_from_string(case.model)
     try:
         model = tdo.load(proto)
@@ -144,17 +178,36 @@ def run_case(case: Case) -> str:
             if len(have) != len(want):
                 return f"{len(have)} outputs, expected {len(want)}"
             for k, (h, w) in enumerate(zip(have, want)):
-                if h.shape != w.shape:
-                    return f"output {k}: shape {h.shape}, expected {w.shape}"
-                if h.dtype != w.dtype:
-                    return f"output {k}: dtype {h.dtype}, expected {w.dtype}"
-                np.testing.assert_allclose(h, w, rtol=case.rtol, atol=case.atol)
+                problem = _compare(f"output {k}", h, w, case)
+                if problem:
+                    return problem
     except AssertionError as e:
         return "mismatch: " + " ".join(str(e).split())[:160]
     except Exception as e:  # noqa: BLE001 - every failure is an outcome to record
         text = str(e).strip().splitlines()
         return f"{type(e).__name__}: {text[0] if text else ''}"[:200]
     return "pass"
+
+
+def _compare(what: str, have: Any, want: Any, case: Case) -> str | None:
+    """None when `have` matches `want` (arrays, lists of them for sequences, None for an empty
+    optional), else what differs; values by `assert_allclose` (raises AssertionError)."""
+    if want is None:
+        return None if have is None else f"{what}: {type(have).__name__}, expected None (an empty optional)"
+    if isinstance(want, list):
+        if not isinstance(have, list):
+            return f"{what}: {type(have).__name__}, expected a sequence"
+        if len(have) != len(want):
+            return f"{what}: a sequence of {len(have)}, expected {len(want)}"
+        return next((p for k, (h, w) in enumerate(zip(have, want)) if (p := _compare(f"{what}[{k}]", h, w, case))), None)
+    if not isinstance(have, np.ndarray):
+        return f"{what}: {type(have).__name__}, expected an array"
+    if have.shape != want.shape:
+        return f"{what}: shape {have.shape}, expected {want.shape}"
+    if have.dtype != want.dtype:
+        return f"{what}: dtype {have.dtype}, expected {want.dtype}"
+    np.testing.assert_allclose(have, want, rtol=case.rtol, atol=case.atol)
+    return None
 
 
 def run_all(cases: list[Case] | None = None) -> dict[str, str]:

@@ -1,6 +1,8 @@
 """Opsets as onnxruntime treats them: every default-domain opset from 7 to the installed onnx's
 newest loads, each node dispatched on its schema's since_version; a version without an
 implementation is refused at load, naming node, op, domain, since_version and the versions that are.
+Below opset 7 (onnxruntime's guaranteed range) a model loads when each of its op versions is one
+implemented (Not-1, Relu-6), and is refused by that rule otherwise.
 
 The per-opset model spells each op the way its version at that opset does (attributes that became
 inputs: Clip, Pad, Slice, Split, Squeeze/Unsqueeze, Reduce*; Upsample before Resize; Softmax and
@@ -134,13 +136,39 @@ def test_deprecated_upsample_at_opset_10_is_refused():
         tdo.load(model)
 
 
-@pytest.mark.parametrize("opset", [6, LATEST + 1])
+def _one_op(op, opset, elem=TensorProto.FLOAT):
+    graph = helper.make_graph([N(op, ["x"], ["y"], name="act")], "g", [helper.make_tensor_value_info("x", elem, [2, 3])],
+                              [helper.make_tensor_value_info("y", elem, [2, 3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)] if opset else [])
+    model.ir_version = 3
+    return model
+
+
+@pytest.mark.parametrize("opset", [0, LATEST + 1])
 def test_opset_outside_the_range_is_refused(opset):
-    graph = helper.make_graph([N("Relu", ["x"], ["y"])], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    with pytest.raises(tdo.UnsupportedModelError, match=rf"model opset {opset} is not supported \(default-domain opsets 7–{LATEST}"):
-        tdo.load(model)
+    """Above the installed onnx's newest opset, and a default-domain node in a model that imports
+    no default opset (opset 0)."""
+    with pytest.raises(tdo.UnsupportedModelError, match=rf"model opset {opset} is not supported \(default-domain opsets 1–{LATEST}"):
+        tdo.load(_one_op("Relu", opset))
+
+
+@pytest.mark.parametrize("op,opset,elem", [("Not", 1, TensorProto.BOOL), ("Relu", 6, TensorProto.FLOAT), ("Abs", 6, TensorProto.FLOAT)])
+def test_an_opset_below_7_loads_when_its_op_versions_are_implemented(reference, rng, op, opset, elem):
+    """Not-1 and Relu-6 / Abs-6 are the versions opsets 7+ still use: a model stamped with the old
+    opset loads and equals onnxruntime (which runs it with a warning: it guarantees opset 7+ only).
+    The rule changed from "refuse below 7" to "refuse the op versions not implemented"."""
+    model = _one_op(op, opset, elem)
+    x = rng.normal(size=(2, 3)).astype(np.float32)
+    feed = {"x": x > 0 if elem == TensorProto.BOOL else x}
+    got = tdo.load(model)(feed)["y"]
+    np.testing.assert_array_equal(got, reference(model, feed)[0])
+
+
+def test_an_opset_below_7_refuses_an_op_version_not_implemented():
+    with pytest.raises(tdo.UnsupportedModelError,
+                       match=r"node 'act' \(Relu, opset 5\): Relu \(domain ai.onnx\) version 1 \(the version at opset 5\) "
+                             r"is not implemented; implemented versions: 6, 13, 14$"):
+        tdo.load(_one_op("Relu", 5))
 
 
 @pytest.mark.parametrize("opset,scales", [(9, [1, 1, 2, 3]), (10, [1, 1, 0.5, 0.75]), (10, [1, 1, 1.5, 2.5])])

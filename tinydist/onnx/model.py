@@ -26,18 +26,28 @@ from tinydist.frontend.tensor import Tensor
 from tinydist.graph import dtypes
 from tinydist.onnx.errors import ModelLoadError, UnsupportedModelError
 from tinydist.onnx.ops import DOMAIN_OPS, FOLDS, OPS, SUPPORTED_NP
-from tinydist.onnx.ops._common import OUTER
+from tinydist.onnx.ops._common import EMPTY, OUTER
 from tinydist.runtime.engine import get_engine
 from tinydist.runtime.registry import canonical_name
 
-MIN_OPSET = 7  # the oldest default-domain opset onnxruntime runs; the newest is the installed onnx's
+# Default-domain opsets from 1 to the installed onnx's newest: below 7 (onnxruntime's oldest) a
+# model loads when each node's op version there is one implemented (Not-1, Abs-6 …), and is
+# refused by node otherwise, like any version not implemented.
+MIN_OPSET = 1
 _REQUIRED = object()
 _MAX_VALUE_INPUT = 64  # elements: shape vectors, axes, pads, scales are a handful
 # plans (and captures) kept per model when value inputs key them, the oldest dropped first: a
 # value input that changes every call (an ImageDecoder's encoded bytes) would otherwise keep one each
 _MAX_VALUE_PLANS = 32
-_SHAPE_ONLY = frozenset({"Shape", "Size"})  # ops that read only their input's shape, never its values
-_Key = tuple[tuple[tuple[int, ...], ...], tuple[bytes, ...]]  # input shapes, values of the value inputs
+# ops that read only their input's shape (or a sequence's length), never its values
+_SHAPE_ONLY = frozenset({"Shape", "Size", "SequenceLength"})
+_LEAF = object()  # in an output's template: a tensor the captured graph returns
+# input shapes (a sequence input's: ("seq", element shapes...); an empty optional's: ("none",)),
+# values of the value inputs
+_Key = tuple[tuple[Any, ...], tuple[bytes, ...]]
+# a graph value's type: ("tensor", dims or None when the rank is unknown, dtype), ("sequence", element
+# kind) or ("optional", element kind)
+Kind = tuple[Any, ...]
 
 # ONNX TensorProto element types that tinydist tensors can hold.
 _ELEM_TO_NP = {1: np.float32, 2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int16, 6: np.int32, 7: np.int64, 9: np.bool_,
@@ -69,7 +79,7 @@ class NodeCtx:
                  outputs_used: list[bool], device: str) -> None:
         self.name, self.op_type, self.opset, self.since, self.attrs = name, op_type, opset, since, attrs
         self.n_outputs, self.outputs_used, self._device = n_outputs, outputs_used, device
-        self._memo: dict[Any, Tensor] = {}
+        self._memo: dict[Any, Any] = {}
         # evaluates a subgraph (If / Loop / Scan bodies): set by the model
         self.run_body: Callable[[Body, Mapping[str, Any]], list[Any]] | None = None
 
@@ -89,12 +99,30 @@ class NodeCtx:
     def target_dtype(self, elem_type: int) -> dtypes.DType:
         return dtypes.to_dtype(np_dtype_of(self, elem_type))
 
-    def lift(self, key: Any, array: np.ndarray) -> Tensor:
-        """`array` as a Tensor, uploaded once per node and key (a scalar becomes a fused constant)."""
+    def memo(self, key: Any, make: Callable[[], Any]) -> Any:
+        """`make()`'s result, made on the key's first use and kept with the node (what depends only
+        on attributes and static shapes: index maps, a tree ensemble's paths)."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
+
+    def lift(self, key: Any, array: np.ndarray | Callable[[], np.ndarray]) -> Tensor:
+        """`array` as a Tensor, uploaded once per node and key (a scalar becomes a fused constant);
+        a function making the array is called on the key's first use only (work that depends on
+        attributes alone: once at load, not on every call that builds the graph)."""
         found = self._memo.get(key)
         if found is None:
-            found = self._memo[key] = lift(self, np.asarray(array), self._device)
+            found = self._memo[key] = lift(self, np.asarray(array() if callable(array) else array), self._device)
         return found
+
+
+def _host(value: Any) -> Any:
+    """A folded result as a constant of the plan: numpy arrays, sequences of them, EMPTY, None."""
+    if isinstance(value, Tensor):
+        return value.numpy()
+    if isinstance(value, list):
+        return [_host(v) for v in value]
+    return value if value is None or value is EMPTY else np.asarray(value)
 
 
 def _since_version(defs: Any, op_type: str, opset: int, domain: str = "") -> int | None:
@@ -111,6 +139,59 @@ def lift(ctx: Any, array: np.ndarray, device: str) -> Tensor:
     if array.size == 1:
         return Tensor.full(array.shape, array.reshape(-1)[0].item(), dtypes.to_dtype(array.dtype), device)
     return Tensor(np.ascontiguousarray(array), device).realize()
+
+
+def _dynamic(value: Any) -> bool:
+    """Computed at run time: a Tensor, or a sequence holding one (else a constant of the plan)."""
+    return isinstance(value, Tensor) or (isinstance(value, list) and any(_dynamic(v) for v in value))
+
+
+def _is_const(value: Any) -> bool:
+    return isinstance(value, np.ndarray) or value is EMPTY or (isinstance(value, list) and all(_is_const(v) for v in value))
+
+
+def _arrays(value: Any) -> list[np.ndarray]:
+    """A fed sequence's / optional's arrays, depth first (an empty optional has none)."""
+    if isinstance(value, list):
+        return [a for v in value for a in _arrays(v)]
+    return [] if value is EMPTY else [value]
+
+
+def _leaves(value: Any) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    return [t for v in value for t in _leaves(v)] if isinstance(value, list) else []
+
+
+def _kind_of(tp: Any, what: str) -> Kind:
+    """A TypeProto as a Kind; a map (or an untyped value) is refused, naming the value."""
+    field = tp.WhichOneof("value")
+    if field == "tensor_type":
+        tt = tp.tensor_type
+        dims = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in tt.shape.dim) \
+            if tt.HasField("shape") else None
+        return ("tensor", dims, np_dtype_of(_GraphCtx(what), tt.elem_type))
+    if field == "sequence_type":
+        return ("sequence", _kind_of(tp.sequence_type.elem_type, f"{what} (its elements)"))
+    if field == "optional_type":
+        return ("optional", _kind_of(tp.optional_type.elem_type, what))
+    raise _GraphCtx(what).error(f"{(field or 'untyped').replace('_type', '')} values are not supported "
+                                "(tensors, sequences and optionals)")
+
+
+def _nest(key: Any, kind: Kind, leaf: Callable[[Any, np.dtype], Any]) -> Any:
+    """A sequence / optional input's value from its key (see `_Key`): `leaf(shape, dtype)` per tensor."""
+    if kind[0] == "optional":
+        return EMPTY if key == ("none",) else _nest(key, kind[1], leaf)
+    if kind[0] == "sequence":
+        return [_nest(k, kind[1], leaf) for k in key[1:]]
+    return leaf(key, kind[2])
+
+
+def _kind_text(kind: Kind) -> str:
+    if kind[0] == "tensor":
+        return f"{kind[2].name}{list(kind[1]) if kind[1] is not None else '[…]'}"
+    return f"{kind[0]}({_kind_text(kind[1])})"
 
 
 class Body:
@@ -140,13 +221,32 @@ class _Node:
 
 
 class _Plan:
-    """Closures for one set of input shapes."""
+    """Closures for one set of input shapes; per output, its slot (or constant value) and its
+    template: the value with each run-time tensor replaced by `_LEAF` (the order in which the
+    captured graph returns them)."""
 
-    __slots__ = ("steps", "n_slots", "input_slots", "outputs")
+    __slots__ = ("steps", "n_slots", "input_slots", "outputs", "templates")
 
     def __init__(self, steps: list[Callable[[list[Any]], None]], n_slots: int, input_slots: list[int],
-                 outputs: list[tuple[int, Any]]) -> None:
+                 outputs: list[tuple[int, Any]], templates: list[Any]) -> None:
         self.steps, self.n_slots, self.input_slots, self.outputs = steps, n_slots, input_slots, outputs
+        self.templates = templates
+
+
+def _template(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return _LEAF
+    return [_template(v) for v in value] if isinstance(value, list) else value
+
+
+def _fill(template: Any, leaves: Any) -> Any:
+    """An output from its template: `_LEAF`s from `leaves` (an iterator of arrays), constants copied
+    (an empty optional: None, as onnxruntime gives it)."""
+    if template is _LEAF:
+        return next(leaves)
+    if isinstance(template, list):
+        return [_fill(t, leaves) for t in template]
+    return None if template is EMPTY else np.array(template, copy=True)
 
 
 def _make_step(fn: Callable[..., Any], ctx: NodeCtx, spec: list[tuple[int, Any]], out_slots: list[int],
@@ -196,7 +296,7 @@ class OnnxModel:
         self.opset = opsets.get("ai.onnx", opsets.get("", 0))
         self._opsets = opsets
         latest = defs.onnx_opset_version()
-        # a model of other domains only (the training optimizers) imports no default opset
+        # a model of other domains only (the training optimizers, ai.onnx.ml) imports no default opset
         other_only = self.opset == 0 and opsets and all(d in DOMAIN_OPS for d in opsets) and \
             all((n.domain or "ai.onnx") in DOMAIN_OPS for n in graph.node)
         if not other_only and not MIN_OPSET <= self.opset <= latest:
@@ -208,13 +308,23 @@ class OnnxModel:
             self._consts[init.name] = numpy_helper.to_array(init)
         if len(graph.sparse_initializer):
             raise UnsupportedModelError("sparse initializers are not supported")
-        self.inputs: list[tuple[str, tuple[int | None, ...], np.dtype]] = []
+        # tensors: (name, shape, dtype); a sequence or optional: (name, None, None), its kind in _kinds
+        self.inputs: list[tuple[str, tuple[int | None, ...] | None, np.dtype | None]] = []
+        self._kinds: dict[str, Kind] = {}
         for vi in graph.input:
             if vi.name in self._consts:
                 continue  # an initializer listed as an input: a constant with a default (not fed)
-            self.inputs.append((vi.name, *self._value_type(vi, "graph input")))
+            if not vi.type.HasField("tensor_type"):  # a sequence or optional (a map is refused, naming it)
+                self._kinds[vi.name] = _kind_of(vi.type, f"graph input {vi.name!r}")
+                self.inputs.append((vi.name, None, None))
+            else:
+                self.inputs.append((vi.name, *self._value_type(vi, "graph input")))
         self.outputs: list[tuple[str, tuple[int | None, ...] | None, np.dtype | None]] = []
         for vi in graph.output:
+            if vi.type.WhichOneof("value") not in (None, "tensor_type"):  # an untyped output takes what the graph computes
+                self._kinds[vi.name] = _kind_of(vi.type, f"graph output {vi.name!r}")
+                self.outputs.append((vi.name, None, None))
+                continue
             shape, dtype = self._value_type(vi, "graph output", required=False)
             self.outputs.append((vi.name, shape, dtype))
         self.input_names = [name for name, _, _ in self.inputs]
@@ -231,7 +341,7 @@ class OnnxModel:
         self._jits: dict[_Key, TinyJit | None] = {}
         # constant values uploaded once, per name and value (see _lift_value)
         self._lifted: dict[str, list[tuple[np.ndarray, Tensor]]] = {}
-        if all(None not in shape for _, shape, _ in self.inputs) and not self.value_inputs:
+        if all(shape is not None and None not in shape for _, shape, _ in self.inputs) and not self.value_inputs:
             self._plan(tuple(tuple(shape) for _, shape, _ in self.inputs), {})  # type: ignore[arg-type]
 
     def _parse_nodes(self, graph_nodes: Any, used: set[str], scope: str) -> list[_Node]:
@@ -256,11 +366,12 @@ class OnnxModel:
             else:
                 ctx_name = f"node {name!r} ({node.op_type}, {domain} opset {self._opsets.get(domain, 0)})"
                 since = _since_version(defs, node.op_type, self._opsets.get(domain, 0), domain)
+            at = self.opset if domain == "ai.onnx" else self._opsets.get(domain, 0)
             if since is None:
-                raise UnsupportedModelError(f"{ctx_name}: op type {node.op_type!r} does not exist at opset {self.opset}")
+                raise UnsupportedModelError(f"{ctx_name}: op type {node.op_type!r} does not exist at {domain} opset {at}")
             if since not in spec.versions:
                 raise UnsupportedModelError(
-                    f"{ctx_name}: {node.op_type} (domain ai.onnx) version {since} (the version at opset {self.opset}) "
+                    f"{ctx_name}: {node.op_type} (domain {domain}) version {since} (the version at opset {at}) "
                     f"is not implemented; implemented versions: {', '.join(map(str, sorted(spec.versions)))}")
             attrs: dict[str, Any] = {}
             outer: list[str] = []
@@ -272,8 +383,11 @@ class OnnxModel:
                     outer.extend(n for n in body.outer if n not in outer)
                     attrs[attr.name] = body
                     continue
-                if attr.type in (attr.GRAPH, attr.GRAPHS, attr.SPARSE_TENSOR, attr.SPARSE_TENSORS, attr.TYPE_PROTO,
-                                 attr.TYPE_PROTOS) or attr.ref_attr_name:
+                if attr.type == attr.TYPE_PROTO:  # Optional's `type`: the element type of an empty optional
+                    attrs[attr.name] = attr.tp
+                    continue
+                if attr.type in (attr.GRAPH, attr.GRAPHS, attr.SPARSE_TENSOR, attr.SPARSE_TENSORS, attr.TYPE_PROTOS) \
+                        or attr.ref_attr_name:
                     raise UnsupportedModelError(f"{ctx_name}: attribute {attr.name!r} of this kind is not supported")
                 value = helper.get_attribute_value(attr)
                 if isinstance(value, bytes):
@@ -329,11 +443,11 @@ class OnnxModel:
             if missing:
                 raise ctx.error(f"input {missing[0]!r} is not produced by any earlier node, initializer or graph input")
             try:
-                if all(not i or isinstance(values[i], np.ndarray) for i in node.inputs):
+                if all(not i or _is_const(values[i]) for i in node.inputs):
                     results: Sequence[Any] = self._fold(node, values)
                 else:
-                    args = [None if not i else values[i] if (isinstance(values[i], Tensor) or pos in spec.params or spec.subgraphs)
-                            else lift(ctx, values[i], self.device) for pos, i in enumerate(node.inputs)]
+                    args = [None if not i else values[i] if (pos in spec.params or spec.subgraphs)
+                            else self._lift_elements(ctx, values[i]) for pos, i in enumerate(node.inputs)]
                     result = spec.fn(ctx, *args)
                     results = result if isinstance(result, tuple) else (result,)
             except UnsupportedModelError:
@@ -369,7 +483,7 @@ class OnnxModel:
             seen.add((name, whole))
             if name in graph_inputs:
                 shape = next(shape for n, shape, _ in self.inputs if n == name)
-                if whole or None in shape or math.prod(d or 0 for d in shape) <= _MAX_VALUE_INPUT:
+                if shape is not None and (whole or None in shape or math.prod(d or 0 for d in shape) <= _MAX_VALUE_INPUT):
                     found.add(name)
             node = producer.get(name)
             if node is not None and node.ctx.op_type not in _SHAPE_ONLY:
@@ -379,10 +493,8 @@ class OnnxModel:
     @staticmethod
     def _value_type(vi: Any, what: str, required: bool = True) -> tuple[Any, Any]:
         ctx = _GraphCtx(f"{what} {vi.name!r}")
-        if not vi.type.HasField("tensor_type"):
-            if not required:
-                return None, None
-            raise ctx.error("only tensor values are supported")
+        if not vi.type.HasField("tensor_type"):  # an untyped graph output (inputs of other kinds have a Kind)
+            return None, None
         tt = vi.type.tensor_type
         dtype = np_dtype_of(ctx, tt.elem_type) if (required or tt.elem_type) else None
         if not tt.HasField("shape"):
@@ -393,8 +505,10 @@ class OnnxModel:
         return dims, dtype
 
     def __repr__(self) -> str:
-        ins = ", ".join(f"{n}: {d.name}{list(s)}" for n, s, d in self.inputs)
-        return f"<OnnxModel {self.graph_name!r} opset {self.opset} ({ins}) -> {self.output_names}>"
+        return f"<OnnxModel {self.graph_name!r} opset {self.opset} ({self._inputs_text()}) -> {self.output_names}>"
+
+    def _inputs_text(self) -> str:
+        return ", ".join(f"{n}: {_kind_text(self._kinds.get(n) or ('tensor', s, d))}" for n, s, d in self.inputs)
 
     # ---- planning ----------------------------------------------------------------------------
 
@@ -413,6 +527,23 @@ class OnnxModel:
         uploaded.append((array, tensor))
         return tensor
 
+    def _lift_any(self, ctx: Any, name: str, value: Any) -> Any:
+        """A constant of the plan as the handlers take it: arrays as Tensors (once per value), a
+        sequence element by element, the empty optional as it is."""
+        if isinstance(value, list):
+            return [self._lift_any(ctx, f"{name}[{k}]", v) for k, v in enumerate(value)]
+        return value if value is EMPTY or isinstance(value, Tensor) else self._lift_value(ctx, name, value)
+
+    def _lift_elements(self, ctx: Any, value: Any) -> Any:
+        """As `_lift_any`, uploading each constant afresh (a body's values change per iteration)."""
+        if isinstance(value, list):
+            return [self._lift_elements(ctx, v) for v in value]
+        return value if value is EMPTY or isinstance(value, Tensor) else lift(ctx, value, self.device)
+
+    def _dry(self, key: Any, kind: Kind) -> Any:
+        """A placeholder value of `kind` for an input's key (its shape, or its structure of shapes)."""
+        return _nest(key, kind, lambda shape, dtype: Tensor.full(shape, 0, dtypes.to_dtype(dtype), self.device))
+
     def _key(self, shapes: tuple[tuple[int, ...], ...], values: Mapping[str, np.ndarray]) -> _Key:
         return shapes, tuple(values[name].tobytes() for name in self.input_names if name in self.value_inputs)
 
@@ -429,7 +560,7 @@ class OnnxModel:
                 consts[name] = values[name]
                 continue
             slot_of[name] = len(dry)
-            dry.append(Tensor.full(shape, 0, dtypes.to_dtype(dtype), self.device))
+            dry.append(self._dry(shape, self._kinds.get(name) or ("tensor", shape, dtype)))
         steps: list[Callable[[list[Any]], None]] = []
         for node in self._nodes:
             ctx, spec = node.ctx, node.spec
@@ -454,7 +585,7 @@ class OnnxModel:
                         args.append(dry[slot_of[name]])
                     else:
                         raw = pos in spec.params or spec.subgraphs
-                        value = consts[name] if raw else self._lift_value(ctx, name, consts[name])
+                        value = consts[name] if raw else self._lift_any(ctx, name, consts[name])
                         spec_args.append((-1, value))
                         args.append(value)
                 results = spec.fn(ctx, *args)
@@ -466,7 +597,7 @@ class OnnxModel:
             results = results if multi else (results,)
             out_slots = []
             for out, value in zip(node.outputs, results):
-                if isinstance(value, Tensor) and out:
+                if _dynamic(value) and out:
                     slot_of[out] = len(dry)
                     out_slots.append(len(dry))
                     dry.append(value)
@@ -481,20 +612,25 @@ class OnnxModel:
             gctx = _GraphCtx(f"graph output {name!r}")
             if name in slot_of:
                 value = dry[slot_of[name]]
-                got_shape, got_dtype = value.shape, value.dtype.np
                 outputs.append((slot_of[name], None))
             elif name in consts:
-                value = np.asarray(consts[name])
-                got_shape, got_dtype = value.shape, value.dtype
+                value = consts[name] if isinstance(consts[name], list) or consts[name] is EMPTY else np.asarray(consts[name])
                 outputs.append((-1, value))
             else:
                 raise gctx.error("is not produced by any node")
+            if name in self._kinds:
+                continue  # a sequence or optional: its elements are checked as the feed's are, by the ops
+            if not isinstance(value, (Tensor, np.ndarray)):
+                raise gctx.error(f"computes a {'sequence' if isinstance(value, list) else 'empty optional'}, "
+                                 "the graph declares a tensor")
+            got_shape, got_dtype = value.shape, (value.dtype.np if isinstance(value, Tensor) else value.dtype)
             if declared_dtype is not None and got_dtype != declared_dtype:
                 raise gctx.error(f"computes dtype {got_dtype}, the graph declares {declared_dtype}")
             if declared_shape is not None and (len(declared_shape) != len(got_shape) or
                                                any(d is not None and d != g for d, g in zip(declared_shape, got_shape))):
                 raise gctx.error(f"computes shape {got_shape}, the graph declares {declared_shape}")
-        plan = _Plan(steps, len(dry), [slot_of.get(name, -1) for name in self.input_names], outputs)
+        templates = [_template(dry[slot]) if slot >= 0 else const for slot, const in outputs]
+        plan = _Plan(steps, len(dry), [slot_of.get(name, -1) for name in self.input_names], outputs, templates)
         self._plans[key] = plan
         if self.value_inputs and len(self._plans) > _MAX_VALUE_PLANS:
             del self._plans[next(iter(self._plans))]
@@ -507,11 +643,11 @@ class OnnxModel:
         if fold is not None:
             result = fold(ctx, *values)
         else:
-            args = [v if (v is None or pos in spec.params or spec.subgraphs) else lift(ctx, v, self.device)
+            args = [v if (v is None or pos in spec.params or spec.subgraphs) else self._lift_elements(ctx, v)
                     for pos, v in enumerate(values)]
             result = spec.fn(ctx, *args)
         results = result if isinstance(result, tuple) else (result,)
-        return [r.numpy() if isinstance(r, Tensor) else (np.asarray(r) if r is not None else None) for r in results]
+        return [_host(r) for r in results]
 
     # ---- running ----------------------------------------------------------------------------
 
@@ -521,20 +657,55 @@ class OnnxModel:
         missing = [n for n in self.input_names if n not in feed]
         extra = [n for n in feed if n not in self.input_names]
         if missing or extra:
-            expected = ", ".join(f"{n}: {d.name}{list(s)}" for n, s, d in self.inputs)
             parts = ([f"missing input(s) {missing}"] if missing else []) + ([f"unexpected input(s) {extra}"] if extra else [])
-            raise ValueError(f"{'; '.join(parts)}; the model expects {expected}")
+            raise ValueError(f"{'; '.join(parts)}; the model expects {self._inputs_text()}")
 
-    def _check_value(self, name: str, shape: tuple[int | None, ...], dtype: np.dtype, got_shape: tuple[int, ...], got_dtype: Any) -> None:
+    def _check_value(self, name: str, shape: tuple[int | None, ...] | None, dtype: np.dtype, got_shape: tuple[int, ...],
+                     got_dtype: Any) -> None:
         if got_dtype != dtype:
             raise ValueError(f"input {name!r}: expected dtype {dtype}, got {got_dtype}")
-        if len(got_shape) != len(shape) or any(d is not None and d != g for d, g in zip(shape, got_shape)):
+        if shape is not None and (len(got_shape) != len(shape) or any(d is not None and d != g for d, g in zip(shape, got_shape))):
             want = "(" + ", ".join("?" if d is None else str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
             raise ValueError(f"input {name!r}: expected shape {want}, got {tuple(got_shape)}")
 
-    def _run(self, shapes: tuple[tuple[int, ...], ...], tensors: Sequence[Tensor | None],
-             values: Mapping[str, np.ndarray]) -> list[Any]:
-        """Run the plan for these shapes and values; `tensors` in input order, None for value inputs."""
+    def _structured(self, name: str, kind: Kind, value: Any, tensors: bool) -> tuple[Any, Any]:
+        """A sequence / optional input's key (its structure of shapes) and its value (lists of
+        arrays, or of td.Tensors when `tensors`; EMPTY for None) with every element checked against
+        the declared kind. A sequence is a list (or tuple) of arrays, an empty optional None, as
+        onnxruntime takes them."""
+        if kind[0] == "optional":
+            return (("none",), EMPTY) if value is None else self._structured(name, kind[1], value, tensors)
+        if kind[0] == "sequence":
+            if not isinstance(value, (list, tuple)):
+                raise TypeError(f"input {name!r}: expected a sequence (a list of arrays), got {type(value).__name__}")
+            parts = [self._structured(f"{name}[{i}]", kind[1], v, tensors) for i, v in enumerate(value)]
+            return ("seq",) + tuple(k for k, _ in parts), [v for _, v in parts]
+        _, shape, dtype = kind
+        if tensors:
+            if not isinstance(value, Tensor):
+                raise TypeError(f"input {name!r}: run_tensors takes td.Tensor values, got {type(value).__name__}")
+            self._check_value(name, shape, dtype, value.shape, value.dtype.np)
+            self._check_device(name, value)
+            return value.shape, value
+        array = self._as_array(value, dtype)
+        self._check_value(name, shape, dtype, array.shape, array.dtype)
+        return array.shape, array
+
+    @staticmethod
+    def _as_array(value: Any, dtype: np.dtype) -> np.ndarray:
+        if isinstance(value, np.ndarray):
+            return value
+        array = np.asarray(value)
+        return array.astype(dtype) if array.dtype != dtype and array.dtype.kind == dtype.kind else array  # Python scalars / lists
+
+    def _check_device(self, name: str, t: Tensor) -> None:
+        if t.device != self.device:
+            raise ValueError(f"input {name!r} is on {t.device}, the model on {self.device}: "
+                             f"move it with .to({self.device!r}), or load the model on {t.device}")
+
+    def _run(self, shapes: tuple[Any, ...], tensors: Sequence[Any], values: Mapping[str, np.ndarray]) -> list[Any]:
+        """Run the plan for these shapes and values; `tensors` in input order (a sequence input's
+        a list, an empty optional's EMPTY), None for value inputs."""
         plan = self._plans.get(self._key(shapes, values)) or self._plan(shapes, values)
         env: list[Any] = [None] * plan.n_slots
         for slot, t in zip(plan.input_slots, tensors):
@@ -544,52 +715,75 @@ class OnnxModel:
             step(env)
         return [env[slot] if slot >= 0 else const for slot, const in plan.outputs]
 
-    def run_tensors(self, feed: Mapping[str, Tensor]) -> list[Tensor]:
+    def run_tensors(self, feed: Mapping[str, Any]) -> list[Any]:
         """The outputs as lazy Tensors (graph output order), built from input Tensors; nothing is realized.
+        A sequence input or output is a list of Tensors, an empty optional None.
 
         The inputs must live on the model's device: one elsewhere would either meet the weights
         in an op that names no input ("operands are on different devices") or, in a graph that
         reaches no weight, quietly compute on its own device."""
         self._check_feed(feed)
-        tensors: list[Tensor | None] = []
+        tensors: list[Any] = []
+        shapes: list[Any] = []
         values: dict[str, np.ndarray] = {}
         for name, shape, dtype in self.inputs:
             t = feed[name]
+            if name in self._kinds:
+                key, value = self._structured(name, self._kinds[name], t, tensors=True)
+                shapes.append(key)
+                tensors.append(value)
+                continue
             if not isinstance(t, Tensor):
                 raise TypeError(f"input {name!r}: run_tensors takes td.Tensor values, got {type(t).__name__}")
+            assert dtype is not None
             self._check_value(name, shape, dtype, t.shape, t.dtype.np)
-            if t.device != self.device:
-                raise ValueError(f"input {name!r} is on {t.device}, the model on {self.device}: "
-                                 f"move it with .to({self.device!r}), or load the model on {t.device}")
+            self._check_device(name, t)
+            shapes.append(t.shape)
             if name in self.value_inputs:
                 values[name] = t.numpy()  # a shape-determining value: read now, the graph is built for it
                 tensors.append(None)
             else:
                 tensors.append(t)
-        results = self._run(tuple(t.shape for t in (feed[n] for n in self.input_names)), tensors, values)
-        return [r if isinstance(r, Tensor) else self._lift_value(_GraphCtx("output"), "\0out" + str(i), r)
-                for i, r in enumerate(results)]
+        results = self._run(tuple(shapes), tensors, values)
+        return [self._output_tensors(f"\0out{i}", r) for i, r in enumerate(results)]
 
-    def __call__(self, feed: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        """Run on numpy inputs; returns {output name: numpy array} in the graph's output order.
+    def _output_tensors(self, name: str, value: Any) -> Any:
+        if isinstance(value, list):
+            return [self._output_tensors(f"{name}[{k}]", v) for k, v in enumerate(value)]
+        if value is EMPTY:
+            return None
+        return value if isinstance(value, Tensor) else self._lift_value(_GraphCtx("output"), name, value)
+
+    def __call__(self, feed: Mapping[str, Any]) -> dict[str, Any]:
+        """Run on numpy inputs; returns {output name: numpy array} in the graph's output order (a
+        sequence output: a list of arrays; an empty optional: None, as onnxruntime gives them).
 
         Each input shape's graph is captured with td.jit (on its second call) and replayed per
         frame afterwards: numpy in, one native entry point, numpy out. The arrays are passed in
         the graph's declared input order, whatever order its nodes reach them in, and uploaded to
-        the model's device (the weights' device) for the calls before the capture."""
+        the model's device (the weights' device) for the calls before the capture. A sequence
+        input is passed as its elements (its length and their shapes key the capture, as a
+        tensor's shape does), and a sequence output is rebuilt from the tensors the capture
+        returns and the constants its plan folded."""
         self._check_feed(feed)
-        arrays = []
+        shapes_list: list[Any] = []
+        fed: list[np.ndarray] = []
+        values: dict[str, np.ndarray] = {}
         for name, shape, dtype in self.inputs:
-            array = feed[name]
-            if not isinstance(array, np.ndarray):
-                array = np.asarray(array)
-                if array.dtype != dtype and array.dtype.kind == dtype.kind:  # Python scalars / lists
-                    array = array.astype(dtype)
+            if name in self._kinds:
+                key, value = self._structured(name, self._kinds[name], feed[name], tensors=False)
+                shapes_list.append(key)
+                fed.extend(_arrays(value))
+                continue
+            assert dtype is not None
+            array = self._as_array(feed[name], dtype)
             self._check_value(name, shape, dtype, array.shape, array.dtype)
-            arrays.append(array)
-        shapes = tuple(a.shape for a in arrays)
-        values = {name: np.array(a, copy=True) for name, a in zip(self.input_names, arrays) if name in self.value_inputs}
-        fed = [a for name, a in zip(self.input_names, arrays) if name not in self.value_inputs]
+            shapes_list.append(array.shape)
+            if name in self.value_inputs:
+                values[name] = np.array(array, copy=True)
+            else:
+                fed.append(array)
+        shapes = tuple(shapes_list)
         key = self._key(shapes, values)
         if key not in self._jits:
             def outputs(*tensors: Tensor) -> tuple[Tensor, ...]:
@@ -604,39 +798,39 @@ class OnnxModel:
             except JitError:  # e.g. every output is an input or a constant: nothing to capture
                 self._jits[key] = None
             else:
-                constants = self._constant_outputs(shapes, values)
-                return {name: np.array(constants[i], copy=True) if i in constants else next(results)
-                        for i, name in enumerate(self.output_names)}
-        tensors = [None if name in self.value_inputs else Tensor(a, self.device) for name, a in zip(self.input_names, arrays)]
-        return self._run_eagerly(shapes, tensors, values)
+                plan = self._plans.get(key) or self._plan(shapes, values)
+                return {name: _fill(template, results) for name, template in zip(self.output_names, plan.templates)}
+        return self._run_eagerly(shapes, self._inputs_of(shapes, [Tensor(a, self.device) for a in fed]), values)
 
-    def _tensor_outputs(self, shapes: tuple[tuple[int, ...], ...], values: Mapping[str, np.ndarray],
-                        *fed: Tensor) -> tuple[Tensor, ...]:
+    def _inputs_of(self, shapes: tuple[Any, ...], fed: Sequence[Tensor]) -> list[Any]:
+        """The inputs in graph order from the fed tensors (a sequence's elements in turn; None
+        for a value input)."""
         it = iter(fed)
-        tensors = [None if name in self.value_inputs else next(it) for name in self.input_names]
-        return tuple(r for r in self._run(shapes, tensors, values) if isinstance(r, Tensor))
+        out: list[Any] = []
+        for (name, _, _), shape in zip(self.inputs, shapes):
+            if name in self._kinds:
+                out.append(_nest(shape, self._kinds[name], lambda _shape, _dtype: next(it)))
+            else:
+                out.append(None if name in self.value_inputs else next(it))
+        return out
 
-    def _constant_outputs(self, shapes: tuple[tuple[int, ...], ...], values: Mapping[str, np.ndarray]) -> dict[int, Any]:
-        """Outputs the graph folds to constants for these input shapes and values (position -> value)."""
-        plan = self._plans.get(self._key(shapes, values)) or self._plan(shapes, values)
-        return {i: const for i, (slot, const) in enumerate(plan.outputs) if slot < 0}
+    def _tensor_outputs(self, shapes: tuple[Any, ...], values: Mapping[str, np.ndarray], *fed: Tensor) -> tuple[Tensor, ...]:
+        """The run-time tensors of every output, in template order (what the capture returns)."""
+        return tuple(t for r in self._run(shapes, self._inputs_of(shapes, fed), values) for t in _leaves(r))
 
-    def _run_eagerly(self, shapes: tuple[tuple[int, ...], ...], tensors: list[Tensor | None],
-                     values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _run_eagerly(self, shapes: tuple[Any, ...], tensors: list[Any], values: Mapping[str, np.ndarray]) -> dict[str, Any]:
         results = self._run(shapes, tensors, values)
-        pending = [r.node for r in results if isinstance(r, Tensor)]
-        realize(pending)
-        out: dict[str, np.ndarray] = {}
+        leaves = [t for r in results for t in _leaves(r)]
+        realize([t.node for t in leaves])
         engine = get_engine()
         copies: dict[str, list[tuple[np.ndarray, Any]]] = {}
-        for name, r in zip(self.output_names, results):
-            if isinstance(r, Tensor):
-                array = np.empty(r.shape, r.dtype.np)
-                if array.size:
-                    copies.setdefault(r.device, []).append((array, r.node.buffer))
-                out[name] = array
-            else:
-                out[name] = np.array(r, copy=True)
+        host: dict[int, np.ndarray] = {}
+        for t in leaves:
+            if id(t) in host:
+                continue
+            array = host[id(t)] = np.empty(t.shape, t.dtype.np)
+            if array.size:
+                copies.setdefault(t.device, []).append((array, t.node.buffer))
         completions = []
         for device_name, items in copies.items():
             device = engine.device(device_name)
@@ -646,7 +840,14 @@ class OnnxModel:
             completions.append(batch.submit())
         for completion in completions:
             completion.wait_blocking()
-        return out
+
+        def to_host(value: Any) -> Any:
+            if isinstance(value, Tensor):
+                return host[id(value)]
+            if isinstance(value, list):
+                return [to_host(v) for v in value]
+            return None if value is EMPTY else np.array(value, copy=True)
+        return {name: to_host(r) for name, r in zip(self.output_names, results)}
 
 
 def load(model: Any, device: str = "CPU") -> OnnxModel:

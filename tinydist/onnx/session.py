@@ -22,8 +22,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from tinydist.onnx.model import OnnxModel, load
 from tinydist.runtime.registry import canonical_name
 
@@ -122,9 +120,10 @@ class InferenceSession:
 
     # ---- running ---------------------------------------------------------------------------
 
-    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], run_options: Any = None) -> list[np.ndarray]:
+    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any], run_options: Any = None) -> list[Any]:
         """The outputs named by `output_names` (every output, in the graph's order, when None or
-        empty) for `input_feed` (input name -> array), as a list in that order."""
+        empty) for `input_feed` (input name -> array; a sequence input: a list of arrays, an empty
+        optional: None), as a list in that order (a sequence output: a list of arrays)."""
         names = list(output_names) if output_names else [o.name for o in self._outputs]
         known = {o.name for o in self._outputs}
         unknown = [n for n in names if n not in known]
@@ -172,11 +171,29 @@ def _device_of(providers: Sequence[Any] | None) -> str:
 
 
 def _node_arg(value_info: Any) -> NodeArg:
-    tensor = value_info.type.tensor_type
+    """As onnxruntime describes it: a sequence as "seq(tensor(float))" with shape [], an optional
+    as "optional(…)" with its element's shape."""
+    return NodeArg(value_info.name, _shape_of(value_info.type), _type_name(value_info.type))
+
+
+def _type_name(tp: Any) -> str:
+    field = tp.WhichOneof("value")
+    if field == "sequence_type":
+        return f"seq({_type_name(tp.sequence_type.elem_type)})"
+    if field == "optional_type":
+        return f"optional({_type_name(tp.optional_type.elem_type)})"
+    return f"tensor({_TYPE_NAMES.get(tp.tensor_type.elem_type, 'undefined')})"
+
+
+def _shape_of(tp: Any) -> list[int | str | None]:
+    if tp.HasField("optional_type"):
+        return _shape_of(tp.optional_type.elem_type)
     shape: list[int | str | None] = []
-    for dim in tensor.shape.dim:
+    if not tp.HasField("tensor_type"):
+        return shape
+    for dim in tp.tensor_type.shape.dim:
         if dim.HasField("dim_value"):
             shape.append(dim.dim_value)
         else:
             shape.append(dim.dim_param or None)
-    return NodeArg(value_info.name, shape, f"tensor({_TYPE_NAMES.get(tensor.elem_type, 'undefined')})")
+    return shape

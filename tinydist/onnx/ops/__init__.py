@@ -26,8 +26,7 @@ from tinydist.onnx.ops.data_dependent import op_compress, op_non_max_suppression
 from tinydist.onnx.ops.einsum import op_einsum
 from tinydist.onnx.ops.elementwise import (
     _variadic, op_bitcast, op_cast, op_cast_like, op_clip, op_div, op_dropout, op_elu, op_gelu, op_hard_sigmoid,
-    op_hard_swish, op_identity, op_leaky_relu, op_mean, op_optional_get_element, op_optional_has_element, op_pow,
-    op_softplus,
+    op_hard_swish, op_identity, op_leaky_relu, op_mean, op_pow, op_softplus,
 )
 from tinydist.onnx.ops.elementwise import (
     ceil, op_celu, op_is_inf, op_is_nan, op_mish, op_mod, op_prelu, op_selu, op_shrink, op_sign, op_softsign,
@@ -51,9 +50,15 @@ from tinydist.onnx.ops.quant import (
     op_conv_integer, op_dequantize_linear, op_dynamic_quantize_linear, op_matmul_integer, op_qlinear_conv,
     op_qlinear_matmul, op_quantize_linear,
 )
+from tinydist.onnx.ops.ml import op_array_feature_extractor, op_binarizer, op_tree_ensemble
 from tinydist.onnx.ops.recurrent import op_recurrent
 from tinydist.onnx.ops.text import op_tfidf_vectorizer
 from tinydist.onnx.ops.vision import op_deform_conv, op_image_decoder, op_roi_align
+from tinydist.onnx.ops.sequence import (
+    op_concat_from_sequence, op_optional, op_optional_get_element, op_optional_has_element, op_sequence_at,
+    op_sequence_construct, op_sequence_empty, op_sequence_erase, op_sequence_insert, op_sequence_length,
+    op_sequence_map, op_split_to_sequence,
+)
 from tinydist.onnx.ops.training import op_adagrad, op_adam, op_momentum
 from tinydist.onnx.ops.shape import (
     _arg, _reduce, op_center_crop_pad, op_eye_like, op_mel_weight_matrix, op_window, op_concat, op_constant, op_constant_of_shape, op_expand, op_flatten, op_gather,
@@ -144,6 +149,17 @@ OPS: dict[str, OpSpec] = {
     "AffineGrid": OpSpec(op_affine_grid, static=(1,), attrs=("align_corners",), min_inputs=2),
     "OptionalHasElement": OpSpec(op_optional_has_element, params=(0,), min_inputs=0),
     "OptionalGetElement": OpSpec(op_optional_get_element, params=(0,)),
+    "Optional": OpSpec(op_optional, params=(0,), attrs=("type",), min_inputs=0),
+    # sequences: positions decide which element flows where, so they are static (see ops/sequence.py)
+    "SequenceEmpty": OpSpec(op_sequence_empty, attrs=("dtype",), min_inputs=0),
+    "SequenceConstruct": OpSpec(op_sequence_construct),
+    "SequenceInsert": OpSpec(op_sequence_insert, static=(2,), min_inputs=2),
+    "SequenceErase": OpSpec(op_sequence_erase, static=(1,)),
+    "SequenceAt": OpSpec(op_sequence_at, static=(1,), min_inputs=2),
+    "SequenceLength": OpSpec(op_sequence_length),
+    "SplitToSequence": OpSpec(op_split_to_sequence, static=(1,), attrs=("axis", "keepdims")),
+    "ConcatFromSequence": OpSpec(op_concat_from_sequence, attrs=("axis", "new_axis")),
+    "SequenceMap": OpSpec(op_sequence_map, attrs=("body",), subgraphs=True),
     "Dropout": OpSpec(op_dropout, static=(1, 2), attrs=("ratio", "seed", "is_test")),
     "MatMul": OpSpec(op_matmul, params=(1,), min_inputs=2),
     "Gemm": OpSpec(op_gemm, params=(1, 2), attrs=("alpha", "beta", "transA", "transB"), min_inputs=2),
@@ -309,7 +325,9 @@ VERSIONS: dict[str, tuple[int, ...]] = {
     "CenterCropPad": (18,), "NonZero": (9, 13), "Unique": (11, 28), "Compress": (9, 11, 28), "GRU": (7, 14, 22), "LSTM": (7, 14, 22),
     "QuantizeLinear": (10, 13, 19, 21, 23, 24, 25, 28), "DequantizeLinear": (10, 13, 19, 21, 23, 24, 25, 28),
     "DynamicQuantizeLinear": (11,), "MatMulInteger": (10,), "QLinearMatMul": (10, 21), "ConvInteger": (10,),
-    "QLinearConv": (10,), "OptionalHasElement": (15, 18, 28), "OptionalGetElement": (15, 18, 28),
+    "QLinearConv": (10,), "OptionalHasElement": (15, 18, 28), "OptionalGetElement": (15, 18, 28), "Optional": (15, 28),
+    "SequenceEmpty": (11,), "SequenceConstruct": (11,), "SequenceInsert": (11,), "SequenceErase": (11,), "SequenceAt": (11,),
+    "SequenceLength": (11,), "SplitToSequence": (11, 24), "ConcatFromSequence": (11,), "SequenceMap": (17,),
     "If": (1, 11, 13, 16, 19, 21, 23, 24, 25), "Loop": (1, 11, 13, 16, 19, 21, 23, 24, 25), "Scan": (8, 9, 11, 16, 19, 21, 23, 24, 25),
     "AffineGrid": (20,), "GridSample": (16, 20, 22), "NonMaxSuppression": (10, 11), "Col2Im": (18,),
     "MaxUnpool": (9, 11, 22), "Det": (11, 22), "TensorScatter": (24,), "STFT": (17,),
@@ -318,18 +336,30 @@ for _name, _spec in OPS.items():
     _spec.versions = frozenset(VERSIONS.get(_name, ()))  # an op missing here is refused at every version
 
 # Other domains: their ops by domain, with the since_versions implemented.
-TRAINING, PREVIEW = "ai.onnx.preview.training", "ai.onnx.preview"
+TRAINING, PREVIEW, ML = "ai.onnx.preview.training", "ai.onnx.preview", "ai.onnx.ml"
 DOMAIN_OPS: dict[str, dict[str, OpSpec]] = {PREVIEW: {
     "FlexAttention": OpSpec(op_flex_attention, attrs=("prob_mod", "scale", "score_mod", "softmax_precision"), min_inputs=3,
                             subgraphs=True),
+}, ML: {
+    "ArrayFeatureExtractor": OpSpec(op_array_feature_extractor, params=(1,), min_inputs=2),
+    "Binarizer": OpSpec(op_binarizer, attrs=("threshold",)),
+    "TreeEnsemble": OpSpec(op_tree_ensemble, attrs=(
+        "aggregate_function", "leaf_targetids", "leaf_weights", "membership_values", "n_targets", "nodes_falseleafs",
+        "nodes_falsenodeids", "nodes_featureids", "nodes_hitrates", "nodes_missing_value_tracks_true", "nodes_modes",
+        "nodes_splits", "nodes_trueleafs", "nodes_truenodeids", "post_transform", "tree_roots")),
 }, TRAINING: {
     "Adagrad": OpSpec(op_adagrad, static=(0, 1), attrs=("decay_factor", "epsilon", "norm_coefficient"), min_inputs=5),
     "Momentum": OpSpec(op_momentum, static=(0, 1), attrs=("alpha", "beta", "mode", "norm_coefficient"), min_inputs=5),
     "Adam": OpSpec(op_adam, static=(0, 1), attrs=("alpha", "beta", "epsilon", "norm_coefficient", "norm_coefficient_post"),
                    min_inputs=6),
 }}
-for _ops in DOMAIN_OPS.values():
-    for _spec in _ops.values():
-        _spec.versions = frozenset({1})
+DOMAIN_VERSIONS: dict[str, dict[str, tuple[int, ...]]] = {
+    PREVIEW: {"FlexAttention": (1,)},
+    ML: {"ArrayFeatureExtractor": (1,), "Binarizer": (1,), "TreeEnsemble": (5,)},
+    TRAINING: {"Adagrad": (1,), "Momentum": (1,), "Adam": (1,)},
+}
+for _domain, _ops in DOMAIN_OPS.items():
+    for _name, _spec in _ops.items():
+        _spec.versions = frozenset(DOMAIN_VERSIONS[_domain][_name])
 
-__all__ = ["DOMAIN_OPS", "FOLDS", "OPS", "SUPPORTED_NP", "VERSIONS", "OpSpec"]
+__all__ = ["DOMAIN_OPS", "DOMAIN_VERSIONS", "FOLDS", "OPS", "SUPPORTED_NP", "VERSIONS", "OpSpec"]

@@ -119,3 +119,18 @@ def gather_where(data: Tensor, mask: Tensor, axis: int, ind_ndim: int) -> Tensor
     if data.dtype.is_bool:
         return picked.max(red)
     return picked.sum(red, dtype=data.dtype)
+
+
+class EmptyOptional:
+    """An optional value without an element (`Optional` with no input; None in a feed or a result).
+
+    A sequence is a Python list of values and an optional that holds one is that value, so only
+    the empty optional needs a type of its own: None already means an input left out."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "EMPTY_OPTIONAL"
+
+
+EMPTY = EmptyOptional()

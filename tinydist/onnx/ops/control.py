@@ -50,6 +50,9 @@ def op_if(ctx: Any, cond: Value, *rest: Value) -> Any:
         taken, other = _run(ctx, then_body, [], outer), _run(ctx, else_body, [], outer)
         results = []
         for a, b in zip(taken, other):
+            if not all(isinstance(v, (Tensor, np.ndarray)) for v in (a, b)):
+                raise ctx.error("the condition is a run-time value and a branch gives a sequence or optional: "
+                                "the taken branch must be known when the graph is planned")
             a = a if isinstance(a, Tensor) else ctx.lift(("then", id(a)), a)
             b = b if isinstance(b, Tensor) else ctx.lift(("else", id(b)), b)
             if a.shape != b.shape or a.dtype != b.dtype:

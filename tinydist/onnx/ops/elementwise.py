@@ -127,15 +127,6 @@ def op_identity(ctx: Any, x: Tensor) -> Tensor:
     return x
 
 
-def op_optional_has_element(ctx: Any, x: Value = None) -> np.ndarray:
-    """Optional values are tensors or absent here (no optional type): absent is a missing input."""
-    return np.array(x is not None)
-
-
-def op_optional_get_element(ctx: Any, x: Value) -> Value:
-    return x  # a tensor (the optional-typed graph inputs that could be empty are refused at load)
-
-
 def op_dropout(ctx: Any, x: Tensor, ratio: Value = None, training: Value = None) -> Any:
     """Inference: the identity. The mask as onnxruntime gives it: all zeros of x's dtype in version 7,
     all false in 10, all true from 12 on (onnx's reference gives all true throughout)."""
