@@ -30,6 +30,7 @@ import anyio
 
 from tinydist.base.config import settings
 from tinydist.base.logs import get_logger
+from tinydist.dist.errors import CollectiveMismatch, CollectiveTimeout
 from tinydist.security.bind import bind_policy, parse_host_port
 from transports.base import FailureCallback, Link, TransportError
 from transports.shm import ShmLink
@@ -97,11 +98,11 @@ async def serve_coordinator(listener: socket.socket, world: int, timeout: float)
     try:
         with anyio.move_on_after(timeout):
             await all_in.wait()
-        if not all_in.is_set():
-            missing = sorted(set(range(world)) - set(arrived))
+        missing = sorted(set(range(world)) - set(arrived)) if not all_in.is_set() else []
+        if missing:
             errors.append(f"ranks {missing} did not register within {timeout:g} s")
         job = secrets.token_hex(4)
-        reply: dict[str, Any] = {"error": "; ".join(errors)} if errors else {
+        reply: dict[str, Any] = {"error": "; ".join(errors), "missing": missing} if errors else {
             "job": job, "peers": {str(r): hello for r, (hello, _) in arrived.items()}}
         line = (json.dumps(reply) + "\n").encode()
         for _, writer in arrived.values():
@@ -153,7 +154,10 @@ async def register(coordinator: tuple[str, int], rank: int, world: int, timeout:
                                  f"{line[:80]!r}, not JSON ({exc}); is it a tinydist coordinator?") from exc
         if "error" in table:
             listener.close()
-            raise ValueError(f"rendezvous failed: {table['error']}")
+            if table.get("missing"):
+                raise CollectiveTimeout(table["missing"], f"rendezvous failed on rank {rank}: {table['error']} "
+                                                          f"(TINYDIST_COLLECTIVE_TIMEOUT); did those ranks start?")
+            raise CollectiveMismatch(f"rendezvous failed on rank {rank}: {table['error']}")
         return table, listener
     finally:
         writer.close()
@@ -168,7 +172,7 @@ async def connect_mesh(rank: int, world: int, table: dict[str, Any], listener: s
     socks: dict[int, socket.socket] = {}
     token = job.encode()[:16].ljust(16, b"\0")
     try:
-        with anyio.fail_after(timeout):
+        with anyio.move_on_after(timeout) as scope:
             async def accept_all() -> None:
                 while len([p for p in socks if p > rank]) < world - 1 - rank:
                     sock, _ = await loop.sock_accept(listener)
@@ -220,6 +224,10 @@ async def connect_mesh(rank: int, world: int, table: dict[str, Any], listener: s
             async with anyio.create_task_group() as tg:
                 for peer in socks:
                     tg.start_soon(make, peer)
+        if scope.cancelled_caught:
+            absent = sorted(set(range(world)) - {rank} - set(socks)) or sorted(set(socks) - set(links))
+            raise CollectiveTimeout(absent, f"rank {rank} could not connect to ranks {absent} within {timeout:g} s "
+                                            f"after the rendezvous; did they die meanwhile? (TINYDIST_COLLECTIVE_TIMEOUT)")
         return dict(sorted(links.items()))
     except BaseException:
         for sock in socks.values():
