@@ -77,25 +77,42 @@ def test_survivors_say_how_a_peer_stopped(mode, transport, tmp_path, no_shm_leak
         assert f"AGAIN {cls}" in out, out
 
 
+def _init_ranks(modes: dict[int, str]) -> list[subprocess.Popen]:
+    """Rank r of 3 runs `semantics.py modes[r]`; a rank not in `modes` never starts."""
+    port = free_port()
+    procs = []
+    for rank, mode in sorted(modes.items()):
+        env = dict(os.environ, TINYDIST_RANK=str(rank), TINYDIST_WORLD_SIZE="3", TINYDIST_COORDINATOR=f"127.0.0.1:{port}", **TIMEOUT)
+        env.pop("TINYDIST_COORDINATOR_FD", None)
+        procs.append(subprocess.Popen([sys.executable, str(WORKERS / "semantics.py"), mode], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
 @pytest.mark.parametrize("missing", [2, 0])
 def test_rendezvous_with_a_missing_rank_is_a_collective_error_naming_it(missing, no_shm_leak):
     """A rank that never starts: the others' init raises CollectiveTimeout naming it (rank 0 missing:
     no coordinator answers), not a bare ValueError or ConnectionError."""
-    port = free_port()
-    procs = []
-    for rank in range(3):
-        if rank == missing:
-            continue
-        env = dict(os.environ, TINYDIST_RANK=str(rank), TINYDIST_WORLD_SIZE="3", TINYDIST_COORDINATOR=f"127.0.0.1:{port}", **TIMEOUT)
-        env.pop("TINYDIST_COORDINATOR_FD", None)
-        procs.append(subprocess.Popen([sys.executable, str(WORKERS / "semantics.py"), "init"], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    procs = _init_ranks({r: "init" for r in range(3) if r != missing})
     for rc, out in finish(procs, timeout=60):
         assert rc == 0, out
         found = re.search(r"ERROR (\w+) ranks=(.*?) rank=.*? msg=(.*)", out)
         assert found, out
         assert found.group(1) == "CollectiveTimeout" and found.group(2) == f"[{missing}]", out
         assert f"[{missing}]" in found.group(3), out
+
+
+
+def test_a_rank_that_dies_after_registering_is_named_by_both_others(no_shm_leak):
+    """Rank 1 registers, then dies before the mesh connects: rank 2, refused by it, raises RankFailed
+    saying it died; rank 0, which waited for its connection, CollectiveTimeout naming it."""
+    results = finish(_init_ranks({0: "init", 1: "register_and_die", 2: "init"}), timeout=60)
+    expected = {0: r"ERROR CollectiveTimeout ranks=\[1\] rank=None msg=.*ranks \[1\]",
+                2: r"ERROR RankFailed ranks=None rank=1 msg=rendezvous: rank 1 died"}
+    for index, rank in ((0, 0), (2, 2)):
+        rc, out = results[index]
+        assert rc == 0, out
+        assert re.search(expected[rank], out), out
 
 
 @pytest.fixture

@@ -133,7 +133,14 @@ class ProcessGroup:
                         raise
                     raise CollectiveTimeout([0], f"rendezvous: rank {rank} reached no coordinator within {timeout:g} s, "
                                                  f"so ranks [0] (which serves it) did not join: {exc}") from exc
-                group.links = await connect_mesh(rank, world, table, listener, transport, group._on_link_failure, timeout)
+                try:
+                    group.links = await connect_mesh(rank, world, table, listener, transport, group._on_link_failure, timeout)
+                except (PeerFailed, ExceptionGroup) as exc:
+                    gone = _peer_failure(exc)
+                    if gone is None:
+                        raise
+                    raise RankFailed(gone.blamed, f"rendezvous: rank {gone.blamed} {_STORY[DIED]} after it registered: "
+                                                  f"{gone.reason}") from exc
                 hosts = {info["host"] for info in table["peers"].values()}
                 group.same_host = len(hosts) == 1 and transport != "tcp"
                 for link in group.links.values():

@@ -32,7 +32,7 @@ from tinydist.base.config import settings
 from tinydist.base.logs import get_logger
 from tinydist.dist.errors import CollectiveMismatch, CollectiveTimeout
 from tinydist.security.bind import bind_policy, parse_host_port
-from transports.base import FailureCallback, Link, TransportError
+from transports.base import FailureCallback, Link, PeerFailed, TransportError
 from transports.shm import ShmLink
 from transports.tcp import TcpLink, recv_exactly
 
@@ -178,7 +178,11 @@ async def connect_mesh(rank: int, world: int, table: dict[str, Any], listener: s
                     sock, _ = await loop.sock_accept(listener)
                     sock.setblocking(False)
                     head = bytearray(HELLO.size)
-                    if not await recv_exactly(sock, memoryview(head)):
+                    try:
+                        said = await recv_exactly(sock, memoryview(head))
+                    except OSError:          # reset before its hello: not a peer we can use
+                        said = False
+                    if not said:
                         sock.close()
                         continue
                     magic, peer, tok = HELLO.unpack(head)
@@ -196,8 +200,8 @@ async def connect_mesh(rank: int, world: int, table: dict[str, Any], listener: s
                     await loop.sock_sendall(sock, HELLO.pack(MAGIC, rank, token))
                 except OSError as exc:
                     sock.close()
-                    raise TransportError(f"rank {rank} cannot connect to rank {peer} at {address[0]}:{address[1]} "
-                                         f"({exc.strerror or exc}); is rank {peer} alive and reachable?") from exc
+                    raise PeerFailed(peer, f"rank {rank} cannot connect to rank {peer} at {address[0]}:{address[1]} "
+                                           f"({exc.strerror or exc}); is rank {peer} alive and reachable?") from exc
                 socks[peer] = sock
 
             async with anyio.create_task_group() as tg:
@@ -208,6 +212,13 @@ async def connect_mesh(rank: int, world: int, table: dict[str, Any], listener: s
             links: dict[int, Link] = {}
 
             async def make(peer: int) -> None:
+                try:
+                    await make_link(peer)
+                except OSError as exc:     # the peer's end reset: it died after the rendezvous
+                    raise PeerFailed(peer, f"rank {rank} lost rank {peer} while setting up their link "
+                                           f"({type(exc).__name__}: {exc}); is rank {peer} alive?") from exc
+
+            async def make_link(peer: int) -> None:
                 same = peers[peer]["host"] == peers[rank]["host"]
                 if transport == "shm" and not same:
                     raise ValueError(f"TINYDIST_TRANSPORT=shm, but rank {peer} is on another host")

@@ -3,7 +3,8 @@
     semantics.py late VICTIM DIR COLLECTIVE      the victim calls only once its peers' call ended (DIR/gaveup<r>)
     semantics.py gone VICTIM DIR COLLECTIVE      ... only once its peers have left the group and exited (DIR/exited<r>)
     semantics.py crash|kill|destroy|exit|raise VICTIM DIR    the victim stops one of these ways; the others call
-    semantics.py init DIR                        join the group and leave (a rank may be missing)
+    semantics.py init                            join the group and leave (a rank may be missing)
+    semantics.py register_and_die                register with the coordinator, then die before the mesh connects
 
 Every outcome is a line the test reads: RESULT <value> when a call returned, ERROR <class> ranks=<.ranks>
 rank=<.rank> msg=<message> when it raised, AGAIN <class> for the next call after a failure.
@@ -43,6 +44,14 @@ def wait_for(paths: list[Path], seconds: float = 30) -> None:
 
 
 mode = sys.argv[1]
+if mode == "register_and_die":         # join the rendezvous, then die before the mesh connects
+    import anyio
+
+    from tinydist.base.config import settings
+    from tinydist.dist.rendezvous import parse_coordinator, register
+    anyio.run(register, parse_coordinator(os.environ["TINYDIST_COORDINATOR"]), int(os.environ["TINYDIST_RANK"]),
+              int(os.environ["TINYDIST_WORLD_SIZE"]), settings.COLLECTIVE_TIMEOUT)
+    os._exit(0)
 if mode == "init":
     try:
         dist.init()
