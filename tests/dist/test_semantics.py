@@ -21,7 +21,8 @@ TIMEOUT = {"TINYDIST_COLLECTIVE_TIMEOUT": "2"}
 
 def _outcome(out: str) -> tuple[str, str, str, str]:
     """(kind, class, ranks, message) of a rank's first collective outcome: RESULT or ERROR."""
-    found = re.search(r"^(RESULT) (.*)$|^ERROR (\w+) ranks=(.*?) rank=(.*?) msg=(.*)$", out, re.M)
+    # not anchored at a line's start: a log line on stderr (merged) may end without a newline before it
+    found = re.search(r"(RESULT) (.*)$|ERROR (\w+) ranks=(.*?) rank=(.*?) msg=(.*)$", out, re.M)
     assert found, out
     if found.group(1):
         return "RESULT", "", "", found.group(2)

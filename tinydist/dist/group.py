@@ -64,13 +64,14 @@ T = TypeVar("T")
 
 # How a rank stopped: the codes a BYE, an ABORT and a poisoned step word carry (TIMED_OUT, 1, is the
 # segment's own: a deadline passed). 0, a BYE from before the codes, reads as LEFT.
-DIED, LEFT, EXITED, EXITED_ON_ERROR, BROKE_OFF = 2, 3, 4, 5, 6
+DIED, LEFT, EXITED, EXITED_ON_ERROR, BROKE_OFF, DECLARED = 2, 3, 4, 5, 6, 7
 _STORY = {
     DIED: "died (its connection closed without a goodbye: killed, os._exit or a crash)",
     LEFT: "left the group (td.dist.destroy)",
     EXITED: "exited (its script ended without td.dist.destroy; the exit hook said goodbye)",
     EXITED_ON_ERROR: "exited on an uncaught exception (the exit hook said goodbye; see that rank's output)",
     BROKE_OFF: "broke off the collective on an error of its own (see that rank's output)",
+    DECLARED: "was declared failed (ProcessGroup.fail: the cluster scheduler saw its node die)",
 }
 
 
@@ -187,12 +188,12 @@ class ProcessGroup:
     def fail(self, rank: int, reason: str) -> None:
         """Declare `rank` failed from outside (the cluster scheduler saw its node die): same path as a
         link that saw EOF, so the collective in flight and every later one raise RankFailed(rank)."""
-        self._on_link_failure(rank, reason, rank)
+        self._on_link_failure(rank, reason, rank, DECLARED)
 
-    def _on_link_failure(self, peer: int, reason: str, blamed: int) -> None:
+    def _on_link_failure(self, peer: int, reason: str, blamed: int, code: int = 0) -> None:
         if self._failure is not None:
             return
-        code = self._record_peer_failure(peer, reason, blamed)
+        code = self._record_peer_failure(peer, reason, blamed, code)
         self.log.warning("dist.rank_failed", failed_rank=blamed, noticed_via=peer, reason=reason)
         if self._scope is not None:
             self._scope.cancel()
@@ -203,17 +204,16 @@ class ProcessGroup:
                 if p not in (peer, blamed):
                     self._tg.start_soon(other.abort, blamed, code)   # type: ignore[attr-defined]
 
-    def _record_peer_failure(self, peer: int, reason: str, blamed: int) -> int:
-        """Record what the link to `peer` says happened to rank `blamed`; return its story's code.
-        Its BYE came: it left or exited, as the BYE says. Its ABORT came: what the ABORT says (a
-        timeout: the peer gave up waiting for `blamed`, perhaps us). Else the link broke: it died."""
+    def _record_peer_failure(self, peer: int, reason: str, blamed: int, code: int = 0) -> int:
+        """Record what happened to rank `blamed` (`code`, or what the link to `peer` says); return the
+        story's code. Its BYE came: it left or exited, as the BYE says. Its ABORT came: what the ABORT
+        says (a timeout: the peer gave up waiting for `blamed`, perhaps us). Else the link broke: it died."""
         link = self.links.get(peer)
-        if link is not None and link.failure is not None and link.failure.code:
+        if not code and link is not None and link.failure is not None and link.failure.code:
             code = link.failure.code
-        elif link is not None and link.peer_closed and link.failure is None:
+        elif not code and link is not None and link.peer_closed and link.failure is None:
             code = link.peer_bye or LEFT
-        else:
-            code = DIED
+        code = code or DIED
         if code == TIMED_OUT:
             self._failure = CollectiveTimeout([blamed], f"rank {peer} timed out waiting for rank {blamed}"
                                                         f"{' (this rank)' if blamed == self.rank else ''} "
