@@ -70,8 +70,12 @@ class CompileWorker:
     def _child(self) -> subprocess.Popen[bytes]:
         if self._proc is None:
             env = dict(os.environ, TINYDIST_COMPILE_WORKER_AFTER="0")   # the child compiles in-process
-            self._proc = subprocess.Popen([sys.executable, "-c", "from tinydist.codegen.compile_worker import main; main()"],
-                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+            try:
+                self._proc = subprocess.Popen([sys.executable, "-c", "from tinydist.codegen.compile_worker import main; main()"],
+                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+            except OSError as exc:
+                raise CompileError(f"cannot start the compile worker ({sys.executable}: {exc}); set "
+                                   f"TINYDIST_COMPILE_WORKER_AFTER=0 to compile in this process") from exc
             self._served = 0
             self.started += 1
         return self._proc
