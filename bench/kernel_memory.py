@@ -8,9 +8,18 @@ every tenth of the run; the growth per shape over the second half is the figure 
 Before kernels were freed (one process-wide LLVM engine) every shape kept ~2 mappings and
 ~0.17 MiB for the life of the process; now the devices' kernel LRU (`TINYDIST_LOADED_KERNELS`,
 1,024) and the schedule cache bound what stays loaded, and mappings stop growing once the LRU is
-full. RSS still grows ~120 KiB per shape: that is LLVM's O3 pipeline (llvmlite 0.50), which keeps
-about that much per module it optimises (an O0 compile keeps ~0; neither a fresh LLVM context nor
-a fresh target machine per compile changes it), outside anything tinydist owns.
+full. RSS grew a further ~130 KiB per shape (133.0 KiB measured): LLVM's O3 pipeline (llvmlite
+0.50) keeps ~74 KiB of every module it optimises for the life of the process, and no glibc remedy
+touches it (malloc_trim, M_ARENA_MAX, fresh contexts or pass builders: the figures are in
+`tinydist.codegen.compile_worker`). Past TINYDIST_COMPILE_WORKER_AFTER modules that pipeline runs
+in a child process replaced every 256, and this process keeps none of it. Measured (5,000 shapes,
+2-vCPU VM, load average 5-8 from other jobs, one run): mappings +0 (0.000/shape, PASS), RSS +40.9
+MiB over the second half, 16.8 KiB/shape (MISS against < 16). What is left is not LLVM's pipeline:
+with O0 kernels (no pipeline at all) and 256 loaded kernels the same loop grows 14.2-14.6 KiB/shape
+(13.1 with malloc_trim), and tracemalloc puts ~7-8 KiB/shape of it in Python objects (kernel ASTs,
+schedules, lowerings, the loader's entries) still to be traced to their holder. It is not the
+shape caches filling (graph/lazy.py's and graph/shape.py's lru_caches of 4,096-8,192 entries): the
+O0 loop over 12,000 shapes still grows 16.2 KiB/shape from 6,000 to 12,000 (1,024 kernels loaded).
 Not a timing benchmark: figures are counts.
 """
 

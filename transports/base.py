@@ -40,10 +40,11 @@ class LinkClosed(TransportError, ClosedResourceError):
 class PeerFailed(TransportError):
     """The peer went away without closing (EOF, reset, or it reported another rank's failure)."""
 
-    def __init__(self, peer: int, reason: str, blamed: int | None = None) -> None:
+    def __init__(self, peer: int, reason: str, blamed: int | None = None, code: int = 0) -> None:
         self.peer = peer
         self.blamed = peer if blamed is None else blamed   # the rank that really failed
         self.reason = reason
+        self.code = code        # what the reporting rank said happened (its owner's code; 0: nothing said)
         super().__init__(f"rank {self.blamed} failed ({reason})")
 
 
@@ -61,6 +62,7 @@ class Link(abc.ABC):
         self.failure: PeerFailed | None = None
         self.closing = False       # our BYE went out
         self.peer_closed = False   # the peer's BYE came in
+        self.peer_bye = 0          # the code its BYE carried (the owner's: tinydist.dist says why a rank left)
 
     # ---- the interface ----------------------------------------------------------------------
 
@@ -77,15 +79,16 @@ class Link(abc.ABC):
         """The background reader; run it in the owner's task group. Returns after BYE/EOF or failure."""
 
     @abc.abstractmethod
-    async def close(self, linger: float = 2.0, abort_blame: int | None = None) -> None:
-        """Say BYE (or ABORT naming `abort_blame`), wait at most `linger` s for the peer's BYE, release everything."""
+    async def close(self, linger: float = 2.0, abort_blame: int | None = None, bye: int = 0) -> None:
+        """Say BYE carrying the code `bye` (or ABORT naming `abort_blame`: a rank, with a code from bit
+        16 up as `SocketLink.abort` sends it), wait at most `linger` s for the peer's BYE, release everything."""
 
     # ---- shared helpers ---------------------------------------------------------------------
 
-    def _fail(self, reason: str, blamed: int | None = None) -> None:
+    def _fail(self, reason: str, blamed: int | None = None, code: int = 0) -> None:
         if self.failure is not None or (self.peer_closed and blamed is None):
             return
-        self.failure = PeerFailed(self.peer, reason, blamed)
+        self.failure = PeerFailed(self.peer, reason, blamed, code)
         self._wake_all()
         if self.on_failure is not None and not self.closing:
             self.on_failure(self.peer, reason, self.failure.blamed)

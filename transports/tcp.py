@@ -170,12 +170,13 @@ class SocketLink(Link):
                         raise ConnectionResetError("connection closed inside a message")
                     self.inbox.put(buf)
                 elif kind == BYE:
-                    self.peer_closed = True
+                    self.peer_closed, self.peer_bye = True, aux
                     self.inbox.wake()
                     if self.closing:
                         return
                 elif kind == ABORT:
-                    self._fail(f"rank {self.peer} reported rank {aux} failed", blamed=aux)
+                    # an ABORT's aux: the blamed rank in the low 16 bits, the owner's code for what happened above
+                    self._fail(f"rank {self.peer} reported rank {aux & 0xFFFF} failed", blamed=aux & 0xFFFF, code=aux >> 16)
                 else:
                     await self._on_frame(kind, aux, nbytes)
         except (OSError, TransportError) as exc:
@@ -187,7 +188,7 @@ class SocketLink(Link):
 
     # ---- closing ----------------------------------------------------------------------------
 
-    async def close(self, linger: float = 2.0, abort_blame: int | None = None) -> None:
+    async def close(self, linger: float = 2.0, abort_blame: int | None = None, bye: int = 0) -> None:
         if self.sock.fileno() < 0:     # closed under us (tests simulate a dead process this way)
             self.closing = True
             if self._serve_scope is not None:
@@ -198,7 +199,7 @@ class SocketLink(Link):
         self.closing = True
         if not already and self.failure is None:
             with anyio.move_on_after(linger), contextlib.suppress(OSError, TransportError):
-                await self._send_frame(ABORT if abort_blame is not None else BYE, abort_blame or 0)
+                await self._send_frame(ABORT if abort_blame is not None else BYE, bye if abort_blame is None else abort_blame)
         with anyio.move_on_after(linger):
             if not self.peer_closed and self.failure is None:
                 await self.done.wait()
@@ -215,11 +216,11 @@ class SocketLink(Link):
     def _release(self) -> None:
         """Free transport resources beyond the socket (subclasses)."""
 
-    async def abort(self, blamed: int) -> None:
-        """Tell the peer that rank `blamed` failed (best effort, bounded)."""
+    async def abort(self, blamed: int, code: int = 0) -> None:
+        """Tell the peer that rank `blamed` failed, `code` saying how (the owner's; best effort, bounded)."""
         if self.failure is None and not self.closing and self.sock.fileno() >= 0:
             with anyio.move_on_after(1.0), contextlib.suppress(OSError, TransportError):
-                await self._send_frame(ABORT, blamed)
+                await self._send_frame(ABORT, blamed | code << 16)
 
 
 class TcpLink(SocketLink):

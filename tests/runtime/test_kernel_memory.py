@@ -45,8 +45,9 @@ def _ast(n: int):  # type: ignore[no-untyped-def]
 @pytest.mark.timeout(600)  # 5,000 lowerings and compiles: ~25 s on a quiet machine, 75 s on a loaded one
 def test_5000_distinct_shapes_plateau_in_mappings_and_rss(monkeypatch: pytest.MonkeyPatch) -> None:
     # O0 instead of O3 keeps 5,000 compiles to seconds; what is loaded, kept and freed is the same.
-    # (The O3 pipeline itself keeps ~120 KiB per compile inside LLVM, O0 nothing: measured in
-    # bench/kernel_memory.py, not bounded by this change.)
+    # (The O3 pipeline itself keeps ~74 KiB per module inside LLVM, O0 nothing; past
+    # TINYDIST_COMPILE_WORKER_AFTER modules that is a child process's, replaced every 256:
+    # tinydist.codegen.compile_worker, tests/codegen/test_compile_worker.py, bench/kernel_memory.py.)
     quick = HostCompiler(opt_level=0)
     monkeypatch.setattr(device_compiler, "compile_kernel", quick.compile)
     compiler = DeviceCompiler(get_engine().device("CPU:0"), capacity=256)

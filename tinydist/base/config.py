@@ -43,6 +43,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _nonnegative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"expected an integer of 0 or more, got {text!r}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -119,6 +126,10 @@ for _setting in (
             "Set to 0 to bypass the on-disk compile cache."),
     Setting("COMPILE_CACHE_MAX_MB", _positive_int, lambda: 512,
             "Cap on the on-disk compile cache, in MiB; past it the least recently used entries are deleted."),
+    Setting("COMPILE_WORKER_AFTER", _nonnegative_int, lambda: 64,
+            "Modules a process optimises itself before it sends the rest to a child process, replaced every 256 "
+            "(LLVM keeps ~74 KiB of every module it optimises at O3 for the life of the process: "
+            "tinydist.codegen.compile_worker); 0: never use a child."),
     Setting("LOADED_KERNELS", _positive_int, lambda: 1024,
             "Kernels each device keeps loaded for reuse, the least recently used dropped past it. A dropped kernel's "
             "code is unmapped once nothing else holds it (a cached schedule, a captured step), so a process meeting "

@@ -51,9 +51,10 @@ underscore, never seen outside their module) are not drawn, but are TinydistErro
     ├── DmaFault [transports.rdma_bnxt.softbnxt.physmem]    the NIC model touched unmapped memory
     └── TransportError [transports.base]            a link broke its protocol or could not be set up
         ├── LinkClosed (ClosedResourceError)        this side closed the link or the group segment
-        ├── PeerFailed                              the peer left without closing: .peer, .blamed, .reason
+        ├── PeerFailed                              the peer left without closing: .peer, .blamed, .reason, .code
         ├── PeerGone [transports.cma]               the peer process died under a cross-memory copy
         ├── WaitTimeout [transports.shm_group]      a shared-memory wait passed its deadline: .ranks, .step
+        ├── Abandoned [transports.shm_group]        a rank gave up on the group's step: .reason, .blamed, .ranks
         └── RdmaError [transports.rdma_bnxt.errors]    .recovery, .hint (fields: that module's docstring)
             ├── Timeout                             firmware or a completion gave no answer in its budget
             ├── FirmwareError                       firmware answered with a non-zero code

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import llvmlite
 import llvmlite.binding as llvm
 
+from tinydist.base.config import settings
 from tinydist.base.errors import CompileError
+from tinydist.codegen.compile_worker import CompileWorker
 
 _init_lock = threading.Lock()
 _initialised = False
@@ -94,7 +96,12 @@ class HostCompiler:
         return module
 
     def compile(self, ir_text: str) -> bytes:
-        """IR text → relocatable object code (ELF on Linux)."""
+        """IR text → relocatable object code (ELF on Linux); in the compile worker once this process
+        has optimised TINYDIST_COMPILE_WORKER_AFTER modules itself (`tinydist.codegen.compile_worker`:
+        LLVM never frees what its pipeline keeps of each)."""
+        worker = _worker(self.opt_level)
+        if worker is not None:
+            return worker.compile(ir_text, self.opt_level)
         with self._lock:
             return self._machine.emit_object(self.optimise(ir_text))
 
@@ -102,3 +109,24 @@ class HostCompiler:
         """The optimised machine code as text, for inspection (e.g. checking vector registers)."""
         with self._lock:
             return self._machine.emit_assembly(self.optimise(ir_text))
+
+
+_in_process = 0           # modules this process has optimised itself
+_worker_lock = threading.Lock()
+_the_worker: CompileWorker | None = None
+
+
+def _worker(opt_level: int) -> CompileWorker | None:
+    """The process's compile worker once it has optimised COMPILE_WORKER_AFTER modules (an O0
+    compile keeps nothing, and never counts); None: compile here."""
+    global _in_process, _the_worker
+    after = settings.COMPILE_WORKER_AFTER
+    if not opt_level or not after:
+        return None
+    with _worker_lock:
+        if _in_process < after:
+            _in_process += 1
+            return None
+        if _the_worker is None:
+            _the_worker = CompileWorker()
+        return _the_worker

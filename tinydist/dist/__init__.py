@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import socket
+import sys
 import threading
 from typing import Any
 
@@ -24,7 +25,7 @@ import numpy as np
 
 from tinydist.dist.environment import launch
 from tinydist.dist.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, RankFailed
-from tinydist.dist.group import ProcessGroup
+from tinydist.dist.group import EXITED, EXITED_ON_ERROR, ProcessGroup
 from tinydist.dist.parallel import DistributedDataParallel
 from tinydist.dist.rendezvous import parse_coordinator
 from tinydist.observability import metrics
@@ -59,7 +60,7 @@ def init(rank: int | None = None, world_size: int | None = None, coordinator: st
         except BaseException as exc:
             raise _sole_cause(exc) from None
         _state.update(run=engine.run, group_cm=group_cm, group=group)
-        atexit.register(destroy)
+        atexit.register(_leave_at_exit)
 
 
 def _sole_cause(exc: BaseException) -> BaseException:
@@ -77,6 +78,16 @@ def destroy() -> None:
         state = dict(_state)
         _state.clear()
     state["group_cm"].__exit__(None, None, None)
+
+
+def _leave_at_exit() -> None:
+    """The exit hook: leave the group, the BYE saying the script ended (on an uncaught exception when
+    the interpreter recorded one, sys.last_value), so the peers can tell that from td.dist.destroy."""
+    with _lock:
+        group = _state.get("group")
+    if group is not None:
+        group.leaving = EXITED_ON_ERROR if getattr(sys, "last_value", None) is not None else EXITED
+    destroy()
 
 
 def fail(rank: int, reason: str) -> None:

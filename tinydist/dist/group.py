@@ -17,6 +17,20 @@ Failures: a link that sees EOF/reset without a BYE (or an ABORT naming a rank) c
 group records `RankFailed(rank)`, cancels the collective in flight, and tells the other peers with
 ABORT frames. A collective that outlives TINYDIST_COLLECTIVE_TIMEOUT raises `CollectiveTimeout`
 naming the ranks it still waited for. After either, the group refuses further collectives.
+
+A call completes on every rank or fails on every rank. On the group segment that is exact: a rank
+gives up on a peer only by poisoning the peer's step word (`ShmGroup.give_up`), so a rank arriving
+after its peers' deadline cannot post its step and raises the same `CollectiveTimeout` naming itself,
+and ranks waiting on a dead or departed rank all read the same story from the poison. Over links a
+rank that times out sends every peer an ABORT saying so (awaited, bounded) before it raises, so a
+late rank that calls afterwards raises the same `CollectiveTimeout`; a late rank arriving inside the
+moment between its peers' deadline and their ABORT reaching it may still finish a `barrier` (which
+moves no data; every other collective waits for data its peers never send).
+
+How a rank stopped is said as it happened (`_STORY`): it died (its connection closed without a BYE:
+SIGKILL, os._exit, a crash), it left (td.dist.destroy), it exited (its script ended, normally or on
+an uncaught exception, and the exit hook left the group), or it broke off a collective on an error
+of its own. A BYE carries the code; an ABORT carries the code with the blamed rank; a poison holds it.
 """
 
 from __future__ import annotations
@@ -43,10 +57,22 @@ from tinydist.dist.errors import CollectiveError, CollectiveMismatch, Collective
 from tinydist.dist.rendezvous import connect_mesh, coordinator_listener, register, serve_coordinator
 from tinydist.graph.collectives import Algorithm, Medium, check, choose_partitioned, resolve, resolve_partitioned, shard_bounds
 from tinydist.graph.reduce_ops import MEAN, collective_op
-from transports.base import Link, PeerFailed
-from transports.shm_group import ShmGroup, WaitTimeout, open_group
+from transports.base import Link, PeerFailed, TransportError
+from transports.shm_group import TIMED_OUT, Abandoned, ShmGroup, WaitTimeout, open_group
 
 T = TypeVar("T")
+
+# How a rank stopped: the codes a BYE, an ABORT and a poisoned step word carry (TIMED_OUT, 1, is the
+# segment's own: a deadline passed). 0, a BYE from before the codes, reads as LEFT.
+DIED, LEFT, EXITED, EXITED_ON_ERROR, BROKE_OFF, DECLARED = 2, 3, 4, 5, 6, 7
+_STORY = {
+    DIED: "died (its connection closed without a goodbye: killed, os._exit or a crash)",
+    LEFT: "left the group (td.dist.destroy)",
+    EXITED: "exited (its script ended without td.dist.destroy; the exit hook said goodbye)",
+    EXITED_ON_ERROR: "exited on an uncaught exception (the exit hook said goodbye; see that rank's output)",
+    BROKE_OFF: "broke off the collective on an error of its own (see that rank's output)",
+    DECLARED: "was declared failed (ProcessGroup.fail: the cluster scheduler saw its node die)",
+}
 
 
 @dataclass
@@ -71,6 +97,8 @@ class ProcessGroup:
         self.shm: ShmGroup | None = None
         self._seq = 0
         self._failure: CollectiveError | None = None
+        self._failure_code = 0                    # the story of `_failure` when a rank failed (`_STORY`)
+        self.leaving = LEFT                       # what our BYE will say: td.dist's exit hook sets EXITED*
         self._scope: anyio.CancelScope | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._last_choice: dict[str, str] = {}
@@ -99,8 +127,21 @@ class ProcessGroup:
                     if coordinator_sock is None:
                         coordinator_sock = coordinator_listener(coordinator)
                     tg.start_soon(serve_coordinator, coordinator_sock, world, timeout)
-                table, listener = await register(coordinator, rank, world, timeout)
-                group.links = await connect_mesh(rank, world, table, listener, transport, group._on_link_failure, timeout)
+                try:
+                    table, listener = await register(coordinator, rank, world, timeout)
+                except TransportError as exc:
+                    if rank == 0:
+                        raise
+                    raise CollectiveTimeout([0], f"rendezvous: rank {rank} reached no coordinator within {timeout:g} s, "
+                                                 f"so ranks [0] (which serves it) did not join: {exc}") from exc
+                try:
+                    group.links = await connect_mesh(rank, world, table, listener, transport, group._on_link_failure, timeout)
+                except (PeerFailed, ExceptionGroup) as exc:
+                    gone = _peer_failure(exc)
+                    if gone is None:
+                        raise
+                    raise RankFailed(gone.blamed, f"rendezvous: rank {gone.blamed} {_STORY[DIED]} after it registered: "
+                                                  f"{gone.reason}") from exc
                 hosts = {info["host"] for info in table["peers"].values()}
                 group.same_host = len(hosts) == 1 and transport != "tcp"
                 for link in group.links.values():
@@ -124,42 +165,63 @@ class ProcessGroup:
         assert grp is not None
         wanted = {"auto": shm.SINGLE_COPY_MIN_BYTES, "on": 0, "off": None}[settings.SHM_SINGLE_COPY]
         deadline = time.monotonic() + timeout
-        check = functools.partial(self._check_waiting, "the single-copy probe")
         try:
-            await anyio.to_thread.run_sync(grp.negotiate_single_copy, deadline, check, wanted)
+            await anyio.to_thread.run_sync(grp.negotiate_single_copy, deadline, self._check_waiting, wanted)
         except WaitTimeout as exc:
             raise self._timed_out("the single-copy probe", exc.ranks, False) from None
+        except Abandoned as exc:
+            raise self._abandoned("the single-copy probe", exc, False) from None
         if grp.single_copy_bytes is None:
             self.log.info("dist.single_copy_off", reason="TINYDIST_SHM_SINGLE_COPY=off or a rank cannot read a peer's "
                                                          "memory (process_vm_readv: ptrace rights); large collectives "
                                                          "go through the segment's slots")
 
     async def _close(self) -> None:
-        blamed = self._failure.rank if isinstance(self._failure, RankFailed) else None
+        failed = self._failure
+        blamed = failed.rank | self._failure_code << 16 if isinstance(failed, RankFailed) and failed.rank >= 0 else None
         async with anyio.create_task_group() as tg:
             for link in self.links.values():
-                tg.start_soon(functools.partial(link.close, linger=2.0, abort_blame=blamed))
+                tg.start_soon(functools.partial(link.close, linger=2.0, abort_blame=blamed, bye=self.leaving))
         if self.shm is not None:
             self.shm.close()
 
     def fail(self, rank: int, reason: str) -> None:
         """Declare `rank` failed from outside (the cluster scheduler saw its node die): same path as a
         link that saw EOF, so the collective in flight and every later one raise RankFailed(rank)."""
-        self._on_link_failure(rank, reason, rank)
+        self._on_link_failure(rank, reason, rank, DECLARED)
 
-    def _on_link_failure(self, peer: int, reason: str, blamed: int) -> None:
+    def _on_link_failure(self, peer: int, reason: str, blamed: int, code: int = 0) -> None:
         if self._failure is not None:
             return
-        self._failure = RankFailed(blamed, f"rank {blamed} failed: {reason}")
+        code = self._record_peer_failure(peer, reason, blamed, code)
         self.log.warning("dist.rank_failed", failed_rank=blamed, noticed_via=peer, reason=reason)
         if self._scope is not None:
             self._scope.cancel()
         if self.shm is not None:
             self.shm.wake_all()          # a caller's thread asleep on a peer's step rechecks now
         if self._tg is not None:
-            for p, link in self.links.items():
+            for p, other in self.links.items():
                 if p not in (peer, blamed):
-                    self._tg.start_soon(link.abort, blamed)   # type: ignore[attr-defined]
+                    self._tg.start_soon(other.abort, blamed, code)   # type: ignore[attr-defined]
+
+    def _record_peer_failure(self, peer: int, reason: str, blamed: int, code: int = 0) -> int:
+        """Record what happened to rank `blamed` (`code`, or what the link to `peer` says); return the
+        story's code. Its BYE came: it left or exited, as the BYE says. Its ABORT came: what the ABORT
+        says (a timeout: the peer gave up waiting for `blamed`, perhaps us). Else the link broke: it died."""
+        link = self.links.get(peer)
+        if not code and link is not None and link.failure is not None and link.failure.code:
+            code = link.failure.code
+        elif not code and link is not None and link.peer_closed and link.failure is None:
+            code = link.peer_bye or LEFT
+        code = code or DIED
+        if code == TIMED_OUT:
+            self._failure = CollectiveTimeout([blamed], f"rank {peer} timed out waiting for rank {blamed}"
+                                                        f"{' (this rank)' if blamed == self.rank else ''} "
+                                                        f"(TINYDIST_COLLECTIVE_TIMEOUT) and gave the call up, on every rank")
+        else:
+            self._failure = RankFailed(blamed, f"rank {blamed} {_STORY.get(code, 'failed')}: {reason}")
+        self._failure_code = code
+        return code
 
     # ---- the collective driver --------------------------------------------------------------
 
@@ -192,7 +254,7 @@ class ProcessGroup:
             deadline = time.monotonic() + settings.COLLECTIVE_TIMEOUT
             blob = json.dumps(header).encode()
             session = shm.Session(self.shm, blob, functools.partial(self._agree, name, header, blob), deadline,
-                                  functools.partial(self._check_waiting, name))
+                                  self._check_waiting)
             try:
                 if call.segment is not None:
                     return call.segment(session)
@@ -200,6 +262,8 @@ class ProcessGroup:
                 headers = session.sync()
             except WaitTimeout as exc:
                 raise self._timed_out(name, exc.ranks, session.headers is None) from None
+            except Abandoned as exc:
+                raise self._abandoned(name, exc, session.headers is None) from None
             except RankFailed as exc:
                 if self._failure is None:       # a peer's process vanished under a single copy: as a link's EOF
                     self._on_link_failure(exc.rank, str(exc), exc.rank)
@@ -208,10 +272,13 @@ class ProcessGroup:
             except CollectiveError:
                 raise
             except BaseException as exc:
-                # this rank stopped part way through its steps: the peers' step counts no longer match ours
+                # this rank stopped part way through its steps: the peers' step counts no longer match ours,
+                # so it poisons its own word (the peers waiting for its next step raise at once, told why)
                 if self._failure is None:
                     self._failure = CollectiveError(f"{name} broke off on rank {self.rank} ({type(exc).__name__}: {exc}); "
                                                     f"the ranks are out of step, so the group takes no more collectives")
+                    with contextlib.suppress(TransportError):
+                        self.shm.give_up([self.rank], self.shm.step + 1, BROKE_OFF, self.rank)
                 raise
             return run_async(self._guarded, name, lambda: call.links(headers), list, deadline - time.monotonic())
 
@@ -224,17 +291,35 @@ class ProcessGroup:
         return headers
 
     def _check_failure(self, name: str) -> None:
-        if self._failure is not None:
-            raise RankFailed(self._failure.rank if isinstance(self._failure, RankFailed) else -1,
-                             f"{name}: {self._failure}") from None
+        failure = self._failure
+        if isinstance(failure, CollectiveTimeout):
+            raise CollectiveTimeout(failure.ranks, f"{name}: {failure}") from None
+        if failure is not None:
+            raise RankFailed(failure.rank if isinstance(failure, RankFailed) else -1, f"{name}: {failure}") from None
 
-    def _check_waiting(self, name: str, peer: int) -> None:
-        """Between sleeps on `peer`'s step: the group failed, or `peer` left (its BYE came) and never will post it."""
-        self._check_failure(name)
-        if self.links[peer].peer_closed:
-            self._failure = RankFailed(peer, f"rank {peer} failed: it left the group (td.dist.destroy) while "
-                                             f"{name} still waited for it")
-            self._check_failure(name)
+    def _check_waiting(self, peer: int) -> tuple[int, int] | None:
+        """Between sleeps on `peer`'s step, whether to give up on it: (story, blamed rank) when the group
+        failed (a rank died: its link saw EOF) or `peer` left (its BYE came) and never will post it."""
+        if self._failure is not None:
+            return self._failure_code or BROKE_OFF, self._failure.rank if isinstance(self._failure, RankFailed) else self.rank
+        link = self.links[peer]
+        if link.peer_closed:
+            return link.peer_bye or LEFT, peer
+        return None
+
+    def _abandoned(self, name: str, exc: Abandoned, no_call: bool) -> CollectiveError:
+        """Record and return the error a poisoned step word says: the same on every rank of the call."""
+        if exc.reason == TIMED_OUT:
+            late = exc.ranks or [self.rank]
+            whose = " (this rank, too late)" if self.rank in late else ""
+            what = f"no call from ranks {late}{whose}" if no_call else f"data from ranks {late}{whose} did not arrive"
+            self._failure = CollectiveTimeout(late, f"{name} timed out after {settings.COLLECTIVE_TIMEOUT:g} s: {what}; "
+                                                    f"rank {exc.blamed} gave the call up, on every rank "
+                                                    f"(TINYDIST_COLLECTIVE_TIMEOUT)")
+        else:
+            self._failure = RankFailed(exc.blamed, f"{name}: rank {exc.blamed} {_STORY.get(exc.reason, 'failed')}")
+            self._failure_code = exc.reason
+        return self._failure
 
     async def _collective(self, call: _Call) -> Any:
         async with self._lock:
@@ -267,13 +352,20 @@ class ProcessGroup:
                         if peer is None:
                             raise
                         if self._failure is None:
-                            self._failure = RankFailed(peer.blamed, f"rank {peer.blamed} failed: {peer.reason}")
+                            self._record_peer_failure(peer.peer, peer.reason, peer.blamed)
         finally:
             self._scope = None
         self._check_failure(name)
         if deadline.cancelled_caught:
             absent = missing()
-            raise self._timed_out(name, absent or sorted(self.links), bool(absent))
+            error = self._timed_out(name, absent or sorted(self.links), bool(absent))
+            # tell every peer before raising, so a rank that calls later fails the same way (bounded: 1 s a link)
+            with anyio.CancelScope(shield=True):
+                async with anyio.create_task_group() as tg:
+                    for link in self.links.values():
+                        for rank in error.ranks:
+                            tg.start_soon(link.abort, rank, TIMED_OUT)   # type: ignore[attr-defined]
+            raise error
         raise CollectiveError(f"{name} was cancelled")  # pragma: no cover
 
     def _timed_out(self, name: str, ranks: list[int], no_call: bool) -> CollectiveTimeout:

@@ -30,8 +30,9 @@ import anyio
 
 from tinydist.base.config import settings
 from tinydist.base.logs import get_logger
+from tinydist.dist.errors import CollectiveMismatch, CollectiveTimeout
 from tinydist.security.bind import bind_policy, parse_host_port
-from transports.base import FailureCallback, Link, TransportError
+from transports.base import FailureCallback, Link, PeerFailed, TransportError
 from transports.shm import ShmLink
 from transports.tcp import TcpLink, recv_exactly
 
@@ -97,11 +98,11 @@ async def serve_coordinator(listener: socket.socket, world: int, timeout: float)
     try:
         with anyio.move_on_after(timeout):
             await all_in.wait()
-        if not all_in.is_set():
-            missing = sorted(set(range(world)) - set(arrived))
+        missing = sorted(set(range(world)) - set(arrived)) if not all_in.is_set() else []
+        if missing:
             errors.append(f"ranks {missing} did not register within {timeout:g} s")
         job = secrets.token_hex(4)
-        reply: dict[str, Any] = {"error": "; ".join(errors)} if errors else {
+        reply: dict[str, Any] = {"error": "; ".join(errors), "missing": missing} if errors else {
             "job": job, "peers": {str(r): hello for r, (hello, _) in arrived.items()}}
         line = (json.dumps(reply) + "\n").encode()
         for _, writer in arrived.values():
@@ -153,7 +154,10 @@ async def register(coordinator: tuple[str, int], rank: int, world: int, timeout:
                                  f"{line[:80]!r}, not JSON ({exc}); is it a tinydist coordinator?") from exc
         if "error" in table:
             listener.close()
-            raise ValueError(f"rendezvous failed: {table['error']}")
+            if table.get("missing"):
+                raise CollectiveTimeout(table["missing"], f"rendezvous failed on rank {rank}: {table['error']} "
+                                                          f"(TINYDIST_COLLECTIVE_TIMEOUT); did those ranks start?")
+            raise CollectiveMismatch(f"rendezvous failed on rank {rank}: {table['error']}")
         return table, listener
     finally:
         writer.close()
@@ -168,13 +172,17 @@ async def connect_mesh(rank: int, world: int, table: dict[str, Any], listener: s
     socks: dict[int, socket.socket] = {}
     token = job.encode()[:16].ljust(16, b"\0")
     try:
-        with anyio.fail_after(timeout):
+        with anyio.move_on_after(timeout) as scope:
             async def accept_all() -> None:
                 while len([p for p in socks if p > rank]) < world - 1 - rank:
                     sock, _ = await loop.sock_accept(listener)
                     sock.setblocking(False)
                     head = bytearray(HELLO.size)
-                    if not await recv_exactly(sock, memoryview(head)):
+                    try:
+                        said = await recv_exactly(sock, memoryview(head))
+                    except OSError:          # reset before its hello: not a peer we can use
+                        said = False
+                    if not said:
                         sock.close()
                         continue
                     magic, peer, tok = HELLO.unpack(head)
@@ -192,8 +200,8 @@ async def connect_mesh(rank: int, world: int, table: dict[str, Any], listener: s
                     await loop.sock_sendall(sock, HELLO.pack(MAGIC, rank, token))
                 except OSError as exc:
                     sock.close()
-                    raise TransportError(f"rank {rank} cannot connect to rank {peer} at {address[0]}:{address[1]} "
-                                         f"({exc.strerror or exc}); is rank {peer} alive and reachable?") from exc
+                    raise PeerFailed(peer, f"rank {rank} cannot connect to rank {peer} at {address[0]}:{address[1]} "
+                                           f"({exc.strerror or exc}); is rank {peer} alive and reachable?") from exc
                 socks[peer] = sock
 
             async with anyio.create_task_group() as tg:
@@ -204,6 +212,13 @@ async def connect_mesh(rank: int, world: int, table: dict[str, Any], listener: s
             links: dict[int, Link] = {}
 
             async def make(peer: int) -> None:
+                try:
+                    await make_link(peer)
+                except OSError as exc:     # the peer's end reset: it died after the rendezvous
+                    raise PeerFailed(peer, f"rank {rank} lost rank {peer} while setting up their link "
+                                           f"({type(exc).__name__}: {exc}); is rank {peer} alive?") from exc
+
+            async def make_link(peer: int) -> None:
                 same = peers[peer]["host"] == peers[rank]["host"]
                 if transport == "shm" and not same:
                     raise ValueError(f"TINYDIST_TRANSPORT=shm, but rank {peer} is on another host")
@@ -220,6 +235,10 @@ async def connect_mesh(rank: int, world: int, table: dict[str, Any], listener: s
             async with anyio.create_task_group() as tg:
                 for peer in socks:
                     tg.start_soon(make, peer)
+        if scope.cancelled_caught:
+            absent = sorted(set(range(world)) - {rank} - set(socks)) or sorted(set(socks) - set(links))
+            raise CollectiveTimeout(absent, f"rank {rank} could not connect to ranks {absent} within {timeout:g} s "
+                                            f"after the rendezvous; did they die meanwhile? (TINYDIST_COLLECTIVE_TIMEOUT)")
         return dict(sorted(links.items()))
     except BaseException:
         for sock in socks.values():

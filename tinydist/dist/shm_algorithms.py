@@ -47,7 +47,8 @@ Verdict = Callable[[dict[int, bytes]], dict[int, dict[str, Any]]]
 class Session:
     """One collective's rounds on the group segment, under one deadline."""
 
-    def __init__(self, grp: ShmGroup, header: bytes, verdict: Verdict, deadline: float, check: Callable[[int], None]) -> None:
+    def __init__(self, grp: ShmGroup, header: bytes, verdict: Verdict, deadline: float,
+                 check: Callable[[int], tuple[int, int] | None]) -> None:
         self.grp, self.header, self.verdict = grp, header, verdict
         self.deadline, self.check = deadline, check
         self.headers: dict[int, dict[str, Any]] | None = None   # every rank's header, once agreed

@@ -526,13 +526,13 @@ class RdmaLink(SocketLink):
 
     # ---- closing ------------------------------------------------------------------------------
 
-    async def close(self, linger: float = 2.0, abort_blame: int | None = None) -> None:
+    async def close(self, linger: float = 2.0, abort_blame: int | None = None, bye: int = 0) -> None:
         if self.sock.fileno() >= 0 and not self.closing and self.failure is None and self.qp is not None:
             deadline = time.monotonic() + linger           # our last messages are acknowledged before BYE
             with contextlib.suppress(RdmaError):
                 while self.qp.sq_cons < self.qp.sq_prod and time.monotonic() < deadline and self.qp.error is None:
                     self._pump()
                     await self.qp.wait(0.05)
-        await super().close(linger, abort_blame)
+        await super().close(linger, abort_blame, bye)
         with anyio.CancelScope(shield=True):
             await self._teardown()
