@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import mmap
 import os
 import platform
@@ -51,6 +52,11 @@ from collections.abc import Callable, Sequence
 import anyio
 import numpy as np
 
+from tinydist.codegen.compile_cache import compile_glue
+from tinydist.codegen.stream_sync import futex_syscall
+from tinydist.runtime.cpu.futex import SYSCALL_ADDRESS
+from tinydist.runtime.cpu.loader import native_loader
+from tinydist.runtime.program import Program
 from transports import cma
 from transports.base import Link, LinkClosed, TransportError
 from transports.shm import PREFIX, _attach, _create, _unlink
@@ -104,40 +110,42 @@ def _poison(reason: int, blamed: int) -> int:
     return _POISON | reason << 32 | blamed
 
 
-def _compare_and_swap() -> Callable[[int, int, int], int] | None:
-    """`cas(address, expected, desired) -> old`: one x86-64 `lock cmpxchg` on a uint64 (a
-    sequentially consistent read-modify-write, as C11's atomic_compare_exchange_strong), then, when
-    it swapped, FUTEX_WAKE of every waiter on the word; the old value returned. None where the page
-    cannot be made executable. Machine code in a private page rather than a compiled kernel:
-    transports sit below tinydist's code generator, and libc exports no compare-and-swap. One native
-    call for both halves of a post: measured under load (load average 8 on 2 vCPUs, min of 5 x 1e5
-    posts, three runs), the old post (a numpy store, then syscall(2) through ctypes) took 3.7-5.6 us,
-    this one 3.0-4.4 us; a separate compare-and-swap call before that syscall had made it 6.3-8.1 us."""
-    if _libc is None or platform.machine() not in ("x86_64", "AMD64"):
-        return None
-    code = bytes.fromhex(
-        "4889f0"          # mov rax, rsi                 expected
-        "f0480fb117"      # lock cmpxchg [rdi], rdx      rax: the old value
-        "751a"            # jne ret                      not swapped: return the old value
-        "4989f0"          # mov r8, rsi                  keep it (== old) across the syscall
-        "be01000000"      # mov esi, FUTEX_WAKE
-        "baffffff7f"      # mov edx, INT_MAX             every waiter
-        "4531d2"          # xor r10d, r10d               no timeout
-        "b8ca000000"      # mov eax, SYS_futex (202)
-        "0f05"            # syscall
-        "4c89c0"          # mov rax, r8
-        "c3")             # ret
-    page = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    page.write(code)
-    address = ctypes.addressof(ctypes.c_char.from_buffer(page))
-    if _libc.mprotect(ctypes.c_void_p(address), mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_EXEC) != 0:
-        return None
-    _pages.append(page)    # the code lives as long as the process
-    return ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64)(address)
+FUTEX_WAKE = 1  # shared, not FUTEX_WAKE_PRIVATE: the waiters are other processes mapping the segment
+_CAS_NAME = "td_shm_group_cas_wake"
 
 
-_pages: list[mmap.mmap] = []
-_cas = _compare_and_swap()
+@functools.cache
+def _compare_and_swap() -> tuple[Program, Callable[[int, int, int], int]] | None:
+    """`cas(address, expected, desired) -> old`: a sequentially consistent compare-and-swap on a
+    uint64 (LLVM's `cmpxchg`, C11's atomic_compare_exchange_strong; `lock cmpxchg` on x86-64) and,
+    when it swapped, FUTEX_WAKE of every waiter on the word; the old value returned. Compiled from
+    IR on first use, like the runtime's other glue; None where the signalling's other assumption,
+    x86-64's store order for the slots' plain stores, or a futex, is missing. One native call for
+    both halves of a post: measured under load (load average 8 on 2 vCPUs, min of 5 x 1e5 posts,
+    three runs), the old post (a numpy store, then syscall(2) through ctypes) took 3.7-5.6 us, one
+    call 3.0-4.4 us; a separate compare-and-swap call before that syscall had made it 6.3-8.1 us."""
+    futex = futex_syscall()
+    if futex is None or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    ir = "\n".join([
+        f"define i64 @{_CAS_NAME}(ptr %word, i64 %expected, i64 %desired) {{", "entry:",
+        "  %r = cmpxchg ptr %word, i64 %expected, i64 %desired seq_cst seq_cst",
+        "  %old = extractvalue { i64, i1 } %r, 0",
+        "  %swapped = extractvalue { i64, i1 } %r, 1",
+        "  br i1 %swapped, label %wake, label %done", "wake:",
+        f"  %syscall = inttoptr i64 {SYSCALL_ADDRESS} to ptr",
+        f"  %woken = call i64 (i64, ...) %syscall(i64 {futex}, ptr %word, i64 {FUTEX_WAKE}, i64 2147483647)",
+        "  br label %done", "done:", "  ret i64 %old", "}", ""])
+    program = native_loader.load(compile_glue(ir), _CAS_NAME, ["i64", "i64", "i64"])
+    # the loader's callable returns nothing; this one returns the old value (the program keeps the code mapped)
+    cas = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64)(program.address)
+    return program, cas
+
+
+def _cas(address: int, expected: int, desired: int) -> int:
+    compiled = _compare_and_swap()
+    assert compiled is not None, "ShmGroup.supported() is checked before a group is made"
+    return compiled[1](address, expected, desired)
 
 
 _PROBE = 0x7464_7072_6F62_6500   # a rank's probe word is this | its rank: a read of the wrong address shows
@@ -173,7 +181,7 @@ class ShmGroup:
     @staticmethod
     def supported() -> bool:
         """Futexes via syscall(2), x86-64's store order and its compare-and-swap: what the signalling relies on."""
-        return _cas is not None
+        return _compare_and_swap() is not None
 
     @staticmethod
     def size(world: int, slot_bytes: int) -> int:
@@ -278,7 +286,7 @@ class ShmGroup:
         when a peer gave up on this rank first (its poison is in our word: the step never happens)."""
         if self.steps is None:
             raise LinkClosed(f"the group's shared memory is closed (rank {self.rank})")
-        old = _cas(self._words[self.rank], self.step, self.step + 1)  # type: ignore[misc]  # and wakes
+        old = _cas(self._words[self.rank], self.step, self.step + 1)  # and wakes
         if old != self.step:
             raise self._abandoned(old)
         self.step += 1
@@ -305,7 +313,7 @@ class ShmGroup:
                     break
                 if seen >= step:
                     break
-                if _cas(self._words[r], seen, _poison(reason, blamed)) == seen:  # type: ignore[misc]  # and wakes
+                if _cas(self._words[r], seen, _poison(reason, blamed)) == seen:  # and wakes
                     poisoned.append(r)
                     break
         return poisoned
