@@ -10,7 +10,7 @@ import pytest
 
 from tinydist.codegen.compiler import HostCompiler
 from tinydist.codegen.matmul import (DEFAULT_TILINGS, PACK_B_SIGNATURE, SIGNATURE, StridedOperand, Tiling, matmul_ir,
-                                     pack_b_ir, packed_b_elements, workspace_bytes)
+                                     pack_b_array, pack_b_ir, packed_b_elements, workspace_bytes)
 from tinydist.runtime.cpu.loader import native_loader
 
 GUARD = 0xA5
@@ -225,6 +225,20 @@ def test_prepacked_b_matches_packing_per_call(kernels, packed_kernels, dtype: st
     _run(kernels[dtype, small], a, b, per_call, batch, M, N, K, (M * K, K * N, M * N), tiling)
     np.testing.assert_array_equal(packed_c, per_call)
     _check(packed_c, a, b, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("small", [False, True], ids=["default_tiling", "small_tiling"])
+@pytest.mark.parametrize("K,N", [(1, 1), (29, 13), (1030, 97), (70, 2100), (9, 129)])
+def test_pack_b_array_is_pack_b_ir(packed_kernels, dtype: str, small: bool, K: int, N: int) -> None:
+    """The numpy packer (weights at load) writes exactly what the generated one does."""
+    tiling = SMALL_TILING[dtype] if small else None
+    b = _operands(np.random.default_rng(K + N), dtype, (K, N))[0]
+    raw = np.full(packed_b_elements(K, N, dtype, tiling) * np.dtype(dtype).itemsize + 64, 0xFF, np.uint8)
+    start = -raw.ctypes.data % 64
+    packed_kernels[dtype, small][1](raw.ctypes.data + start, b.ctypes.data, K, N)
+    generated = raw[start:start + packed_b_elements(K, N, dtype, tiling) * np.dtype(dtype).itemsize].view(dtype)
+    np.testing.assert_array_equal(pack_b_array(b, tiling), generated)
 
 
 def test_prepacked_b_cannot_be_strided() -> None:

@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import llvmlite.ir as ir
+import numpy as np
 
 from tinydist.codegen import progress
 
@@ -707,6 +708,26 @@ def matmul_ir(name: str, dtype: str = "float32", tiling: Tiling | None = None,
     `publish_progress=False` leaves out the progress word (a program for a remote node)."""
     _dtype(dtype)
     return _Generator(name, dtype, tiling or DEFAULT_TILINGS[dtype], strided, publish_progress, prepacked).generate()
+
+
+def pack_b_array(b: np.ndarray, tiling: Tiling | None = None) -> np.ndarray:
+    """numpy's spelling of `pack_b_ir` (the same elements, bit for bit; a test compares): a
+    constant K×N float32/float64 B packed at load, without compiling anything, as a 1-D array
+    of `packed_b_elements(K, N)` elements."""
+    K, N = b.shape
+    t = tiling or DEFAULT_TILINGS[str(b.dtype)]
+    packed = np.zeros(packed_b_elements(K, N, str(b.dtype), t), b.dtype)
+    for jc in range(0, N, t.nc):
+        nc = min(N - jc, t.nc)
+        padded = np.zeros((K, _round_up(nc, t.nr)), b.dtype)
+        padded[:, :nc] = b[:, jc:jc + nc]
+        for pc in range(0, K, t.kc):
+            kc = min(K - pc, t.kc)
+            # micro-panel q holds columns q*NR..q*NR+NR-1 of rows pc..pc+kc-1, row after row
+            panels = padded[pc:pc + kc].reshape(kc, -1, t.nr).transpose(1, 0, 2).reshape(-1)
+            start = jc * K + pc * padded.shape[1]
+            packed[start:start + panels.size] = panels
+    return packed
 
 
 def pack_b_ir(name: str, dtype: str = "float32", tiling: Tiling | None = None) -> str:

@@ -93,6 +93,14 @@ class NodeCtx:
             found = self._memo[key] = lift(self, np.asarray(array), self._device)
         return found
 
+    def lift_made(self, key: Any, make: Callable[[], np.ndarray]) -> Tensor:
+        """`make()` as a Tensor, made and uploaded once per node and key: a value derived from
+        constants at load (a packed weight), not again on every call."""
+        found = self._memo.get(key)
+        if found is None:
+            found = self.lift(key, make())
+        return found
+
 
 def _since_version(defs: Any, op_type: str, opset: int, domain: str = "") -> int | None:
     """The since_version of `op_type`'s schema in `domain` at `opset` (None: no such op there)."""
