@@ -17,10 +17,22 @@ Blocking (the five loops around the micro-kernel, outermost first):
     ir: MR rows                      ... every MR×KC micro-panel of A in the MC block
 
 The micro-kernel keeps an MR×NR tile of C in vector registers for the whole KC loop: per step of
-k it loads NR/V vectors of packed B, broadcasts MR scalars of packed A and issues MR*NR/V fused
+k it loads NR/V vectors of packed B, broadcasts MR scalars of A and issues MR*NR/V fused
 multiply-adds (on AVX-512: 2 aligned vmovaps, 8 vbroadcastss and 16 vfmadd231ps zmm, nothing
-spilled). Packing pads partial micro-panels with zeros, so the micro-kernel always computes a full
-tile; an edge tile goes through a small MR×NR buffer in the workspace instead of C.
+spilled). Packing pads partial micro-panels of B with zeros. An edge tile is computed in place,
+not in a buffer: its rows by the kernels for MR and the powers of two below it (rows 7 = 4 + 2 +
+1), its columns under a mask (masked loads and stores of C only there, plain ones for a full
+tile), so there is no scalar tail and nothing past C's last column is touched.
+
+Where packing does not pay, an operand is read where it lies:
+- A, when N <= Tiling.a_in_place_n (128): each A panel serves few B panels, and packing it cost
+  ~16/N of the multiply-adds (25 % at attention's N = 64). Also when M <= MR.
+- B, when M <= MR (one row of tiles: each B element is used once, so packing it doubled the
+  memory traffic; at M = 1 it was the whole cost). B is swept a few rows at a time across N
+  (row streams in order) under the column mask; tiles of 1-2 rows span several NR panels, so
+  8 FMA chains are in flight, not 2.
+- B, when it is a weight: `pack_b_ir` / `pack_b_array` pack it once (at load), and the kernel of
+  `matmul_ir(prepacked=True)` reads that layout with no B packing and no B workspace.
 
 A strided operand (`StridedOperand`, for a batch of one): A or B is not a contiguous matrix but a
 view of another buffer, e.g. a convolution's im2col columns over its padded input. Its packing
@@ -29,8 +41,9 @@ the workspace first, so the (often large) matrix is never written out and read b
 
 Numerics: no fast-math flags are used; the multiply-adds are explicit ``llvm.fma`` calls (what
 ``contract`` would produce: one rounding per multiply-add). The reduction order is *not* changed:
-the tile is reloaded from C at the start of every KC block and each element accumulates
-k = 0, 1, ..., K-1 in sequence, so C[i, j] is exactly the FMA chain
+the tile is reloaded from C at the start of every KC block (and of every sweep of the small-M
+path) and each element accumulates k = 0, 1, ..., K-1 in sequence, whichever path, packed or in
+place, prepacked or not, computes it, so C[i, j] is exactly the FMA chain
 fma(a[i,K-1], b[K-1,j], ... fma(a[i,0], b[0,j], 0)) — bitwise what a naive k loop using fma
 gives, whatever the tile sizes. numpy/OpenBLAS sum K in a different order, so the two agree to
 ordinary rounding error (worst case O(K·eps) relative), not bitwise.
@@ -269,8 +282,10 @@ class _Generator:
     @property
     def row_parts(self) -> list[int]:
         """The row counts micro-kernels are generated for: MR, and the powers of two below it,
-        whose sums make every edge tile (at most log2(MR) calls, each a vector kernel). Eight
-        kernels for every count 1..MR instead doubled the module's compile time (0.8 -> 1.9 s)."""
+        whose sums make every edge tile (at most log2(MR) calls, each a vector kernel). A kernel
+        for every count 1..MR (twice: packed and small-M) compiled the float32 module in 1.9-2.0 s
+        where the kernel before this change took 0.8-0.9 s; with the parts 0.66-0.70 s against
+        0.38-0.48 s (each pair in one loaded minute)."""
         return [self.t.mr] + [1 << e for e in reversed(range(self.t.mr.bit_length())) if 1 << e < self.t.mr]
 
     def by_row_parts(self, b: _Builder, rows: ir.Value, emit: Callable[[int, ir.Value], None]) -> None:
@@ -348,7 +363,8 @@ class _Generator:
             return b.at(c, b.mul(_i64(i), ldc), self.elem)
 
         # C moves with masked loads and stores only at an edge: a full tile's are plain ones
-        # (masked stores cost more on znver4; 16 per call count when kc is short, as in attention).
+        # (12x64x32x64, kc = 32: all moves masked ran 67 GFLOP/s median, plain full-tile moves 134, in
+        # runs minutes apart on the loaded 2-core machine; the old kernel ran 92-142 alongside them).
         full = b.icmp_signed("==", cols, _i64(nv * lanes))
         blocks = {n: fn.append_basic_block(n) for n in ("load_c", "load_full", "load_masked", "zero_c", "loop")}
         b.cbranch(accumulate, blocks["load_c"], blocks["zero_c"])
