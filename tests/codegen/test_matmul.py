@@ -16,10 +16,9 @@ from tinydist.runtime.cpu.loader import native_loader
 GUARD = 0xA5
 # Tiny cache blocks make even small problems cross every block boundary (several jc, pc, ic
 # blocks, partial ones included), which the default tiling only does for huge shapes. They also
-# pack A at every N (the default reads it in place up to N = 128) and sweep an in-place B two or
-# three rows at a time.
-SMALL_TILING = {"float32": Tiling(mr=2, nr=16, kc=5, mc=4, nc=32, a_in_place_n=0, direct_kc=2),
-                "float64": Tiling(mr=3, nr=8, kc=7, mc=6, nc=16, a_in_place_n=0, direct_kc=3)}
+# sweep an in-place B (M <= MR) two or three rows at a time.
+SMALL_TILING = {"float32": Tiling(mr=2, nr=16, kc=5, mc=4, nc=32, direct_kc=2),
+                "float64": Tiling(mr=3, nr=8, kc=7, mc=6, nc=16, direct_kc=3)}
 TOLERANCE = {"float32": 1e-4, "float64": 1e-10}
 
 
@@ -58,8 +57,8 @@ def _check(c: np.ndarray, a: np.ndarray, b: np.ndarray, dtype: str) -> None:
     np.testing.assert_allclose(c, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype] * K)
 
 
-# M <= MR (B read in place, several panels wide) and above; N on and off the panel width, at and
-# over the in-place-A bound; K over the default KC; N over the default NC.
+# M <= MR (B read in place, several panels wide) and above; N on and off the panel width; K over
+# the default KC; N over the default NC.
 SHAPES = [(1, 1, 1), (7, 13, 29), (6, 32, 1), (5, 31, 3), (13, 33, 1), (1, 100, 17), (100, 1, 17),
           (1, 1, 300), (300, 2, 3), (2, 300, 3), (49, 65, 64), (50, 97, 1030), (6, 32, 8), (97, 129, 40),
           (3, 2100, 70), (1, 127, 1100), (8, 161, 9), (9, 128, 33), (19, 250, 6)]
@@ -256,8 +255,8 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 @pytest.mark.parametrize("M,N,K", [(1, 33, 5), (3, 100, 7), (8, 17, 70), (5, 161, 2)])
 def test_in_place_operands_read_nothing_past_their_end(kernels, M: int, N: int, K: int) -> None:
-    """A small-M product reads A and B in place with masked loads: A and B are laid out to end
-    exactly where an inaccessible page begins, so a read of one element past either faults."""
+    """A small-M product reads B in place with masked loads (and packs A): A and B are laid out
+    to end exactly where an inaccessible page begins, so a read of one element past either faults."""
     page = mmap.PAGESIZE
     regions = []
     try:

@@ -25,8 +25,6 @@ not in a buffer: its rows by the kernels for MR and the powers of two below it (
 tile), so there is no scalar tail and nothing past C's last column is touched.
 
 Where packing does not pay, an operand is read where it lies:
-- A, when N <= Tiling.a_in_place_n (128): each A panel serves few B panels, and packing it cost
-  ~16/N of the multiply-adds (25 % at attention's N = 64). Also when M <= MR.
 - B, when M <= MR (one row of tiles: each B element is used once, so packing it doubled the
   memory traffic; at M = 1 it was the whole cost). B is swept a few rows at a time across N
   (row streams in order) under the column mask; tiles of 1-2 rows span several NR panels, so
@@ -72,16 +70,14 @@ _ALIGN = 64          # workspace regions start on cache lines, so packed-B vecto
 
 @dataclass(frozen=True)
 class Tiling:
-    """Micro-tile MR×NR (NR a multiple of the vector width) and the cache blocks KC, MC, NC;
-    A is read in place, not packed, when N <= a_in_place_n (see the driver), and a small-M
-    product reading B in place sweeps it at most direct_kc rows at a time (see small_loops)."""
+    """Micro-tile MR×NR (NR a multiple of the vector width) and the cache blocks KC, MC, NC; a
+    small-M product reading B in place sweeps it at most direct_kc rows at a time (see small_loops)."""
 
     mr: int
     nr: int
     kc: int
     mc: int
     nc: int
-    a_in_place_n: int = 128
     direct_kc: int = 64
 
     def __post_init__(self) -> None:
@@ -224,18 +220,6 @@ def _define(module: ir.Module, name: str, args: list[tuple[str, ir.Type]], inter
     return fn, _Builder(fn.append_basic_block("entry"))
 
 
-@dataclass(frozen=True)
-class _AOperand:
-    """How a micro-kernel reads the current MC×KC block of A: element (r, k) of the panel at row ir
-    is at block + ir*panel_step + r*rs + k*ks — packed (panel_step kc, rs 1, ks MR) or in place
-    (K, K, 1)."""
-
-    block: ir.Value
-    panel_step: ir.Value
-    rs: ir.Value
-    ks: ir.Value
-
-
 class _Generator:
     def __init__(self, name: str, dtype: str, tiling: Tiling, strided: StridedOperand | None,
                  publish_progress: bool = True, prepacked: bool = False) -> None:
@@ -284,8 +268,8 @@ class _Generator:
         """The row counts micro-kernels are generated for: MR, and the powers of two below it,
         whose sums make every edge tile (at most log2(MR) calls, each a vector kernel). A kernel
         for every count 1..MR (twice: packed and small-M) compiled the float32 module in 1.9-2.0 s
-        where the kernel before this change took 0.8-0.9 s; with the parts 0.66-0.70 s against
-        0.38-0.48 s (each pair in one loaded minute)."""
+        where the kernel before this change took 0.8-0.9 s; with the parts (and A's strides
+        constant) 0.45-0.53 s against 0.28-0.29 s (each pair in one loaded minute)."""
         return [self.t.mr] + [1 << e for e in reversed(range(self.t.mr.bit_length())) if 1 << e < self.t.mr]
 
     def by_row_parts(self, b: _Builder, rows: ir.Value, emit: Callable[[int, ir.Value], None]) -> None:
@@ -331,8 +315,10 @@ class _Generator:
     def micro_kernel(self, rows: int, panels: int = 1, direct: bool = False) -> ir.Function:
         """C[0:rows, 0:cols] (+)= Apanel @ Bpanels, the tile held in rows × panels·NR/V registers.
 
-        a: element (i, k) at a[i*a_rs + k*a_ks]: an MR-tall packed micro-panel (a_rs = 1,
-        a_ks = MR) or A itself (a_rs = lda, a_ks = 1). b: `panels` NR-wide
+        a: an MR-tall packed micro-panel (a[k*MR + i], rows ≥ `rows` unused; A is packed even for
+        M <= MR, where it costs 1/N of the multiply-adds: strides known at compile time keep the
+        row addresses out of the hot loop, which with run-time strides became a chain of adds as
+        long as the FMAs and compiled the module in 0.78 s instead of 0.49). b: `panels` NR-wide
         micro-panels side by side, panel p's row k at b[p*pstride + k*ldb]: packed (ldb = NR,
         pstride = kc*NR, 64-byte aligned, zero-padded past the operand's last column) or, `direct`,
         B itself (ldb = N, pstride = NR). c: the tile, leading dimension ldc; accumulate: start
@@ -344,10 +330,9 @@ class _Generator:
         mr, nv, lanes = rows, panels * self.t.nr // self.lanes, self.lanes
         per_panel = self.t.nr // lanes
         fn, b = _define(self.module, f"{self.name}.kernel{rows}x{panels}{'d' if direct else ''}",
-                        [("kc", I64), ("a", PTR), ("a_rs", I64), ("a_ks", I64), ("b", PTR), ("ldb", I64), ("pstride", I64),
+                        [("kc", I64), ("a", PTR), ("b", PTR), ("ldb", I64), ("pstride", I64),
                          ("c", PTR), ("ldc", I64), ("accumulate", ir.IntType(1)), ("cols", I64)])
-        kc, a_panel, a_rs, a_ks, b_panel, ldb, pstride, c, ldc, accumulate, cols = fn.args
-        a_rows = [b.at(a_panel, b.mul(_i64(i), a_rs), self.elem) for i in range(rows)]
+        kc, a_panel, b_panel, ldb, pstride, c, ldc, accumulate, cols = fn.args
         # Keep LLVM from inlining this into the loop nest: a standalone function gets the whole
         # register file for the tile, and the hot loop's layout does not depend on the callers.
         fn.attributes.add("noinline")
@@ -395,10 +380,10 @@ class _Generator:
             b_vecs = [self.masked_load(b, address, mask) for address, mask in zip(b_addresses, masks)]
         else:
             b_vecs = [b.load(address, typ=self.vec, align=_ALIGN) for address in b_addresses]
-        a_k = b.mul(k, a_ks)
+        a_col = b.at(a_panel, b.mul(k, _i64(self.t.mr)), self.elem)
         new_acc = []
         for i in range(mr):
-            a_scalar = b.load(b.at(a_rows[i], a_k, self.elem), typ=self.elem, align=self.itemsize)
+            a_scalar = b.load(b.at(a_col, _i64(i), self.elem), typ=self.elem, align=self.itemsize)
             splat = b.shuffle_vector(b.insert_element(ir.Constant(self.vec, ir.Undefined), a_scalar, _i64(0)),
                                      ir.Constant(self.vec, ir.Undefined), ir.Constant(ir.VectorType(I32, lanes), None))
             new_acc.append([b.call(self.fma, [splat, b_vecs[v], acc[i][v]]) for v in range(nv)])
@@ -605,9 +590,6 @@ class _Generator:
             self.offset_table(b, col_table, strided.cols, 0)
         is_small = b.icmp_signed("<=", M, _i64(t.mr))
         pack_b_now = b.not_(is_small) if read_b_in_place else ir.Constant(ir.IntType(1), 1)
-        # A is read in place (not packed) where each of its panels is used by few panels of B
-        # (packing it costs ~16/N of the multiply-adds: 25 % at attention's N = 64) or once (M <= MR).
-        a_in_place = b.or_(is_small, b.icmp_signed("<=", N, _i64(t.a_in_place_n)))
 
         published = progress.word(self.module, self.name) if self.publish_progress else None
         with b.loop(_i64(0), batch, 1, "batch") as item:
@@ -633,25 +615,20 @@ class _Generator:
                         if published is not None:  # per MC x KC x NC block: at most 2e8 flops (float32 tiling)
                             progress.bump(b, published)
                         mc = b.min(b.sub(M, ic), _i64(t.mc))
-                        a_block = b.at(a_item, b.add(b.mul(ic, K), pc), self.elem)
                         if strided is not None and strided.operand == "a":
                             b.call(pack_a, [a_packed, a_item, b.at(row_table, ic, I32), b.at(col_table, pc, I32), mc, kc])
-                            a = _AOperand(a_packed, kc, _i64(1), _i64(t.mr))
                         else:
-                            with b.if_then(b.not_(a_in_place)):
-                                b.call(pack_a, [a_packed, a_block, K, mc, kc])
-                            a = _AOperand(b.select(a_in_place, a_block, a_packed), b.select(a_in_place, K, kc),
-                                          b.select(a_in_place, K, _i64(1)), b.select(a_in_place, _i64(1), _i64(t.mr)))
+                            b.call(pack_a, [a_packed, b.at(a_item, b.add(b.mul(ic, K), pc), self.elem), K, mc, kc])
                         with b.if_else(is_small) as (then, otherwise):
                             with then:
-                                self.small_loops(b, small, read_b_in_place, M, kc, nc, a,
+                                self.small_loops(b, small, read_b_in_place, M, kc, nc, a_packed,
                                                  b_block if read_b_in_place else b_source, c_item, jc, N, accumulate)
                             with otherwise:
-                                self.panel_loops(b, kernels, kc, nc, mc, a, b_source, c_item, ic, jc, N, accumulate)
+                                self.panel_loops(b, kernels, kc, nc, mc, a_packed, b_source, c_item, ic, jc, N, accumulate)
         b.ret_void()
 
     def small_loops(self, b: _Builder, kernels: dict[int, ir.Function], in_place: bool, M: ir.Value, kc: ir.Value,
-                    nc: ir.Value, a: _AOperand, b_source: ir.Value, c_item: ir.Value, jc: ir.Value, N: ir.Value,
+                    nc: ir.Value, a_packed: ir.Value, b_source: ir.Value, c_item: ir.Value, jc: ir.Value, N: ir.Value,
                     accumulate: ir.Value) -> None:
         """M <= MR: one row of tiles per part of M's rows (`by_row_parts`), each `panels_for`
         micro-panels wide, over the KC×NC block of B — read in place (b_source is B at row pc,
@@ -668,24 +645,24 @@ class _Generator:
 
         def sweep(rows: int, first: ir.Value) -> None:
             kernel, width = kernels[rows], self.panels_for(rows) * t.nr
-            a_rows, c_rows = b.at(a.block, b.mul(first, a.rs), self.elem), b.at(c_item, b.add(b.mul(first, N), jc), self.elem)
+            a_rows, c_rows = b.at(a_packed, first, self.elem), b.at(c_item, b.add(b.mul(first, N), jc), self.elem)
             if in_place:
                 with b.loop(_i64(0), kc, dkc, "kd") as kd:
                     with b.loop(_i64(0), nc, width, "jr") as jr:
-                        b.call(kernel, [b.min(b.sub(kc, kd), dkc), b.at(a_rows, b.mul(kd, a.ks), self.elem),
-                                        a.rs, a.ks, b.at(b_source, b.add(b.mul(kd, N), jr), self.elem), N, _i64(t.nr),
+                        b.call(kernel, [b.min(b.sub(kc, kd), dkc), b.at(a_rows, b.mul(kd, _i64(t.mr)), self.elem),
+                                        b.at(b_source, b.add(b.mul(kd, N), jr), self.elem), N, _i64(t.nr),
                                         b.at(c_rows, jr, self.elem), N,
                                         b.or_(accumulate, b.icmp_signed(">", kd, _i64(0))), b.min(b.sub(nc, jr), _i64(width))])
             else:
                 with b.loop(_i64(0), nc, width, "jr") as jr:
-                    b.call(kernel, [kc, a_rows, a.rs, a.ks, b.at(b_source, b.mul(jr, kc), self.elem), _i64(t.nr), b.mul(kc, _i64(t.nr)),
+                    b.call(kernel, [kc, a_rows, b.at(b_source, b.mul(jr, kc), self.elem), _i64(t.nr), b.mul(kc, _i64(t.nr)),
                                     b.at(c_rows, jr, self.elem), N, accumulate, b.min(b.sub(nc, jr), _i64(width))])
         self.by_row_parts(b, M, sweep)
 
     def panel_loops(self, b: _Builder, kernels: dict[int, ir.Function], kc: ir.Value, nc: ir.Value, mc: ir.Value,
-                    a: _AOperand, b_packed: ir.Value, c_item: ir.Value, ic: ir.Value, jc: ir.Value, N: ir.Value,
+                    a_packed: ir.Value, b_packed: ir.Value, c_item: ir.Value, ic: ir.Value, jc: ir.Value, N: ir.Value,
                     accumulate: ir.Value) -> None:
-        """The jr and ir loops over one MC×KC block of A and packed KC×NC block of B."""
+        """The jr and ir loops over one packed MC×KC block of A and KC×NC block of B."""
         t = self.t
         with b.loop(_i64(0), nc, t.nr, "jr") as jr:
             cols = b.min(b.sub(nc, jr), _i64(t.nr))
@@ -693,16 +670,16 @@ class _Generator:
             with b.loop(_i64(0), mc, t.mr, "ir") as ir_:
                 rows = b.min(b.sub(mc, ir_), _i64(t.mr))
                 c_tile = b.at(c_item, b.add(b.mul(b.add(ic, ir_), N), b.add(jc, jr)), self.elem)
-                self.call_tile(b, rows, kernels, [kc, b.at(a.block, b.mul(ir_, a.panel_step), self.elem), a.rs, a.ks,
+                self.call_tile(b, rows, kernels, [kc, b.at(a_packed, b.mul(ir_, kc), self.elem),
                                                   b_panel, _i64(t.nr), b.mul(kc, _i64(t.nr)), c_tile, N, accumulate, cols])
 
     def call_tile(self, b: _Builder, rows: ir.Value, kernels: dict[int, ir.Function], args: list[ir.Value]) -> None:
         """The micro-kernel call(s) for a tile of `rows` rows, `args` as for a full one: an edge
         tile's rows go through the kernels of their parts, not a full tile into a buffer."""
-        kc, a_panel, a_rs, a_ks, b_panel, ldb, pstride, c_tile, ldc, accumulate, cols = args
+        kc, a_panel, b_panel, ldb, pstride, c_tile, ldc, accumulate, cols = args
 
         def part(size: int, first: ir.Value) -> None:
-            b.call(kernels[size], [kc, b.at(a_panel, b.mul(first, a_rs), self.elem), a_rs, a_ks, b_panel, ldb, pstride,
+            b.call(kernels[size], [kc, b.at(a_panel, first, self.elem), b_panel, ldb, pstride,
                                    b.at(c_tile, b.mul(first, ldc), self.elem), ldc, accumulate, cols])
         self.by_row_parts(b, rows, part)
 
