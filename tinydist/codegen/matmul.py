@@ -614,7 +614,7 @@ class _Generator:
                                 b.call(pack_b, [b_packed, b_block, N, kc, nc])
                         b_source = b_packed
                     with b.loop(_i64(0), M, t.mc, "ic") as ic:
-                        if published is not None:  # per MC x KC x NC block: at most 2e8 flops (float32 tiling)
+                        if published is not None:  # per MC x KC x NC block: at most 2.7e8 flops (float32 tiling)
                             progress.bump(b, published)
                         mc = b.min(b.sub(M, ic), _i64(t.mc))
                         if strided is not None and strided.operand == "a":
