@@ -708,7 +708,8 @@ def matmul_ir(name: str, dtype: str = "float32", tiling: Tiling | None = None,
 def pack_b_array(b: np.ndarray, tiling: Tiling | None = None) -> np.ndarray:
     """numpy's spelling of `pack_b_ir` (the same elements, bit for bit; a test compares): a
     constant K×N float32/float64 B packed at load, without compiling anything, as a 1-D array
-    of `packed_b_elements(K, N)` elements."""
+    of `packed_b_elements(K, N)` elements. The kernel reads it with aligned vector loads: pass
+    it at a 64-byte boundary (a device buffer is; a numpy array need not be)."""
     K, N = b.shape
     t = tiling or DEFAULT_TILINGS[str(b.dtype)]
     packed = np.zeros(packed_b_elements(K, N, str(b.dtype), t), b.dtype)
