@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+
 import numpy as np
 import pytest
 
 from tinydist.codegen.compiler import HostCompiler
-from tinydist.codegen.matmul import DEFAULT_TILINGS, SIGNATURE, StridedOperand, Tiling, matmul_ir, workspace_bytes
+from tinydist.codegen.matmul import (DEFAULT_TILINGS, PACK_B_SIGNATURE, SIGNATURE, StridedOperand, Tiling, matmul_ir,
+                                     pack_b_array, pack_b_ir, packed_b_elements, workspace_bytes)
 from tinydist.runtime.cpu.loader import native_loader
 
 GUARD = 0xA5
 # Tiny cache blocks make even small problems cross every block boundary (several jc, pc, ic
-# blocks, partial ones included), which the default tiling only does for huge shapes.
-SMALL_TILING = {"float32": Tiling(mr=2, nr=16, kc=5, mc=4, nc=32),
-                "float64": Tiling(mr=3, nr=8, kc=7, mc=6, nc=16)}
+# blocks, partial ones included), which the default tiling only does for huge shapes. They also
+# sweep an in-place B (M <= MR) two or three rows at a time.
+SMALL_TILING = {"float32": Tiling(mr=2, nr=16, kc=5, mc=4, nc=32, direct_kc=2),
+                "float64": Tiling(mr=3, nr=8, kc=7, mc=6, nc=16, direct_kc=3)}
 TOLERANCE = {"float32": 1e-4, "float64": 1e-10}
 
 
@@ -52,8 +57,11 @@ def _check(c: np.ndarray, a: np.ndarray, b: np.ndarray, dtype: str) -> None:
     np.testing.assert_allclose(c, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype] * K)
 
 
+# M <= MR (B read in place, several panels wide) and above; N on and off the panel width; K over
+# the default KC; N over the default NC.
 SHAPES = [(1, 1, 1), (7, 13, 29), (6, 32, 1), (5, 31, 3), (13, 33, 1), (1, 100, 17), (100, 1, 17),
-          (1, 1, 300), (300, 2, 3), (2, 300, 3), (49, 65, 64), (50, 97, 1030), (6, 32, 8), (97, 129, 40)]
+          (1, 1, 300), (300, 2, 3), (2, 300, 3), (49, 65, 64), (50, 97, 1030), (6, 32, 8), (97, 129, 40),
+          (3, 2100, 70), (1, 127, 1100), (8, 161, 9), (9, 128, 33), (19, 250, 6)]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -61,9 +69,12 @@ SHAPES = [(1, 1, 1), (7, 13, 29), (6, 32, 1), (5, 31, 3), (13, 33, 1), (1, 100, 
 @pytest.mark.parametrize("M,N,K", SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES])
 def test_matches_numpy(kernels, dtype: str, small: bool, M: int, N: int, K: int) -> None:
     a, b = _operands(np.random.default_rng(M * 10007 + N * 101 + K), dtype, (M, K), (K, N))
-    c = np.full((M, N), np.nan, dtype)   # every element must be written, none read before
+    fenced = np.full(M * N + 64, -7.0, dtype)   # C, then guard elements an edge tile's stores must not reach
+    c = fenced[:M * N].reshape(M, N)
+    c[...] = np.nan   # every element must be written, none read before
     _run(kernels[dtype, small], a, b, c, 1, M, N, K, (0, 0, 0), SMALL_TILING[dtype] if small else None)
     _check(c, a, b, dtype)
+    assert (fenced[M * N:] == -7.0).all(), "kernel wrote past C"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -99,7 +110,8 @@ def test_batched_with_strides(kernels, dtype: str, broadcast: str) -> None:
 def test_workspace_covers_every_block() -> None:
     t = DEFAULT_TILINGS["float32"]
     small = workspace_bytes(1, 1, 1)
-    assert small >= 4 * (t.nr + t.mr + t.mr * t.nr)
+    assert small >= 4 * (t.nr + t.mr)   # one micro-panel of B and one of A
+    assert workspace_bytes(100, 300, 200, prepacked=True) < workspace_bytes(100, 300, 200)   # no B block
     # Big problems are blocked: the workspace stops growing once every block is full size.
     assert workspace_bytes(10 * t.mc, 10 * t.nc, 10 * t.kc) == workspace_bytes(t.mc, t.nc, t.kc)
     assert workspace_bytes(10, 10, 10, "float64") > workspace_bytes(10, 10, 10, "float32")
@@ -161,3 +173,108 @@ def test_strided_operand_run() -> None:
     assert StridedOperand("b", ((4, 1),), ((2, 64), (8, 1)), 0).run == 8
     assert StridedOperand("b", ((4, 1),), ((2, 8), (8, 1)), 0).run == 16
     assert StridedOperand("b", ((4, 1),), ((2, 64), (8, 2)), 0).run == 1
+
+
+def _compile_packed(dtype: str, tiling: Tiling | None):
+    suffix = f"{dtype}_{'small' if tiling else 'default'}"
+    matmul = native_loader.load(HostCompiler().compile(matmul_ir(f"test_prepacked_{suffix}", dtype, tiling, prepacked=True)),
+                                f"test_prepacked_{suffix}", SIGNATURE).cfunc
+    pack = native_loader.load(HostCompiler().compile(pack_b_ir(f"test_pack_b_{suffix}", dtype, tiling)),
+                              f"test_pack_b_{suffix}", PACK_B_SIGNATURE).cfunc
+    return matmul, pack
+
+
+@pytest.fixture(scope="module")
+def packed_kernels():
+    return {(dtype, small): _compile_packed(dtype, SMALL_TILING[dtype] if small else None)
+            for dtype in ("float32", "float64") for small in (False, True)}
+
+
+PACKED_SHAPES = [(1, 1, 1, 1), (1, 7, 13, 29), (1, 1, 100, 17), (1, 3, 2100, 70), (1, 50, 97, 1030), (4, 11, 35, 9),
+                 (3, 64, 64, 32), (2, 9, 129, 1100)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("small", [False, True], ids=["default_tiling", "small_tiling"])
+@pytest.mark.parametrize("batch,M,N,K", PACKED_SHAPES, ids=["x".join(map(str, s)) for s in PACKED_SHAPES])
+def test_prepacked_b_matches_packing_per_call(kernels, packed_kernels, dtype: str, small: bool,
+                                              batch: int, M: int, N: int, K: int) -> None:
+    """B packed once by pack_b_ir (a weight at load), then read by the prepacked kernel: the same
+    bits as the kernel that packs per call (the reduction order is the contract), and numpy's
+    product within rounding. Packed items are `packed_b_elements` apart; the packer writes
+    exactly that many elements."""
+    tiling = SMALL_TILING[dtype] if small else None
+    matmul, pack = packed_kernels[dtype, small]
+    a, b = _operands(np.random.default_rng(batch * 7 + M * 13 + N + K), dtype, (batch, M, K), (batch, K, N))
+    per_item = packed_b_elements(K, N, dtype, tiling)
+    itemsize = np.dtype(dtype).itemsize
+    raw = np.full(batch * per_item * itemsize + 64 + 256, GUARD, np.uint8)
+    start = -raw.ctypes.data % 64
+    for item in range(batch):
+        pack(raw.ctypes.data + start + item * per_item * itemsize, b[item].ctypes.data, K, N)
+    assert (raw[start + batch * per_item * itemsize:] == GUARD).all(), "pack_b wrote past packed_b_elements"
+    packed_c = np.full((batch, M, N), np.nan, dtype)
+    size = workspace_bytes(M, N, K, dtype, tiling, prepacked=True)
+    workspace = np.full(size + 64 + 256, GUARD, np.uint8)
+    w = -workspace.ctypes.data % 64
+    matmul(packed_c.ctypes.data, a.ctypes.data, raw.ctypes.data + start, workspace.ctypes.data + w, batch, M, N, K,
+           M * K, per_item, M * N)
+    assert (workspace[w + size:] == GUARD).all(), "kernel wrote past its workspace"
+    per_call = np.full((batch, M, N), np.nan, dtype)
+    _run(kernels[dtype, small], a, b, per_call, batch, M, N, K, (M * K, K * N, M * N), tiling)
+    np.testing.assert_array_equal(packed_c, per_call)
+    _check(packed_c, a, b, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("small", [False, True], ids=["default_tiling", "small_tiling"])
+@pytest.mark.parametrize("K,N", [(1, 1), (29, 13), (1030, 97), (70, 2100), (9, 129)])
+def test_pack_b_array_is_pack_b_ir(packed_kernels, dtype: str, small: bool, K: int, N: int) -> None:
+    """The numpy packer (weights at load) writes exactly what the generated one does."""
+    tiling = SMALL_TILING[dtype] if small else None
+    b = _operands(np.random.default_rng(K + N), dtype, (K, N))[0]
+    raw = np.full(packed_b_elements(K, N, dtype, tiling) * np.dtype(dtype).itemsize + 64, 0xFF, np.uint8)
+    start = -raw.ctypes.data % 64
+    packed_kernels[dtype, small][1](raw.ctypes.data + start, b.ctypes.data, K, N)
+    generated = raw[start:start + packed_b_elements(K, N, dtype, tiling) * np.dtype(dtype).itemsize].view(dtype)
+    np.testing.assert_array_equal(pack_b_array(b, tiling), generated)
+
+
+def test_prepacked_b_cannot_be_strided() -> None:
+    with pytest.raises(ValueError, match="prepacked"):
+        matmul_ir("never_compiled", "float32", strided=StridedOperand("b", ((4, 1),), ((8, 4),), 0), prepacked=True)
+
+
+_PROT_NONE = 0   # not in Python's mmap module
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 33, 5), (3, 100, 7), (8, 17, 70), (5, 161, 2)])
+def test_in_place_operands_read_nothing_past_their_end(kernels, M: int, N: int, K: int) -> None:
+    """A small-M product reads B in place with masked loads (and packs A): A and B are laid out
+    to end exactly where an inaccessible page begins, so a read of one element past either faults."""
+    page = mmap.PAGESIZE
+    regions = []
+    try:
+        arrays = []
+        for rows, cols in ((M, K), (K, N)):
+            nbytes = rows * cols * 4
+            span = -(-nbytes // page) * page
+            base = _libc.mmap(None, span + page, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+            assert base not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+            regions.append((base, span + page))
+            assert _libc.mprotect(base + span, page, _PROT_NONE) == 0, ctypes.get_errno()
+            array = np.ctypeslib.as_array((ctypes.c_float * (rows * cols)).from_address(base + span - nbytes)).reshape(rows, cols)
+            arrays.append(array)
+        a, b = arrays
+        a[...], b[...] = _operands(np.random.default_rng(M + N + K), "float32", (M, K), (K, N))
+        c = np.full((M, N), np.nan, np.float32)
+        _run(kernels["float32", False], a, b, c, 1, M, N, K, (0, 0, 0))
+        _check(c, a, b, "float32")
+    finally:
+        for base, length in regions:
+            _libc.munmap(base, length)

@@ -151,6 +151,25 @@ def test_gemm(check, rng, ta, tb):
     check([N("Gemm", ["a", "b", "c"], ["y"], transA=ta, transB=tb)], {"a": a, "b": b, "c": f(rng, 6, 1)})
 
 
+def test_constant_weights_are_packed_once_at_load(rng, monkeypatch):
+    """MatMul and Gemm (transB) by initializers: each weight is packed for the native kernel
+    once, whatever the number of calls, and the outputs are onnxruntime's."""
+    import tinydist.onnx as tdo
+    import tinydist.onnx.ops.nn as nn
+    from tests.onnx.conftest import make_model, reference
+    packed = []
+    pack = nn.pack_b_array
+    monkeypatch.setattr(nn, "pack_b_array", lambda b: (packed.append(b.shape), pack(b))[1])
+    nodes = [N("MatMul", ["x", "w"], ["h"]), N("Reshape", ["h", "s"], ["h2"]), N("Gemm", ["h2", "g", "c"], ["y"], transB=1)]
+    inits = {"w": f(rng, 64, 96), "g": f(rng, 40, 96), "c": f(rng, 40), "s": np.array([-1, 96], np.int64)}
+    model = tdo.load(make_model(nodes, {"x": f(rng, 2, 8, 64)}, ["y"], inits))
+    for _ in range(3):
+        feeds = {"x": f(rng, 2, 8, 64)}
+        np.testing.assert_allclose(model(feeds)["y"], reference(make_model(nodes, feeds, ["y"], inits), feeds)[0],
+                                   rtol=1e-4, atol=1e-3)
+    assert sorted(packed) == [(64, 96), (96, 40)]
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(pads=[1, 1, 1, 1]), dict(strides=[2, 2], pads=[1, 0, 2, 1]),
                                 dict(dilations=[2, 1], pads=[2, 1, 2, 1]), dict(auto_pad="SAME_UPPER", strides=[2, 2]),
                                 dict(auto_pad="SAME_LOWER"), dict(auto_pad="VALID", strides=[2, 1])])

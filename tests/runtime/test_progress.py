@@ -20,7 +20,7 @@ import pytest
 
 from tinydist.base.errors import DeviceHang
 from tinydist.codegen.compile_cache import compile_kernel
-from tinydist.codegen.matmul import workspace_bytes
+from tinydist.codegen.matmul import DEFAULT_TILINGS, workspace_bytes
 from tinydist.graph import dtypes
 from tinydist.runtime.cpu import containment
 from tinydist.runtime.device import DeviceState
@@ -105,7 +105,8 @@ async def test_a_stuck_kernel_is_declared_hung_within_two_timeouts(clock: MockCl
     kernel before, whose progress the first deadline's reading is the first to see."""
     async with open_device("CPU:3", clock=clock) as dev:
         matmul = dev.compiler.matmul(dtypes.float32)
-        M, K, N = 100, 8, 8  # 100 rows: three 48-row outer blocks
+        M, K, N = 100, 8, 8  # 100 rows: two or more MC-row outer blocks
+        blocks = -(-M // DEFAULT_TILINGS["float32"].mc)
         a = np.arange(M * K, dtype=np.float32).reshape(M, K) / 100
         b = np.arange(K * N, dtype=np.float32).reshape(K, N) / 10
         A, B, C = dev.allocator.alloc(a.nbytes), dev.allocator.alloc(b.nbytes), dev.allocator.alloc(M * N * 4)
@@ -116,7 +117,7 @@ async def test_a_stuck_kernel_is_declared_hung_within_two_timeouts(clock: MockCl
         with dev.batch() as batch:
             batch.launch(matmul, C, A, B, W, 1, M, N, K, 0, 0, 0)
         await batch.completion.wait(timeout=TIMEOUT)
-        assert _word(matmul.progress) == before + 3  # one publication per outer block
+        assert _word(matmul.progress) == before + blocks  # one publication per outer block
         c = (await dev.copyout(C)).view(np.float32).reshape(M, N)
         np.testing.assert_allclose(c, a.astype(np.float64) @ b.astype(np.float64), rtol=1e-5)
 

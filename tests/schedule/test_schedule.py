@@ -191,6 +191,21 @@ def test_matmul_is_one_matmul_call():
     assert sum(isinstance(c, MatmulCall) for c in schedule.linear) == 1
 
 
+def test_prepacked_matmul_reads_the_packed_weight_as_it_is():
+    """A weight packed at load is the matmul's B buffer itself: no copy, no repacking workspace."""
+    from tinydist.codegen.matmul import pack_b_array, workspace_bytes
+    from tinydist.frontend.functional import matmul_prepacked
+    rng = np.random.default_rng(2)
+    weight = rng.standard_normal((64, 300)).astype(np.float32)
+    x = td.Tensor(rng.standard_normal((3, 40, 64)).astype(np.float32))
+    packed = td.Tensor(pack_b_array(weight)).realize()
+    schedule, _ = create_schedule([matmul_prepacked(x * 2, packed, 64, 300).node])
+    (call,) = [c for c in schedule.linear if isinstance(c, MatmulCall)]
+    assert call.prepacked and (call.batch, call.m, call.n, call.k, call.b_batch_stride) == (3, 40, 300, 64, 0)
+    assert not [c for c in schedule.linear if isinstance(c, CopyCall)]
+    assert schedule.specs[call.workspace].nbytes == workspace_bytes(40, 300, 64, prepacked=True) < workspace_bytes(40, 300, 64)
+
+
 def test_single_row_matmul_is_one_fused_kernel():
     row = td.Tensor(np.ones((1, 64), np.float32))
     schedule, _ = create_schedule([(row @ td.Tensor(np.ones((64, 128), np.float32))).node])

@@ -67,6 +67,38 @@ def test_matmul_few_outputs_long_reduction(m, k, n):
     check(td.Tensor(a).T.T @ (td.Tensor(b) * 2).T, a @ (b * 2).T, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("a_shape,n", [((4, 5), 3), ((2, 9, 70), 33), ((3, 1, 130), 2100), ((64, 384), 200), ((2, 1, 6, 40), 129)],
+                         ids=str)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+def test_matmul_prepacked_is_matmul(a_shape, n, dtype):
+    """B packed once (as a weight at load) and multiplied by the packed kernel: the bits of the
+    plain matmul (packing does not reorder the reduction), numpy's float64 product within rounding."""
+    from tinydist.codegen.matmul import pack_b_array
+    from tinydist.frontend.functional import matmul_prepacked
+    k = a_shape[-1]
+    a, b = rand(a_shape, dtype), rand((k, n), dtype)
+    got = matmul_prepacked(td.Tensor(a), td.Tensor(pack_b_array(b)), k, n)
+    np.testing.assert_array_equal(got.numpy(), (td.Tensor(a) @ td.Tensor(b)).numpy())
+    rtol = 1e-4 if dtype == np.float32 else 1e-10
+    check(got, (a.astype(np.float64) @ b).astype(dtype), rtol=rtol, atol=rtol * np.sqrt(k))
+
+
+def test_matmul_prepacked_refuses_what_it_cannot_read():
+    from tinydist.codegen.matmul import pack_b_array
+    from tinydist.frontend.functional import matmul_prepacked
+    a, b = rand((4, 5)), rand((5, 3))
+    packed = td.Tensor(pack_b_array(b))
+    with pytest.raises(ValueError, match=r"\(…, M, 6\)"):
+        matmul_prepacked(td.Tensor(a), packed, 6, 3)
+    with pytest.raises(ValueError, match="float64"):
+        matmul_prepacked(td.Tensor(a.astype(np.float64)), packed, 5, 3)
+    with pytest.raises(ValueError, match="pack_b_array"):
+        matmul_prepacked(td.Tensor(a), td.Tensor(b.reshape(-1)), 5, 3)
+    x = td.Tensor(a, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="matmul_prepacked"):
+        matmul_prepacked(x, packed, 5, 3).sum().backward()
+
+
 def test_numpy_array_on_the_left_defers_to_tensor():
     x = rand((3, 3))
     assert isinstance(x @ td.Tensor(x), td.Tensor)

@@ -65,7 +65,7 @@ def lower_call(call: Call, buffers: Sequence[Buffer | None], device: Device, vie
     if isinstance(call, KernelCall):
         return [Launch(compiler.kernel(call.ast), (b[call.out], *(b[i] for i in call.inputs)))]
     if isinstance(call, MatmulCall):
-        return [Launch(compiler.matmul(call.dtype, call.strided),
+        return [Launch(compiler.matmul(call.dtype, call.strided, call.prepacked),
                        (b[call.out], b[call.a], b[call.b], b[call.workspace], call.batch, call.m, call.n, call.k,
                         call.a_batch_stride, call.b_batch_stride, call.m * call.n))]
     if isinstance(call, CopyCall):

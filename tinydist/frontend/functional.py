@@ -14,6 +14,7 @@ import numpy as np
 
 from tinydist.base.config import settings
 from tinydist.base.errors import WorkTooLarge
+from tinydist.codegen.matmul import packed_b_elements
 from tinydist.frontend.autograd import custom_gradient, no_grad
 from tinydist.frontend.tensor import Tensor, _normalize_axes
 from tinydist.graph import dtypes
@@ -48,18 +49,10 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
         raise ValueError(f"matmul: batch dimensions of shapes {a.shape} and {b.shape} do not broadcast") from None
     dtype = dtypes.result_type(x.dtype, y.dtype)
     m, k, n = x.shape[-2], x.shape[-1], y.shape[-1]
-    work = 2 * math.prod(batch) * m * k * n
-    if work > settings.MAX_KERNEL_WORK:
-        raise WorkTooLarge(f"matmul of shapes {a.shape} and {b.shape} is {work:.3g} operations, more than "
-                           f"TINYDIST_MAX_KERNEL_WORK={settings.MAX_KERNEL_WORK:.3g} allows in one kernel: "
-                           "split it (over the batch, or into row blocks), or raise the setting")
-    # A single row is a matrix-vector product: the fused multiply-reduce below streams the matrix
-    # once, where the packed kernel would repack (and for a transposed weight, first copy) it. So
-    # do a few outputs of a long reduction (a small layer's weight gradient): as dot products.
-    few_long = m * n * math.prod(batch) <= FEW_OUTPUTS and k >= LONG_REDUCTION
+    _check_work(a.shape, b.shape, math.prod(batch), m, k, n)
     if dtype.is_narrow_float:  # float16 products accumulate in float32 and round once, as numpy's float16 matmul
         result = matmul(x.cast(dtypes.float32), y.cast(dtypes.float32)).cast(dtype)
-    elif dtype.is_float and m * n * k and m * math.prod(batch) > 1 and not few_long:
+    elif dtype.is_float and _native(math.prod(batch) * m, k, n):
         result = _native_matmul(x.cast(dtype), y.cast(dtype), batch, m, k, n)
     elif dtype.is_bool:  # numpy: a logical or of ands
         result = (x.unsqueeze(-1) & y.unsqueeze(-3)).any(axis=-2)
@@ -70,6 +63,52 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     if b.ndim == 1:
         result = result.squeeze(-1)
     return result
+
+
+def _check_work(a_shape: tuple[int, ...], b_shape: tuple[int, ...], count: int, m: int, k: int, n: int) -> None:
+    work = 2 * count * m * k * n
+    if work > settings.MAX_KERNEL_WORK:
+        raise WorkTooLarge(f"matmul of shapes {a_shape} and {b_shape} is {work:.3g} operations, more than "
+                           f"TINYDIST_MAX_KERNEL_WORK={settings.MAX_KERNEL_WORK:.3g} allows in one kernel: "
+                           "split it (over the batch, or into row blocks), or raise the setting")
+
+
+def _native(rows: int, k: int, n: int) -> bool:
+    """Whether a float product of `rows` rows in all (batch × M) runs the native kernel. A single
+    row is a matrix-vector product: the fused multiply-reduce streams the matrix once, where the
+    packed kernel would repack (and for a transposed weight, first copy) it. So do a few outputs
+    of a long reduction (a small layer's weight gradient): as dot products."""
+    few_long = rows * n <= FEW_OUTPUTS and k >= LONG_REDUCTION
+    return bool(rows * n * k) and rows > 1 and not few_long
+
+
+def prepacked_matmul_applies(rows: int, k: int, n: int, dtype: dtypes.DType) -> bool:
+    """Whether `matmul_prepacked` serves a product of `rows` rows (batch × M) by a constant K×N
+    weight of `dtype`: where `matmul` would run the native kernel, for float32 and float64."""
+    return dtype in (dtypes.float32, dtypes.float64) and _native(rows, k, n)
+
+
+def matmul_prepacked(a: Tensor, packed: Tensor, k: int, n: int) -> Tensor:
+    """a (…, M, K) @ B, B a constant K×N weight packed once at load by
+    `tinydist.codegen.matmul.pack_b_array` (`packed`: its 1-D result, uploaded): the native
+    kernel reads it as it is, where `matmul` would pack B again on every call. The same bits as
+    `a.matmul(B)` (the packing does not change the reduction order). Host (CPU) devices only;
+    no gradient flows into a packed weight, nor through this product."""
+    if a.ndim < 2 or a.shape[-1] != k:
+        raise ValueError(f"matmul_prepacked: A must be (…, M, {k}), got shape {a.shape}")
+    if a.dtype != packed.dtype or a.dtype not in (dtypes.float32, dtypes.float64):
+        raise ValueError(f"matmul_prepacked: A and the packed B must both be float32 or both float64, "
+                         f"got {a.dtype} and {packed.dtype}")
+    if packed.shape != (packed_b_elements(k, n, a.dtype.name),):
+        raise ValueError(f"matmul_prepacked: a packed {k}x{n} B has shape ({packed_b_elements(k, n, a.dtype.name)},), "
+                         f"got {packed.shape}: pack it with tinydist.codegen.matmul.pack_b_array")
+    if a.device != packed.device:
+        raise ValueError(f"matmul_prepacked: operands are on different devices: {a.device} and {packed.device}")
+    count, m = math.prod(a.shape[:-2]), a.shape[-2]
+    _check_work(a.shape, (k, n), count, m, k, n)
+    left = a.reshape(count, m, k).contiguous()
+    node = LazyNode(Op.MATMUL, (left.node, packed.node), (k, n), a.dtype, (count, m, n), a.device)
+    return Tensor(node).reshape(a.shape[:-1] + (n,))
 
 
 def _native_matmul(x: Tensor, y: Tensor, batch: tuple[int, ...], m: int, k: int, n: int) -> Tensor:

@@ -115,6 +115,14 @@ class NodeCtx:
             found = self._memo[key] = lift(self, np.asarray(array() if callable(array) else array), self._device)
         return found
 
+    def lift_made(self, key: Any, make: Callable[[], np.ndarray]) -> Tensor:
+        """`make()` as a Tensor, made and uploaded once per node and key: a value derived from
+        constants at load (a packed weight), not again on every call."""
+        found = self._memo.get(key)
+        if found is None:
+            found = self.lift(key, make())
+        return found
+
 
 def _host(value: Any) -> Any:
     """A folded result as a constant of the plan: numpy arrays, sequences of them, EMPTY, None."""

@@ -105,13 +105,15 @@ class DeviceCompiler:
             return self.device.load_ir(ir_text, name, ["w"] * ast.outputs + ["r"] * len(ast.slot_dtypes), compile_kernel)
         return self._cached(ast, build)
 
-    def matmul(self, dtype: DType, strided: StridedOperand | None = None) -> Program:
-        """The matmul kernel; with `strided`, one specialised to read that operand through its view."""
+    def matmul(self, dtype: DType, strided: StridedOperand | None = None, prepacked: bool = False) -> Program:
+        """The matmul kernel; with `strided`, one specialised to read that operand through its view;
+        `prepacked`, one reading B packed at load (`pack_b_array`)."""
         def build() -> Program:
-            name = program_name(dtype.name, strided)
-            ir_text = matmul_ir(name, dtype.name, strided=strided, publish_progress=self.device.native_code)
+            name = program_name(dtype.name, strided, prepacked)
+            ir_text = matmul_ir(name, dtype.name, strided=strided, publish_progress=self.device.native_code,
+                                prepacked=prepacked)
             return self.device.load_ir(ir_text, name, MATMUL_SIGNATURE, compile_kernel)
-        return self._cached(("matmul", dtype.name, strided), build)
+        return self._cached(("matmul", dtype.name, strided, prepacked), build)
 
     def stream_copy(self) -> Program:
         """A copy with non-temporal stores, for copies bigger than the last-level cache."""

@@ -279,6 +279,8 @@ class _Fuser:
         return (yield load_of(base, inner.reshape(tracker.shape) if tracker.contiguous_base else ShapeTracker(inner.views + tracker.views)))
 
     def _matmul(self, node: LazyNode) -> Step[int]:
+        if node.arg is not None:
+            return (yield self._prepacked_matmul(node))
         a_node, b_node = node.srcs
         (ba, m, k), (bb, _, n) = a_node.shape, b_node.shape
         # One operand at most is read strided (host devices only: the LLVM matmul gathers), the
@@ -298,6 +300,21 @@ class _Fuser:
         out = self._new_buffer(node, BufferSpec(node.nbytes, node.dtype, node.shape, node.device))
         self.graph.calls.append(MatmulCall(out, a, b, workspace, batch, m, n, k, 0 if ba == 1 else m * k,
                                            0 if bb == 1 else k * n, node.dtype, node.device, strided=strided))
+        return out
+
+    def _prepacked_matmul(self, node: LazyNode) -> Step[int]:
+        """A matmul whose B is a weight packed at load (`functional.matmul_prepacked`): one packed
+        operand for the whole batch, read as it is (no B block in the workspace)."""
+        a_node, b_node = node.srcs
+        count, m, n = node.shape
+        k = a_node.shape[2]
+        a = yield self.buffer_of(a_node)
+        b = yield self.buffer_of(b_node)
+        workspace = self._new_buffer(None, BufferSpec(workspace_bytes(m, n, k, node.dtype.name, prepacked=True),
+                                                      dtypes.bool_, (), node.device))
+        out = self._new_buffer(node, BufferSpec(node.nbytes, node.dtype, node.shape, node.device))
+        self.graph.calls.append(MatmulCall(out, a, b, workspace, count, m, n, k, 0 if a_node.shape[0] == 1 else m * k,
+                                           0, node.dtype, node.device, prepacked=True))
         return out
 
     def _strided_view(self, operand: LazyNode, which: str) -> tuple[LazyNode, StridedOperand] | None:

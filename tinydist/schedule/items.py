@@ -70,6 +70,7 @@ class MatmulCall(_ReadsItsInputs):
     device: str
     queue: str = "compute"
     strided: StridedOperand | None = None   # a or b is read through this view of its buffer
+    prepacked: bool = False                 # b is a weight packed at load (codegen.matmul.pack_b_array)
 
     @property
     def inputs(self) -> tuple[int, ...]:
@@ -81,6 +82,7 @@ class MatmulCall(_ReadsItsInputs):
 
     def describe(self) -> str:
         gathered = f" ({self.strided.operand.upper()} strided)" if self.strided is not None else ""
+        gathered += " (B prepacked)" if self.prepacked else ""
         return f"matmul {self.dtype.name} {self.batch}x[{self.m}x{self.k}]@[{self.k}x{self.n}]{gathered}"
 
 

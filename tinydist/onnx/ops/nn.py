@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from tinydist.frontend.functional import conv2d
+from tinydist.codegen.matmul import pack_b_array
+from tinydist.frontend.functional import conv2d, matmul_prepacked, prepacked_matmul_applies
 from tinydist.frontend.tensor import Tensor, cat, stack
 from tinydist.graph import dtypes
 from tinydist.onnx.ops._common import (
@@ -16,16 +17,27 @@ from tinydist.onnx.ops._common import (
     scalar_like, shrink_axis, static,
 )
 from tinydist.onnx.ops.elementwise import round_half_even
+from tinydist.runtime.registry import peer_group
 
 
 # ---- matmul, gemm --------------------------------------------------------------------------------
 
+def _times_weight(ctx: Any, a: Tensor, b: np.ndarray) -> Tensor:
+    """a (…, M, K) @ a constant K×N weight. On a host device, where the native kernel runs, B is
+    packed once here, at load, into the layout the kernel reads (not again on every call:
+    packing cost the product ~1/M of its multiply-adds, all of it at small M). Otherwise B is
+    uploaded as (1, K, N), so the kernel reads it in place."""
+    k, n = b.shape
+    if (peer_group(a.device) == "host" and a.dtype == dtypes.to_dtype(b.dtype) and not a.requires_grad
+            and prepacked_matmul_applies(math.prod(a.shape[:-1]), k, n, a.dtype)):
+        return matmul_prepacked(a, ctx.lift_made("B packed", lambda: pack_b_array(np.ascontiguousarray(b))), k, n)
+    b3 = ctx.lift("B3", np.ascontiguousarray(b.reshape((1,) + b.shape)))
+    return a.matmul(b3).reshape(a.shape[:-1] + (n,))
+
+
 def op_matmul(ctx: Any, a: Tensor, b: Value) -> Tensor:
     if isinstance(b, np.ndarray) and b.ndim == 2 and a.ndim >= 2 and a.dtype.is_float:
-        # a (…, M, K) @ constant (K, N): upload B as (1, K, N) so the kernel reads it in place
-        out_shape = a.shape[:-1] + (b.shape[1],)
-        b3 = ctx.lift("B3", np.ascontiguousarray(b.reshape((1,) + b.shape)))
-        return a.matmul(b3).reshape(out_shape)
+        return _times_weight(ctx, a, b)
     return a.matmul(as_tensor(ctx, b, "B"))
 
 
@@ -38,8 +50,7 @@ def op_gemm(ctx: Any, a: Tensor, b: Value, c: Value = None) -> Tensor:
     if isinstance(b, np.ndarray):
         if b.ndim != 2:
             raise ctx.error(f"B must be 2-D, got shape {b.shape}")
-        bm = b.T if ctx.attr("transB", 0) else b
-        y = a.matmul(ctx.lift("B3", np.ascontiguousarray(bm.reshape((1,) + bm.shape)))).reshape(a.shape[0], bm.shape[1])
+        y = _times_weight(ctx, a, b.T if ctx.attr("transB", 0) else b)
     else:
         y = a.matmul(b.permute(1, 0) if ctx.attr("transB", 0) else b)
     if alpha != 1.0:
