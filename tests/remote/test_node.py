@@ -165,7 +165,13 @@ def test_node_serves_prometheus_metrics_that_count_rpcs_and_denials(lab, tmp_pat
         text = urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
         samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                    for family in text_string_to_metric_families(text) for s in family.samples}
-        assert samples[("tinydist_rpcs_total", (("method", "Ping"), ("status", "PERMISSION_DENIED")))] >= 1
+        assert samples[("grpc_server_handled_total", (("grpc_code", "PERMISSION_DENIED"), ("grpc_method", "Ping"),
+                         ("grpc_service", "tinydist.v1.DeviceService"), ("grpc_type", "unary")))] >= 1
+        info = [labels for (name, labels), v in samples.items() if name == "tinydist_build_info" and v == 1]
+        assert [dict(labels)["component"] for labels in info] == ["node"]
+        assert samples[("grpc_server_started_total", (("grpc_method", "Ping"), ("grpc_service", "tinydist.v1.DeviceService"),
+                         ("grpc_type", "unary")))] >= 1
+        assert any(name == "process_resident_memory_bytes" and v > 0 for (name, _), v in samples.items())
         assert sum(v for (name, _), v in samples.items() if name == "tinydist_auth_denials_total") >= 1
 
 
