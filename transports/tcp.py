@@ -125,7 +125,8 @@ class SocketLink(Link):
 
     @contextlib.asynccontextmanager
     async def recv(self) -> AsyncIterator[memoryview]:
-        started = tracing.clock()
+        traced = tracing.active_tracer() is not None
+        started = tracing.clock() if traced else 0
         while True:
             if not self.inbox.items and self.failure is None:
                 self._poll_inbox()
@@ -137,7 +138,8 @@ class SocketLink(Link):
                 raise PeerFailed(self.peer, "the peer closed the link")
             await self.inbox.wait()
         async with self._deliver(item) as view:
-            self.traced("recv", started, len(view))   # waiting for the message, until it is in hand
+            if traced:
+                self.traced("recv", started, len(view))   # waiting for the message, until it is in hand
             yield view
 
     def _poll_inbox(self) -> None:

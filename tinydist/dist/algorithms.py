@@ -79,9 +79,11 @@ async def naive(links: dict[int, Link], rank: int, world: int, x: np.ndarray, uf
         for a, b in chunks:
             await links[peer].send(x[a:b])
 
+    traced = tracing.active_tracer() is not None
+
     async def reducer() -> None:
         for k, (a, b) in enumerate(chunks):
-            started = tracing.clock()
+            started = tracing.clock() if traced else 0
             dst = out[a:b]
             for j in range(world):
                 if j == rank:
@@ -89,7 +91,8 @@ async def naive(links: dict[int, Link], rank: int, world: int, x: np.ndarray, uf
                     continue
                 async with links[j].recv() as view:
                     _combine(ufunc, dst, _view(view, x.dtype, b - a), j == 0)
-            _step(f"reduce chunk {k}", rank, started, dst.nbytes * world, chunk=k)
+            if traced:
+                _step(f"reduce chunk {k}", rank, started, dst.nbytes * world, chunk=k)
 
     async with anyio.create_task_group() as tg:
         for peer in links:
@@ -118,6 +121,7 @@ async def ring(links: dict[int, Link], rank: int, world: int, out: np.ndarray, b
     for s in range(total):
         start.append(start[-1] + len(chunks[(hold - s - 1) % world]))
     progress = Progress()
+    traced = tracing.active_tracer() is not None
 
     async def sender() -> None:
         for s in range(total):
@@ -128,7 +132,7 @@ async def ring(links: dict[int, Link], rank: int, world: int, out: np.ndarray, b
 
     async def receiver() -> None:
         for s in range(total):
-            started, moved = tracing.clock(), 0
+            started, moved = tracing.clock() if traced else 0, 0
             for a, b in chunks[(hold - s - 1) % world]:
                 moved += (b - a) * out.itemsize
                 async with left.recv() as view:
@@ -139,8 +143,9 @@ async def ring(links: dict[int, Link], rank: int, world: int, out: np.ndarray, b
                     else:
                         out[a:b] = src
                 progress.advance()
-            _step(f"reduce-scatter step {s}" if s < reduce_steps else f"allgather step {s - reduce_steps}", rank,
-                  started, moved, step=s)
+            if traced:
+                _step(f"reduce-scatter step {s}" if s < reduce_steps else f"allgather step {s - reduce_steps}", rank,
+                      started, moved, step=s)
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(sender)
@@ -160,6 +165,7 @@ async def all2all(links: dict[int, Link], rank: int, world: int, x: np.ndarray, 
     ready = [anyio.Event() for _ in mine]
     if world == 1:
         return
+    traced = tracing.active_tracer() is not None
 
     async def sender(peer: int) -> None:
         link = links[peer]
@@ -172,21 +178,23 @@ async def all2all(links: dict[int, Link], rank: int, world: int, x: np.ndarray, 
 
     async def receiver(peer: int) -> None:
         link = links[peer]
-        started = tracing.clock()
+        started = tracing.clock() if traced else 0
         for k, (a, b) in enumerate(mine):
             async with link.recv() as view:
                 ufunc(out[a:b], _view(view, x.dtype, b - a), out=out[a:b])
             counts[k] += 1
             if counts[k] == world - 1:
                 ready[k].set()
-        _step(f"reduce from {peer}", rank, started, (b0 - a0) * x.itemsize, peer=peer)
+        if traced:
+            _step(f"reduce from {peer}", rank, started, (b0 - a0) * x.itemsize, peer=peer)
         if gather:
-            started = tracing.clock()
+            started = tracing.clock() if traced else 0
             for a, b in chunks[peer]:
                 async with link.recv() as view:
                     out[a:b] = _view(view, x.dtype, b - a)
-            lo, hi = bounds[peer]
-            _step(f"gather from {peer}", rank, started, (hi - lo) * x.itemsize, peer=peer)
+            if traced:
+                lo, hi = bounds[peer]
+                _step(f"gather from {peer}", rank, started, (hi - lo) * x.itemsize, peer=peer)
 
     async with anyio.create_task_group() as tg:
         for peer in links:
