@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 import tinydist as td
-from tinydist.observability.report import format_summary, plot_gantt
+from tinydist.observability.report import format_summary, last_batch_window, plot_gantt
 from tinydist.onnx import load
 
 MODELS = Path(__file__).resolve().parent.parent / "tests" / "onnx" / "architectures" / "models"
@@ -41,12 +41,8 @@ def main() -> None:
             model({name: x})
     data = tracer.chrome()
     print(format_summary(data, top=12))
-    xs = [e for e in data["traceEvents"] if e.get("ph") == "X"]
-    t0 = min(e["ts"] for e in xs)
-    last = max((e for e in xs if e.get("cat") == "batch" and e["args"]["queue"] == "compute"), key=lambda e: e["ts"])
-    pad = last["dur"] * 0.02
     plot_gantt(data, out, title=f"{args.model} (ONNX), batch {args.batch}: {args.runs} calls from a fresh process",
-               zoom=(last["ts"] - t0 - pad, last["ts"] - t0 + last["dur"] + pad))
+               zoom=last_batch_window(data))
     print(f"wrote {out}" + (f" and {args.json}" if args.json else ""))
 
 

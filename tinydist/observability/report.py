@@ -99,6 +99,19 @@ def format_summary(trace: dict[str, Any], top: int = 20) -> str:
     return "\n".join(lines)
 
 
+def last_batch_window(trace: dict[str, Any], pad: float = 0.02) -> tuple[float, float]:
+    """(start, end) in µs since the first event: the last batch to start on any queue, with `pad`
+    of its length either side; a `zoom` for `plot_gantt` that shows one step's kernels."""
+    xs = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    batches = [e for e in xs if e.get("cat") == "batch"]
+    if not batches:
+        raise ValueError("the trace has no batches to zoom on")
+    t0 = min(e["ts"] for e in xs)
+    last = max(batches, key=lambda e: e["ts"])
+    margin = last["dur"] * pad
+    return last["ts"] - t0 - margin, last["ts"] - t0 + last["dur"] + margin
+
+
 def _fit(name: str, width: int, lines: int) -> str:
     """`name` in at most `lines` lines of at most `width` characters, broken at spaces (a kernel's
     ops, shape and dtype each on a line of their own if need be); "" when even a short first
