@@ -7,7 +7,8 @@ Layout (opens in Perfetto, ui.perfetto.dev, and chrome://tracing):
   that device's timelines) and one lane per span lane, split into `lane 2`, `lane 3`, … where
   spans overlap, so every lane nests properly;
 - complete events (`ph: "X"`) only: a `batch N` event per submission, and inside it one event per
-  command (kernel by name, `copy` with its bytes, `wait <timeline>@<value>`, host callables);
+  command (a kernel by its label, `add+max 8x16x4x4 f32`, its symbol in the args; `copy` with its
+  bytes; `wait <timeline>@<value>`; host callables);
 - flow arrows (`ph: "s"` → `ph: "f"`, one id per arrow) from the batch that signalled a timeline
   value to each wait — on a queue or on the host — that it released;
 - a `bytes in flight` counter (`ph: "C"`) per device, from its copies;
