@@ -17,6 +17,7 @@ from nodes.audit import AuditLog
 from nodes.server import RemoteServer
 from nodes.service import ServerConfig
 from tinydist.base.logs import get_logger
+from tinydist.observability import metrics
 from tinydist.security.bind import bind_address
 from tinydist.security.pki import CA_KEY, ServerCredentials
 
@@ -61,6 +62,7 @@ def prepare(options: NodeOptions) -> tuple[ServerConfig, ServerCredentials, Path
 
 async def serve(options: NodeOptions, ready: asyncio.Event | None = None) -> None:
     config, pki, policy, insecure = prepare(options)
+    metrics.set_component("node")
     audit = AuditLog(options.audit)
     server = await RemoteServer.start(config, pki, policy, audit, insecure_listen=insecure)
     print(f"tinydist node serving {config.listen.rsplit(':', 1)[0]}:{server.port}", flush=True)

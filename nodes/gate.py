@@ -30,7 +30,7 @@ from google.protobuf.message import DecodeError
 from nodes.audit import AuditLog
 from tinydist.base.errors import DeviceFailed, TinydistError
 from tinydist.base.logs import get_logger
-from tinydist.observability import metrics
+from tinydist.observability import metrics, tracing
 from tinydist.security.identity import IdentityError, PeerCache, peer_from_auth_context
 from tinydist.security.policy import ELEVATED, RANK, Policy, PolicyStore
 from transports.pci_remote import wire
@@ -215,9 +215,11 @@ class Gate:
         (identity, revocation, role, concurrency caps, rate) happens before any request byte is
         read or parsed, and a refused caller holds no slot while its message is outstanding."""
         stream = client_stream or server_stream
+        kind = metrics.grpc_type(client_stream, server_stream)
 
         async def unary_reply(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
-            call, code, reason, started = None, Code.OK, "ok", time.perf_counter()
+            call, code, reason, started = None, Code.OK, "ok", tracing.clock()
+            metrics.RPCS_STARTED.labels(SERVICE, method, kind).inc()
             try:
                 call = self.admit(method, context, stream)
                 request = self._decoded(call, requests, decode) if client_stream else await self._one_message(call, context, decode)
@@ -234,11 +236,12 @@ class Gate:
                 code, reason = classify(exc)
             finally:
                 self._release(call)
-                self._decide(call, method, code, reason, context, started)
+                self._decide(call, method, kind, code, reason, context, started)
             await context.abort(code, reason)
 
         async def stream_reply(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            call, code, reason, started = None, Code.OK, "ok", time.perf_counter()
+            call, code, reason, started = None, Code.OK, "ok", tracing.clock()
+            metrics.RPCS_STARTED.labels(SERVICE, method, kind).inc()
             try:
                 call = self.admit(method, context, stream)
                 request = await self._one_message(call, context, decode)
@@ -256,17 +259,20 @@ class Gate:
                 code, reason = classify(exc)
             finally:
                 self._release(call)
-                self._decide(call, method, code, reason, context, started)
+                self._decide(call, method, kind, code, reason, context, started)
             if code is not Code.OK:
                 await context.abort(code, reason)
 
         return stream_reply if server_stream else unary_reply
 
-    def _decide(self, call: Call | None, method: str, code: grpc.StatusCode, reason: str, context: Any,
-                started: float) -> None:
-        self.audit.decision(identity=call.identity if call else None, method=method, status=code.name, reason=reason,
+    def _decide(self, call: Call | None, method: str, kind: str, code: grpc.StatusCode, reason: str, context: Any,
+                started: int) -> None:
+        identity = call.identity if call else None
+        self.audit.decision(identity=identity, method=method, status=code.name, reason=reason,
                             fingerprint=call.fingerprint if call else None, peer=context.peer())
-        metrics.record_rpc(method, code.name, time.perf_counter() - started)
+        metrics.record_rpc(method, code.name, (tracing.clock() - started) / 1e9, SERVICE, kind, started=False)
+        tracing.record(f"rpc {method}", started, process="node", lane="rpc", cat="rpc", method=method,
+                       identity=identity, status=code.name)
         if code in (Code.UNAUTHENTICATED, Code.PERMISSION_DENIED):
             metrics.count_auth_denial(reason)
 

@@ -18,18 +18,83 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from scheduler._generated import cluster_pb2 as pb
 from scheduler._generated import cluster_pb2_grpc as pb_grpc
 from scheduler.errors import MembershipError
 from scheduler.membership import LinkRecord, MemberRecord, Membership
 from tinydist.base.logs import get_logger
+from tinydist.observability import metrics, tracing
 from tinydist.security.bind import add_port, bind_address, is_loopback, parse_host_port, split_bind
 
 MAX_WAIT_S = 300.0
+SERVICE = pb.DESCRIPTOR.services_by_name["Cluster"].full_name
+STATES = ("alive", "dead", "left")
+
+R = TypeVar("R")
+Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]]
+
+
+def _code(context: grpc.aio.ServicerContext, exc: BaseException) -> str:
+    """The status a handler ended with: the one `context.abort` set, CANCELLED, or UNKNOWN (what
+    gRPC answers for an exception it does not map)."""
+    if isinstance(exc, asyncio.CancelledError):
+        return "CANCELLED"
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    return "UNKNOWN"
+
+
+def observed(handler: Handler[R]) -> Handler[R]:
+    """Count and time each call of a Cluster RPC handler (grpc_server_* metrics, go-grpc-prometheus
+    labels) and trace it as a span on the scheduler's `rpc` lane."""
+    method = handler.__name__
+
+    @functools.wraps(handler)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> R:
+        started, code = tracing.clock(), "OK"
+        metrics.RPCS_STARTED.labels(SERVICE, method, "unary").inc()
+        try:
+            return await handler(self, request, context)
+        except BaseException as exc:
+            code = _code(context, exc)
+            raise
+        finally:
+            metrics.record_rpc(method, code, (tracing.clock() - started) / 1e9, SERVICE, "unary", started=False)
+            tracing.record(f"rpc {method}", started, process="scheduler", lane="rpc", cat="rpc", method=method,
+                           node=getattr(request, "node_id", "") or getattr(getattr(request, "node", None), "node_id", ""),
+                           status=code)
+    return wrapper
+
+
+class MembershipCollector(Collector):
+    """The coordinator's membership, read at scrape time: members by state, the epoch, the world size."""
+
+    def __init__(self, membership: Membership) -> None:
+        self.m = membership
+
+    def collect(self) -> Iterator[Any]:
+        members = GaugeMetricFamily("tinydist_cluster_members", "Cluster members by state (alive, dead, left).",
+                                    labels=["state"])
+        counts = dict.fromkeys(STATES, 0)
+        for record in list(self.m.members.values()):
+            counts[record.state] = counts.get(record.state, 0) + 1
+        for state, n in counts.items():
+            members.add_metric([state], n)
+        yield members
+        yield GaugeMetricFamily("tinydist_cluster_epoch", "Membership epoch: it grows at every join, leave and death.",
+                                value=self.m.epoch)
+        yield GaugeMetricFamily("tinydist_cluster_world_size", "The world size the members joined with (0: not yet known).",
+                                value=self.m.world_size or 0)
 
 
 def _peer_is_loopback(peer: str) -> bool:
@@ -91,6 +156,7 @@ class ClusterService(pb_grpc.ClusterServicer):
         async with self.changed:
             self.changed.notify_all()
 
+    @observed
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
         node = request.node
         await self._check_node(context, node.node_id)
@@ -105,6 +171,7 @@ class ClusterService(pb_grpc.ClusterServicer):
         return pb.JoinReply(rank=record.rank, epoch=record.incarnation, heartbeat_interval_s=self.m.heartbeat_interval,
                             miss_limit=self.m.miss_limit)
 
+    @observed
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatReply:
         await self._check_node(context, request.node_id)
         links = [LinkRecord(x.src, x.dst, x.kind, x.latency_s, x.bandwidth_bps) for x in request.links
@@ -116,6 +183,7 @@ class ClusterService(pb_grpc.ClusterServicer):
         now = self.m.clock()
         return pb.HeartbeatReply(epoch=self.m.epoch, dead=[member_message(r, now) for r in dead])
 
+    @observed
     async def WaitForMembers(self, request: pb.WaitRequest, context: grpc.aio.ServicerContext) -> pb.ClusterStatus:
         await self._who(context)
         timeout = min(max(request.timeout_s, 0.0), MAX_WAIT_S)
@@ -136,10 +204,12 @@ class ClusterService(pb_grpc.ClusterServicer):
                                 f"ranks {missing} of {world} did not join within {timeout:g} s")
         return status_message(self.m)
 
+    @observed
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.ClusterStatus:
         await self._who(context)
         return status_message(self.m)
 
+    @observed
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveReply:
         await self._check_node(context, request.node_id)
         self.m.leave(request.node_id)
@@ -157,6 +227,7 @@ class Coordinator:
         self.host = ""
         self.membership: Membership | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self._collector: MembershipCollector | None = None
 
     @classmethod
     async def start(cls, listen: str = "127.0.0.1:0", *, pki: Path | None = None, insecure_loopback_only: bool = False,
@@ -169,6 +240,8 @@ class Coordinator:
         self = cls()
         self.host = split_bind(bind)[0]
         self.membership = Membership(heartbeat_interval, miss_limit)
+        self._collector = MembershipCollector(self.membership)
+        metrics.REGISTRY.register(self._collector)
         trust_domain = None
         credentials = None
         if pki is not None:
@@ -188,9 +261,14 @@ class Coordinator:
             log = get_logger(component="scheduler")
             while True:
                 await asyncio.sleep(heartbeat_interval / 2)
-                for record in self.membership.sweep():     # type: ignore[union-attr]
+                started = tracing.clock()
+                dead = self.membership.sweep()     # type: ignore[union-attr]
+                for record in dead:
                     log.warning("scheduler.node_dead", node=record.node_id, rank=record.rank, reason=record.reason)
                 await service._notify()
+                tracing.record("sweep", started, process="scheduler", lane="rounds", cat="scheduler",
+                               epoch=self.membership.epoch, alive=self.membership.alive_count(),  # type: ignore[union-attr]
+                               declared_dead=len(dead))
 
         self._sweeper = asyncio.get_running_loop().create_task(sweep())
         return self
@@ -200,6 +278,9 @@ class Coordinator:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
     async def stop(self, grace: float = 0.5) -> None:
+        if self._collector is not None:
+            metrics.REGISTRY.unregister(self._collector)
+            self._collector = None
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -212,6 +293,7 @@ async def serve(listen: str, pki: Path | None, insecure_loopback_only: bool, hea
                 port_file: Path | None = None) -> None:
     """`tinydist scheduler serve`: run until SIGINT/SIGTERM."""
     import signal
+    metrics.set_component("scheduler")
     coordinator = await Coordinator.start(listen, pki=pki, insecure_loopback_only=insecure_loopback_only,
                                           heartbeat_interval=heartbeat_interval, miss_limit=miss_limit)
     mode = "mTLS" if pki is not None else "INSECURE loopback-only"

@@ -27,6 +27,7 @@ import anyio
 import numpy as np
 
 from tinydist.base.errors import ClosedResourceError, TinydistError
+from tinydist.observability import tracing
 
 
 class TransportError(TinydistError):
@@ -55,6 +56,8 @@ class Link(abc.ABC):
     """One peer, ordered messages both ways. Subclasses: `transports.tcp.TcpLink`, `transports.shm.ShmLink`."""
 
     kind: str = "?"
+    # the trace process this link's send/recv spans go to (`ProcessGroup` sets `rank{N}`)
+    trace_process: str = "transport"
 
     def __init__(self, peer: int, on_failure: FailureCallback | None = None) -> None:
         self.peer = peer
@@ -73,6 +76,12 @@ class Link(abc.ABC):
     @abc.abstractmethod
     def recv(self) -> contextlib.AbstractAsyncContextManager[memoryview]:
         """`async with link.recv() as view`: the next message, valid inside the block."""
+
+    def traced(self, direction: str, started: int, nbytes: int) -> None:
+        """A `send` or `recv` span from `started` until now on lane `send to P` / `recv from P`."""
+        tracing.record(direction, started, process=self.trace_process,
+                       lane=f"send to {self.peer}" if direction == "send" else f"recv from {self.peer}",
+                       cat="transport", bytes=nbytes, peer=self.peer, transport=self.kind)
 
     @abc.abstractmethod
     async def serve(self) -> None:

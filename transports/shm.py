@@ -34,6 +34,7 @@ import _posixshmem
 import anyio
 import numpy as np
 
+from tinydist.observability import tracing
 from transports.base import FailureCallback, LinkClosed, TransportError, as_bytes
 from transports.tcp import DATA, HEADER, SocketLink, recv_exactly
 
@@ -154,6 +155,13 @@ class ShmLink(SocketLink):
         return self.free.popleft()
 
     async def send(self, data: Any) -> None:
+        if tracing.active_tracer() is None:
+            return await self._send(data)
+        started = tracing.clock()
+        await self._send(data)
+        self.traced("send", started, len(as_bytes(data)))
+
+    async def _send(self, data: Any) -> None:
         self._check()
         view = as_bytes(data)
         n = len(view)

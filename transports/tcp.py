@@ -22,6 +22,7 @@ from typing import Any
 import anyio
 import numpy as np
 
+from tinydist.observability import tracing
 from transports.base import FailureCallback, Link, PeerFailed, TransportError, as_bytes
 
 HEADER = struct.Struct("<B3xIQ")
@@ -114,12 +115,18 @@ class SocketLink(Link):
 
     async def send(self, data: Any) -> None:
         self._check()
-        await self._send_frame(DATA, 0, as_bytes(data))
+        if tracing.active_tracer() is None:
+            return await self._send_frame(DATA, 0, as_bytes(data))
+        view, started = as_bytes(data), tracing.clock()
+        await self._send_frame(DATA, 0, view)
+        self.traced("send", started, len(view))
 
     # ---- receiving --------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
     async def recv(self) -> AsyncIterator[memoryview]:
+        traced = tracing.active_tracer() is not None
+        started = tracing.clock() if traced else 0
         while True:
             if not self.inbox.items and self.failure is None:
                 self._poll_inbox()
@@ -131,6 +138,8 @@ class SocketLink(Link):
                 raise PeerFailed(self.peer, "the peer closed the link")
             await self.inbox.wait()
         async with self._deliver(item) as view:
+            if traced:
+                self.traced("recv", started, len(view))   # waiting for the message, until it is in hand
             yield view
 
     def _poll_inbox(self) -> None:

@@ -3,6 +3,8 @@ its counters move when work is done."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import sys
 import urllib.request
 
 import anyio
@@ -14,6 +16,9 @@ import tinydist as td
 from tinydist.base.errors import DeviceHang
 from tinydist.observability import metrics
 from tinydist.runtime.registry import open_device
+
+
+SERVICE = "tinydist.v1.DeviceService"
 
 
 def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -47,9 +52,9 @@ def test_endpoint_parses_and_counters_move_with_work(server) -> None:
     metrics.add_transport_bytes("tcp", "send", 4096)
     with metrics.time_collective("allreduce", "ring"):
         pass
-    with metrics.time_rpc("Launch"):
+    with metrics.time_rpc("Launch", SERVICE):
         pass
-    with pytest.raises(ValueError), metrics.time_rpc("Copy"):
+    with pytest.raises(ValueError), metrics.time_rpc("Copy", SERVICE):
         raise ValueError("bad request")
     metrics.count_auth_denial("bad certificate")
     after = _scrape(server.url)
@@ -65,8 +70,12 @@ def test_endpoint_parses_and_counters_move_with_work(server) -> None:
         _get(before, "tinydist_transport_bytes_total", transport="tcp", direction="send")
     assert moved == 4096
     assert _get(after, "tinydist_collective_seconds_count", collective="allreduce", algorithm="ring") >= 1
-    assert _get(after, "tinydist_rpcs_total", method="Launch", status="OK") >= 1
-    assert _get(after, "tinydist_rpcs_total", method="Copy", status="ValueError") >= 1
+    rpc = {"grpc_service": SERVICE, "grpc_type": "unary"}
+    assert _get(after, "grpc_server_handled_total", grpc_method="Launch", grpc_code="OK", **rpc) >= 1
+    # an exception that is no gRPC error: what a gRPC server answers for it, UNKNOWN
+    assert _get(after, "grpc_server_handled_total", grpc_method="Copy", grpc_code="UNKNOWN", **rpc) >= 1
+    assert _get(after, "grpc_server_started_total", grpc_method="Copy", **rpc) >= 1
+    assert _get(after, "grpc_server_handling_seconds_count", grpc_method="Launch", **rpc) >= 1
     assert _get(after, "tinydist_auth_denials_total", reason="bad certificate") >= 1
 
 
@@ -96,5 +105,31 @@ def test_endpoint_binds_loopback_unless_told_otherwise() -> None:
 
 def test_render_is_prometheus_text() -> None:
     names = {f.name for f in text_string_to_metric_families(metrics.render())}
-    assert {"tinydist_queue_depth", "tinydist_inflight_submissions", "tinydist_transport_bytes", "tinydist_rpcs",
-            "tinydist_collective_seconds", "tinydist_auth_denials"} <= names
+    assert {"tinydist_queue_depth", "tinydist_inflight_submissions", "tinydist_transport_bytes", "grpc_server_handled",
+            "grpc_server_started", "grpc_server_handling_seconds", "tinydist_collective_seconds",
+            "tinydist_auth_denials", "tinydist_build_info"} <= names
+
+
+def test_standard_collectors_and_build_info(server) -> None:
+    """The process and platform collectors prometheus_client's default registry has, against what
+    the OS and the interpreter say; and one tinydist_build_info sample naming this Python."""
+    import os
+    import platform
+    import resource
+
+    samples = _scrape(server.url)
+    rss = _get(samples, "process_resident_memory_bytes")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    assert 0 < rss <= peak * 1.05
+    assert _get(samples, "process_open_fds") == pytest.approx(len(os.listdir("/proc/self/fd")), abs=3)
+    assert _get(samples, "python_info", implementation=platform.python_implementation(), major=str(sys.version_info.major),
+                minor=str(sys.version_info.minor), patchlevel=str(sys.version_info.micro),
+                version=platform.python_version()) == 1
+    info = [dict(labels) for (name, labels), v in samples.items() if name == "tinydist_build_info" and v == 1]
+    assert len(info) == 1 and info[0]["python"] == platform.python_version() and info[0]["component"] == "library"
+    assert info[0]["version"] in (importlib.metadata.version("tinydist"), "unknown")
+
+
+def test_grpc_type_names_are_go_grpc_prometheus_ones() -> None:
+    assert [metrics.grpc_type(c, s) for c, s in ((False, False), (True, False), (False, True), (True, True))] == \
+        ["unary", "client_stream", "server_stream", "bidi_stream"]

@@ -321,6 +321,31 @@ def test_gantt_png_is_written(scale_code: bytes, tmp_path: Path) -> None:
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
+def test_gantt_zoom_on_the_last_batch_and_names_that_fit(scale_code: bytes, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from tinydist.observability.report import _fit, last_batch_window
+    with td.trace() as tracer:
+        _two_device_program(scale_code)
+    data = tracer.chrome()
+    xs = [e for e in data["traceEvents"] if e["ph"] == "X"]
+    last = max((e for e in xs if e["cat"] == "batch"), key=lambda e: e["ts"])
+    lo, hi = last_batch_window(data)
+    t0 = min(e["ts"] for e in xs)
+    assert lo <= last["ts"] - t0 and last["ts"] - t0 + last["dur"] <= hi
+    saved = tracer.write(tmp_path / "t.json")
+    png = tmp_path / "zoom.png"
+    assert _cli(["profile", "--from", str(saved), "--png", str(png), "--zoom", "last", "--no-summary"]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit) as bad:
+        _cli(["profile", "--from", str(saved), "--png", str(png), "--zoom", "2:1"])
+    assert bad.value.code == 2
+    # a kernel's name broken at spaces into the lines a bar holds, a cut word marked
+    assert _fit("add+max 8x16x4x4 f32", 40, 3) == "add+max 8x16x4x4 f32"
+    assert _fit("add+max 8x16x4x4 f32", 9, 3) == "add+max\n8x16x4x4\nf32"
+    assert _fit("matmul 8x147x2048 f32 strided", 8, 2) == "matmul\n8x147x2…"
+    assert _fit("add+max 8x16x4x4 f32", 3, 3) == ""
+
+
 def test_profile_command_runs_a_script_and_prints_a_summary(tmp_path: Path, capsys) -> None:
     pytest.importorskip("matplotlib")
     script = tmp_path / "job.py"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import json
 import os
 import re
 import signal
@@ -18,6 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nodes.daemon import NodeOptions, prepare
+from .conftest import uri
 from tinydist.security.bind import bind_address
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,9 +82,10 @@ def test_cli_certs_and_refusals(tmp_path) -> None:
 
 
 @contextlib.contextmanager
-def serving_node(lab, tmp_path: Path, *extra: str) -> Iterator[tuple[subprocess.Popen, int]]:
+def serving_node(lab, tmp_path: Path, *extra: str, env_extra: dict[str, str] | None = None
+                 ) -> Iterator[tuple[subprocess.Popen, int]]:
     """`tinydist node serve` in its own process on a free loopback port: (process, port); SIGTERM at exit."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TINYDIST_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TINYDIST_")} | (env_extra or {})
     proc = subprocess.Popen([sys.executable, "-m", "tinydist.cli", "node", "serve", "--listen", "127.0.0.1:0", "--pki",
                              str(lab.root), "--audit", str(tmp_path / "audit.jsonl"), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
@@ -155,7 +158,9 @@ def test_node_serves_prometheus_metrics_that_count_rpcs_and_denials(lab, tmp_pat
     with socket.socket() as probe:  # a free loopback port for the metrics endpoint
         probe.bind(("127.0.0.1", 0))
         metrics_port = probe.getsockname()[1]
-    with serving_node(lab, tmp_path, "--metrics", f"127.0.0.1:{metrics_port}") as (_, port):
+    trace = tmp_path / "node.json"
+    with serving_node(lab, tmp_path, "--metrics", f"127.0.0.1:{metrics_port}",
+                      env_extra={"TINYDIST_TRACE": str(trace)}) as (_, port):
         with grpc.secure_channel(f"127.0.0.1:{port}", lab.creds["mallory"].channel_credentials()) as channel:
             ping = channel.unary_unary("/tinydist.v1.DeviceService/Ping", request_serializer=pb.PingRequest.SerializeToString,
                                        response_deserializer=pb.PingReply.FromString)
@@ -165,8 +170,18 @@ def test_node_serves_prometheus_metrics_that_count_rpcs_and_denials(lab, tmp_pat
         text = urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
         samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                    for family in text_string_to_metric_families(text) for s in family.samples}
-        assert samples[("tinydist_rpcs_total", (("method", "Ping"), ("status", "PERMISSION_DENIED")))] >= 1
+        assert samples[("grpc_server_handled_total", (("grpc_code", "PERMISSION_DENIED"), ("grpc_method", "Ping"),
+                         ("grpc_service", "tinydist.v1.DeviceService"), ("grpc_type", "unary")))] >= 1
+        info = [labels for (name, labels), v in samples.items() if name == "tinydist_build_info" and v == 1]
+        assert [dict(labels)["component"] for labels in info] == ["node"]
+        assert samples[("grpc_server_started_total", (("grpc_method", "Ping"), ("grpc_service", "tinydist.v1.DeviceService"),
+                         ("grpc_type", "unary")))] >= 1
+        assert any(name == "process_resident_memory_bytes" and v > 0 for (name, _), v in samples.items())
         assert sum(v for (name, _), v in samples.items() if name == "tinydist_auth_denials_total") >= 1
+    # the node's trace (written when SIGTERM ended it): the refused call as a span on its rpc lane
+    spans = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "rpc"]
+    assert [(e["name"], e["args"]["status"], e["args"]["identity"]) for e in spans] == \
+        [("rpc Ping", "PERMISSION_DENIED", uri("mallory"))]
 
 
 def test_client_credentials_name_what_is_missing_or_unreadable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

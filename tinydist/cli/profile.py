@@ -5,6 +5,7 @@
     tinydist profile -m package.module [args ...]          # a module, like python -m
     tinydist profile --merge all.json run.rank0.json run.rank1.json
     tinydist profile --from all.json --png all.png         # summarise / draw a saved trace
+    tinydist profile --from run.json --png run.png --zoom last   # and a panel over the last batch
 """
 
 from __future__ import annotations
@@ -99,8 +100,29 @@ def _report(data: dict[str, Any], args: argparse.Namespace) -> None:
     if not args.no_summary:
         print(report.format_summary(data, top=args.top))
     if args.png is not None:
-        path = report.plot_gantt(data, args.png, title=args.title)
+        zoom = args.zoom
+        if zoom == "last":
+            try:
+                zoom = report.last_batch_window(data)
+            except ValueError as e:
+                args.parser.error(f"--zoom last: {e}")
+        path = report.plot_gantt(data, args.png, title=args.title, zoom=zoom)
         print(f"Gantt chart written to {path}", file=sys.stderr)
+
+
+def _zoom(text: str) -> str | tuple[float, float]:
+    """`last`, or START:END in ms since the first event → µs."""
+    if text == "last":
+        return text
+    start, sep, end = text.partition(":")
+    try:
+        lo, hi = float(start), float(end)
+    except ValueError:
+        lo = hi = -1.0
+    if not sep or not 0 <= lo < hi:
+        raise argparse.ArgumentTypeError(f"--zoom wants START:END in ms with 0 <= START < END (e.g. 250:251.5) or "
+                                         f"`last`, got {text!r}")
+    return lo * 1e3, hi * 1e3
 
 
 def add_commands(subparsers: Any) -> None:
@@ -110,6 +132,8 @@ def add_commands(subparsers: Any) -> None:
                         help="trace file to write (default tinydist-trace.json; .rank{N} is added under tinydist launch)")
     parser.add_argument("--png", type=Path, metavar="PNG", help="also draw the lanes as a Gantt chart (needs matplotlib)")
     parser.add_argument("--title", help="title of the Gantt chart")
+    parser.add_argument("--zoom", type=_zoom, metavar="START:END|last",
+                        help="with --png, a second panel over START:END (ms since the first event) or the last batch")
     parser.add_argument("--no-summary", action="store_true", help="do not print the summary table")
     parser.add_argument("--top", type=int, default=20, help="rows of the per-kernel table (default 20)")
     parser.add_argument("-m", dest="module", action="store_true", help="SCRIPT is a module name, run like python -m")

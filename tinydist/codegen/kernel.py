@@ -54,6 +54,11 @@ class KNode:
         return postorder((self,), lambda node: node.srcs)
 
 
+def short_dtype(dtype: DType) -> str:
+    """`f32`, `i64`, `u8`, `bool`: numpy's kind and the width in bits."""
+    return "bool" if dtype.kind == "b" else f"{dtype.kind}{dtype.itemsize * 8}"
+
+
 def load(slot: int, tracker: ShapeTracker, dtype: DType) -> KNode:
     return KNode("load", (), (slot, tracker), dtype)
 
@@ -80,6 +85,17 @@ class KernelAST:
     @property
     def out_shape(self) -> Shape:
         return tuple(1 if axis in self.reduce_axes else size for axis, size in enumerate(self.shape))
+
+    def label(self) -> str:
+        """A name for people (traces, profiles): the ops in evaluation order, the iteration shape
+        (→ the output shape where it reduces) and the output dtype, e.g. `mul+add+max 64x384 f32`
+        or `exp+sum 8x128→8x1 f32`. The symbol stays the IR's hash (`lowering.lower`)."""
+        ops = dict.fromkeys(node.arg if node.op == "reduce" else node.op for node in self.root.walk()
+                            if node.op not in ("load", "const"))
+        shape = "x".join(map(str, self.shape)) or "1"
+        if self.reduce_axes:
+            shape += "→" + ("x".join(map(str, self.out_shape)) or "1")
+        return f"{'+'.join(ops) or 'copy'} {shape} {short_dtype(self.out_dtype)}"
 
     def describe(self) -> str:
         ops = sorted({node.op for node in self.root.walk() if node.op not in ("load", "const")})

@@ -12,6 +12,10 @@ same bounds, so no chunk carries a tag: each link is an ordered stream.
 - all2all:  rank i owns segment i: every rank sends segment j straight to rank j, which reduces
             it, then sends its reduced segment straight to everyone; 2(N-1)·n/N bytes, two steps.
             A reduced chunk goes out as soon as the last peer's contribution to it is in.
+
+While tracing, each algorithm step is a span on the rank's `collective steps` lane, timed by its
+receiver (the step ends when its last chunk is in and reduced): ring's `reduce-scatter step s` and
+`allgather step s`, all2all's `reduce from j` and `gather from j`, naive's `reduce chunk k`.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from collections.abc import Callable, Sequence
 import anyio
 import numpy as np
 
+from tinydist.observability import tracing
 from transports.base import Link
 from transports.shm import SLOT_BYTES
 
@@ -28,6 +33,10 @@ CHUNK_BYTES = SLOT_BYTES
 
 Ufunc = Callable[..., np.ndarray]
 Bounds = list[tuple[int, int]]
+
+
+def _step(name: str, rank: int, started: int, nbytes: int, **args: int) -> None:
+    tracing.record(name, started, process=f"rank{rank}", lane="collective steps", cat="collective", bytes=nbytes, **args)
 
 
 def chunk_bounds(start: int, stop: int, chunk: int) -> Bounds:
@@ -70,8 +79,11 @@ async def naive(links: dict[int, Link], rank: int, world: int, x: np.ndarray, uf
         for a, b in chunks:
             await links[peer].send(x[a:b])
 
+    traced = tracing.active_tracer() is not None
+
     async def reducer() -> None:
-        for a, b in chunks:
+        for k, (a, b) in enumerate(chunks):
+            started = tracing.clock() if traced else 0
             dst = out[a:b]
             for j in range(world):
                 if j == rank:
@@ -79,6 +91,8 @@ async def naive(links: dict[int, Link], rank: int, world: int, x: np.ndarray, uf
                     continue
                 async with links[j].recv() as view:
                     _combine(ufunc, dst, _view(view, x.dtype, b - a), j == 0)
+            if traced:
+                _step(f"reduce chunk {k}", rank, started, dst.nbytes * world, chunk=k)
 
     async with anyio.create_task_group() as tg:
         for peer in links:
@@ -107,6 +121,7 @@ async def ring(links: dict[int, Link], rank: int, world: int, out: np.ndarray, b
     for s in range(total):
         start.append(start[-1] + len(chunks[(hold - s - 1) % world]))
     progress = Progress()
+    traced = tracing.active_tracer() is not None
 
     async def sender() -> None:
         for s in range(total):
@@ -117,7 +132,9 @@ async def ring(links: dict[int, Link], rank: int, world: int, out: np.ndarray, b
 
     async def receiver() -> None:
         for s in range(total):
+            started, moved = tracing.clock() if traced else 0, 0
             for a, b in chunks[(hold - s - 1) % world]:
+                moved += (b - a) * out.itemsize
                 async with left.recv() as view:
                     src = _view(view, out.dtype, b - a)
                     if s < reduce_steps:
@@ -126,6 +143,9 @@ async def ring(links: dict[int, Link], rank: int, world: int, out: np.ndarray, b
                     else:
                         out[a:b] = src
                 progress.advance()
+            if traced:
+                _step(f"reduce-scatter step {s}" if s < reduce_steps else f"allgather step {s - reduce_steps}", rank,
+                      started, moved, step=s)
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(sender)
@@ -145,6 +165,7 @@ async def all2all(links: dict[int, Link], rank: int, world: int, x: np.ndarray, 
     ready = [anyio.Event() for _ in mine]
     if world == 1:
         return
+    traced = tracing.active_tracer() is not None
 
     async def sender(peer: int) -> None:
         link = links[peer]
@@ -157,16 +178,23 @@ async def all2all(links: dict[int, Link], rank: int, world: int, x: np.ndarray, 
 
     async def receiver(peer: int) -> None:
         link = links[peer]
+        started = tracing.clock() if traced else 0
         for k, (a, b) in enumerate(mine):
             async with link.recv() as view:
                 ufunc(out[a:b], _view(view, x.dtype, b - a), out=out[a:b])
             counts[k] += 1
             if counts[k] == world - 1:
                 ready[k].set()
+        if traced:
+            _step(f"reduce from {peer}", rank, started, (b0 - a0) * x.itemsize, peer=peer)
         if gather:
+            started = tracing.clock() if traced else 0
             for a, b in chunks[peer]:
                 async with link.recv() as view:
                     out[a:b] = _view(view, x.dtype, b - a)
+            if traced:
+                lo, hi = bounds[peer]
+                _step(f"gather from {peer}", rank, started, (hi - lo) * x.itemsize, peer=peer)
 
     async with anyio.create_task_group() as tg:
         for peer in links:

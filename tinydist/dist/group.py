@@ -57,10 +57,13 @@ from tinydist.dist.errors import CollectiveError, CollectiveMismatch, Collective
 from tinydist.dist.rendezvous import connect_mesh, coordinator_listener, register, serve_coordinator
 from tinydist.graph.collectives import Algorithm, Medium, check, choose_partitioned, resolve, resolve_partitioned, shard_bounds
 from tinydist.graph.reduce_ops import MEAN, collective_op
+from tinydist.observability import tracing
 from transports.base import Link, PeerFailed, TransportError
 from transports.shm_group import TIMED_OUT, Abandoned, ShmGroup, WaitTimeout, open_group
 
 T = TypeVar("T")
+# the algorithm of a collective that has one way to run (the others name theirs in the header)
+_ALGORITHM = {"all_gather": "direct", "broadcast": "direct", "barrier": "barrier"}
 
 # How a rank stopped: the codes a BYE, an ABORT and a poisoned step word carry (TIMED_OUT, 1, is the
 # segment's own: a deadline passed). 0, a BYE from before the codes, reads as LEFT.
@@ -82,6 +85,7 @@ class _Call:
     header: dict[str, Any]
     links: Callable[[dict[int, dict[str, Any]]], Awaitable[Any]]   # the body over links, given every header
     segment: Callable[[shm.Session], Any] | None = None              # the whole collective on the group segment
+    nbytes: int = 0                                                  # this rank's input, for the trace
 
 
 class ProcessGroup:
@@ -145,6 +149,7 @@ class ProcessGroup:
                 hosts = {info["host"] for info in table["peers"].values()}
                 group.same_host = len(hosts) == 1 and transport != "tcp"
                 for link in group.links.values():
+                    link.trace_process = f"rank{rank}"   # where its send/recv spans go in a trace
                     tg.start_soon(link.serve)
             try:
                 if world > 1 and group.same_host and transport in ("auto", "shm") and ShmGroup.supported():
@@ -246,41 +251,56 @@ class ProcessGroup:
             return run_async(self._collective, call)
         return self._on_segment(call, run_async)
 
+    def _traced(self, header: dict[str, Any], call: _Call, where: str) -> contextlib.AbstractContextManager[Any]:
+        """The collective's span on this rank's `collective` lane: name, algorithm, bytes, world,
+        rank, call number and where its data went (`segment` or `links`); a no-op when not tracing."""
+        if tracing.active_tracer() is None:
+            return contextlib.nullcontext()
+        coll = header["coll"]
+        return tracing.span(coll, process=f"rank{self.rank}", lane="collective", cat="collective", collective=coll,
+                            algorithm=header.get("algorithm") or _ALGORITHM.get(coll, coll), bytes=call.nbytes,
+                            world=self.world, rank=self.rank, seq=header["seq"], dtype=header.get("dtype", ""),
+                            data=where)
+
     def _on_segment(self, call: _Call, run_async: Callable[..., Any]) -> Any:
         with self._thread_lock:
             header, name = self._begin(call)
-            if self.shm is None:
-                raise CollectiveError(f"{name}: the group's shared memory is closed (td.dist.destroy() was called)")
-            deadline = time.monotonic() + settings.COLLECTIVE_TIMEOUT
-            blob = json.dumps(header).encode()
-            session = shm.Session(self.shm, blob, functools.partial(self._agree, name, header, blob), deadline,
-                                  self._check_waiting)
-            try:
-                if call.segment is not None:
-                    return call.segment(session)
-                session.round()
-                headers = session.sync()
-            except WaitTimeout as exc:
-                raise self._timed_out(name, exc.ranks, session.headers is None) from None
-            except Abandoned as exc:
-                raise self._abandoned(name, exc, session.headers is None) from None
-            except RankFailed as exc:
-                if self._failure is None:       # a peer's process vanished under a single copy: as a link's EOF
-                    self._on_link_failure(exc.rank, str(exc), exc.rank)
-                self._check_failure(name)
-                raise
-            except CollectiveError:
-                raise
-            except BaseException as exc:
-                # this rank stopped part way through its steps: the peers' step counts no longer match ours,
-                # so it poisons its own word (the peers waiting for its next step raise at once, told why)
-                if self._failure is None:
-                    self._failure = CollectiveError(f"{name} broke off on rank {self.rank} ({type(exc).__name__}: {exc}); "
-                                                    f"the ranks are out of step, so the group takes no more collectives")
-                    with contextlib.suppress(TransportError):
-                        self.shm.give_up([self.rank], self.shm.step + 1, BROKE_OFF, self.rank)
-                raise
-            return run_async(self._guarded, name, lambda: call.links(headers), list, deadline - time.monotonic())
+            with self._traced(header, call, "segment" if call.segment is not None else "links"):
+                return self._on_segment_traced(call, run_async, header, name)
+
+    def _on_segment_traced(self, call: _Call, run_async: Callable[..., Any], header: dict[str, Any], name: str) -> Any:
+        if self.shm is None:
+            raise CollectiveError(f"{name}: the group's shared memory is closed (td.dist.destroy() was called)")
+        deadline = time.monotonic() + settings.COLLECTIVE_TIMEOUT
+        blob = json.dumps(header).encode()
+        session = shm.Session(self.shm, blob, functools.partial(self._agree, name, header, blob), deadline,
+                              self._check_waiting, None if tracing.active_tracer() is None else f"rank{self.rank}")
+        try:
+            if call.segment is not None:
+                return call.segment(session)
+            session.round()
+            headers = session.sync()
+        except WaitTimeout as exc:
+            raise self._timed_out(name, exc.ranks, session.headers is None) from None
+        except Abandoned as exc:
+            raise self._abandoned(name, exc, session.headers is None) from None
+        except RankFailed as exc:
+            if self._failure is None:       # a peer's process vanished under a single copy: as a link's EOF
+                self._on_link_failure(exc.rank, str(exc), exc.rank)
+            self._check_failure(name)
+            raise
+        except CollectiveError:
+            raise
+        except BaseException as exc:
+            # this rank stopped part way through its steps: the peers' step counts no longer match ours,
+            # so it poisons its own word (the peers waiting for its next step raise at once, told why)
+            if self._failure is None:
+                self._failure = CollectiveError(f"{name} broke off on rank {self.rank} ({type(exc).__name__}: {exc}); "
+                                                f"the ranks are out of step, so the group takes no more collectives")
+                with contextlib.suppress(TransportError):
+                    self.shm.give_up([self.rank], self.shm.step + 1, BROKE_OFF, self.rank)
+            raise
+        return run_async(self._guarded, name, lambda: call.links(headers), list, deadline - time.monotonic())
 
     def _agree(self, name: str, header: dict[str, Any], blob: bytes, blobs: dict[int, bytes]) -> dict[int, dict[str, Any]]:
         """Every rank's header from the segment, checked by `_verdict` (identical blobs need no parsing)."""
@@ -324,18 +344,22 @@ class ProcessGroup:
     async def _collective(self, call: _Call) -> Any:
         async with self._lock:
             header, name = self._begin(call)
-            if self.world == 1:
-                _verdict(name, {0: header})
-                return await call.links({0: header})
-            headers: dict[int, dict[str, Any]] = {self.rank: header}
+            with self._traced(header, call, "links"):
+                return await self._collective_traced(call, header, name)
 
-            async def run() -> Any:
-                await self._exchange(header, headers)
-                _verdict(name, headers)
-                return await call.links(headers)
+    async def _collective_traced(self, call: _Call, header: dict[str, Any], name: str) -> Any:
+        if self.world == 1:
+            _verdict(name, {0: header})
+            return await call.links({0: header})
+        headers: dict[int, dict[str, Any]] = {self.rank: header}
 
-            return await self._guarded(name, run, lambda: sorted(set(range(self.world)) - set(headers)),
-                                       settings.COLLECTIVE_TIMEOUT)
+        async def run() -> Any:
+            await self._exchange(header, headers)
+            _verdict(name, headers)
+            return await call.links(headers)
+
+        return await self._guarded(name, run, lambda: sorted(set(range(self.world)) - set(headers)),
+                                   settings.COLLECTIVE_TIMEOUT)
 
     async def _guarded(self, name: str, body: Callable[[], Awaitable[T]], missing: Callable[[], list[int]], timeout: float) -> T:
         """Run `body` within `timeout`; a peer's failure or the deadline becomes RankFailed / CollectiveTimeout."""
@@ -459,7 +483,7 @@ class ProcessGroup:
             run(session, x.reshape(-1), acc, collective_op(op))
             return _result(_finish(acc, op, self.world, flat_out), x.shape, out)
 
-        return _Call(header, body, segment if on_segment else None)
+        return _Call(header, body, segment if on_segment else None, x.nbytes)
 
     def _all_gather(self, x: np.ndarray, axis: int) -> _Call:
         x = np.asarray(x, order="C")
@@ -501,7 +525,7 @@ class ProcessGroup:
             flat, headers = shm.all_gather(session, rows.reshape(-1), lambda hs: [hs[r]["length"] * row for r in range(self.world)])
             return np.moveaxis(flat.reshape((sum(headers[r]["length"] for r in range(self.world)), *rows.shape[1:])), 0, ax)
 
-        return _Call(header, body, segment if self.shm is not None and not error else None)
+        return _Call(header, body, segment if self.shm is not None and not error else None, x.nbytes)
 
     def _reduce_scatter(self, x: np.ndarray, op: str, axis: int, algorithm: str) -> _Call:
         x = np.asarray(x, order="C")
@@ -551,7 +575,7 @@ class ProcessGroup:
             rows, parts, bounds = layout()
             return finish(rows, parts, shm.reduce_scatter(session, rows.reshape(-1), bounds, collective_op(op)))
 
-        return _Call(header, body, segment if self.shm is not None and not error and chosen != "ring" else None)
+        return _Call(header, body, segment if self.shm is not None and not error and chosen != "ring" else None, x.nbytes)
 
     def _broadcast(self, x: np.ndarray | None, src: int) -> _Call:
         error = None if 0 <= src < self.world else f"src {src} is outside 0..{self.world - 1}"
@@ -573,7 +597,8 @@ class ProcessGroup:
         def segment(session: shm.Session) -> np.ndarray:
             return shm.broadcast(session, src, arr if self.rank == src else None, root)
 
-        return _Call(header, body, segment if self.shm is not None and not error else None)
+        return _Call(header, body, segment if self.shm is not None and not error else None,
+                     0 if arr is None else arr.nbytes)
 
     def _barrier(self) -> _Call:
         async def body(_: dict[int, dict[str, Any]]) -> None:

@@ -37,6 +37,7 @@ from tinydist.codegen.reduce import supported
 from tinydist.dist.errors import RankFailed
 from tinydist.graph.collectives import shard_bounds
 from tinydist.graph.reduce_ops import ReduceOp
+from tinydist.observability import tracing
 from tinydist.runtime.compiler import host_reduce
 from transports import cma
 from transports.shm_group import ShmGroup
@@ -45,17 +46,23 @@ Verdict = Callable[[dict[int, bytes]], dict[int, dict[str, Any]]]
 
 
 class Session:
-    """One collective's rounds on the group segment, under one deadline."""
+    """One collective's rounds on the group segment, under one deadline.
+
+    While tracing, `trace` names this rank's trace process (`rank0`) and every step (a post and
+    the wait for every peer's) and every reduction is a span on its `collective steps` lane."""
 
     def __init__(self, grp: ShmGroup, header: bytes, verdict: Verdict, deadline: float,
-                 check: Callable[[int], tuple[int, int] | None]) -> None:
+                 check: Callable[[int], tuple[int, int] | None], trace: str | None = None) -> None:
         self.grp, self.header, self.verdict = grp, header, verdict
         self.deadline, self.check = deadline, check
         self.headers: dict[int, dict[str, Any]] | None = None   # every rank's header, once agreed
         self.parity = 0
+        self.rounds = 0
+        self.trace = trace
 
     def round(self) -> int:
         """Begin the next round; its slots have this parity. The collective's first round carries the header."""
+        self.rounds += 1
         self.parity = self.grp.next_round()
         if self.headers is None:
             self.grp.write_header(self.parity, self.header)
@@ -65,6 +72,7 @@ class Session:
         """Post this step, run `meanwhile` (work that needs no peer), wait for every peer's step; the
         first time, agree on the headers (or raise)."""
         grp = self.grp
+        started = tracing.clock() if self.trace is not None else 0
         step = grp.post()
         if meanwhile is not None:
             meanwhile()
@@ -72,7 +80,19 @@ class Session:
         if self.headers is None:
             blobs = {r: self.header if r == grp.rank else grp.read_header(r, self.parity) for r in range(grp.world)}
             self.headers = self.verdict(blobs)
+        if self.trace is not None:
+            tracing.record(f"step {step}", started, process=self.trace, lane="collective steps", cat="collective",
+                           round=self.rounds, step=step, overlapped=meanwhile is not None)
         return self.headers
+
+    def reduce(self, op: ReduceOp, dsts: Sequence[np.ndarray], sources: Sequence[np.ndarray]) -> None:
+        """`_reduce_into`, a span on the steps lane while tracing."""
+        if self.trace is None:
+            return _reduce_into(op, dsts, sources)
+        started = tracing.clock()
+        _reduce_into(op, dsts, sources)
+        tracing.record(f"reduce {op.value}", started, process=self.trace, lane="collective steps", cat="collective",
+                       round=self.rounds, bytes=dsts[0].nbytes, sources=len(sources), destinations=len(dsts))
 
     def elements(self, dtype: np.dtype) -> int:
         """How many elements of `dtype` one round moves per rank."""
@@ -126,7 +146,7 @@ def allreduce_naive(s: Session, x: np.ndarray, out: np.ndarray, op: ReduceOp) ->
         p = s.round()
         grp.region(grp.rank, p, x.dtype, b - a)[:] = x[a:b]
         s.sync()
-        _reduce_into(op, [out[a:b]], [grp.region(r, p, x.dtype, b - a) for r in range(grp.world)])
+        s.reduce(op, [out[a:b]], [grp.region(r, p, x.dtype, b - a) for r in range(grp.world)])
 
 
 def allreduce_all2all(s: Session, x: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
@@ -153,7 +173,7 @@ def allreduce_all2all(s: Session, x: np.ndarray, out: np.ndarray, op: ReduceOp) 
         m0, m1 = parts[grp.rank]
         peers = [grp.region(r, p, x.dtype, b - a)[m0:m1] for r in grp.peers]
         # my part goes to my result and to my slot, from where the peers copy it out
-        _reduce_into(op, [out[a + m0:a + m1], mine[m0:m1]], [x[a + m0:a + m1], *peers])
+        s.reduce(op, [out[a + m0:a + m1], mine[m0:m1]], [x[a + m0:a + m1], *peers])
         # while the peers finish their parts, fill round k+1: its slot is round k-1's, which every
         # peer finished reading before it began round k
         s.sync(functools.partial(fill, *rounds[k + 1]) if k + 1 < len(rounds) else None)
@@ -189,7 +209,7 @@ def allreduce_single_copy(s: Session, x: np.ndarray, out: np.ndarray, op: Reduce
         for r in grp.peers:
             _peer_copy(cma.read, grp, r, where[r][0] + at, buffers[r][:b - a])
         # my own piece first: `out` may be `x`, and the first pass reads it before writing there
-        _reduce_into(op, [out[a:b]], [x[a:b], *(buffers[r][:b - a] for r in grp.peers)])
+        s.reduce(op, [out[a:b]], [x[a:b], *(buffers[r][:b - a] for r in grp.peers)])
         for r in grp.peers:
             _peer_copy(cma.write, grp, r, where[r][1] + at, out[a:b])
     s.sync()
@@ -217,7 +237,7 @@ def reduce_scatter(s: Session, x: np.ndarray, bounds: Sequence[tuple[int, int]],
         s.sync()
         if m1 > m0:
             peers = [grp.region(r, p, x.dtype, b - a)[m0:m1] for r in grp.peers]
-            _reduce_into(op, [piece[a + m0 - lo:a + m1 - lo]], [x[a + m0:a + m1], *peers])
+            s.reduce(op, [piece[a + m0 - lo:a + m1 - lo]], [x[a + m0:a + m1], *peers])
     return piece
 
 

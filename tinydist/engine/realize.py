@@ -28,7 +28,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from tinydist.base.config import settings
 from tinydist.base.logs import get_logger
@@ -36,6 +36,7 @@ from tinydist.engine.binding import Bound, bind
 from tinydist.engine.commands import issue, lower_call
 from tinydist.engine.lowered import Lowered, lower
 from tinydist.graph.lazy import LazyNode, Op
+from tinydist.runtime import command_queue
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.device import Batch, Completion
 from tinydist.runtime.engine import get_engine
@@ -101,12 +102,22 @@ def realize(targets: Sequence[LazyNode], ran: list[Realized] | None = None) -> l
     pending = list(dict.fromkeys(t for t in targets if not t.realized))
     if not pending:
         return []
+    tracer = command_queue.TRACER
+    started = _host_gap(tracer) if tracer is not None else 0
     walk = canonical_walk(pending)  # the schedule's key, and the assigns the WAR check needs: one walk
     if _adds_targets(walk, pending):
         pending = _with_readers_of_overwritten(pending)
         walk = canonical_walk(pending)
     schedule, inputs = create_schedule(pending, walk)
+    if tracer is not None:
+        scheduled = time.perf_counter_ns()
+        tracer.add_span("host", "host", "schedule", "schedule", started, scheduled,
+                        {"calls": len(schedule.linear), "targets": len(pending)})
     completions, buffers = run_schedule(schedule, inputs)
+    if tracer is not None:
+        _last_realize.end = end = time.perf_counter_ns()
+        tracer.add_span("host", "host", "bind + submit", "schedule", scheduled, end,
+                        {"calls": len(schedule.linear), "batches": len(completions)})
     for node, buffer in zip(pending, buffers):
         node.buffer = buffer
         # autograd hook: backward() walks srcs. An empty node gets no buffer (None): it keeps its
@@ -116,6 +127,23 @@ def realize(targets: Sequence[LazyNode], ran: list[Realized] | None = None) -> l
     if ran is not None:
         ran.append(Realized(schedule, inputs, pending))
     return completions
+
+
+# While tracing, the host lane shows a realize's two halves (`schedule`: the graph walk and the
+# schedule, cached or new; `bind + submit`: lowering, compiling what is new, binding and submitting)
+# and, between two realizes on one thread, `python`: the caller's own code, building the next graph.
+_last_realize = threading.local()
+
+
+def _host_gap(tracer: Any) -> int:
+    """Now; and the `python` span since this thread's last realize ended (when it was traced by `tracer`)."""
+    now = time.perf_counter_ns()
+    last = getattr(_last_realize, "end", None)
+    same = getattr(_last_realize, "tracer", None) is tracer
+    if last is not None and same:
+        tracer.add_span("host", "host", "python", "python", last, now, {"thread": threading.current_thread().name})
+    _last_realize.tracer = tracer
+    return now
 
 
 def run_schedule(schedule: Schedule, inputs: Sequence[LazyNode]) -> tuple[list[Completion], list[Buffer | None]]:

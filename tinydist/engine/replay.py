@@ -31,6 +31,7 @@ from tinydist.base.errors import TinydistError
 from tinydist.base.logs import get_logger
 from tinydist.engine.commands import Launch, lower_call
 from tinydist.engine.streams import NativeStreams, overlap, span
+from tinydist.runtime import command_queue
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.command_queue import BUSY
 from tinydist.runtime.device import Completion, Device, host_address
@@ -407,7 +408,12 @@ def choose(capture: Capture, forced: str = "auto") -> Replay:
         if forced != "auto":
             raise ReplayUnfit(f"replay='entry' does not apply: {why}")
         passed.append(f"not entry: {why}")
-    if forced == StreamsReplay.name or (forced == "auto" and settings.JIT_NATIVE_STREAMS == "on"):
+    if forced == "auto" and command_queue.TRACER is not None:
+        # captured while tracing: each kernel a command of its own, which the trace names and
+        # times (entry and streams run a device's calls as one native call; `links` says no to
+        # entry while tracing already)
+        passed.append("not streams: tracing")
+    elif forced == StreamsReplay.name or (forced == "auto" and settings.JIT_NATIVE_STREAMS == "on"):
         found = StreamsReplay.build(capture)
         if not isinstance(found, str):
             return _chosen(found, forced, passed)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +57,7 @@ from tinydist.engine.replay import REPLAYS, Replay, ReplayUnfit
 from tinydist.frontend.tensor import Tensor, observe_assigns
 from tinydist.graph.lazy import LazyNode, buffer_node
 from tinydist.runtime.buffer import Buffer
+from tinydist.runtime import command_queue
 from tinydist.runtime.command_queue import BUSY
 from tinydist.runtime.device import Completion
 from tinydist.runtime.registry import canonical_name
@@ -189,6 +191,7 @@ class TinyJit:
         self.signature = inspect.signature(fn)
         self.calls = 0
         self.queued = 0  # replays since the caller last waited for the devices to catch up
+        self._tracing = False  # inside `_traced`: the call it wraps is not wrapped again
         self.captured: _Captured | None = None
         self.specs: tuple[_ArgSpec, ...] = ()
         # the parameter names, when every parameter is plain positional without a default: a call
@@ -241,6 +244,8 @@ class TinyJit:
                                "Python values are baked into the captured graph — pass a Tensor to vary it, or make a new jit")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if command_queue.TRACER is not None and not self._tracing:
+            return self._traced(self.__call__, *args, **kwargs)
         captured = self.captured
         if captured is not None and not kwargs:
             result = captured.replay_now(args)  # the frame loop: done when it returns, nothing queued
@@ -260,6 +265,8 @@ class TinyJit:
         arrays out: the lowest-overhead replay, for a frame loop. Until the capture, each array
         becomes a Tensor on `device` (default: the default device); after it, on the device its
         argument was captured on, which `device`, when given, must name."""
+        if command_queue.TRACER is not None and not self._tracing:
+            return self._traced(self.call_numpy, *arrays, device=device)
         captured = self.captured
         if captured is not None and device is None:
             result = captured.replay_arrays_now(arrays)
@@ -276,6 +283,20 @@ class TinyJit:
         result = self(*(Tensor(a, device) if isinstance(a, np.ndarray) else a for a in arrays))
         outputs, rebuild = _flatten(result)
         return rebuild([t.numpy() for t in outputs])
+
+    def _traced(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`method(*args, **kwargs)` as a span on the host's `jit` lane: `jit run`, `jit capture`
+        or `jit replay` and the function's name (a frame replay submits nothing the queues see)."""
+        tracer = command_queue.TRACER
+        phase = "replay" if self.captured is not None else "capture" if self.calls else "run"
+        started = time.perf_counter_ns()
+        self._tracing = True
+        try:
+            return method(*args, **kwargs)
+        finally:
+            self._tracing = False
+            tracer.add_span("host", "jit", f"jit {phase} {getattr(self.fn, '__name__', 'fn')}", "python", started,
+                            time.perf_counter_ns(), {"calls": self.calls})
 
     async def acall(self, *args: Any, **kwargs: Any) -> Any:
         """The same call for async code: replays without blocking the event loop and awaits it."""

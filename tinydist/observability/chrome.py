@@ -7,7 +7,8 @@ Layout (opens in Perfetto, ui.perfetto.dev, and chrome://tracing):
   that device's timelines) and one lane per span lane, split into `lane 2`, `lane 3`, … where
   spans overlap, so every lane nests properly;
 - complete events (`ph: "X"`) only: a `batch N` event per submission, and inside it one event per
-  command (kernel by name, `copy` with its bytes, `wait <timeline>@<value>`, host callables);
+  command (a kernel by its label, `add+max 8x16x4x4 f32`, its symbol in the args; `copy` with its
+  bytes; `wait <timeline>@<value>`; host callables);
 - flow arrows (`ph: "s"` → `ph: "f"`, one id per arrow) from the batch that signalled a timeline
   value to each wait — on a queue or on the host — that it released;
 - a `bytes in flight` counter (`ph: "C"`) per device, from its copies;
@@ -30,7 +31,8 @@ if TYPE_CHECKING:
 
 FORMAT_VERSION = 1
 QUEUE_ORDER = {"compute": 1, "copy": 2}
-CATEGORIES = ("kernel", "copy", "wait", "host", "host sync", "collective", "rpc", "span")
+CATEGORIES = ("kernel", "copy", "wait", "host", "host sync", "compile", "schedule", "python", "collective", "transport",
+              "rpc", "scheduler", "span")
 
 
 def _us(ns: int) -> float:
@@ -46,11 +48,35 @@ def _command_event(fn: Any, args: tuple[Any, ...], copy_fn: Any) -> tuple[str, s
         return f"wait {target.name}@{args[0]}", "wait", {"timeline": target.name, "target": int(args[0])}
     name = getattr(fn, "__name__", None)
     if name is not None and hasattr(fn, "argtypes"):  # a native kernel (ctypes function)
-        return name, "kernel", {}
+        return kernel_event(name, args)
     qualname = getattr(fn, "__qualname__", None) or name or type(fn).__name__
     return qualname, "host", {}
 
 
+def kernel_event(symbol: str, args: tuple[Any, ...]) -> tuple[str, str, dict[str, Any]]:
+    """A kernel's (name, "kernel", args): its label (`runtime.program.LABELS`, filed by the compiler:
+    ops, shape, dtype) in place of the symbol, which stays in the args as `program`. The matmul
+    kernel is one program for every shape, so its shape comes from the call's arguments
+    (`engine.commands.lower_call`: out, a, b, workspace, batch, m, n, k, …)."""
+    from tinydist.runtime.program import LABELS
+    if symbol.startswith("tinydist_matmul_") and len(args) >= 8:
+        batch, m, n, k = (int(a) for a in args[4:8])
+        dtype = _MATMUL_DTYPES.get(symbol.split("_")[2], symbol.split("_")[2])
+        shape = f"{m}x{k}x{n}" if batch == 1 else f"{batch}x{m}x{k}x{n}"
+        strided = " strided" if "_strided_" in symbol else ""
+        return (f"matmul {shape} {dtype}{strided}", "kernel",
+                {"program": symbol, "op": "matmul", "batch": batch, "m": m, "k": k, "n": n, "dtype": dtype})
+    if symbol == "tinydist_commands" and args and isinstance(args[-1], int):   # engine.lowered's interpreter
+        return f"{args[-1]} kernels (one native call)", "kernel", {"program": symbol, "kernels": args[-1]}
+    label = LABELS.get(symbol)
+    if label is None:
+        return symbol, "kernel", {"program": symbol}
+    ops, _, rest = label.partition(" ")
+    shape, _, dtype = rest.rpartition(" ")
+    return label, "kernel", {"program": symbol, "ops": ops, "shape": shape, "dtype": dtype}
+
+
+_MATMUL_DTYPES = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16", "int32": "i32", "int64": "i64"}
 _WAIT: Any = None
 
 

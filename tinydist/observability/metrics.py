@@ -8,7 +8,7 @@ only when scraped. Transports, collectives and the node daemon update the metric
 
     from tinydist.observability import metrics
     server = metrics.serve_metrics("127.0.0.1", 9464)            # loopback unless told otherwise
-    metrics.RPCS.labels(method="Launch", status="OK").inc()
+    metrics.record_rpc("Launch", "OK", seconds, "tinydist.v1.DeviceService")   # grpc_server_handled_total
     with metrics.time_collective("allreduce", "ring"): ...
     metrics.add_transport_bytes("tcp", "send", n)
 
@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
+import platform
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
+from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram, PlatformCollector,
+                               ProcessCollector, generate_latest, start_http_server)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -48,10 +51,15 @@ COLLECTIVE_SECONDS = Histogram("tinydist_collective_seconds", "Latency of one co
                                buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0))
 COLLECTIVE_ERRORS = Counter("tinydist_collective_errors", "Collectives that raised, by error type.",
                             ["collective", "error"], registry=REGISTRY)
-RPCS = Counter("tinydist_rpcs", "RPCs handled, by method and final status (e.g. a gRPC status code name).",
-               ["method", "status"], registry=REGISTRY)
-RPC_SECONDS = Histogram("tinydist_rpc_seconds", "Time to handle one RPC.", ["method"], registry=REGISTRY,
-                        buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0))
+# RPC servers' metrics under go-grpc-prometheus's names and labels (grpc_service is the full
+# service name, grpc_type one of unary / client_stream / server_stream / bidi_stream, grpc_code the
+# status code name), so dashboards written for any gRPC server read them unchanged
+_GRPC = ["grpc_service", "grpc_method", "grpc_type"]
+RPCS_STARTED = Counter("grpc_server_started", "RPCs started on the server.", _GRPC, registry=REGISTRY)
+RPCS = Counter("grpc_server_handled", "RPCs completed on the server, regardless of success or failure.",
+               [*_GRPC, "grpc_code"], registry=REGISTRY)
+RPC_SECONDS = Histogram("grpc_server_handling_seconds", "Time to handle one RPC, until the server finished it.",
+                        _GRPC, registry=REGISTRY, buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0))
 AUTH_DENIALS = Counter("tinydist_auth_denials", "Requests refused by authentication or authorisation, by reason.",
                        ["reason"], registry=REGISTRY)
 DEVICE_HANGS_REMOTE = Counter("tinydist_node_device_hangs", "Device hangs a node daemon reported for its devices.",
@@ -78,28 +86,40 @@ def time_collective(collective: str, algorithm: str = "") -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def time_rpc(method: str) -> Iterator[dict[str, str]]:
+def time_rpc(method: str, service: str = "", grpc_type: str = "unary") -> Iterator[dict[str, str]]:
     """Time an RPC handler and count it by status: the status is "OK" unless the block sets
-    `state["status"]` or raises (then the exception's type name, or its `.code().name` for gRPC)."""
+    `state["status"]` or raises (then the exception's `.code().name` for gRPC, else "UNKNOWN",
+    what a gRPC server answers for an exception it does not map)."""
     state = {"status": "OK"}
     start = time.perf_counter()
+    RPCS_STARTED.labels(service, method, grpc_type).inc()
     try:
         yield state
     except BaseException as exc:
         code = getattr(exc, "code", None)
         try:
-            state["status"] = code().name if callable(code) else type(exc).__name__
+            state["status"] = code().name if callable(code) else "UNKNOWN"
         except Exception:  # noqa: BLE001 - a status must never mask the error
-            state["status"] = type(exc).__name__
+            state["status"] = "UNKNOWN"
         raise
     finally:
-        record_rpc(method, state["status"], time.perf_counter() - start)
+        record_rpc(method, state["status"], time.perf_counter() - start, service, grpc_type, started=False)
 
 
-def record_rpc(method: str, status: str, seconds: float) -> None:
-    """Count one handled RPC by final status and observe how long it took."""
-    RPC_SECONDS.labels(method).observe(seconds)
-    RPCS.labels(method, status).inc()
+def record_rpc(method: str, code: str, seconds: float, service: str = "", grpc_type: str = "unary",
+               started: bool = True) -> None:
+    """Count one handled RPC by its final gRPC status code name and observe how long it took
+    (`started`: count it in grpc_server_started_total too, for a caller that did not)."""
+    if started:
+        RPCS_STARTED.labels(service, method, grpc_type).inc()
+    RPC_SECONDS.labels(service, method, grpc_type).observe(seconds)
+    RPCS.labels(service, method, grpc_type, code).inc()
+
+
+def grpc_type(client_stream: bool, server_stream: bool) -> str:
+    """go-grpc-prometheus's grpc_type label of a method."""
+    return {(False, False): "unary", (True, False): "client_stream", (False, True): "server_stream",
+            (True, True): "bidi_stream"}[(client_stream, server_stream)]
 
 
 def count_auth_denial(reason: str) -> None:
@@ -161,6 +181,31 @@ class RuntimeCollector(Collector):
 
 
 REGISTRY.register(RuntimeCollector())
+# the standard process metrics (process_cpu_seconds_total, process_resident_memory_bytes, open fds, …),
+# python_info and the garbage collector's counts, as prometheus_client's default registry has them
+ProcessCollector(registry=REGISTRY)
+PlatformCollector(registry=REGISTRY)
+GCCollector(registry=REGISTRY)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("tinydist")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
+BUILD_INFO = Gauge("tinydist_build_info", "Always 1; the labels say which tinydist and Python this process runs.",
+                   ["version", "python", "component"], registry=REGISTRY)
+
+
+def set_component(component: str) -> None:
+    """Name this process's role (`node`, `scheduler`, …) in tinydist_build_info; the default is `library`."""
+    BUILD_INFO.clear()
+    BUILD_INFO.labels(_version(), platform.python_version(), component).set(1)
+
+
+set_component("library")
 
 
 def render(registry: CollectorRegistry = REGISTRY) -> str:

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 COLORS = {"kernel": "#1f77b4", "copy": "#ff7f0e", "wait": "#bdbdbd", "host sync": "#d62728", "host": "#9467bd",
-          "collective": "#2ca02c", "rpc": "#17becf", "span": "#8c564b"}
+          "compile": "#e377c2", "schedule": "#bcbd22", "python": "#7f7f7f", "collective": "#2ca02c",
+          "transport": "#98df8a", "rpc": "#17becf", "scheduler": "#aec7e8", "span": "#8c564b"}
 
 
 def _names(trace: dict[str, Any]) -> tuple[dict[int, str], dict[tuple[int, int], str]]:
@@ -98,10 +99,46 @@ def format_summary(trace: dict[str, Any], top: int = 20) -> str:
     return "\n".join(lines)
 
 
+def last_batch_window(trace: dict[str, Any], pad: float = 0.02) -> tuple[float, float]:
+    """(start, end) in µs since the first event: the last batch to start on any queue, with `pad`
+    of its length either side; a `zoom` for `plot_gantt` that shows one step's kernels."""
+    xs = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    batches = [e for e in xs if e.get("cat") == "batch"]
+    if not batches:
+        raise ValueError("the trace has no batches to zoom on")
+    t0 = min(e["ts"] for e in xs)
+    last = max(batches, key=lambda e: e["ts"])
+    margin = last["dur"] * pad
+    return last["ts"] - t0 - margin, last["ts"] - t0 + last["dur"] + margin
+
+
+def _fit(name: str, width: int, lines: int) -> str:
+    """`name` in at most `lines` lines of at most `width` characters, broken at spaces (a kernel's
+    ops, shape and dtype each on a line of their own if need be); "" when even a short first
+    word does not fit, and a cut word ends in "…"."""
+    if width >= len(name):
+        return name
+    if width < 4:
+        return ""
+    rows: list[str] = []
+    for word in name.split(" "):
+        if rows and len(rows[-1]) + 1 + len(word) <= width:
+            rows[-1] += " " + word
+        else:
+            rows.append(word)
+    if len(rows) > lines:
+        rows = rows[:lines]
+    return "\n".join(r if len(r) <= width else r[:width - 1] + "…" for r in rows)
+
+
 def plot_gantt(trace: dict[str, Any], path: str | os.PathLike[str], title: str | None = None,
-               max_flows: int = 300) -> Path:
+               max_flows: int = 300, zoom: tuple[float, float] | None = None) -> Path:
     """Draw the lanes as a Gantt chart (commands coloured by category, batches as outlines, flow
-    arrows, a bytes-in-flight panel) with a legend and a time axis; needs matplotlib (`[plot]`)."""
+    arrows, a bytes-in-flight panel) with a legend and a time axis; needs matplotlib (`[plot]`).
+
+    `zoom=(start, end)`, in µs since the first event, adds a panel of the same lanes over that
+    window only, where short kernels are wide enough to carry their names (a cold run's compile
+    time is milliseconds, its kernels microseconds). Names are written on every bar they fit in."""
     try:
         import matplotlib
         matplotlib.use("Agg", force=False)
@@ -125,61 +162,78 @@ def plot_gantt(trace: dict[str, Any], path: str | os.PathLike[str], title: str |
     lanes = sorted({(e["pid"], e.get("tid", 0)) for e in xs})
     row = {lane: i for i, lane in enumerate(lanes)}
     labels = [f"{processes.get(p, p)} / {threads.get((p, t), t)}" for p, t in lanes]
-
-    panels = 2 if counters else 1
-    fig_h = max(2.5, 0.55 * len(lanes) + 1.6) + (1.6 if counters else 0)
-    fig, axes = plt.subplots(panels, 1, figsize=(12, fig_h), sharex=True, squeeze=False,
-                             gridspec_kw={"height_ratios": [max(len(lanes), 2)] + ([1.6] if counters else [])})
-    ax = axes[0][0]
+    width_in = 13.0
+    lane_h = max(len(lanes), 2)
+    ratios = [lane_h] + ([lane_h] if zoom else []) + ([1.6] if counters else [])
+    fig_h = max(2.5, 0.5 * len(lanes) + 1.6) * (2 if zoom else 1) + (1.6 if counters else 0)
+    fig, axes = plt.subplots(len(ratios), 1, figsize=(width_in, fig_h), squeeze=False,
+                             gridspec_kw={"height_ratios": ratios})
     used: set[str] = set()
-    by_cat: dict[str, list[tuple[int, float, float]]] = defaultdict(list)
-    for e in xs:
-        y = row[(e["pid"], e.get("tid", 0))]
-        x, w = (e["ts"] - t0) / scale, e["dur"] / scale
-        cat = e.get("cat", "span")
-        if cat == "batch":
-            ax.add_patch(plt.Rectangle((x, y - 0.42), w, 0.84, fill=False, edgecolor="#555555", linewidth=0.6))
-            used.add("batch")
-            continue
-        by_cat[cat].append((y, x, w))
-    for cat, bars in by_cat.items():
-        color = COLORS.get(cat, COLORS["span"])
-        used.add(cat)
-        for y, x, w in bars:
-            ax.broken_barh([(x, max(w, span_us / scale / 2000))], (y - 0.32, 0.64), facecolors=color, edgecolor="none")
-    # kernel names on bars wide enough to hold them
-    min_w = span_us / scale / 14
-    for e in xs:
-        if e.get("cat") in ("kernel", "collective", "rpc", "span") and e["dur"] / scale >= min_w:
-            ax.text((e["ts"] - t0 + e["dur"] / 2) / scale, row[(e["pid"], e.get("tid", 0))], e["name"][:28],
-                    ha="center", va="center", fontsize=6.5, color="white", clip_on=True)
-    # flow arrows
-    starts = {e["id"]: e for e in events if e.get("ph") == "s"}
-    drawn = 0
-    for e in events:
-        if e.get("ph") == "f" and e["id"] in starts and drawn < max_flows:
-            s = starts[e["id"]]
-            if (s["pid"], s.get("tid")) in row and (e["pid"], e.get("tid")) in row:
-                ax.annotate("", xy=((e["ts"] - t0) / scale, row[(e["pid"], e.get("tid"))]),
-                            xytext=((s["ts"] - t0) / scale, row[(s["pid"], s.get("tid"))]),
-                            arrowprops={"arrowstyle": "->", "color": "#444444", "lw": 0.6, "alpha": 0.7})
-                drawn += 1
-                used.add("signal → wait")
-    ax.set_yticks(range(len(lanes)))
-    ax.set_yticklabels(labels, fontsize=8)
-    ax.set_ylim(len(lanes) - 0.5, -0.5)
-    ax.set_xlim(0, span_us / scale * 1.01)
-    ax.grid(axis="x", alpha=0.3)
+    text_w = 6.0 / 72 * 0.62  # inches per character at 6 pt
+    lane_in = (fig_h - (1.6 if counters else 0)) / (2 if zoom else 1) / max(len(lanes), 2) * 0.64
+    lines = max(1, min(3, int(lane_in * 72 / 7.5)))  # lines of 6 pt text a bar holds
+    plot_w = width_in * 0.72  # the axes' share of the figure, beside the lane names and legend
+
+    def draw(ax: Any, lo: float, hi: float, sc: float, u: str, heading: str, base: float) -> None:
+        window = max(hi - lo, 1e-3)
+        inside = [e for e in xs if e["ts"] + e["dur"] >= t0 + lo and e["ts"] <= t0 + hi]
+        by_cat: dict[str, list[tuple[int, float, float]]] = defaultdict(list)
+        for e in inside:
+            y = row[(e["pid"], e.get("tid", 0))]
+            x, w = (e["ts"] - t0 - base) / sc, e["dur"] / sc
+            cat = e.get("cat", "span")
+            if cat == "batch":
+                ax.add_patch(plt.Rectangle((x, y - 0.42), w, 0.84, fill=False, edgecolor="#555555", linewidth=0.6))
+                used.add("batch")
+                continue
+            by_cat[cat].append((y, x, w))
+        for cat, bars in by_cat.items():
+            color = COLORS.get(cat, COLORS["span"])
+            used.add(cat)
+            for y, x, w in bars:
+                ax.broken_barh([(x, max(w, window / sc / 2000))], (y - 0.32, 0.64), facecolors=color, edgecolor="none")
+        # names on the bars wide enough to hold them (kernels by op and shape, spans, compiles)
+        us_per_char = window / plot_w * text_w
+        for e in inside:
+            if e.get("cat") in ("batch", "wait", "copy", "host sync"):
+                continue
+            text = _fit(e["name"], int(e["dur"] / us_per_char) - 1, lines)
+            if text:
+                ax.text((e["ts"] - t0 - base + e["dur"] / 2) / sc, row[(e["pid"], e.get("tid", 0))], text,
+                        ha="center", va="center", fontsize=6, color="white", clip_on=True)
+        starts = {e["id"]: e for e in events if e.get("ph") == "s"}
+        drawn = 0
+        for e in events:
+            if e.get("ph") == "f" and e["id"] in starts and drawn < max_flows:
+                s = starts[e["id"]]
+                if (s["pid"], s.get("tid")) in row and (e["pid"], e.get("tid")) in row:
+                    ax.annotate("", xy=((e["ts"] - t0 - base) / sc, row[(e["pid"], e.get("tid"))]),
+                                xytext=((s["ts"] - t0 - base) / sc, row[(s["pid"], s.get("tid"))]),
+                                arrowprops={"arrowstyle": "->", "color": "#444444", "lw": 0.6, "alpha": 0.7})
+                    drawn += 1
+                    used.add("signal → wait")
+        ax.set_yticks(range(len(lanes)))
+        ax.set_yticklabels(labels, fontsize=8)
+        ax.set_ylim(len(lanes) - 0.5, -0.5)
+        ax.set_xlim((lo - base) / sc, (lo - base + window * 1.01) / sc)
+        ax.grid(axis="x", alpha=0.3)
+        ax.set_title(heading, fontsize=10)
+        ax.set_xlabel(f"time since {'trace start' if not base else _fmt_us(base)} ({u})", fontsize=8)
+
+    draw(axes[0][0], 0.0, span_us, scale, unit, title or "tinydist trace", 0.0)
+    if zoom:
+        lo, hi = zoom
+        zscale, zunit = (1e3, "ms") if hi - lo >= 2e3 else (1.0, "µs")
+        draw(axes[1][0], lo, hi, zscale, zunit, f"zoom: {_fmt_us(hi - lo)} from {_fmt_us(lo)}", lo)
     handles: list[Artist] = [Patch(facecolor=COLORS.get(c, COLORS["span"]), label=c) for c in COLORS if c in used]
     if "batch" in used:
         handles.append(Patch(facecolor="none", edgecolor="#555555", label="batch (one submission)"))
     if "signal → wait" in used:
         from matplotlib.lines import Line2D
         handles.append(Line2D([0], [0], color="#444444", lw=0.8, marker=">", label="signal → wait it releases"))
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False)
-    ax.set_title(title or "tinydist trace", fontsize=11)
+    axes[0][0].legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False)
     if counters:
-        cax = axes[1][0]
+        cax = axes[-1][0]
         per_pid: dict[int, list[tuple[float, float]]] = defaultdict(list)
         for c in counters:
             per_pid[c["pid"]].append(((c["ts"] - t0) / scale, sum(c["args"].values())))
@@ -187,15 +241,14 @@ def plot_gantt(trace: dict[str, Any], path: str | os.PathLike[str], title: str |
             pts.sort()
             xs_, ys_ = [0.0] + [p[0] for p in pts], [0.0] + [p[1] for p in pts]
             cax.step(xs_, ys_, where="post", label=f"{processes.get(pid, pid)} bytes in flight", lw=1)
+        cax.set_xlim(0, span_us / scale * 1.01)
         cax.set_ylabel("bytes", fontsize=8)
         cax.legend(fontsize=7, loc="upper right")
         cax.grid(alpha=0.3)
-        cax.set_xlabel(f"time since trace start ({unit})")
-    else:
-        ax.set_xlabel(f"time since trace start ({unit})")
+        cax.set_xlabel(f"time since trace start ({unit})", fontsize=8)
     fig.tight_layout()
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(target, dpi=130)
+    fig.savefig(target, dpi=110)
     plt.close(fig)
     return target

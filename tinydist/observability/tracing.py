@@ -262,6 +262,16 @@ def span(name: str, *, process: str = "host", lane: str = "host", cat: str = "sp
     return _Span(tracer, process, lane, name, cat, args)
 
 
+def record(name: str, start_ns: int, *, process: str = "host", lane: str = "host", cat: str = "span",
+           **args: Any) -> None:
+    """A span from `start_ns` (a `clock()` reading) until now, for code whose region is not one
+    `with` block (an RPC handler's try/finally, a receive that hands its message out). Nothing when
+    tracing is off."""
+    tracer = _hooks.TRACER
+    if tracer is not None:
+        tracer.add_span(process, lane, name, cat, start_ns, clock(), args)
+
+
 # ---- TINYDIST_TRACE ----------------------------------------------------------------------------
 
 def _finish_env(tracer: Tracer, path: Path) -> None:

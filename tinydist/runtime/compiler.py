@@ -26,6 +26,7 @@ import ctypes
 import functools
 import itertools
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING
@@ -37,7 +38,7 @@ from tinydist.base.errors import DeviceError
 from tinydist.codegen.compile_cache import compile_glue, compile_kernel
 from tinydist.codegen.copy import SIGNATURE as STREAM_COPY_SIGNATURE
 from tinydist.codegen.copy import stream_copy_ir
-from tinydist.codegen.kernel import KernelAST
+from tinydist.codegen.kernel import KernelAST, short_dtype
 from tinydist.codegen.lowering import lower
 from tinydist.codegen.matmul import SIGNATURE as MATMUL_SIGNATURE
 from tinydist.codegen.matmul import StridedOperand, matmul_ir, program_name
@@ -45,7 +46,8 @@ from tinydist.codegen.reduce import reduce_ir
 from tinydist.codegen.reduce import signature as reduce_signature
 from tinydist.graph.dtypes import DType
 from tinydist.runtime.cpu.loader import native_loader
-from tinydist.runtime.program import Program
+from tinydist.runtime import command_queue
+from tinydist.runtime.program import LABELS, Program
 
 if TYPE_CHECKING:
     from tinydist.runtime.device import Device
@@ -69,8 +71,11 @@ class DeviceCompiler:
 
     @property
     def links(self) -> bool:
-        """Whether `link` can turn launches into one program on this device."""
-        return self.device.native_code
+        """Whether `link` can turn launches into one program on this device. Not while tracing:
+        what is lowered or captured then keeps each kernel a command of its own, so the trace
+        names and times every kernel (a linked program is one event for all of them). `link`
+        itself still works, for a caller that asked before tracing began."""
+        return self.device.native_code and command_queue.TRACER is None
 
     def __len__(self) -> int:
         return len(self._programs)
@@ -86,24 +91,38 @@ class DeviceCompiler:
                 pass
         return program
 
-    def _cached(self, key: Hashable, build: Callable[[], Program]) -> Program:
+    def _cached(self, key: Hashable, build: Callable[[], Program], label: Callable[[], str] | None = None) -> Program:
         program = self._lookup(key)
         if program is not None:
             return program
         with self._lock:
             program = self._lookup(key)
             if program is None:
-                program = self._programs[key] = build()
+                program = self._programs[key] = self._build(build, label)
                 while len(self._programs) > self.capacity:
                     self._programs.popitem(last=False)
                     self.evicted += 1
+        return program
+
+    def _build(self, build: Callable[[], Program], label: Callable[[], str] | None) -> Program:
+        """`build()`, filing the program's label (`program.LABELS`); while tracing, also a span on
+        the host's `compile` lane (lowering, the object cache or LLVM, loading)."""
+        tracer = command_queue.TRACER
+        started = time.perf_counter_ns() if tracer is not None else 0
+        program = build()
+        text = label() if label is not None else program.name
+        if label is not None:
+            LABELS[program.name] = text
+        if tracer is not None:
+            tracer.add_span("host", "compile", f"compile {text}", "compile", started, time.perf_counter_ns(),
+                            {"program": program.name, "device": self.device.name})
         return program
 
     def kernel(self, ast: KernelAST) -> Program:
         def build() -> Program:
             name, ir_text = lower(ast, publish_progress=self.device.native_code)
             return self.device.load_ir(ir_text, name, ["w"] * ast.outputs + ["r"] * len(ast.slot_dtypes), compile_kernel)
-        return self._cached(ast, build)
+        return self._cached(ast, build, ast.label)
 
     def matmul(self, dtype: DType, strided: StridedOperand | None = None, prepacked: bool = False) -> Program:
         """The matmul kernel; with `strided`, one specialised to read that operand through its view;
@@ -113,18 +132,20 @@ class DeviceCompiler:
             ir_text = matmul_ir(name, dtype.name, strided=strided, publish_progress=self.device.native_code,
                                 prepacked=prepacked)
             return self.device.load_ir(ir_text, name, MATMUL_SIGNATURE, compile_kernel)
-        return self._cached(("matmul", dtype.name, strided, prepacked), build)
+        return self._cached(("matmul", dtype.name, strided, prepacked), build,
+                            lambda: f"matmul {short_dtype(dtype)}{' strided' if strided is not None else ''}"
+                                    f"{' prepacked' if prepacked else ''}")
 
     def stream_copy(self) -> Program:
         """A copy with non-temporal stores, for copies bigger than the last-level cache."""
         def build() -> Program:
             name = "tinydist_stream_copy"
             return self.device.load_ir(stream_copy_ir(name), name, STREAM_COPY_SIGNATURE, compile_kernel)
-        return self._cached(("stream_copy",), build)
+        return self._cached(("stream_copy",), build, lambda: "stream copy")
 
     def link(self, launches: Sequence[Launch]) -> Program:
         """One program running `launches` in order, every argument bound."""
-        if not self.links:
+        if not self.device.native_code:
             raise DeviceError(f"{self.device.name} cannot link launches into one program (it runs no host code "
                               "of this process); replay its calls one by one")
         lines = []
@@ -134,13 +155,16 @@ class DeviceCompiler:
             lines.append(f"  call void inttoptr (i64 {program.address} to ptr)({', '.join(operands)})")
         name = f"tinydist_entry_{next(_entry_ids)}"
         ir_text = f"define void @{name}() {{\nentry:\n" + "\n".join(lines) + "\n  ret void\n}\n"
-        return self.device.load_program(compile_glue(ir_text), name, [], calls=[program for program, _ in launches])
+        inner = list(dict.fromkeys(LABELS.get(program.name, program.name) for program, _ in launches))
+        label = f"{len(launches)} kernels: " + ", ".join(inner[:3]) + (", …" if len(inner) > 3 else "")
+        return self._build(lambda: self.device.load_program(compile_glue(ir_text), name, [],
+                                                            calls=[program for program, _ in launches]), lambda: label)
 
     def link_frame(self, entry: Program, copies_in: Sequence[tuple[int, int]], copies_out: Sequence[tuple[int, int]]) -> Program:
         """One program taking a frame's host addresses — a source per `copies_in` (destination
         address, bytes), then a destination per `copies_out` (source address, bytes) — that copies
         them in, calls `entry`, and copies the results out: a numpy frame is one native call."""
-        if not self.links or not self.device.host_visible:
+        if not self.device.native_code or not self.device.host_visible:
             raise DeviceError(f"{self.device.name} cannot link a host frame (its memory is not the host's, "
                               "or it runs no host code of this process)")
         params = [f"ptr %in{i}" for i in range(len(copies_in))] + [f"ptr %out{i}" for i in range(len(copies_out))]
@@ -155,8 +179,9 @@ class DeviceCompiler:
                   for i, (address, nbytes) in enumerate(copies_out)]
         name = f"tinydist_frame_{next(_entry_ids)}"
         ir_text = f"define void @{name}({', '.join(params)}) {{\nentry:\n" + "\n".join(lines) + "\n  ret void\n}\n"
-        return self.device.load_program(compile_glue(ir_text), name, ["r"] * len(copies_in) + ["w"] * len(copies_out),
-                                        calls=[entry])
+        return self._build(lambda: self.device.load_program(compile_glue(ir_text), name,
+                                                            ["r"] * len(copies_in) + ["w"] * len(copies_out), calls=[entry]),
+                           lambda: f"frame: {LABELS.get(entry.name, entry.name)}")
 
 
 @functools.cache
