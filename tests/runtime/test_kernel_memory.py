@@ -17,6 +17,7 @@ from tinydist.codegen.compiler import HostCompiler
 from tinydist.runtime import get_engine
 from tinydist.runtime.compiler import DeviceCompiler
 from tinydist.runtime.cpu.loader import native_loader
+from tinydist.runtime.program import LABELS
 from tinydist.schedule import create_schedule, schedule_cache
 from tinydist.testing import process_resources
 
@@ -58,13 +59,15 @@ def test_5000_distinct_shapes_plateau_in_mappings_and_rss(monkeypatch: pytest.Mo
         if n in (1000, 2000, 5000):
             gc.collect()
             resources = process_resources()
-            samples[n] = (resources["mappings"], resources["rss_mib"], native_loader.loaded)
+            samples[n] = (resources["mappings"], resources["rss_mib"], native_loader.loaded, len(LABELS))
     assert len(compiler) == 256 and compiler.evicted == 5000 - 256
-    (maps_1k, rss_1k, _), (maps_2k, rss_2k, loaded_2k), (maps_5k, rss_5k, loaded_5k) = (samples[n] for n in (1000, 2000, 5000))
+    (maps_1k, rss_1k, _, _), (maps_2k, rss_2k, loaded_2k, labels_2k), (maps_5k, rss_5k, loaded_5k, labels_5k) = (
+        samples[n] for n in (1000, 2000, 5000))
     # unbounded, 3,000 more shapes kept ~6,000 mappings and ~500 MiB
     assert maps_5k - maps_2k < 100, samples
     assert rss_5k - rss_2k < 48, samples
     assert loaded_5k <= loaded_2k + 8, samples
+    assert labels_5k <= labels_2k + 8, samples  # the trace's kernel labels go with the evicted programs
     assert maps_1k > 0 and rss_1k > 0
     # the newest kernel and the one held since the start (long evicted from the LRU) both still run
     for kernel, n in ((program, 5000), (held, 1)):

@@ -100,7 +100,8 @@ class DeviceCompiler:
             if program is None:
                 program = self._programs[key] = self._build(build, label)
                 while len(self._programs) > self.capacity:
-                    self._programs.popitem(last=False)
+                    _, dropped = self._programs.popitem(last=False)
+                    LABELS.pop(dropped.name, None)  # bounded with the programs (one still loaded elsewhere traces by symbol)
                     self.evicted += 1
         return program
 

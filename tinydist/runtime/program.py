@@ -22,7 +22,7 @@ def check_signature(entry: str, signature: Sequence[str]) -> tuple[str, ...]:
 # (`k_9c530e27…`, what the code cache and the process-replay goldens key on), so the compiler files
 # the label here when it builds the kernel (`DeviceCompiler.kernel`), once per distinct kernel; equal
 # IR is equal ops over equal shapes, so one label serves every program of that name. The
-# tracer reads it only at export. ~100 bytes per distinct kernel, bounded by the kernels built.
+# tracer reads it only at export. ~100 bytes per kernel, dropped when the compiler's LRU evicts it.
 LABELS: dict[str, str] = {}
 
 
