@@ -6,7 +6,7 @@ its kernels run in a worker process of its own (`nodes.tenant_worker`).
   worker only. Fresh segments read as zeros (the kernel zero-fills memfd pages).
 - `TenantWorker`: the process, its two sockets (control stream; descriptor passing), the queue of
   requests in flight. A launch that outlives its call's deadline kills the worker; a worker that dies
-  (SIGSEGV from a null store, SIGILL from `unreachable`, SIGXCPU, anything) fails every request it had
+  (SIGSEGV from a null store or from running off the end of an `unreachable`, SIGXCPU, anything) fails every request it had
   pending with `TenantWorkerFailed` naming the tenant and the cause. Segments stay in the node, so
   the tenant's buffers survive; the next call starts a fresh worker, which maps segments and loads
   programs again as launches need them.
@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import fcntl
 import os
 import signal
 import socket
@@ -52,9 +53,12 @@ class Segment:
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
-        self.fd = os.memfd_create("tinydist-tenant", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create("tinydist-tenant", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, nbytes)
+            # nobody holding it (a hijacked worker included) can shrink it under the node's mapping: the
+            # node's next touch of a truncated page would be SIGBUS in the node
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             address = _libc.mmap(None, nbytes, 3, 1, self.fd, 0)  # PROT_READ|PROT_WRITE, MAP_SHARED
             if address in (None, _MAP_FAILED):
                 raise OSError(ctypes.get_errno(), f"mapping a {nbytes}-byte segment failed")
@@ -83,7 +87,7 @@ class TenantWorker:
         self.identity = identity
         self.address_space, self.cpu_seconds = address_space, cpu_seconds
         self.process: subprocess.Popen[bytes] | None = None
-        self.pending: deque[asyncio.Future[float]] = deque()
+        self.pending: deque[tuple[int, asyncio.Future[float]]] = deque()  # (sequence number, its answer)
         self.mapped: set[int] = set()
         self.loaded: set[Any] = set()
         self.failure: TenantWorkerFailed | None = None
@@ -115,7 +119,7 @@ class TenantWorker:
         reader, self._writer = await asyncio.open_unix_connection(sock=ctl)
         ready: asyncio.Future[float] = asyncio.get_running_loop().create_future()
         ready.add_done_callback(_retrieved)
-        self.pending.append(ready)
+        self.pending.append((0, ready))
         self._reader_task = asyncio.get_running_loop().create_task(self._read_replies(reader))
         try:
             await asyncio.wait_for(asyncio.shield(ready), START_TIMEOUT_S)
@@ -128,11 +132,11 @@ class TenantWorker:
             while True:
                 header = await reader.readexactly(REPLY.size)
                 seq, ok, seconds, length = REPLY.unpack(header)
-                if length > MAX_REPLY_MESSAGE or not self.pending or ok not in (0, 1):
+                if length > MAX_REPLY_MESSAGE or not self.pending or self.pending[0][0] != seq or ok not in (0, 1):
                     self.kill("sent a malformed reply")
                     return
                 message = (await reader.readexactly(length)).decode(errors="replace")
-                future = self.pending.popleft()
+                _, future = self.pending.popleft()
                 if seq == 0 and not self.sandbox:
                     self.sandbox = message
                 if future.done():
@@ -163,7 +167,7 @@ class TenantWorker:
         if self.failure is None:
             self.failure = failure
         while self.pending:
-            future = self.pending.popleft()
+            _, future = self.pending.popleft()
             if not future.done():
                 future.set_exception(self.failure)
         if self._writer is not None:
@@ -187,7 +191,7 @@ class TenantWorker:
         self._writer.write(FRAME.pack(len(payload)) + payload)
         future: asyncio.Future[float] = asyncio.get_running_loop().create_future()
         future.add_done_callback(_retrieved)  # map/unmap/load are not awaited: their failure shows at the launch
-        self.pending.append(future)
+        self.pending.append((self._seq, future))
         return future
 
     def map(self, segment: Segment) -> None:
@@ -244,7 +248,7 @@ class TenantWorker:
     async def drain(self) -> None:
         """Wait until everything sent so far has finished (or failed)."""
         if self.pending:
-            await asyncio.gather(*list(self.pending), return_exceptions=True)
+            await asyncio.gather(*(future for _, future in self.pending), return_exceptions=True)
 
     async def stop(self) -> None:
         self.kill("stopped: the tenant holds no lease")

@@ -44,6 +44,7 @@ done:
 }
 """
 NULL_STORE_IR = "define void @boom(ptr %p) {\n  store volatile i64 1, ptr null\n  ret void\n}\n"
+UNREACHABLE_IR = "define void @never(ptr %p) {\n  unreachable\n}\n"
 SPIN_IR = """
 define void @spin(ptr %p, i64 %n) {
 entry:
@@ -107,6 +108,8 @@ def test_a_kernel_walking_to_another_tenants_buffer_finds_only_its_own_memory(ma
     mapped = memfd_inodes(worker.process.pid)
     assert {os.fstat(segments[h].fd).st_ino for h in (out, mine)} <= mapped
     assert os.fstat(segments[dh].fd).st_ino not in mapped  # dave's bytes are not in bob's worker at all
+    with pytest.raises(PermissionError):  # sealed: no holder can shrink a segment under the node's mapping
+        os.ftruncate(segments[mine].fd, 0)
 
     # the attack that worked while kernels ran in the node: the distance between the two buffers there
     delta = segments[dh].address - segments[mine].address
@@ -181,6 +184,12 @@ def test_a_null_store_and_a_runaway_kernel_end_only_their_tenants_worker(lab, tm
         assert crashed.value.code() is grpc.StatusCode.ABORTED
         assert BOB in crashed.value.details() and "SIGSEGV" in crashed.value.details(), crashed.value.details()
         launch(dave, dlease, dspin, [buf(dh, 8), pb.LaunchArg(i64=1000)], timeout=1.0)  # within 1 s, on the same node
+        never = load(bob, blease, UNREACHABLE_IR, "never", ["rw"])
+        with pytest.raises(grpc.RpcError) as trapped:
+            launch(bob, blease, never, [buf(bh, 8)])
+        # LLVM emits nothing for it: the kernel runs off its end into whatever follows (here: SIGSEGV)
+        assert trapped.value.code() is grpc.StatusCode.ABORTED and "died of SIG" in trapped.value.details(), trapped.value.details()
+        launch(dave, dlease, dspin, [buf(dh, 8), pb.LaunchArg(i64=1000)], timeout=1.0)
 
         runaway: list[grpc.RpcError] = []
 
@@ -203,5 +212,5 @@ def test_a_null_store_and_a_runaway_kernel_end_only_their_tenants_worker(lab, tm
         assert code_of(dave.Ping, pb.PingRequest()) == grpc.StatusCode.OK
     assert proc.returncode == 0  # the node stopped on SIGTERM, as it should
     failures = [r for r in _audit(tmp_path / "audit.jsonl") if r.get("action") == "tenant_worker_failed"]
-    assert [r["identity"] for r in failures] == [BOB, BOB]
-    assert "SIGSEGV" in failures[0]["cause"] and "deadline" in failures[1]["cause"]
+    assert [r["identity"] for r in failures] == [BOB, BOB, BOB]
+    assert "SIGSEGV" in failures[0]["cause"] and "died of SIG" in failures[1]["cause"] and "deadline" in failures[2]["cause"]
