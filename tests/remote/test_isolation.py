@@ -192,19 +192,26 @@ def test_a_null_store_and_a_runaway_kernel_end_only_their_tenants_worker(lab, tm
         launch(dave, dlease, dspin, [buf(dh, 8), pb.LaunchArg(i64=1000)], timeout=1.0)
 
         runaway: list[grpc.RpcError] = []
+        queued: list[grpc.RpcError] = []
 
-        def run_away() -> None:
+        def run(n: int, timeout: float, into: list[grpc.RpcError]) -> None:
             try:
-                launch(bob, blease, bspin, [buf(bh, 8), pb.LaunchArg(i64=1 << 62)], timeout=2.0)
+                launch(bob, blease, bspin, [buf(bh, 8), pb.LaunchArg(i64=n)], timeout=timeout)
             except grpc.RpcError as exc:
-                runaway.append(exc)
-        thread = threading.Thread(target=run_away)
-        thread.start()
-        time.sleep(0.5)  # bob's kernel is spinning now
+                into.append(exc)
+        threads = [threading.Thread(target=run, args=(1 << 62, 2.0, runaway))]
+        threads[0].start()
+        time.sleep(0.5)  # bob's kernel is spinning now; his next launch queues behind it
+        threads.append(threading.Thread(target=run, args=(1, 20.0, queued)))
+        threads[1].start()
         launch(dave, dlease, dspin, [buf(dh, 8), pb.LaunchArg(i64=1000)], timeout=1.0)
         assert dave.Read(pb.ReadRequest(lease=dlease, handle=dh, length=8)).data == (999).to_bytes(8, "little")
-        thread.join(30)
+        for thread in threads:
+            thread.join(30)
         assert [e.code() for e in runaway] == [grpc.StatusCode.DEADLINE_EXCEEDED]
+        # the pending launch behind it failed with the cause, not at its own 20 s deadline
+        assert [e.code() for e in queued] == [grpc.StatusCode.ABORTED]
+        assert BOB in queued[0].details() and "was killed" in queued[0].details(), queued[0].details()
 
         # bob's next call gets a fresh worker; his buffer holds what the killed kernel last stored
         launch(bob, blease, bspin, [buf(bh, 8), pb.LaunchArg(i64=5)])
@@ -212,5 +219,6 @@ def test_a_null_store_and_a_runaway_kernel_end_only_their_tenants_worker(lab, tm
         assert code_of(dave.Ping, pb.PingRequest()) == grpc.StatusCode.OK
     assert proc.returncode == 0  # the node stopped on SIGTERM, as it should
     failures = [r for r in _audit(tmp_path / "audit.jsonl") if r.get("action") == "tenant_worker_failed"]
-    assert [r["identity"] for r in failures] == [BOB, BOB, BOB]
-    assert "SIGSEGV" in failures[0]["cause"] and "died of SIG" in failures[1]["cause"] and "deadline" in failures[2]["cause"]
+    assert [r["identity"] for r in failures] == [BOB] * 4  # the crash, the trap, the runaway and the launch behind it
+    assert "SIGSEGV" in failures[0]["cause"] and "died of SIG" in failures[1]["cause"]
+    assert all("deadline" in r["cause"] for r in failures[2:])
