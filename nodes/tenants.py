@@ -11,8 +11,10 @@ its kernels run in a worker process of its own (`nodes.tenant_worker`).
   the tenant's buffers survive; the next call starts a fresh worker, which maps segments and loads
   programs again as launches need them.
 
-Measured on the dev box (2 shared cores, load ~4): a worker starts in ~0.25 s (the interpreter and
-llvmlite); a launch round trip through it costs ~0.1 ms more than a call in the node process.
+Measured on the dev box (2 shared cores): a worker starts in 0.25 s (the interpreter and llvmlite;
+VmRSS 88 MiB, VmPeak 311 MiB before any kernel); a Launch round trip through it is within noise of
+one in the node process at load ~2 (+4.5 / -46 us on ~0.8-0.9 ms) and +261 / +429 us at load 5-6.6,
+where the worker's wake-up waits for a core (`bench/remote.py`).
 """
 
 from __future__ import annotations
