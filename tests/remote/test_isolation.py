@@ -160,6 +160,31 @@ def test_the_worker_is_confined(tmp_path: Path) -> None:
     assert "Seccomp:\t2" in status and "NoNewPrivs:\t1" in status
 
 
+def _cpu_ticks(pid: int) -> dict[int, int]:
+    """User-mode CPU ticks of each child process of `pid`."""
+    ticks = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            try:
+                stat = Path(f"/proc/{child}/stat").read_text()
+            except FileNotFoundError:
+                continue
+            ticks[int(child)] = int(stat.rsplit(")", 1)[1].split()[11])
+    return ticks
+
+
+def wait_for_a_spinning_child(pid: int, seconds: float = 0.3) -> None:
+    """Until one child of `pid` has used `seconds` more CPU than when this was called."""
+    hz = os.sysconf("SC_CLK_TCK")
+    before = _cpu_ticks(pid)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if any(t - before.get(child, t) >= seconds * hz for child, t in _cpu_ticks(pid).items()):
+            return
+        time.sleep(0.02)
+    raise AssertionError("no worker of the node started spinning")
+
+
 def _audit(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
@@ -191,6 +216,7 @@ def test_a_null_store_and_a_runaway_kernel_end_only_their_tenants_worker(lab, tm
         assert trapped.value.code() is grpc.StatusCode.ABORTED and "died of SIG" in trapped.value.details(), trapped.value.details()
         launch(dave, dlease, dspin, [buf(dh, 8), pb.LaunchArg(i64=1000)], timeout=1.0)
 
+        launch(bob, blease, bspin, [buf(bh, 8), pb.LaunchArg(i64=3)])  # bob's fresh worker is up
         runaway: list[grpc.RpcError] = []
         queued: list[grpc.RpcError] = []
 
@@ -201,7 +227,7 @@ def test_a_null_store_and_a_runaway_kernel_end_only_their_tenants_worker(lab, tm
                 into.append(exc)
         threads = [threading.Thread(target=run, args=(1 << 62, 2.0, runaway))]
         threads[0].start()
-        time.sleep(0.5)  # bob's kernel is spinning now; his next launch queues behind it
+        wait_for_a_spinning_child(proc.pid)  # bob's kernel is running; his next launch queues behind it
         threads.append(threading.Thread(target=run, args=(1, 20.0, queued)))
         threads[1].start()
         launch(dave, dlease, dspin, [buf(dh, 8), pb.LaunchArg(i64=1000)], timeout=1.0)
