@@ -243,8 +243,17 @@ def test_a_null_store_and_a_runaway_kernel_end_only_their_tenants_worker(lab, tm
         launch(bob, blease, bspin, [buf(bh, 8), pb.LaunchArg(i64=5)])
         assert bob.Read(pb.ReadRequest(lease=blease, handle=bh, length=8)).data == (4).to_bytes(8, "little")
         assert code_of(dave.Ping, pb.PingRequest()) == grpc.StatusCode.OK
+        # SIGTERM while a kernel spins: the node stops (its workers with it)
+        last: list[grpc.RpcError] = []
+        threads = [threading.Thread(target=run, args=(1 << 62, 30.0, last))]
+        threads[0].start()
+        wait_for_a_spinning_child(proc.pid)
+        workers = list(_cpu_ticks(proc.pid))
+    threads[0].join(30)
     assert proc.returncode == 0  # the node stopped on SIGTERM, as it should
+    assert [e.code() for e in last] != [] and not any(Path(f"/proc/{pid}").exists() for pid in workers)
     failures = [r for r in _audit(tmp_path / "audit.jsonl") if r.get("action") == "tenant_worker_failed"]
-    assert [r["identity"] for r in failures] == [BOB] * 4  # the crash, the trap, the runaway and the launch behind it
+    # the crash, the trap, the runaway, the launch behind it, the kernel spinning when the node stopped
+    assert [r["identity"] for r in failures] == [BOB] * 5, [r["cause"] for r in failures]
     assert "SIGSEGV" in failures[0]["cause"] and "died of SIG" in failures[1]["cause"]
-    assert all("deadline" in r["cause"] for r in failures[2:])
+    assert all("deadline" in r["cause"] for r in failures[2:4]) and "when its call ended" in failures[4]["cause"]
