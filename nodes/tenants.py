@@ -136,7 +136,7 @@ class TenantWorker:
                 seq, ok, seconds, length = REPLY.unpack(header)
                 if length > MAX_REPLY_MESSAGE or not self.pending or self.pending[0][0] != seq or ok not in (0, 1):
                     self.kill("sent a malformed reply")
-                    return
+                    break  # to _died: the killed process is reaped there
                 message = (await reader.readexactly(length)).decode(errors="replace")
                 _, future = self.pending.popleft()
                 if seq == 0 and not self.sandbox:
