@@ -139,7 +139,7 @@ def main() -> int:
 
         loop = Loop()
         remote = loop.run(RemoteServer.start(config, server_pki, root / "policy.toml", audit))
-        in_node = loop.run(RemoteServer.start(replace(config, isolate_tenants=False), server_pki, root / "policy.toml", audit))
+        in_node = None
         plain, plain_port = loop.run(start_plain(server_pki, config, chunks))
         try:
             plain_channel = secure_channel(f"127.0.0.1:{plain_port}", creds)
@@ -189,6 +189,8 @@ def main() -> int:
                     t_out.append(d)
             buffer.free()
             launch_worker = launch_latency(stub, args.calls, args.repeats)
+            # started only now: a second server on the loop would slow the figures above
+            in_node = loop.run(RemoteServer.start(replace(config, isolate_tenants=False), server_pki, root / "policy.toml", audit))
             in_node_device = RemoteDevice(f"remote://127.0.0.1:{in_node.port}/CPU:0", creds)
             asyncio.run(in_node_device.open())
             launch_in_node = launch_latency(in_node_device.session.stub, args.calls, args.repeats)
@@ -198,7 +200,8 @@ def main() -> int:
         finally:
             loop.run(plain.stop(0))
             loop.run(remote.stop(0))
-            loop.run(in_node.stop(0))
+            if in_node is not None:
+                loop.run(in_node.stop(0))
             loop.close()
             audit.close()
 
