@@ -6,7 +6,11 @@
   `Ping` — next to a bare echo handler on a plain grpc.aio server with the same certificates;
 - throughput: 64 MiB copy-in / copy-out through the engine's remote device (`dev.copyin`,
   `dev.copyout`: handle checks, bounds, device queue) next to a plain client-stream sink and
-  server-stream source moving the same chunks.
+  server-stream source moving the same chunks (the buffer is a tenant segment: memfd memory mapped
+  by the node and, for kernels, by the caller's worker process);
+- launch: a one-store kernel's Launch round trip with the kernel in the caller's tenant worker
+  (`nodes.tenants`, the default) next to a node that runs it in its own process
+  (`isolate_tenants=False`, the design before issue 23): the latency the worker adds.
 Medians over repeats; ratios printed. Targets: latency ≤ 1.3× echo; throughput ≥ 70 % of plain.
 """
 
@@ -19,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -82,6 +87,26 @@ async def start_plain(pki_: ServerCredentials, config: ServerConfig, chunks: lis
     return server, port
 
 
+TINY_IR = "define void @one(ptr %p) {\n  store i64 1, ptr %p\n  ret void\n}\n"
+
+
+def launch_latency(stub, calls: int, repeats: int) -> float:  # noqa: ANN001
+    """Median seconds of a Launch round trip of a one-store kernel."""
+    lease = stub.OpenLease(pb.OpenLeaseRequest(), timeout=10).lease
+    handle = stub.Allocate(pb.AllocateRequest(lease=lease, device="CPU:0", nbytes=8), timeout=10).handle
+    program = stub.LoadProgram(pb.LoadProgramRequest(lease=lease, device="CPU:0", kind=pb.PROGRAM_KIND_ENGINE_KERNEL,
+                                                     llvm_ir=TINY_IR, entry="one", signature=["w"]), timeout=60).program_id
+    request = pb.LaunchRequest(lease=lease, device="CPU:0", program_id=program,
+                               args=[pb.LaunchArg(buffer=pb.BufferArg(handle=handle, length=8))])
+
+    def once() -> None:
+        stub.Launch(request, timeout=10)
+    timed(once, 100)  # warm up (the first launch starts the worker)
+    result = statistics.median(timed(once, calls) for _ in range(repeats))
+    stub.CloseLease(pb.CloseLeaseRequest(lease=lease), timeout=10)
+    return result
+
+
 def timed(fn, n: int) -> float:  # noqa: ANN001
     start = time.perf_counter()
     for _ in range(n):
@@ -114,6 +139,7 @@ def main() -> int:
 
         loop = Loop()
         remote = loop.run(RemoteServer.start(config, server_pki, root / "policy.toml", audit))
+        in_node = None
         plain, plain_port = loop.run(start_plain(server_pki, config, chunks))
         try:
             plain_channel = secure_channel(f"127.0.0.1:{plain_port}", creds)
@@ -162,11 +188,20 @@ def main() -> int:
                     t_out_plain.append(c)
                     t_out.append(d)
             buffer.free()
+            launch_worker = launch_latency(stub, args.calls, args.repeats)
+            # started only now: a second server on the loop would slow the figures above
+            in_node = loop.run(RemoteServer.start(replace(config, isolate_tenants=False), server_pki, root / "policy.toml", audit))
+            in_node_device = RemoteDevice(f"remote://127.0.0.1:{in_node.port}/CPU:0", creds)
+            asyncio.run(in_node_device.open())
+            launch_in_node = launch_latency(in_node_device.session.stub, args.calls, args.repeats)
+            asyncio.run(in_node_device.aclose())
             asyncio.run(device.aclose())
             plain_channel.close()
         finally:
             loop.run(plain.stop(0))
             loop.run(remote.stop(0))
+            if in_node is not None:
+                loop.run(in_node.stop(0))
             loop.close()
             audit.close()
 
@@ -179,6 +214,8 @@ def main() -> int:
           f"   ratio {med(t_in_plain) / med(t_in) * 100:5.1f}%  (target >= 70%)")
     print(f"copy-out {args.mib} MiB      plain stream {gb / med(t_out_plain):6.2f} GB/s   remote copyout {gb / med(t_out):6.2f} GB/s"
           f"   ratio {med(t_out_plain) / med(t_out) * 100:5.1f}%  (target >= 70%)")
+    print(f"launch round trip     kernel in the node {launch_in_node * 1e6:8.1f} us   in the tenant worker {launch_worker * 1e6:8.1f} us"
+          f"   added {(launch_worker - launch_in_node) * 1e6:+.1f} us")
     return 0
 
 

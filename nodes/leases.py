@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from nodes.audit import AuditLog, handle_tag
+from nodes.tenants import Segment
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.device import Device
 
@@ -38,7 +39,7 @@ class Allocation:
     identity: str
     lease: Lease
     device: Device
-    buffer: Buffer
+    buffer: Buffer | Segment  # a tenant segment on host-memory devices (nodes.tenants)
     nbytes: int
     busy: int = 0
     free_pending: bool = False
@@ -83,7 +84,7 @@ class LeaseTable:
             return None
         return alloc
 
-    def add(self, identity: str, lease: Lease, device: Device, buffer: Buffer, nbytes: int) -> Allocation:
+    def add(self, identity: str, lease: Lease, device: Device, buffer: Buffer | Segment, nbytes: int) -> Allocation:
         """Record `buffer` under a fresh handle of `lease`."""
         handle = secrets.token_bytes(HANDLE_BYTES)
         while handle in self.allocations:

@@ -140,6 +140,7 @@ class RemoteServer:
         if self.service is not None:
             for lease in list(self.service.table.leases.values()):
                 self.service.table.release_lease(lease, "server stopping")
+            await self.service.tenants.stop_all()
         for device in self._devices:
             await device.aclose()
         self._devices = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import secrets
 import time
 from collections import Counter
@@ -24,8 +25,9 @@ from nodes.audit import AuditLog, handle_tag
 from nodes.gate import Call, Code, Gate, RpcError
 from nodes.leases import Allocation, Lease, LeaseTable
 from nodes.pci_sim import SimulatedPciFunction
+from nodes.tenants import Segment, TenantPool
 from nodes.verifier import ENGINE, RAW, VerificationError, program_id, verify
-from tinydist.base.errors import AllocationError, CompileError
+from tinydist.base.errors import AllocationError, CompileError, TenantWorkerFailed
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.device import Device
 from tinydist.runtime.program import Program
@@ -57,6 +59,18 @@ class ServerConfig:
     max_connection_age_s: float = 3600.0
     max_connection_age_grace_s: float = 60.0
     max_connection_idle_s: float = 300.0
+    # kernels on host-memory devices run in a worker process per tenant (nodes.tenants)
+    isolate_tenants: bool = True
+    worker_heap_bytes: int = 2 << 30  # the worker's RLIMIT_AS beyond the tenant's byte quota
+    worker_cpu_seconds: int = 3600    # the worker's RLIMIT_CPU (a backstop; deadlines end runaway kernels)
+
+
+@dataclass(frozen=True)
+class IsolatedProgram:
+    """A program for a tenant worker: compiled here, loaded only in the workers that launch it."""
+    signature: tuple[str, ...]
+    code: bytes
+    symbol: str
 
 
 def _check_range(nbytes: int, offset: int, length: int) -> None:
@@ -77,13 +91,15 @@ class DeviceService:
         self.pci = pci if pci is not None else {}
         self.gate = Gate(config.op_timeout_s, policy, audit)
         self.table = LeaseTable(audit, config.lease_ttl_s)
-        self._programs: dict[tuple[str, str], Program] = {}  # content-addressed, shared by the leases holding them
+        self._programs: dict[tuple[str, str], Program | IsolatedProgram] = {}  # content-addressed, shared by the leases holding them
         self._program_bytes: dict[tuple[str, str], int] = {}  # IR + object code of each
         self.table.on_release = self._unload
         self._resets: dict[str, list[float]] = {}
         self.boot = secrets.token_bytes(16)  # tells clients this node instance from the one before a restart  # when each identity's resets of the last minute happened
         self._compile_ir = compile_ir
         self._compile_lock = asyncio.Lock()
+        self.tenants = TenantPool(config.worker_heap_bytes, config.worker_cpu_seconds)
+        self._stopping: set[asyncio.Task[None]] = set()
 
     def handlers(self) -> grpc.GenericRpcHandler:
         return self.gate.handlers(self)
@@ -115,6 +131,18 @@ class DeviceService:
         if alloc is None:
             raise RpcError(Code.NOT_FOUND, "no such handle")  # the same answer for foreign and missing
         return alloc
+
+    def _isolated(self, device: Device) -> bool:
+        return self.config.isolate_tenants and device.host_visible
+
+    async def _settled(self, alloc: Allocation) -> Segment:
+        """`alloc`'s segment once its tenant's queued kernels are done with it (they run in order)."""
+        worker = self.tenants.current(alloc.identity)
+        if worker is not None:
+            await worker.drain()
+        if not isinstance(alloc.buffer, Segment):
+            raise RpcError(Code.INTERNAL, "not a tenant segment")
+        return alloc.buffer
 
     async def _wait(self, call: Call, completion: Any) -> None:
         remaining = call.deadline - time.monotonic()
@@ -171,15 +199,22 @@ class DeviceService:
             raise RpcError(Code.RESOURCE_EXHAUSTED, "allocation quota exceeded")
         if self.table.handles_by_identity[call.identity] >= quota.max_handles:
             raise RpcError(Code.RESOURCE_EXHAUSTED, "handle quota exceeded")
-        try:
-            buffer = device.allocator.alloc(nbytes)
-        except AllocationError:
-            raise RpcError(Code.RESOURCE_EXHAUSTED, "device out of memory") from None
-        try:
-            await self._wait(call, device.copyin(buffer, np.zeros(nbytes, np.uint8)))  # fresh memory reads as zeros
-        except BaseException:
-            buffer.free()
-            raise
+        buffer: Buffer | Segment
+        if self._isolated(device):
+            try:
+                buffer = Segment(nbytes)  # a fresh memfd reads as zeros
+            except OSError as exc:
+                raise RpcError(Code.RESOURCE_EXHAUSTED, f"the node cannot create more shared memory ({exc.strerror})") from None
+        else:
+            try:
+                buffer = device.allocator.alloc(nbytes)
+            except AllocationError:
+                raise RpcError(Code.RESOURCE_EXHAUSTED, "device out of memory") from None
+            try:
+                await self._wait(call, device.copyin(buffer, np.zeros(nbytes, np.uint8)))  # fresh memory reads as zeros
+            except BaseException:
+                buffer.free()
+                raise
         handle = self.table.add(call.identity, lease, device, buffer, nbytes).handle
         self._effect(call, "alloc", handle=handle_tag(handle), nbytes=nbytes, device=request.device)
         return pb.AllocateReply(handle=handle, nbytes=nbytes)
@@ -194,6 +229,9 @@ class DeviceService:
     async def _write(self, call: Call, alloc: Allocation, offset: int, data: bytes | memoryview) -> Any:
         _check_range(alloc.nbytes, offset, len(data))
         if not data:
+            return None
+        if isinstance(alloc.buffer, Segment):
+            wire.copy_into((await self._settled(alloc)).address + offset, data)
             return None
         view = alloc.buffer.view(offset, len(data))
         try:
@@ -243,6 +281,8 @@ class DeviceService:
         """An encoded ReadReply holding the range."""
         if not length:
             return wire.encode_read_reply(b"")
+        if isinstance(alloc.buffer, Segment):
+            return wire.encode_read_reply(wire.memory((await self._settled(alloc)).address + offset, length))
         view = alloc.buffer.view(offset, length)
         if _direct(alloc.device, view, write=False):
             try:
@@ -301,6 +341,17 @@ class DeviceService:
         if not request.length:
             return pb.CopyReply()
         with self.table.in_use(dst, src):
+            if isinstance(dst.buffer, Segment) and isinstance(src.buffer, Segment):
+                target, source = (await self._settled(dst)).address, (await self._settled(src)).address
+                args = (target + request.dst_offset, source + request.src_offset, request.length)
+                if request.length >= 1 << 20:  # a big copy off the event loop
+                    await asyncio.to_thread(ctypes.memmove, *args)
+                else:
+                    ctypes.memmove(*args)
+                self._effect(call, "copy", dst=handle_tag(dst.handle), src=handle_tag(src.handle), nbytes=request.length)
+                return pb.CopyReply()
+            if isinstance(dst.buffer, Segment) or isinstance(src.buffer, Segment):
+                raise RpcError(Code.INVALID_ARGUMENT, "source and destination are on different devices")
             dview = dst.buffer.view(request.dst_offset, request.length)
             sview = src.buffer.view(request.src_offset, request.length)
             try:
@@ -321,6 +372,17 @@ class DeviceService:
         lease.programs.clear()
         for key in keys:
             self._unload_unheld(key)
+        remaining = self.table.identity_leases(lease.identity)
+        worker = self.tenants.current(lease.identity)
+        if worker is not None:
+            for key in keys:
+                if not any(key in held.programs for held in remaining):
+                    worker.unload(key)
+        if not remaining and lease.identity in self.tenants.workers:
+            # the tenant holds nothing any more: its worker (and the LLVM heap it grew) goes
+            task = asyncio.get_running_loop().create_task(self.tenants.stop(lease.identity))
+            self._stopping.add(task)
+            task.add_done_callback(self._stopping.discard)
 
     def _check_program_quota(self, call: Call, lease: Lease, key: tuple[str, str], nbytes: int) -> None:
         """The caller's programs, over all its leases, within its count and bytes quota (a program
@@ -356,7 +418,10 @@ class DeviceService:
                     compile_ir = self._compile_ir or _default_compiler()
                     try:
                         code = await asyncio.to_thread(compile_ir, verified.ir_text)
-                        self._programs[key] = device.load_program(code, verified.symbol, verified.signature)
+                        if self._isolated(device):  # never linked into the node: loaded in tenant workers
+                            self._programs[key] = IsolatedProgram(verified.signature, code, verified.symbol)
+                        else:
+                            self._programs[key] = device.load_program(code, verified.symbol, verified.signature)
                         self._program_bytes[key] = ir_bytes + len(code)
                     except CompileError as exc:
                         raise RpcError(Code.INVALID_ARGUMENT, f"program does not compile: {str(exc)[:300]}") from None
@@ -395,6 +460,8 @@ class DeviceService:
             raise RpcError(Code.NOT_FOUND, "no such program")  # loaded under another lease, or unloaded with it
         if len(request.args) != len(program.signature):
             raise RpcError(Code.INVALID_ARGUMENT, f"program takes {len(program.signature)} arguments, got {len(request.args)}")
+        if isinstance(program, IsolatedProgram):
+            return await self._launch_isolated(request, call, lease, device, program)
         values: list[Any] = []
         used: list[Allocation] = []
         views: list[Buffer] = []
@@ -406,7 +473,7 @@ class DeviceService:
                         raise RpcError(Code.INVALID_ARGUMENT, f"argument {i} must be a buffer")
                     alloc = self._allocation(call, lease, arg.buffer.handle)
                     _check_range(alloc.nbytes, arg.buffer.offset, arg.buffer.length)
-                    if alloc.device is not device:
+                    if alloc.device is not device or isinstance(alloc.buffer, Segment):
                         raise RpcError(Code.INVALID_ARGUMENT, f"argument {i} lives on another device")
                     if arg.buffer.length == 0:
                         raise RpcError(Code.INVALID_ARGUMENT, f"argument {i} is an empty range")
@@ -431,6 +498,54 @@ class DeviceService:
             for view in views:
                 view.release()
         seconds = time.perf_counter() - start
+        self._effect(call, "launch", program_id=request.program_id, buffers=[handle_tag(a.handle) for a in used])
+        return pb.LaunchReply(seconds=seconds)
+
+    async def _launch_isolated(self, request: pb.LaunchRequest, call: Call, lease: Lease, device: Device,
+                               program: IsolatedProgram) -> pb.LaunchReply:
+        """Launch in the caller's worker: only the caller's segments are mapped there; a crash or
+        a kernel past the call's deadline ends that worker and fails this call with the cause."""
+        args: list[tuple[str, Any, Any]] = []
+        used: list[Allocation] = []
+        segments: list[Segment] = []
+        for i, (arg, kind) in enumerate(zip(request.args, program.signature)):
+            which = arg.WhichOneof("value")
+            if kind in ("r", "w", "rw"):
+                if which != "buffer":
+                    raise RpcError(Code.INVALID_ARGUMENT, f"argument {i} must be a buffer")
+                alloc = self._allocation(call, lease, arg.buffer.handle)
+                _check_range(alloc.nbytes, arg.buffer.offset, arg.buffer.length)
+                if alloc.device is not device or not isinstance(alloc.buffer, Segment):
+                    raise RpcError(Code.INVALID_ARGUMENT, f"argument {i} lives on another device")
+                if arg.buffer.length == 0 or arg.buffer.offset >= alloc.nbytes:
+                    raise RpcError(Code.INVALID_ARGUMENT, f"argument {i} is an empty range")
+                args.append(("b", alloc.buffer.id, arg.buffer.offset))
+                if alloc not in used:
+                    used.append(alloc)
+                    segments.append(alloc.buffer)
+            elif which != kind:
+                raise RpcError(Code.INVALID_ARGUMENT, f"argument {i} must be {kind}")
+            else:
+                args.append(("s", getattr(arg, kind), None))
+        quota = call.policy.quota_of(call.identity)
+        try:
+            with self.table.in_use(*used):
+                worker = await self.tenants.worker(call.identity, quota.max_bytes)
+                for segment in segments:
+                    worker.map(segment)
+                key = (request.device, request.program_id)
+                worker.load(key, program.code, program.symbol, program.signature)
+                seconds = await worker.launch(key, args, call.deadline, f"program {request.program_id[:16]}")
+        except asyncio.CancelledError:
+            ended = self.tenants.workers.get(call.identity)
+            if ended is not None and ended.failure is not None:
+                self._effect(call, "tenant_worker_failed", cause=ended.failure.cause, program_id=request.program_id)
+            raise
+        except TenantWorkerFailed as exc:
+            if exc.fatal:
+                self._effect(call, "tenant_worker_failed", cause=exc.cause, program_id=request.program_id)
+            code = Code.DEADLINE_EXCEEDED if time.monotonic() >= call.deadline else Code.ABORTED
+            raise RpcError(code, str(exc)) from None
         self._effect(call, "launch", program_id=request.program_id, buffers=[handle_tag(a.handle) for a in used])
         return pb.LaunchReply(seconds=seconds)
 

@@ -16,10 +16,11 @@ What a program may contain (everything else is refused with the reason):
   allowed (the codegen's streaming stores end with one; it orders memory, it touches none).
 
 What it cannot prove: that a kernel's loads and stores stay inside the buffers it is given. The
-entry receives plain pointers; out-of-bounds indexing is as possible as in any native kernel.
-The wire contract (handles, bounds-checked offsets) protects every transfer, and the verifier
-removes escapes from the instruction set (no calls out, no syscalls, no asm), but full memory
-isolation of kernels needs a separate process or a real device with its own MMU (docs/remote.md).
+entry receives plain pointers, and a `getelementptr` by a scalar argument reaches any address (an
+engine kernel needs no ptrtoint for that). The verifier removes escapes from the instruction set
+(no calls out, no syscalls, no asm); the memory bound is the process: on host-memory devices every
+kernel runs in its tenant's worker (`nodes.tenants`), whose address space maps only that tenant's
+buffers and whose seccomp filter leaves it no way to reach anything else (docs/remote.md).
 """
 
 from __future__ import annotations

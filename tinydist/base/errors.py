@@ -14,6 +14,7 @@ underscore, never seen outside their module) are not drawn, but are TinydistErro
     │   ├── DeviceFailed                            the device was marked failed; every later use raises it
     │   │   └── DeviceHang (TimeoutError)           a timeline stopped moving past its deadline
     │   ├── DeviceClosed (ClosedResourceError)      the device, one of its queues, or the engine was closed
+    │   ├── TenantWorkerFailed                      a tenant's kernel worker on a node died or was killed: .identity, .cause
     │   └── CUDAError [tinydist.runtime.cuda.driver]    a driver call failed: .code, .name, .call
     ├── ClosedResourceError                         a device, link or group segment was closed; open a new one
     ├── BufferError_                                misuse of a buffer or view
@@ -123,6 +124,21 @@ class DeviceClosed(DeviceError, ClosedResourceError):
 
     A DeviceError as well, so callers that treat any device error as "this time only, the device
     may be reopened" (engine.lowered) keep doing so."""
+
+
+class TenantWorkerFailed(DeviceError):
+    """A remote node's worker process for one tenant (`nodes.tenants`) died or was killed, or one of
+    its requests failed (`fatal=False`). Names the tenant and the cause; the node keeps the tenant's
+    buffers and starts a fresh worker at its next call."""
+
+    def __init__(self, identity: str, cause: str, fatal: bool = True) -> None:
+        self.identity, self.cause, self.fatal = identity, cause, fatal
+        if fatal:
+            text = (f"the kernel worker of tenant {identity} {cause}; its pending work failed, its buffers are kept "
+                    "(contents as the failed work left them), and its next call starts a fresh worker")
+        else:
+            text = f"the kernel worker of tenant {identity}: {cause}"
+        super().__init__(text)
 
 
 class BufferError_(TinydistError):
