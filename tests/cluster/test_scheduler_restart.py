@@ -1,0 +1,85 @@
+"""The scheduler as a process that may crash: SIGKILL it mid-job over mutual TLS and the job's
+allreduce steps go on (the data plane does not need it) to the numpy result; restart it on the same
+port with the same --state-dir and it reports the members, ranks, incarnations and epoch it had,
+and the nodes re-register. Without a state dir the nodes re-register into the empty membership."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from tests.cluster.helpers import Coordinator, Output, start_nodes
+from tests.cluster.workers.job import expected
+
+
+def _lab(tmp_path):
+    from tinydist.security import pki
+    lab = tmp_path / "lab"
+    pki.init(lab)
+    for name in ("node-0", "node-1"):
+        pki.issue(lab, name)
+    return lab
+
+
+def _members(st):
+    return [(m.node.node_id, m.node.rank, m.node.pid, m.state) for m in st.members]
+
+
+def _steps_done(out: Output) -> int:
+    return sum(line.startswith("STEP ") for line in list(out.lines))
+
+
+def _kill_restart(tmp_path, state_args: list[str], misses: int = 20):
+    from scheduler.node import Credentials, status
+    lab = _lab(tmp_path)
+    creds = Credentials.load(lab / "clients/node-0.pem", lab / "clients/node-0.key", lab / "ca.pem")
+    out, steps, size = tmp_path / "w.npy", 16, 3001
+    first = Coordinator(tmp_path, "--pki", str(lab), *state_args, misses=misses)
+    outs = [Output(p) for p in start_nodes(first.address, 2, "--steps", str(steps), "--size", str(size), "--out", str(out),
+                                           "--pki", str(lab), "--step-sleep", "0.25", "--wait-rejoin", "60",
+                                           extra_env={"TINYDIST_SCHEDULER_LOST_AFTER": "60"})]
+    second = None
+    try:
+        for o in outs:
+            o.wait_for("STEP 1 done", 90)
+        before = status(first.address, creds)
+        first.kill()
+        done_at_kill = [_steps_done(o) for o in outs]
+        # twice the old give-up bound (interval x misses, when CoordinatorLost was fatal) with no coordinator
+        time.sleep(2 * first.interval * first.misses)
+        for o in outs:
+            o.wait_for("node.coordinator_unreachable", 10)
+            assert o.proc.poll() is None, o.text
+        assert all(_steps_done(o) > n for o, n in zip(outs, done_at_kill)), [o.text for o in outs]
+        second = Coordinator(tmp_path, "--pki", str(lab), *state_args, misses=misses, listen=first.address)
+        assert second.address == first.address
+        recovered = status(second.address, creds)
+        for o in outs:
+            assert "REJOINED" in o.wait_for("REJOIN", 90), o.text
+            assert o.finish(90) == 0, o.text
+            assert "coordinator_back" in o.text and "ALLREDUCE ok" in o.text, o.text
+    finally:
+        for o in outs:
+            o.close()
+        first.stop()
+        if second is not None:
+            second.stop()
+    np.testing.assert_array_equal(np.load(out), expected(steps, 4, size))
+    return before, recovered, second.log.read_text()
+
+
+def test_scheduler_sigkill_mid_job_then_restart_recovers_members_and_epoch_from_the_journal(tmp_path):
+    before, recovered, log = _kill_restart(tmp_path, ["--state-dir", str(tmp_path / "state")])
+    assert _members(before) == [("node-0", 0, before.members[0].node.pid, "alive"),
+                                ("node-1", 1, before.members[1].node.pid, "alive")]
+    assert _members(recovered) == _members(before) and recovered.epoch == before.epoch > 0
+    assert {(link.src, link.dst) for link in recovered.links} == {(link.src, link.dst) for link in before.links} != set()
+    assert f"recovered epoch {before.epoch}, 2 members" in log
+
+
+def test_scheduler_restart_without_state_dir_nodes_reregister_into_empty_membership(tmp_path):
+    before, recovered, log = _kill_restart(tmp_path, [])
+    assert [m.node.node_id for m in before.members] == ["node-0", "node-1"]
+    assert recovered.epoch == 0 and not recovered.members             # nothing persisted
+    assert "state in memory only" in log
