@@ -18,12 +18,13 @@ collective timeout bounds everything else.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from scheduler.errors import ClusterError, NodeFailed
+from scheduler.errors import ClusterError, CoordinatorLost, NodeFailed
 from scheduler.node import Credentials, NodeAgent
 from scheduler.plan import Plan, plan_allreduce
 from scheduler.topology import LinkModel, Topology
@@ -112,6 +113,13 @@ class ClusterJob:
             raise NodeFailed(failure.node_id, failure.rank, str(failure)) from exc
         if failure is not None:
             raise failure from exc
+        since = self.agent.unreachable_since
+        if isinstance(exc, RankFailed) and since is not None and "declared failed" in str(exc):
+            # only node agents declare ranks failed, and no coordinator can have declared a death while
+            # we cannot reach it either: the peer gave up on the coordinator first (CoordinatorLost)
+            raise CoordinatorLost(f"node {self.agent.node_id}: coordinator {self.agent.coordinator} unreachable for "
+                                  f"{time.monotonic() - since:.1f} s, and rank {exc.rank}'s node gave up on it first "
+                                  f"(TINYDIST_SCHEDULER_LOST_AFTER passed there): {exc}") from exc
         if isinstance(exc, RankFailed):
             node = self.agent.node_of_rank(exc.rank)
             raise NodeFailed(node, exc.rank, f"node {node!r} (rank {exc.rank}) failed: {exc}") from exc

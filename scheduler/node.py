@@ -116,6 +116,7 @@ class NodeAgent:
         self.stub = pb_grpc.ClusterStub(self.channel)
         self.rejoins = 0                                # re-registrations after losing the coordinator
         self.rejoined = threading.Event()               # set at each one
+        self.unreachable_since: float | None = None     # monotonic time of the last answer, while in an outage
         self._info: pb.NodeInfo | None = None
         self.log = get_logger(component="node-agent", node=node_id)
         self.rank = -1
@@ -244,6 +245,7 @@ class NodeAgent:
                 with self._lock:
                     self._pending_links = links + self._pending_links
                 if not watch.outage:
+                    self.unreachable_since = watch.last_ok
                     self.log.warning("node.coordinator_unreachable", coordinator=self.coordinator, code=exc.code().name,
                                      lost_after_s=watch.lost_after)
                 try:
@@ -257,6 +259,7 @@ class NodeAgent:
                 self._fail(exc)
                 return
             if watch.answered():
+                self.unreachable_since = None
                 self.log.warning("node.coordinator_back", coordinator=self.coordinator, epoch=reply.epoch)
             delay = self.interval
             for member in reply.dead:

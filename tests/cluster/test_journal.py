@@ -162,6 +162,27 @@ def _count_records(path) -> int:
     return n
 
 
+def test_serve_refuses_a_corrupt_state_dir_naming_file_and_record(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.cluster.helpers import ROOT, env
+    now = [0.0]
+    m = _cluster(tmp_path, now)
+    for i in range(2):
+        m.join(f"node-{i}", f"host-{i}", ["CPU:0"], rank=i, world_size=2)
+    m.journal.close()
+    path = tmp_path / JOURNAL
+    data = bytearray(path.read_bytes())
+    data[8 + 2] ^= 0x01                                 # record 0's payload
+    path.write_bytes(bytes(data))
+    run = subprocess.run([sys.executable, "-m", "tinydist.cli", "scheduler", "serve", "--listen", "127.0.0.1:0",
+                          "--insecure-loopback-only", "--state-dir", str(tmp_path)],
+                         capture_output=True, text=True, env=env(), cwd=ROOT, timeout=60)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert f"error: {path}: record 0 at byte 0: checksum" in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
 def test_a_second_coordinator_on_the_same_state_dir_is_refused(tmp_path):
     first = Journal(tmp_path)
     try:

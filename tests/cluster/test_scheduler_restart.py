@@ -45,6 +45,7 @@ def _kill_restart(tmp_path, state_args: list[str], misses: int = 20):
             o.wait_for("STEP 1 done", 90)
         before = status(first.address, creds)
         first.kill()
+        killed = time.monotonic()
         done_at_kill = [_steps_done(o) for o in outs]
         # twice the old give-up bound (interval x misses, when CoordinatorLost was fatal) with no coordinator
         time.sleep(2 * first.interval * first.misses)
@@ -52,6 +53,8 @@ def _kill_restart(tmp_path, state_args: list[str], misses: int = 20):
             o.wait_for("node.coordinator_unreachable", 10)
             assert o.proc.poll() is None, o.text
         assert all(_steps_done(o) > n for o, n in zip(outs, done_at_kill)), [o.text for o in outs]
+        print(f"without a coordinator for {time.monotonic() - killed:.2f} s: steps done {done_at_kill} -> "
+              f"{[_steps_done(o) for o in outs]}")
         second = Coordinator(tmp_path, "--pki", str(lab), *state_args, misses=misses, listen=first.address)
         assert second.address == first.address
         recovered = status(second.address, creds)
@@ -83,3 +86,28 @@ def test_scheduler_restart_without_state_dir_nodes_reregister_into_empty_members
     assert [m.node.node_id for m in before.members] == ["node-0", "node-1"]
     assert recovered.epoch == 0 and not recovered.members             # nothing persisted
     assert "state in memory only" in log
+
+
+def test_scheduler_away_past_the_bound_fails_the_job_with_coordinator_lost(tmp_path):
+    c = Coordinator(tmp_path, "--insecure-loopback-only")
+    bound = 2.0
+    outs = [Output(p) for p in start_nodes(c.address, 2, "--steps", "100000", "--size", "101",
+                                           extra_env={"TINYDIST_SCHEDULER_LOST_AFTER": str(bound)})]
+    try:
+        for o in outs:
+            o.wait_for("STEP 1 done", 90)
+        c.kill()
+        t0 = time.monotonic()
+        lines = [o.wait_for("CLUSTERERROR", 60) for o in outs]
+        elapsed = time.monotonic() - t0
+        print(f"CoordinatorLost on both nodes {elapsed:.2f} s after the SIGKILL (bound {bound:g} s)")
+        for o, line in zip(outs, lines):
+            assert "CoordinatorLost" in line and f"{c.address} unreachable for" in line, line
+            assert f"TINYDIST_SCHEDULER_LOST_AFTER={bound:g} s" in line, line
+            assert o.finish(30) == 4, o.text
+        # not before the bound; after it, within one capped backoff (interval x misses / 2) and slack
+        assert bound <= elapsed < bound + c.interval * c.misses / 2 + 5.0, elapsed
+    finally:
+        for o in outs:
+            o.close()
+        c.stop()

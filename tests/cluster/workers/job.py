@@ -44,7 +44,7 @@ def main() -> int:
                    help="after the last step, wait this long for a re-registration with the coordinator")
     args = p.parse_args()
 
-    from scheduler.errors import NodeFailed
+    from scheduler.errors import ClusterError, NodeFailed
     from scheduler.execute import ClusterJob
     from scheduler.node import Credentials
     from scheduler import checkpoint as ck
@@ -95,6 +95,9 @@ def main() -> int:
     except NodeFailed as exc:
         print(f"NODEFAILED node={exc.node_id} after {time.monotonic() - t0:.2f} s: {exc}", flush=True)
         os._exit(3)
+    except ClusterError as exc:                    # CoordinatorLost: the scheduler stayed away past the bound
+        print(f"CLUSTERERROR {type(exc).__name__} at step {step}: {exc}", flush=True)
+        os._exit(4)
     if args.out and rank == 0:
         np.save(args.out, w)
     if args.wait_rejoin:
