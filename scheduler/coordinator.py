@@ -243,7 +243,8 @@ async def serve(listen: str, pki: Path | None, insecure_loopback_only: bool, hea
     mode = "mTLS" if pki is not None else "INSECURE loopback-only"
     m = coordinator.membership
     assert m is not None
-    state = (f"state in {state_dir}: recovered epoch {m.epoch}, {len(m.members)} members" if state_dir is not None
+    state = (f"state in {state_dir}: recovered epoch {m.epoch}, {len(m.members)} members, "
+             f"{coordinator.recovered} journal records replayed" if state_dir is not None
              else "state in memory only (no --state-dir)")
     print(f"tinydist scheduler serving {coordinator.address} ({mode}, heartbeat {heartbeat_interval:g} s, "
           f"dead after {miss_limit} misses; {state})", flush=True)

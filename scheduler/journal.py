@@ -6,7 +6,8 @@ SIGKILLed) scheduler comes back with the members, ranks, incarnations, epoch and
 DIR holds three files:
 
 - `journal.log`: append-only records, each `length (u32, big-endian) | crc32 of the payload (u32) |
-  payload` (UTF-8 JSON: a sequence number and the change). A membership change (join, leave, death,
+  crc32 of those 8 bytes (u32) | payload` (UTF-8 JSON: a sequence number and the change). The header's
+  own checksum tells a flipped length (corruption) from a record the file ends inside (a torn write). A membership change (join, leave, death,
   rejoin) is written and fsynced before the coordinator answers; a link report is written without
   fsync (a measurement the next heartbeat repeats; losing the last few costs nothing).
 - `snapshot.json`: the whole state at sequence number `seq`, with the crc32 of its canonical JSON.
@@ -18,11 +19,13 @@ DIR holds three files:
 
 Replay rules (the crash model: a process dies mid-`write`, the kernel keeps what reached it):
 
-- a last record cut short (its header or payload ends before the file does) is a torn write: it was
-  never acknowledged, so it is dropped and the file truncated to the last whole record;
-- a last record whose checksum fails is treated the same way (a torn write can leave a full-length
-  record with stale bytes); it is logged with the file, record number and offset;
-- a checksum failure before the last record, a record whose JSON does not parse, a sequence number
+- a last record cut short (the file ends inside its header, or inside the payload a sound header
+  announces) is a torn write: it was never acknowledged, so it is dropped and the file truncated to
+  the last whole record;
+- a last record whose payload checksum fails, and a bad record followed only by zero bytes (a
+  file system that extended the file but never wrote the data), are treated the same way; both
+  are logged with the file, record number and offset;
+- any other checksum failure (of a header, or of a payload with records after it), a record whose JSON does not parse, a sequence number
   that does not increase, or a snapshot whose checksum fails is corruption, not a crash: the
   coordinator refuses to start with a `JournalError` naming the file, the record and its offset,
   rather than serve a membership it cannot vouch for. Move the directory aside to start empty.
@@ -44,13 +47,13 @@ from tinydist.base.logs import get_logger
 JOURNAL = "journal.log"
 SNAPSHOT = "snapshot.json"
 LOCK = "lock"
-_HEADER = struct.Struct(">II")           # payload length, crc32 of the payload
-_MAX_RECORD = 64 << 20                   # a length past this is a torn or corrupt header, not a record
+_HEADER = struct.Struct(">III")          # payload length, crc32 of the payload, crc32 of the first two
 
 
 def _encode(payload: dict[str, Any]) -> bytes:
     body = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
-    return _HEADER.pack(len(body), zlib.crc32(body)) + body
+    head = struct.pack(">II", len(body), zlib.crc32(body))
+    return head + struct.pack(">I", zlib.crc32(head)) + body
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -139,20 +142,25 @@ class Journal:
         return state, records
 
     def _record_end(self, data: bytes, offset: int, index: int) -> int | None:
-        """Where the record at `offset` ends, or None when it is the torn last one."""
+        """Where the record at `offset` ends, or None when it is a torn tail (module docstring)."""
         path = self.journal_path
         if len(data) - offset < _HEADER.size:
             return None
-        length, crc = _HEADER.unpack_from(data, offset)
-        end = offset + _HEADER.size + length
-        if length > _MAX_RECORD or end > len(data):
-            if end >= len(data):
+        length, crc, head_crc = _HEADER.unpack_from(data, offset)
+        zeros = not data[offset:].strip(b"\0")          # nothing but zeros from here on
+        if zlib.crc32(data[offset:offset + 8]) != head_crc:
+            if zeros:
+                self.log.warning("journal.zero_tail", file=str(path), record=index, offset=offset)
                 return None
-            raise JournalError(f"{path}: record {index} at byte {offset}: length {length} is impossible; the file is "
-                               f"corrupt: move {self.directory} aside to start with an empty membership")
+            raise JournalError(f"{path}: record {index} at byte {offset}: its header's checksum does not match (a "
+                               f"damaged length or checksum, not a torn last write: corruption); move "
+                               f"{self.directory} aside to start with an empty membership, or restore it")
+        end = offset + _HEADER.size + length
+        if end > len(data):
+            return None
         got = zlib.crc32(data[offset + _HEADER.size:end])
         if got != crc:
-            if end == len(data):
+            if end == len(data) or not data[end:].strip(b"\0"):
                 self.log.warning("journal.bad_last_record", file=str(path), record=index, offset=offset,
                                  stored_crc=f"{crc:#010x}", computed_crc=f"{got:#010x}")
                 return None

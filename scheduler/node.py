@@ -87,6 +87,15 @@ class CoordinatorWatch:
         self.last_ok, self.failures = self.clock(), 0
         return ended
 
+    def away(self) -> float:
+        """Seconds since the coordinator last answered."""
+        return self.clock() - self.last_ok
+
+    def near_bound(self) -> bool:
+        """In an outage and within one backoff step (plus one heartbeat phase) of the bound: a peer
+        that lost the same coordinator may have reached it first."""
+        return self.outage and self.away() >= self.lost_after - self.cap - self.interval
+
     def failed(self, why: str) -> float:
         away = self.clock() - self.last_ok
         if away > self.lost_after:
@@ -116,7 +125,7 @@ class NodeAgent:
         self.stub = pb_grpc.ClusterStub(self.channel)
         self.rejoins = 0                                # re-registrations after losing the coordinator
         self.rejoined = threading.Event()               # set at each one
-        self.unreachable_since: float | None = None     # monotonic time of the last answer, while in an outage
+        self.watch: CoordinatorWatch | None = None      # the heartbeat thread's, once joined
         self._info: pb.NodeInfo | None = None
         self.log = get_logger(component="node-agent", node=node_id)
         self.rank = -1
@@ -217,7 +226,8 @@ class NodeAgent:
 
     def _heartbeats(self) -> None:
         dead_after = self.interval * self.miss_limit
-        watch = CoordinatorWatch(self.coordinator, self.interval, dead_after / 2, settings.SCHEDULER_LOST_AFTER)
+        watch = self.watch = CoordinatorWatch(self.coordinator, self.interval, dead_after / 2,
+                                              settings.SCHEDULER_LOST_AFTER)
         delay = self.interval
         while not self._stop.wait(delay):
             with self._lock:
@@ -245,7 +255,6 @@ class NodeAgent:
                 with self._lock:
                     self._pending_links = links + self._pending_links
                 if not watch.outage:
-                    self.unreachable_since = watch.last_ok
                     self.log.warning("node.coordinator_unreachable", coordinator=self.coordinator, code=exc.code().name,
                                      lost_after_s=watch.lost_after)
                 try:
@@ -259,7 +268,6 @@ class NodeAgent:
                 self._fail(exc)
                 return
             if watch.answered():
-                self.unreachable_since = None
                 self.log.warning("node.coordinator_back", coordinator=self.coordinator, epoch=reply.epoch)
             delay = self.interval
             for member in reply.dead:

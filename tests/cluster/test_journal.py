@@ -86,10 +86,14 @@ def test_torn_last_record_is_dropped_and_truncated(tmp_path):
     m.journal.close()
     path = tmp_path / JOURNAL
     data = path.read_bytes()
-    for cut in (size_one + 3, len(data) - 5):           # inside the header, inside the payload
-        path.write_bytes(data[:cut])
+    cases = [data[:size_one + 3], data[:-5],            # inside the header, inside the payload
+             data[:size_one] + bytes(len(data) - size_one),  # extended with zeros, never written
+             data + bytes(4096)]                        # whole records, then zeros
+    for torn in cases:
+        path.write_bytes(torn)
         r = _reopen(tmp_path, now)
-        assert [x.node_id for x in r.ordered()] == ["node-0"] and r.epoch == 1
+        want = ["node-0", "node-1"] if torn.startswith(data) else ["node-0"]
+        assert [x.node_id for x in r.ordered()] == want and r.epoch == len(want)
         r.journal.close()
         (tmp_path / SNAPSHOT).unlink()                  # start the next case from the journal alone
     # a full-length last record with stale bytes: its checksum fails and nothing follows: torn too
@@ -97,6 +101,13 @@ def test_torn_last_record_is_dropped_and_truncated(tmp_path):
     r = _reopen(tmp_path, now)
     assert [x.node_id for x in r.ordered()] == ["node-0"]
     r.journal.close()
+    # the journal itself: the torn record is cut off the file, so the next append follows a whole one
+    (tmp_path / SNAPSHOT).unlink()
+    path.write_bytes(data[:-5])
+    j = Journal(tmp_path)
+    _, records = j.load()
+    assert [x["seq"] for x in records] == [1] and path.stat().st_size == size_one
+    j.close()
 
 
 def test_bad_checksum_before_the_last_record_is_refused_naming_file_and_record(tmp_path):
@@ -108,13 +119,20 @@ def test_bad_checksum_before_the_last_record_is_refused_naming_file_and_record(t
     path = tmp_path / JOURNAL
     data = bytearray(path.read_bytes())
     first_len = struct.unpack_from(">I", data, 0)[0]
-    second = 8 + first_len
-    data[second + 8 + 3] ^= 0x01                        # one bit of record 1's payload
-    path.write_bytes(bytes(data))
+    second = 12 + first_len
+    bad = bytearray(data)
+    bad[second + 12 + 3] ^= 0x01                        # one bit of record 1's payload
+    path.write_bytes(bytes(bad))
     with pytest.raises(JournalError, match=rf"{path}: record 1 at byte {second}: checksum 0x[0-9a-f]{{8}} does "
                                            r"not match the stored .*move .* aside"):
         _reopen(tmp_path, now)
-    assert path.read_bytes() == bytes(data)             # refused, not repaired
+    assert path.read_bytes() == bytes(bad)              # refused, not repaired
+    # a flipped bit in record 1's length: not read as a torn tail that drops record 2 in silence
+    bad = bytearray(data)
+    bad[second + 1] ^= 0x10
+    path.write_bytes(bytes(bad))
+    with pytest.raises(JournalError, match=rf"{path}: record 1 at byte {second}: its header's checksum"):
+        _reopen(tmp_path, now)
 
 
 def test_corrupt_snapshot_is_refused(tmp_path):
@@ -156,9 +174,9 @@ def test_compaction_round_trip_and_crash_between_snapshot_and_truncate(tmp_path)
 def _count_records(path) -> int:
     data, offset, n = path.read_bytes(), 0, 0
     while offset < len(data):
-        length, crc = struct.unpack_from(">II", data, offset)
-        assert zlib.crc32(data[offset + 8:offset + 8 + length]) == crc
-        offset, n = offset + 8 + length, n + 1
+        length, crc, _ = struct.unpack_from(">III", data, offset)
+        assert zlib.crc32(data[offset + 12:offset + 12 + length]) == crc
+        offset, n = offset + 12 + length, n + 1
     return n
 
 
@@ -174,7 +192,7 @@ def test_serve_refuses_a_corrupt_state_dir_naming_file_and_record(tmp_path):
     m.journal.close()
     path = tmp_path / JOURNAL
     data = bytearray(path.read_bytes())
-    data[8 + 2] ^= 0x01                                 # record 0's payload
+    data[12 + 2] ^= 0x01                                # record 0's payload
     path.write_bytes(bytes(data))
     run = subprocess.run([sys.executable, "-m", "tinydist.cli", "scheduler", "serve", "--listen", "127.0.0.1:0",
                           "--insecure-loopback-only", "--state-dir", str(tmp_path)],
@@ -216,9 +234,13 @@ def test_coordinator_watch_backs_off_then_gives_up_after_the_bound():
             message = str(exc)
             break
         delays.append(d)
+        if len(delays) == 1:
+            assert watch.outage and not watch.near_bound()
         now[0] += d
     assert delays[:4] == pytest.approx([0.1, 0.2, 0.4, 0.5]) and max(delays) == pytest.approx(0.5)
     assert 3.0 < now[0] - 100.0 <= 3.5                  # gave up at the first try past the bound, not before
+    assert watch.near_bound()
     assert "127.0.0.1:1 unreachable for 3.1 s (UNAVAILABLE)" in message and "SCHEDULER_LOST_AFTER=3 s" in message
     assert watch.answered() is True and watch.answered() is False   # an outage ends once
+    assert not watch.near_bound()
     assert watch.failed("UNAVAILABLE") == pytest.approx(0.1)        # and backoff starts over

@@ -34,7 +34,7 @@ def _kill_restart(tmp_path, state_args: list[str], misses: int = 20):
     from scheduler.node import Credentials, status
     lab = _lab(tmp_path)
     creds = Credentials.load(lab / "clients/node-0.pem", lab / "clients/node-0.key", lab / "ca.pem")
-    out, steps, size = tmp_path / "w.npy", 16, 3001
+    out, steps, size = tmp_path / "w.npy", 32, 3001
     first = Coordinator(tmp_path, "--pki", str(lab), *state_args, misses=misses)
     outs = [Output(p) for p in start_nodes(first.address, 2, "--steps", str(steps), "--size", str(size), "--out", str(out),
                                            "--pki", str(lab), "--step-sleep", "0.25", "--wait-rejoin", "60",
@@ -53,8 +53,9 @@ def _kill_restart(tmp_path, state_args: list[str], misses: int = 20):
             o.wait_for("node.coordinator_unreachable", 10)
             assert o.proc.poll() is None, o.text
         assert all(_steps_done(o) > n for o, n in zip(outs, done_at_kill)), [o.text for o in outs]
+        done_at_restart = [_steps_done(o) for o in outs]
         print(f"without a coordinator for {time.monotonic() - killed:.2f} s: steps done {done_at_kill} -> "
-              f"{[_steps_done(o) for o in outs]}")
+              f"{done_at_restart} of {steps}")
         second = Coordinator(tmp_path, "--pki", str(lab), *state_args, misses=misses, listen=first.address)
         assert second.address == first.address
         recovered = status(second.address, creds)
@@ -62,6 +63,7 @@ def _kill_restart(tmp_path, state_args: list[str], misses: int = 20):
             assert "REJOINED" in o.wait_for("REJOIN", 90), o.text
             assert o.finish(90) == 0, o.text
             assert "coordinator_back" in o.text and "ALLREDUCE ok" in o.text, o.text
+        print(f"re-registered with the restarted coordinator, {steps - max(done_at_restart)} steps left")
     finally:
         for o in outs:
             o.close()
@@ -102,6 +104,7 @@ def test_scheduler_away_past_the_bound_fails_the_job_with_coordinator_lost(tmp_p
         elapsed = time.monotonic() - t0
         print(f"CoordinatorLost on both nodes {elapsed:.2f} s after the SIGKILL (bound {bound:g} s)")
         for o, line in zip(outs, lines):
+            # each node names the coordinator and the bound, whether its own watch or its peer's gave up first
             assert "CoordinatorLost" in line and f"{c.address} unreachable for" in line, line
             assert f"TINYDIST_SCHEDULER_LOST_AFTER={bound:g} s" in line, line
             assert o.finish(30) == 4, o.text
