@@ -63,7 +63,8 @@ def _kill_restart(tmp_path, state_args: list[str], misses: int = 20):
             assert "REJOINED" in o.wait_for("REJOIN", 90), o.text
             assert o.finish(90) == 0, o.text
             assert "coordinator_back" in o.text and "ALLREDUCE ok" in o.text, o.text
-        print(f"re-registered with the restarted coordinator, {steps - max(done_at_restart)} steps left")
+        after = status(second.address, creds)           # both nodes have re-registered, finished and left
+        print(f"scheduler back with {steps - max(done_at_restart)} of {steps} steps to go; both nodes re-registered")
     finally:
         for o in outs:
             o.close()
@@ -71,23 +72,29 @@ def _kill_restart(tmp_path, state_args: list[str], misses: int = 20):
         if second is not None:
             second.stop()
     np.testing.assert_array_equal(np.load(out), expected(steps, 4, size))
-    return before, recovered, second.log.read_text()
+    return before, recovered, after, second.log.read_text()
 
 
 def test_scheduler_sigkill_mid_job_then_restart_recovers_members_and_epoch_from_the_journal(tmp_path):
-    before, recovered, log = _kill_restart(tmp_path, ["--state-dir", str(tmp_path / "state")])
+    before, recovered, after, log = _kill_restart(tmp_path, ["--state-dir", str(tmp_path / "state")])
     assert _members(before) == [("node-0", 0, before.members[0].node.pid, "alive"),
                                 ("node-1", 1, before.members[1].node.pid, "alive")]
+    # whether or not a node has re-registered yet: a rejoin under the held incarnation changes neither
     assert _members(recovered) == _members(before) and recovered.epoch == before.epoch > 0
+    assert [(n, r, p) for n, r, p, _ in _members(after)] == [(n, r, p) for n, r, p, _ in _members(before)]
+    assert [m.state for m in after.members] == ["left", "left"] and after.epoch == before.epoch + 2
     assert {(link.src, link.dst) for link in recovered.links} == {(link.src, link.dst) for link in before.links} != set()
     assert f"recovered epoch {before.epoch}, 2 members" in log
 
 
 def test_scheduler_restart_without_state_dir_nodes_reregister_into_empty_membership(tmp_path):
-    before, recovered, log = _kill_restart(tmp_path, [])
-    assert [m.node.node_id for m in before.members] == ["node-0", "node-1"]
-    assert recovered.epoch == 0 and not recovered.members             # nothing persisted
-    assert "state in memory only" in log
+    before, recovered, after, log = _kill_restart(tmp_path, [])
+    assert "state in memory only" in log                              # it started empty
+    # a node may already have re-registered by the first Status; nobody else can have joined
+    assert {m.node.node_id for m in recovered.members} <= {"node-0", "node-1"}
+    # re-registered under the same ids, ranks and processes, into the empty membership
+    assert [(n, r, p) for n, r, p, _ in _members(after)] == [(n, r, p) for n, r, p, _ in _members(before)]
+    assert [m.state for m in after.members] == ["left", "left"]
 
 
 def test_scheduler_away_past_the_bound_fails_the_job_with_coordinator_lost(tmp_path):
