@@ -64,6 +64,11 @@ def topology_from_status(st: pb.ClusterStatus) -> Topology:
     return topo
 
 
+# what a coordinator that is down, restarting or partitioned away looks like; anything else is an answer
+_UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                          grpc.StatusCode.UNKNOWN})
+
+
 class CoordinatorWatch:
     """When to retry an unreachable coordinator, and when to give up on it. Pure logic, clock injected.
 
@@ -251,6 +256,10 @@ class NodeAgent:
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     self._fail(NodeFailed(self.node_id, self.rank, f"node {self.node_id!r} (rank {self.rank}) was "
                                                                    f"removed by the coordinator: {exc.details()}"))
+                    return
+                if exc.code() not in _UNREACHABLE:     # it answered, and refused: waiting will not change that
+                    self._fail(MembershipError(f"node {self.node_id}: coordinator {self.coordinator} refused its "
+                                               f"heartbeat: {exc.code().name}: {exc.details()}"))
                     return
                 with self._lock:
                     self._pending_links = links + self._pending_links
