@@ -11,9 +11,9 @@ execute (real hierarchical allreduce), placement (cluster-wide sharding), checkp
 cluster). The Slurm / Kubernetes variables are mapped by tinydist/dist/environment.py.
 """
 
-from scheduler.errors import ClusterError, CoordinatorLost, MembershipError, NodeFailed, PlanError
+from scheduler.errors import ClusterError, CoordinatorLost, JournalError, MembershipError, NodeFailed, PlanError
 
-__all__ = ["ClusterError", "ClusterJob", "CoordinatorLost", "Credentials", "MembershipError", "NodeAgent", "NodeFailed",
+__all__ = ["ClusterError", "ClusterJob", "CoordinatorLost", "Credentials", "JournalError", "MembershipError", "NodeAgent", "NodeFailed",
            "PlanError", "Topology", "explain", "plan_allreduce"]
 
 

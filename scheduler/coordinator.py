@@ -12,6 +12,12 @@ server runs only with --insecure-loopback-only, binds only loopback and refuses 
 A sweeper runs every heartbeat interval / 2 and declares dead every node silent for `miss_limit`
 intervals; heartbeat replies carry the dead list, so every survivor learns of a death within
 about (miss_limit + 1) intervals.
+
+State: with `--state-dir DIR` the membership is journaled there (scheduler.journal) and recovered at
+start, so a coordinator SIGKILLed and restarted on the same port reports the same members, ranks
+and epoch, and its nodes (which kept running their collectives meanwhile) re-register under the
+incarnations they hold. Without it the state lives in memory only; nodes still re-register, into an
+empty membership (a Heartbeat from a node the coordinator does not know is NOT_FOUND, the node's cue).
 """
 
 from __future__ import annotations
@@ -163,10 +169,12 @@ class ClusterService(pb_grpc.ClusterServicer):
         try:
             record = self.m.join(node.node_id, node.host_key or node.node_id, [d.name for d in node.devices],
                                  tuple(node.transports) or ("mem", "shm", "tcp"), node.rank, request.world_size,
-                                 {"address": node.address, "rendezvous": node.rendezvous, "pid": node.pid})
+                                 {"address": node.address, "rendezvous": node.rendezvous, "pid": node.pid},
+                                 incarnation=request.incarnation)
         except MembershipError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        self.log.info("scheduler.join", node=node.node_id, rank=record.rank, devices=record.devices, epoch=self.m.epoch)
+        self.log.info("scheduler.rejoin" if request.incarnation else "scheduler.join", node=node.node_id,
+                      rank=record.rank, devices=record.devices, epoch=self.m.epoch)
         await self._notify()
         return pb.JoinReply(rank=record.rank, epoch=record.incarnation, heartbeat_interval_s=self.m.heartbeat_interval,
                             miss_limit=self.m.miss_limit)
@@ -174,6 +182,9 @@ class ClusterService(pb_grpc.ClusterServicer):
     @observed
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatReply:
         await self._check_node(context, request.node_id)
+        if request.node_id not in self.m.members:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"node {request.node_id} is not a member (a coordinator "
+                                                           f"restarted without --state-dir?); join again")
         links = [LinkRecord(x.src, x.dst, x.kind, x.latency_s, x.bandwidth_bps) for x in request.links
                  if x.src == request.node_id]      # a node reports only its own links
         try:
@@ -226,12 +237,14 @@ class Coordinator:
         self.port = 0
         self.host = ""
         self.membership: Membership | None = None
+        self.recovered = 0                          # journal records replayed at start (after the snapshot)
         self._sweeper: asyncio.Task[None] | None = None
         self._collector: MembershipCollector | None = None
 
     @classmethod
     async def start(cls, listen: str = "127.0.0.1:0", *, pki: Path | None = None, insecure_loopback_only: bool = False,
-                    heartbeat_interval: float = 1.0, miss_limit: int = 5) -> Coordinator:
+                    heartbeat_interval: float = 1.0, miss_limit: int = 5,
+                    state_dir: Path | None = None) -> Coordinator:
         if pki is None and not insecure_loopback_only:
             raise ValueError("the coordinator needs --pki DIR (mutual TLS) or --insecure-loopback-only")
         if heartbeat_interval <= 0 or miss_limit < 1:
@@ -239,7 +252,17 @@ class Coordinator:
         bind = bind_address(listen, loopback_only=pki is None, wildcard_hint="bind the interface the nodes reach")
         self = cls()
         self.host = split_bind(bind)[0]
-        self.membership = Membership(heartbeat_interval, miss_limit)
+        journal = None
+        if state_dir is not None:
+            from scheduler.journal import Journal
+            journal = Journal(state_dir)
+        self.membership = Membership(heartbeat_interval, miss_limit, journal=journal)
+        try:
+            self.recovered = self.membership.recover()
+        except BaseException:
+            if journal is not None:
+                journal.close()
+            raise
         self._collector = MembershipCollector(self.membership)
         metrics.REGISTRY.register(self._collector)
         trust_domain = None
@@ -287,18 +310,26 @@ class Coordinator:
                 await self._sweeper
         if self.server is not None:
             await self.server.stop(grace)
+        if self.membership is not None and self.membership.journal is not None:
+            self.membership.journal.close()
 
 
 async def serve(listen: str, pki: Path | None, insecure_loopback_only: bool, heartbeat_interval: float, miss_limit: int,
-                port_file: Path | None = None) -> None:
+                port_file: Path | None = None, state_dir: Path | None = None) -> None:
     """`tinydist scheduler serve`: run until SIGINT/SIGTERM."""
     import signal
     metrics.set_component("scheduler")
     coordinator = await Coordinator.start(listen, pki=pki, insecure_loopback_only=insecure_loopback_only,
-                                          heartbeat_interval=heartbeat_interval, miss_limit=miss_limit)
+                                          heartbeat_interval=heartbeat_interval, miss_limit=miss_limit,
+                                          state_dir=state_dir)
     mode = "mTLS" if pki is not None else "INSECURE loopback-only"
+    m = coordinator.membership
+    assert m is not None
+    state = (f"state in {state_dir}: recovered epoch {m.epoch}, {len(m.members)} members, "
+             f"{coordinator.recovered} journal records replayed" if state_dir is not None
+             else "state in memory only (no --state-dir)")
     print(f"tinydist scheduler serving {coordinator.address} ({mode}, heartbeat {heartbeat_interval:g} s, "
-          f"dead after {miss_limit} misses)", flush=True)
+          f"dead after {miss_limit} misses; {state})", flush=True)
     if port_file is not None:
         port_file.write_text(coordinator.address)
     stop = asyncio.Event()

@@ -17,7 +17,11 @@ class MembershipError(ClusterError):
 
 
 class CoordinatorLost(ClusterError):
-    """The coordinator did not answer for `miss_limit` heartbeats in a row."""
+    """The coordinator stayed unreachable past TINYDIST_SCHEDULER_LOST_AFTER seconds (the node retried with backoff)."""
+
+
+class JournalError(ClusterError):
+    """The coordinator's state directory cannot be used: corrupt journal or snapshot, locked, unwritable."""
 
 
 class PlanError(ClusterError):

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from scheduler.errors import ClusterError, NodeFailed
+from scheduler.errors import ClusterError, CoordinatorLost, NodeFailed
 from scheduler.node import Credentials, NodeAgent
 from scheduler.plan import Plan, plan_allreduce
 from scheduler.topology import LinkModel, Topology
@@ -112,6 +112,15 @@ class ClusterJob:
             raise NodeFailed(failure.node_id, failure.rank, str(failure)) from exc
         if failure is not None:
             raise failure from exc
+        watch = self.agent.watch
+        if isinstance(exc, RankFailed) and watch is not None and watch.outage and (
+                "declared failed" in str(exc) or watch.near_bound()):
+            # a rank declared failed while no coordinator can have declared a death (only node agents
+            # declare, and none reaches it), or any loss once this node is itself one backoff step from
+            # giving up: the peer gave up on the same coordinator first, and the job fails for that
+            raise CoordinatorLost(f"node {self.agent.node_id}: coordinator {self.agent.coordinator} unreachable for "
+                                  f"{watch.away():.1f} s, and rank {exc.rank}'s node gave up on it first "
+                                  f"(TINYDIST_SCHEDULER_LOST_AFTER={watch.lost_after:g} s passed there): {exc}") from exc
         if isinstance(exc, RankFailed):
             node = self.agent.node_of_rank(exc.rank)
             raise NodeFailed(node, exc.rank, f"node {node!r} (rank {exc.rank}) failed: {exc}") from exc

@@ -9,6 +9,15 @@ simulated cluster (scheduler.sim) drives the same class with a virtual clock, 1,
 - `heartbeat` records liveness and measured links and returns the dead members.
 - `sweep` declares dead every member not heard from for `miss_limit` heartbeat intervals.
 - `leave` marks a member as left (a clean exit; not a failure).
+- `join(..., incarnation=N)` re-registers a node that lost its coordinator: it keeps the rank and
+  incarnation it had, without an epoch bump when the coordinator still knows it (recovered from its
+  journal), or enters the membership under them when it does not (a coordinator without state).
+
+With a `journal` (scheduler.journal), every change is appended (membership changes fsynced) before
+the method returns, and `recover()` rebuilds members, ranks, incarnations, epoch, world size and
+links from the snapshot and the records after it. Recovered live members count as seen at recovery
+plus one extra `dead_after`: they get twice the usual window to re-register, since their nodes are
+backing off while the coordinator was away (scheduler.node).
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.errors import MembershipError
+from scheduler.journal import Journal
 from scheduler.topology import LinkModel, NodeSpec, Topology
 
 
@@ -55,6 +65,7 @@ class Membership:
     links: dict[tuple[str, str], LinkRecord] = field(default_factory=dict)
     epoch: int = 0
     world_size: int = 0
+    journal: Journal | None = None
     _by_rank: dict[int, str] = field(default_factory=dict)
 
     @property
@@ -64,7 +75,8 @@ class Membership:
     # ---- node calls ------------------------------------------------------------------------
 
     def join(self, node_id: str, host_key: str, devices: list[str], transports: tuple[str, ...] = ("mem", "shm", "tcp"),
-             rank: int = -1, world_size: int = 0, info: dict[str, Any] | None = None) -> MemberRecord:
+             rank: int = -1, world_size: int = 0, info: dict[str, Any] | None = None,
+             incarnation: int = 0) -> MemberRecord:
         if not node_id:
             raise MembershipError("a node must have a non-empty id")
         if world_size:
@@ -72,6 +84,8 @@ class Membership:
                 raise MembershipError(f"node {node_id} expects world size {world_size}, the cluster has {self.world_size}")
             self.world_size = world_size
         old = self.members.get(node_id)
+        if incarnation and old is not None:
+            return self._resume(old, rank, incarnation, info)
         if rank < 0:
             rank = old.rank if old is not None else self._free_rank()
         if self.world_size and not 0 <= rank < self.world_size:
@@ -82,14 +96,32 @@ class Membership:
             if current.state == "alive":
                 raise MembershipError(f"node {node_id} asks for rank {rank}, held by live node {holder}")
             del self.members[holder]          # a replacement takes a dead or departed node's rank
+            removed = [holder]
+        else:
+            removed = []
         if old is not None and old.rank != rank:
             self._by_rank.pop(old.rank, None)
-        self.epoch += 1
+        # a re-registering node unknown here keeps its incarnation; later ones must stay above it
+        self.epoch = max(self.epoch, incarnation) + 1
         record = MemberRecord(node_id, rank, host_key, list(devices), tuple(transports), dict(info or {}),
-                              incarnation=self.epoch, last_seen=self.clock())
+                              incarnation=incarnation or self.epoch, last_seen=self.clock())
         self.members[node_id] = record
         self._by_rank[rank] = node_id
+        self._persist(members=[record], removed=removed)
         return record
+
+    def _resume(self, old: MemberRecord, rank: int, incarnation: int, info: dict[str, Any] | None) -> MemberRecord:
+        """A known node re-registering after an outage: the same incarnation, rank and state, or refused."""
+        if old.incarnation != incarnation:
+            raise MembershipError(f"node {old.node_id} incarnation {incarnation} was superseded by {old.incarnation}")
+        if old.state != "alive":
+            raise MembershipError(f"node {old.node_id} was declared {old.state}: {old.reason}")
+        if rank >= 0 and rank != old.rank:
+            raise MembershipError(f"node {old.node_id} re-registers as rank {rank}, but holds rank {old.rank}")
+        old.last_seen = self.clock()
+        if info:
+            old.info.update(info)
+        return old
 
     def heartbeat(self, node_id: str, incarnation: int, links: list[LinkRecord] = ()) -> list[MemberRecord]:  # type: ignore[assignment]
         record = self.members.get(node_id)
@@ -102,6 +134,8 @@ class Membership:
         record.last_seen = self.clock()
         for link in links:
             self.links[(link.src, link.dst)] = link
+        if links:
+            self._persist(links=list(links), sync=False)    # a measurement the next report repeats
         return self.dead()
 
     def leave(self, node_id: str) -> None:
@@ -109,6 +143,7 @@ class Membership:
         if record is not None and record.state == "alive":
             record.state, record.reason = "left", "left cleanly"
             self.epoch += 1
+            self._persist(members=[record])
 
     # ---- coordinator calls -------------------------------------------------------------------
 
@@ -125,7 +160,51 @@ class Membership:
                 newly.append(record)
         if newly:
             self.epoch += 1
+            self._persist(members=newly)
         return newly
+
+    # ---- persistence ---------------------------------------------------------------------------
+
+    def _persist(self, *, members: list[MemberRecord] = (), removed: list[str] = (),  # type: ignore[assignment]
+                 links: list[LinkRecord] = (), sync: bool = True) -> None:  # type: ignore[assignment]
+        if self.journal is None:
+            return
+        self.journal.append({"epoch": self.epoch, "world_size": self.world_size,
+                             "members": [_member_state(r) for r in members], "removed": list(removed),
+                             "links": [vars(x) for x in links]}, sync=sync)
+        if self.journal.due():
+            self.journal.compact(self.state())
+
+    def state(self) -> dict[str, Any]:
+        """Everything recovery needs, as JSON-ready data (the journal's snapshot)."""
+        return {"epoch": self.epoch, "world_size": self.world_size,
+                "members": [_member_state(r) for r in self.ordered()], "links": [vars(x) for x in self.links.values()]}
+
+    def recover(self) -> int:
+        """Load the journal (snapshot + records) into this empty membership, then compact it.
+        Returns how many records were replayed after the snapshot."""
+        if self.journal is None:
+            return 0
+        snapshot, records = self.journal.load()
+        seen = self.clock() + self.dead_after              # twice the window to re-register (module docstring)
+        for change in ([snapshot] if snapshot else []) + records:
+            self.epoch, self.world_size = int(change["epoch"]), int(change["world_size"])
+            for node_id in change.get("removed", []):
+                gone = self.members.pop(node_id, None)
+                if gone is not None and self._by_rank.get(gone.rank) == node_id:
+                    del self._by_rank[gone.rank]
+            for m in change.get("members", []):
+                old = self.members.get(m["node_id"])
+                if old is not None and old.rank != m["rank"] and self._by_rank.get(old.rank) == old.node_id:
+                    del self._by_rank[old.rank]
+                self.members[m["node_id"]] = MemberRecord(
+                    m["node_id"], int(m["rank"]), m["host_key"], list(m["devices"]), tuple(m["transports"]),
+                    dict(m["info"]), int(m["incarnation"]), last_seen=seen, state=m["state"], reason=m["reason"])
+                self._by_rank[int(m["rank"])] = m["node_id"]
+            for x in change.get("links", []):
+                self.links[(x["src"], x["dst"])] = LinkRecord(**x)
+        self.journal.compact(self.state())
+        return len(records)
 
     def dead(self) -> list[MemberRecord]:
         return [r for r in self.members.values() if r.state == "dead"]
@@ -154,3 +233,10 @@ class Membership:
             if link.bandwidth_bps > 0 and link.src in self.members and link.dst in self.members:
                 topo.set_measured(link.src, link.dst, LinkModel(link.kind, link.latency_s, 1.0 / link.bandwidth_bps))
         return topo
+
+
+def _member_state(r: MemberRecord) -> dict[str, Any]:
+    # last_seen / died_at are this process's monotonic clock: meaningless after a restart
+    return {"node_id": r.node_id, "rank": r.rank, "host_key": r.host_key, "devices": list(r.devices),
+            "transports": list(r.transports), "info": dict(r.info), "incarnation": r.incarnation,
+            "state": r.state, "reason": r.reason}

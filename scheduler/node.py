@@ -5,10 +5,18 @@
     agent.join(); agent.wait(); agent.init_dist()           # rank and world from the membership table
 
 A heartbeat thread calls Heartbeat every interval (each call bounded). When the reply names a dead
-member of this job, or the coordinator says this node itself was declared dead, or the coordinator
-is unreachable for `miss_limit` intervals, the agent records the failure and calls every callback
-(scheduler.execute uses one to fail the tinydist.dist group, so a collective in flight raises at
-once on this rank instead of waiting for its timeout).
+member of this job, or the coordinator says this node itself was declared dead or superseded, the
+agent records the failure and calls every callback (scheduler.execute uses one to fail the
+tinydist.dist group, so a collective in flight raises at once on this rank instead of waiting for
+its timeout).
+
+Losing the coordinator is not fatal: the data plane (tinydist.dist) never talks to it, so the job's
+collectives go on. The agent logs `node.coordinator_unreachable`, retries on a fresh channel with
+exponential backoff (one interval, doubling, capped at half the dead-after window so a recovered
+coordinator hears from it before it would declare it dead; `CoordinatorWatch`), and once the
+coordinator answers again re-registers (`Join` with the rank and incarnation it holds; logged as
+`node.coordinator_back`). Only a coordinator away longer than TINYDIST_SCHEDULER_LOST_AFTER seconds
+(default 60) fails the job, with `CoordinatorLost` naming the coordinator and how long it was gone.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from scheduler._generated import cluster_pb2_grpc as pb_grpc
 from scheduler.errors import ClusterError, CoordinatorLost, MembershipError, NodeFailed
 from scheduler.membership import LinkRecord
 from scheduler.topology import LinkModel, NodeSpec, Topology
+from tinydist.base.config import settings
 from tinydist.base.logs import get_logger
 from tinydist.security.bind import format_address, is_loopback, parse_host_port
 from tinydist.security.pki import ClientCredentials as Credentials
@@ -55,6 +64,54 @@ def topology_from_status(st: pb.ClusterStatus) -> Topology:
     return topo
 
 
+# what a coordinator that is down, restarting or partitioned away looks like; anything else is an answer
+_UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                          grpc.StatusCode.UNKNOWN})
+
+
+class CoordinatorWatch:
+    """When to retry an unreachable coordinator, and when to give up on it. Pure logic, clock injected.
+
+    `failed()` after each failed call returns the seconds to wait before the next try, `interval`
+    doubling up to `cap`; past `lost_after` seconds since the last answer it raises CoordinatorLost.
+    `answered()` resets it and says whether an outage just ended (the agent then re-registers)."""
+
+    def __init__(self, coordinator: str, interval: float, cap: float, lost_after: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.coordinator, self.interval, self.cap, self.lost_after = coordinator, interval, max(cap, interval), lost_after
+        self.clock = clock
+        self.last_ok = clock()
+        self.failures = 0
+
+    @property
+    def outage(self) -> bool:
+        return self.failures > 0
+
+    def answered(self) -> bool:
+        ended = self.outage
+        self.last_ok, self.failures = self.clock(), 0
+        return ended
+
+    def away(self) -> float:
+        """Seconds since the coordinator last answered."""
+        return self.clock() - self.last_ok
+
+    def near_bound(self) -> bool:
+        """In an outage and within one backoff step (plus one heartbeat phase) of the bound: a peer
+        that lost the same coordinator may have reached it first."""
+        return self.outage and self.away() >= self.lost_after - self.cap - self.interval
+
+    def failed(self, why: str) -> float:
+        away = self.clock() - self.last_ok
+        if away > self.lost_after:
+            raise CoordinatorLost(f"coordinator {self.coordinator} unreachable for {away:.1f} s ({why}), past "
+                                  f"TINYDIST_SCHEDULER_LOST_AFTER={self.lost_after:g} s; restart it (with its "
+                                  f"--state-dir, the nodes re-register) or raise the bound")
+        delay = min(self.cap, self.interval * 2.0 ** self.failures)
+        self.failures += 1
+        return min(delay, max(self.lost_after - away, 0.0) + self.interval)
+
+
 class NodeAgent:
     def __init__(self, coordinator: str, node_id: str, devices: Sequence[str], *, rank: int = -1, world_size: int = 0,
                  host_key: str | None = None, credentials: Credentials | None = None, address: str = "127.0.0.1",
@@ -68,8 +125,13 @@ class NodeAgent:
         self.host_key = host_key or default_host_key()
         self.address = address
         self.transports = tuple(transports)
+        self.credentials = credentials
         self.channel = open_channel(coordinator, credentials)
         self.stub = pb_grpc.ClusterStub(self.channel)
+        self.rejoins = 0                                # re-registrations after losing the coordinator
+        self.rejoined = threading.Event()               # set at each one
+        self.watch: CoordinatorWatch | None = None      # the heartbeat thread's, once joined
+        self._info: pb.NodeInfo | None = None
         self.log = get_logger(component="node-agent", node=node_id)
         self.rank = -1
         self.incarnation = 0
@@ -95,6 +157,7 @@ class NodeAgent:
                            devices=[pb.NodeDevice(name=d, kind=d.split(":")[0].lower()) for d in self.devices],
                            transports=list(self.transports), rank=self.requested_rank,
                            rendezvous=format_address(host, port), pid=os.getpid())
+        self._info = info
         deadline = time.monotonic() + timeout
         delay = 0.05
         while True:                                        # the coordinator may still be starting
@@ -167,15 +230,26 @@ class NodeAgent:
                 self.log.warning("node.failure_callback", error=repr(exc))
 
     def _heartbeats(self) -> None:
-        last_ok = time.monotonic()
-        while not self._stop.wait(self.interval):
+        dead_after = self.interval * self.miss_limit
+        watch = self.watch = CoordinatorWatch(self.coordinator, self.interval, dead_after / 2,
+                                              settings.SCHEDULER_LOST_AFTER)
+        delay = self.interval
+        while not self._stop.wait(delay):
             with self._lock:
                 links, self._pending_links = self._pending_links, []
             request = pb.HeartbeatRequest(node_id=self.node_id, epoch=self.incarnation, links=[
                 pb.LinkReport(src=x.src, dst=x.dst, kind=x.kind, latency_s=x.latency_s, bandwidth_bps=x.bandwidth_bps)
                 for x in links])
             try:
-                reply = self.stub.Heartbeat(request, timeout=max(0.2, self.interval * self.miss_limit))
+                if watch.outage:
+                    self._rejoin()                 # re-register before anything else once it answers
+                try:
+                    reply = self.stub.Heartbeat(request, timeout=max(0.2, dead_after))
+                except grpc.RpcError as exc:
+                    if exc.code() != grpc.StatusCode.NOT_FOUND:
+                        raise
+                    self._rejoin()                 # it came back without our record faster than we noticed
+                    reply = self.stub.Heartbeat(request, timeout=max(0.2, dead_after))
             except grpc.RpcError as exc:
                 if self._stop.is_set():
                     return
@@ -183,14 +257,28 @@ class NodeAgent:
                     self._fail(NodeFailed(self.node_id, self.rank, f"node {self.node_id!r} (rank {self.rank}) was "
                                                                    f"removed by the coordinator: {exc.details()}"))
                     return
+                if exc.code() not in _UNREACHABLE:     # it answered, and refused: waiting will not change that
+                    self._fail(MembershipError(f"node {self.node_id}: coordinator {self.coordinator} refused its "
+                                               f"heartbeat: {exc.code().name}: {exc.details()}"))
+                    return
                 with self._lock:
                     self._pending_links = links + self._pending_links
-                if time.monotonic() - last_ok > self.interval * self.miss_limit:
-                    self._fail(CoordinatorLost(f"node {self.node_id}: coordinator {self.coordinator} unreachable for "
-                                               f"{time.monotonic() - last_ok:.1f} s ({exc.code().name})"))
+                if not watch.outage:
+                    self.log.warning("node.coordinator_unreachable", coordinator=self.coordinator, code=exc.code().name,
+                                     lost_after_s=watch.lost_after)
+                try:
+                    delay = watch.failed(exc.code().name)
+                except CoordinatorLost as lost:
+                    self._fail(CoordinatorLost(f"node {self.node_id}: {lost}"))
                     return
+                self._reopen()                     # a fresh channel: no gRPC reconnect backoff of its own
                 continue
-            last_ok = time.monotonic()
+            except ClusterError as exc:            # re-registered under another rank or incarnation
+                self._fail(exc)
+                return
+            if watch.answered():
+                self.log.warning("node.coordinator_back", coordinator=self.coordinator, epoch=reply.epoch)
+            delay = self.interval
             for member in reply.dead:
                 known = self.table.get(member.node.node_id)
                 if known is not None and known.node.pid == member.node.pid and member.node.node_id != self.node_id:
@@ -198,6 +286,27 @@ class NodeAgent:
                                           f"node {member.node.node_id!r} (rank {known.node.rank}) declared dead by the "
                                           f"coordinator: {member.reason}"))
                     return
+
+    def _rejoin(self) -> None:
+        """Join again under this node's rank and incarnation (raises grpc.RpcError when refused or unreachable)."""
+        assert self._info is not None
+        info = pb.NodeInfo()
+        info.CopyFrom(self._info)
+        info.rank = self.rank
+        reply = self.stub.Join(pb.JoinRequest(node=info, world_size=self.world_size, incarnation=self.incarnation),
+                               timeout=max(0.2, self.interval * self.miss_limit))
+        if reply.rank != self.rank or reply.epoch != self.incarnation:
+            raise ClusterError(f"node {self.node_id}: re-registered as rank {reply.rank} incarnation {reply.epoch}, "
+                               f"expected rank {self.rank} incarnation {self.incarnation}")
+        self.rejoins += 1
+        self.rejoined.set()
+        self.log.info("node.rejoined", rank=self.rank, incarnation=self.incarnation, coordinator=self.coordinator)
+
+    def _reopen(self) -> None:
+        old = self.channel
+        self.channel = open_channel(self.coordinator, self.credentials)
+        self.stub = pb_grpc.ClusterStub(self.channel)
+        old.close()
 
     # ---- tinydist.dist ------------------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tinydist/v1/cluster.proto\x12\x0btinydist.v1\">\n\nNodeDevice\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x04\"\xab\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08host_key\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12(\n\x07\x64\x65vices\x18\x04 \x03(\x0b\x32\x17.tinydist.v1.NodeDevice\x12\x12\n\ntransports\x18\x05 \x03(\t\x12\x0c\n\x04rank\x18\x06 \x01(\x05\x12\x12\n\nrendezvous\x18\x07 \x01(\t\x12\x0b\n\x03pid\x18\x08 \x01(\r\"F\n\x0bJoinRequest\x12#\n\x04node\x18\x01 \x01(\x0b\x32\x15.tinydist.v1.NodeInfo\x12\x12\n\nworld_size\x18\x02 \x01(\r\"Z\n\tJoinReply\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\x12\x12\n\nmiss_limit\x18\x04 \x01(\r\"^\n\nLinkReport\x12\x0b\n\x03src\x18\x01 \x01(\t\x12\x0b\n\x03\x64st\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x11\n\tlatency_s\x18\x04 \x01(\x01\x12\x15\n\rbandwidth_bps\x18\x05 \x01(\x01\"Z\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12&\n\x05links\x18\x03 \x03(\x0b\x32\x17.tinydist.v1.LinkReport\"e\n\x06Member\x12#\n\x04node\x18\x01 \x01(\x0b\x32\x15.tinydist.v1.NodeInfo\x12\r\n\x05state\x18\x02 \x01(\t\x12\x17\n\x0flast_seen_age_s\x18\x03 \x01(\x01\x12\x0e\n\x06reason\x18\x04 \x01(\t\"B\n\x0eHeartbeatReply\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12!\n\x04\x64\x65\x61\x64\x18\x02 \x03(\x0b\x32\x13.tinydist.v1.Member\"E\n\x0bWaitRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"K\n\tPeerGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\r\n\x05nodes\x18\x03 \x03(\t\x12\x0f\n\x07\x64\x65vices\x18\x04 \x03(\t\"\xc6\x01\n\rClusterStatus\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12$\n\x07members\x18\x02 \x03(\x0b\x32\x13.tinydist.v1.Member\x12&\n\x06groups\x18\x03 \x03(\x0b\x32\x16.tinydist.v1.PeerGroup\x12&\n\x05links\x18\x04 \x03(\x0b\x32\x17.tinydist.v1.LinkReport\x12\x1c\n\x14heartbeat_interval_s\x18\x05 \x01(\x01\x12\x12\n\nmiss_limit\x18\x06 \x01(\r\"\x0f\n\rStatusRequest\"\x1f\n\x0cLeaveRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\x1b\n\nLeaveReply\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x32\xd3\x02\n\x07\x43luster\x12\x38\n\x04Join\x12\x18.tinydist.v1.JoinRequest\x1a\x16.tinydist.v1.JoinReply\x12G\n\tHeartbeat\x12\x1d.tinydist.v1.HeartbeatRequest\x1a\x1b.tinydist.v1.HeartbeatReply\x12\x46\n\x0eWaitForMembers\x12\x18.tinydist.v1.WaitRequest\x1a\x1a.tinydist.v1.ClusterStatus\x12@\n\x06Status\x12\x1a.tinydist.v1.StatusRequest\x1a\x1a.tinydist.v1.ClusterStatus\x12;\n\x05Leave\x12\x19.tinydist.v1.LeaveRequest\x1a\x17.tinydist.v1.LeaveReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tinydist/v1/cluster.proto\x12\x0btinydist.v1\">\n\nNodeDevice\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x04\"\xab\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08host_key\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12(\n\x07\x64\x65vices\x18\x04 \x03(\x0b\x32\x17.tinydist.v1.NodeDevice\x12\x12\n\ntransports\x18\x05 \x03(\t\x12\x0c\n\x04rank\x18\x06 \x01(\x05\x12\x12\n\nrendezvous\x18\x07 \x01(\t\x12\x0b\n\x03pid\x18\x08 \x01(\r\"[\n\x0bJoinRequest\x12#\n\x04node\x18\x01 \x01(\x0b\x32\x15.tinydist.v1.NodeInfo\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\"Z\n\tJoinReply\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x1c\n\x14heartbeat_interval_s\x18\x03 \x01(\x01\x12\x12\n\nmiss_limit\x18\x04 \x01(\r\"^\n\nLinkReport\x12\x0b\n\x03src\x18\x01 \x01(\t\x12\x0b\n\x03\x64st\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x11\n\tlatency_s\x18\x04 \x01(\x01\x12\x15\n\rbandwidth_bps\x18\x05 \x01(\x01\"Z\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12&\n\x05links\x18\x03 \x03(\x0b\x32\x17.tinydist.v1.LinkReport\"e\n\x06Member\x12#\n\x04node\x18\x01 \x01(\x0b\x32\x15.tinydist.v1.NodeInfo\x12\r\n\x05state\x18\x02 \x01(\t\x12\x17\n\x0flast_seen_age_s\x18\x03 \x01(\x01\x12\x0e\n\x06reason\x18\x04 \x01(\t\"B\n\x0eHeartbeatReply\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12!\n\x04\x64\x65\x61\x64\x18\x02 \x03(\x0b\x32\x13.tinydist.v1.Member\"E\n\x0bWaitRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"K\n\tPeerGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\r\n\x05nodes\x18\x03 \x03(\t\x12\x0f\n\x07\x64\x65vices\x18\x04 \x03(\t\"\xc6\x01\n\rClusterStatus\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12$\n\x07members\x18\x02 \x03(\x0b\x32\x13.tinydist.v1.Member\x12&\n\x06groups\x18\x03 \x03(\x0b\x32\x16.tinydist.v1.PeerGroup\x12&\n\x05links\x18\x04 \x03(\x0b\x32\x17.tinydist.v1.LinkReport\x12\x1c\n\x14heartbeat_interval_s\x18\x05 \x01(\x01\x12\x12\n\nmiss_limit\x18\x06 \x01(\r\"\x0f\n\rStatusRequest\"\x1f\n\x0cLeaveRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\x1b\n\nLeaveReply\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x32\xd3\x02\n\x07\x43luster\x12\x38\n\x04Join\x12\x18.tinydist.v1.JoinRequest\x1a\x16.tinydist.v1.JoinReply\x12G\n\tHeartbeat\x12\x1d.tinydist.v1.HeartbeatRequest\x1a\x1b.tinydist.v1.HeartbeatReply\x12\x46\n\x0eWaitForMembers\x12\x18.tinydist.v1.WaitRequest\x1a\x1a.tinydist.v1.ClusterStatus\x12@\n\x06Status\x12\x1a.tinydist.v1.StatusRequest\x1a\x1a.tinydist.v1.ClusterStatus\x12;\n\x05Leave\x12\x19.tinydist.v1.LeaveRequest\x1a\x17.tinydist.v1.LeaveReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,29 +36,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NODEINFO']._serialized_start=107
   _globals['_NODEINFO']._serialized_end=278
   _globals['_JOINREQUEST']._serialized_start=280
-  _globals['_JOINREQUEST']._serialized_end=350
-  _globals['_JOINREPLY']._serialized_start=352
-  _globals['_JOINREPLY']._serialized_end=442
-  _globals['_LINKREPORT']._serialized_start=444
-  _globals['_LINKREPORT']._serialized_end=538
-  _globals['_HEARTBEATREQUEST']._serialized_start=540
-  _globals['_HEARTBEATREQUEST']._serialized_end=630
-  _globals['_MEMBER']._serialized_start=632
-  _globals['_MEMBER']._serialized_end=733
-  _globals['_HEARTBEATREPLY']._serialized_start=735
-  _globals['_HEARTBEATREPLY']._serialized_end=801
-  _globals['_WAITREQUEST']._serialized_start=803
-  _globals['_WAITREQUEST']._serialized_end=872
-  _globals['_PEERGROUP']._serialized_start=874
-  _globals['_PEERGROUP']._serialized_end=949
-  _globals['_CLUSTERSTATUS']._serialized_start=952
-  _globals['_CLUSTERSTATUS']._serialized_end=1150
-  _globals['_STATUSREQUEST']._serialized_start=1152
-  _globals['_STATUSREQUEST']._serialized_end=1167
-  _globals['_LEAVEREQUEST']._serialized_start=1169
-  _globals['_LEAVEREQUEST']._serialized_end=1200
-  _globals['_LEAVEREPLY']._serialized_start=1202
-  _globals['_LEAVEREPLY']._serialized_end=1229
-  _globals['_CLUSTER']._serialized_start=1232
-  _globals['_CLUSTER']._serialized_end=1571
+  _globals['_JOINREQUEST']._serialized_end=371
+  _globals['_JOINREPLY']._serialized_start=373
+  _globals['_JOINREPLY']._serialized_end=463
+  _globals['_LINKREPORT']._serialized_start=465
+  _globals['_LINKREPORT']._serialized_end=559
+  _globals['_HEARTBEATREQUEST']._serialized_start=561
+  _globals['_HEARTBEATREQUEST']._serialized_end=651
+  _globals['_MEMBER']._serialized_start=653
+  _globals['_MEMBER']._serialized_end=754
+  _globals['_HEARTBEATREPLY']._serialized_start=756
+  _globals['_HEARTBEATREPLY']._serialized_end=822
+  _globals['_WAITREQUEST']._serialized_start=824
+  _globals['_WAITREQUEST']._serialized_end=893
+  _globals['_PEERGROUP']._serialized_start=895
+  _globals['_PEERGROUP']._serialized_end=970
+  _globals['_CLUSTERSTATUS']._serialized_start=973
+  _globals['_CLUSTERSTATUS']._serialized_end=1171
+  _globals['_STATUSREQUEST']._serialized_start=1173
+  _globals['_STATUSREQUEST']._serialized_end=1188
+  _globals['_LEAVEREQUEST']._serialized_start=1190
+  _globals['_LEAVEREQUEST']._serialized_end=1221
+  _globals['_LEAVEREPLY']._serialized_start=1223
+  _globals['_LEAVEREPLY']._serialized_end=1250
+  _globals['_CLUSTER']._serialized_start=1253
+  _globals['_CLUSTER']._serialized_end=1592
 # @@protoc_insertion_point(module_scope)

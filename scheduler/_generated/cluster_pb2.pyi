@@ -37,12 +37,14 @@ class NodeInfo(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., host_key: _Optional[str] = ..., address: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[NodeDevice, _Mapping]]] = ..., transports: _Optional[_Iterable[str]] = ..., rank: _Optional[int] = ..., rendezvous: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("node", "world_size")
+    __slots__ = ("node", "world_size", "incarnation")
     NODE_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     node: NodeInfo
     world_size: int
-    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., world_size: _Optional[int] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., world_size: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("rank", "epoch", "heartbeat_interval_s", "miss_limit")

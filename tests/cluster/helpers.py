@@ -25,12 +25,13 @@ def env(**extra: str) -> dict[str, str]:
 class Coordinator:
     # 10 misses of 0.1 s: short enough for fast failure tests, long enough that a node process
     # starved of CPU on a loaded 2-core CI runner is not declared dead while it is alive
-    def __init__(self, tmp: Path, *args: str, interval: float = 0.1, misses: int = 10) -> None:
+    def __init__(self, tmp: Path, *args: str, interval: float = 0.1, misses: int = 10,
+                 listen: str = "127.0.0.1:0") -> None:
         self.interval, self.misses = interval, misses
         port_file = tmp / f"coordinator-{time.monotonic_ns()}.addr"
-        self.log = tmp / "coordinator.log"
+        self.log = tmp / f"coordinator-{time.monotonic_ns()}.log"
         self._log_file = self.log.open("w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "tinydist.cli", "scheduler", "serve", "--listen", "127.0.0.1:0",
+        self.proc = subprocess.Popen([sys.executable, "-m", "tinydist.cli", "scheduler", "serve", "--listen", listen,
                                       "--heartbeat-interval", str(interval), "--miss-limit", str(misses),
                                       "--port-file", str(port_file), *args],
                                      stdout=self._log_file, stderr=subprocess.STDOUT, env=env(), cwd=ROOT)
@@ -54,6 +55,12 @@ class Coordinator:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"coordinator still counts {sorted(alive & set(node_ids))} alive after {timeout} s")
             time.sleep(self.interval)
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown path runs (what the journal must survive)."""
+        self.proc.kill()
+        self.proc.wait()
+        self._log_file.close()
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -168,6 +168,11 @@ for _setting in (
             "Set to 1 to let rank 0's rendezvous (TINYDIST_COORDINATOR) and the ranks' mesh listeners bind a "
             "non-loopback address. They have no authentication, so by default they bind loopback only; allow more "
             "only where the network between the ranks is trusted (the Slurm and Kubernetes recipes in deploy/ do)."),
+    Setting("SCHEDULER_LOST_AFTER", _positive_float, lambda: 60.0,
+            "Seconds a node of a cluster job keeps running without reaching its scheduler (`tinydist scheduler serve`) "
+            "before its job fails with CoordinatorLost. Meanwhile collectives go on (the data plane does not use the "
+            "scheduler) and the node retries with exponential backoff, capped at half the dead-after window, then "
+            "re-registers under the rank and incarnation it holds once the scheduler is back."),
     Setting("SHM_SLOT_BYTES", _positive_int, lambda: 4 << 20,
             "Bytes each rank moves per round through the group's shared-memory segment (tinydist.dist on one host); "
             "larger messages take several rounds. Every rank of a job must use the same value."),

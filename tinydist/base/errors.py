@@ -42,7 +42,8 @@ underscore, never seen outside their module) are not drawn, but are TinydistErro
     │   └── NodeFailed [scheduler.errors]           a node of the job died; .node_id, .rank
     ├── ClusterError [scheduler.errors]             the cluster scheduler refused or could not do something
     │   ├── MembershipError                         a join, heartbeat or wait the coordinator refused
-    │   ├── CoordinatorLost                         no answer for miss_limit heartbeats in a row
+    │   ├── CoordinatorLost                         unreachable past TINYDIST_SCHEDULER_LOST_AFTER (retried with backoff)
+    │   ├── JournalError                            the coordinator's --state-dir is corrupt, locked or unwritable
     │   └── PlanError                               no collective plan on this topology
     ├── PKIError [tinydist.security.pki]                     a certificate directory misses or holds something invalid
     ├── IdentityError [tinydist.security.identity]    the peer certificate names no one acceptable identity

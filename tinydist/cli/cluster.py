@@ -26,9 +26,14 @@ def _serve(args: argparse.Namespace) -> int:
             ServerCredentials.load(args.pki)
     except (OSError, ValueError) as exc:
         args.parser.error(str(exc))
-    with metrics.serving_from_args(args):  # --metrics: Prometheus text on loopback
-        asyncio.run(serve(args.listen, args.pki, args.insecure_loopback_only, args.heartbeat_interval,
-                          args.miss_limit, args.port_file))
+    from scheduler.errors import JournalError
+    try:
+        with metrics.serving_from_args(args):  # --metrics: Prometheus text on loopback
+            asyncio.run(serve(args.listen, args.pki, args.insecure_loopback_only, args.heartbeat_interval,
+                              args.miss_limit, args.port_file, args.state_dir))
+    except JournalError as exc:             # a corrupt or locked --state-dir: refused, never served
+        print(f"{args.parser.prog}: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -101,6 +106,9 @@ def add_commands(subparsers: Any) -> None:
     serve.add_argument("--heartbeat-interval", type=seconds, default=1.0, help="seconds between node heartbeats")
     serve.add_argument("--miss-limit", type=integer(1), default=5, help="missed heartbeats before a node is declared dead")
     serve.add_argument("--port-file", type=Path, help="write the bound host:port here once serving")
+    serve.add_argument("--state-dir", type=Path,
+                       help="journal membership and epochs here (write-ahead, fsynced) and recover them at start, so "
+                            "a restarted scheduler keeps its members; default: in memory only")
     serve.set_defaults(run=_serve)
 
     cluster = subparsers.add_parser("cluster", help="inspect a running cluster")

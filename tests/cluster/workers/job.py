@@ -39,9 +39,12 @@ def main() -> int:
     p.add_argument("--pki", help="certificate dir: use DIR/clients/<node-id>.pem (mTLS)")
     p.add_argument("--status", action="store_true", help="rank 0 prints the plan")
     p.add_argument("--hold", type=float, default=0.0, help="stay joined this long after the last step")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="sleep this long after each step (a slow job)")
+    p.add_argument("--wait-rejoin", type=float, default=0.0,
+                   help="after the last step, wait this long for a re-registration with the coordinator")
     args = p.parse_args()
 
-    from scheduler.errors import NodeFailed
+    from scheduler.errors import ClusterError, NodeFailed
     from scheduler.execute import ClusterJob
     from scheduler.node import Credentials
     from scheduler import checkpoint as ck
@@ -88,11 +91,18 @@ def main() -> int:
                 if rank == 0:
                     ck.commit(args.ckpt, step, world)
             print(f"STEP {step} done", flush=True)
+            time.sleep(args.step_sleep)
     except NodeFailed as exc:
         print(f"NODEFAILED node={exc.node_id} after {time.monotonic() - t0:.2f} s: {exc}", flush=True)
         os._exit(3)
+    except ClusterError as exc:                    # CoordinatorLost: the scheduler stayed away past the bound
+        print(f"CLUSTERERROR {type(exc).__name__} at step {step}: {exc}", flush=True)
+        os._exit(4)
     if args.out and rank == 0:
         np.save(args.out, w)
+    if args.wait_rejoin:
+        ok = job.agent.rejoined.wait(args.wait_rejoin)
+        print(f"REJOINED {job.agent.rejoins}" if ok else f"NO REJOIN within {args.wait_rejoin} s", flush=True)
     if args.hold:
         print("HOLDING", flush=True)
         time.sleep(args.hold)
