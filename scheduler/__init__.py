@@ -11,7 +11,7 @@ execute (real hierarchical allreduce), placement (cluster-wide sharding), checkp
 cluster). The Slurm / Kubernetes variables are mapped by tinydist/dist/environment.py.
 """
 
-from scheduler.errors import ClusterError, CoordinatorLost, MembershipError, NodeFailed, PlanError
+from tinydist.scheduler.errors import ClusterError, CoordinatorLost, MembershipError, NodeFailed, PlanError
 
 __all__ = ["ClusterError", "ClusterJob", "CoordinatorLost", "Credentials", "MembershipError", "NodeAgent", "NodeFailed",
            "PlanError", "Topology", "explain", "plan_allreduce"]
@@ -19,15 +19,15 @@ __all__ = ["ClusterError", "ClusterJob", "CoordinatorLost", "Credentials", "Memb
 
 def __getattr__(name: str):  # lazy: `import scheduler` stays cheap
     if name == "ClusterJob":
-        from scheduler.execute import ClusterJob
+        from tinydist.scheduler.execute import ClusterJob
         return ClusterJob
     if name in ("Credentials", "NodeAgent"):
-        from scheduler import node
+        from tinydist.scheduler import node
         return getattr(node, name)
     if name in ("explain", "plan_allreduce"):
-        from scheduler import plan
+        from tinydist.scheduler import plan
         return getattr(plan, name)
     if name == "Topology":
-        from scheduler.topology import Topology
+        from tinydist.scheduler.topology import Topology
         return Topology
     raise AttributeError(f"module 'scheduler' has no attribute {name!r}")

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import grpc
 
-from scheduler._generated import cluster_pb2 as pb
-from scheduler._generated import cluster_pb2_grpc as pb_grpc
-from scheduler.errors import MembershipError
-from scheduler.membership import LinkRecord, MemberRecord, Membership
+from tinydist.scheduler._generated import cluster_pb2 as pb
+from tinydist.scheduler._generated import cluster_pb2_grpc as pb_grpc
+from tinydist.scheduler.errors import MembershipError
+from tinydist.scheduler.membership import LinkRecord, MemberRecord, Membership
 from tinydist.base.logs import get_logger
 from tinydist.security.bind import add_port, bind_address, is_loopback, parse_host_port, split_bind
 

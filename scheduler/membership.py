@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.errors import MembershipError
-from scheduler.topology import LinkModel, NodeSpec, Topology
+from tinydist.scheduler.errors import MembershipError
+from tinydist.scheduler.topology import LinkModel, NodeSpec, Topology
 
 
 @dataclass

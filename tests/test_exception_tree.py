@@ -115,8 +115,8 @@ def test_the_check_fails_on_a_foreign_rooted_error_and_on_a_stale_drawing() -> N
 
 
 def test_closed_resources_share_one_class_and_keep_their_families() -> None:
-    from transports.base import LinkClosed, TransportError
-    from transports.tcp import TcpLink
+    from tinydist.transports.base import LinkClosed, TransportError
+    from tinydist.transports.tcp import TcpLink
 
     async def main() -> None:
         a, b = socket.socketpair()
@@ -144,7 +144,7 @@ def _closed_port() -> int:
 
 def test_no_coordinator_is_a_transport_error_caused_by_the_oserror() -> None:
     from tinydist.dist.rendezvous import register
-    from transports.base import TransportError
+    from tinydist.transports.base import TransportError
 
     port = _closed_port()
     with pytest.raises(TransportError, match=f"no coordinator at 127.0.0.1:{port}") as info:
@@ -154,7 +154,7 @@ def test_no_coordinator_is_a_transport_error_caused_by_the_oserror() -> None:
 
 def test_connecting_a_link_to_a_closed_port_is_a_transport_error_caused_by_the_oserror() -> None:
     from tinydist.dist.rendezvous import connect_mesh, host_key
-    from transports.base import TransportError
+    from tinydist.transports.base import TransportError
 
     port = _closed_port()
     listener = socket.create_server(("127.0.0.1", 0))
@@ -233,7 +233,7 @@ def test_a_coordinator_that_answers_no_json_is_a_transport_error_caused_by_the_d
     import json
 
     from tinydist.dist.rendezvous import register
-    from transports.base import TransportError
+    from tinydist.transports.base import TransportError
 
     async def main() -> None:
         async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -51,7 +51,7 @@ FailureCallback = Callable[[int, str, int], None]   # (peer, reason, blamed rank
 
 
 class Link(abc.ABC):
-    """One peer, ordered messages both ways. Subclasses: `transports.tcp.TcpLink`, `transports.shm.ShmLink`."""
+    """One peer, ordered messages both ways. Subclasses: `tinydist.transports.tcp.TcpLink`, `tinydist.transports.shm.ShmLink`."""
 
     kind: str = "?"
 

@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 import anyio
 import numpy as np
 
-from transports.base import Link
-from transports.shm import SLOT_BYTES
+from tinydist.transports.base import Link
+from tinydist.transports.shm import SLOT_BYTES
 
 CHUNK_BYTES = SLOT_BYTES
 

@@ -41,10 +41,10 @@ def main() -> int:
     p.add_argument("--hold", type=float, default=0.0, help="stay joined this long after the last step")
     args = p.parse_args()
 
-    from scheduler.errors import NodeFailed
-    from scheduler.execute import ClusterJob
-    from scheduler.node import Credentials
-    from scheduler import checkpoint as ck
+    from tinydist.scheduler.errors import NodeFailed
+    from tinydist.scheduler.execute import ClusterJob
+    from tinydist.scheduler.node import Credentials
+    from tinydist.scheduler import checkpoint as ck
 
     creds = None
     if args.pki:
