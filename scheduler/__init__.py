@@ -17,7 +17,7 @@ __all__ = ["ClusterError", "ClusterJob", "CoordinatorLost", "Credentials", "Memb
            "PlanError", "Topology", "explain", "plan_allreduce"]
 
 
-def __getattr__(name: str):  # lazy: `import scheduler` stays cheap
+def __getattr__(name: str):  # lazy: `import tinydist.scheduler` stays cheap
     if name == "ClusterJob":
         from tinydist.scheduler.execute import ClusterJob
         return ClusterJob
@@ -30,4 +30,4 @@ def __getattr__(name: str):  # lazy: `import scheduler` stays cheap
     if name == "Topology":
         from tinydist.scheduler.topology import Topology
         return Topology
-    raise AttributeError(f"module 'scheduler' has no attribute {name!r}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

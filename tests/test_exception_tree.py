@@ -18,6 +18,7 @@ from tinydist.base.errors import ClosedResourceError, DeviceClosed, DeviceError,
 
 REPO = Path(__file__).resolve().parents[1]
 ROOTS = ("tinydist", "transports", "scheduler", "nodes")
+LINKED = ("transports", "scheduler", "nodes")  # imported as tinydist.<folder> (tinydist/<folder> is a link to it)
 
 # Outside the tree on purpose, each with its reason (the tree's docstring says the same).
 ALLOWED = {
@@ -35,6 +36,7 @@ def project_modules() -> list[str]:
     for root in ROOTS:
         for path in sorted((REPO / root).rglob("*.py")):
             parts = path.relative_to(REPO).with_suffix("").parts
+            parts = ("tinydist", *parts) if parts[0] in LINKED else parts
             names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
     return names
 
