@@ -116,7 +116,7 @@ def test_a_fresh_venv_imports_the_wheel_beside_another_scheduler_and_transports(
              cwd=tmp_path)
     check = f"""
 import importlib.resources, pathlib, sys
-import scheduler, transports
+import scheduler, transports  # the other project's (pkg_rename: keep)
 assert (scheduler.OWNER, transports.OWNER) == ("other-scheduler", "other-transports"), (scheduler, transports)
 import tinydist, tinydist.scheduler.plan, tinydist.transports.tcp, tinydist.nodes.gate
 from tinydist.scheduler._generated import cluster_pb2
