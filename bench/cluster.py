@@ -23,8 +23,8 @@ sys.path.insert(0, str(ROOT))
 
 WORKER = r'''
 import sys, time, json, numpy as np
-from scheduler.execute import ClusterJob
-from scheduler.plan import plan_allreduce
+from tinydist.scheduler.execute import ClusterJob
+from tinydist.scheduler.plan import plan_allreduce
 coord, node, rank, world, ndev, sizes, reps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], int(sys.argv[7])
 devices = [f"CPU:{i}" for i in range(ndev)]
 job = ClusterJob.start(coord, node, devices, world_size=world, rank=rank, host_key=f"host-{rank}")
@@ -78,7 +78,7 @@ def main() -> int:
         print(f"| {h['mib']:g} MiB | {h['plan']} | {h['modelled'] * 1e3:.2f} ms | {h['measured'] * 1e3:.2f} ms | "
               f"{h['flat_modelled'] * 1e3:.2f} ms | {f['measured'] * 1e3:.2f} ms | {f['measured'] / h['measured']:.2f}x |")
     print()
-    from scheduler.sim import format_table, scaling_table
+    from tinydist.scheduler.sim import format_table, scaling_table
     t = time.perf_counter()
     print(format_table(scaling_table((8, 64, 256, 1024))))
     print(f"(simulation wall time {time.perf_counter() - t:.2f} s)")

@@ -3,7 +3,7 @@
     .venv/bin/python bench/rdma.py [--quick] [--json PATH]
 
 Two processes on loopback. Each holds a softbnxt NIC (driver + model; the model's wire is a loopback
-TCP connection between the two NICs) and, for the baseline, a `transports.tcp.TcpLink` over its own
+TCP connection between the two NICs) and, for the baseline, a `tinydist.transports.tcp.TcpLink` over its own
 socket. Measured in the same run, medians of repeats, timed on rank 0:
 
 - latency:  an 8-byte RDMA WRITE posted and completed (its ACK is back: a round trip) vs a TCP
@@ -59,9 +59,9 @@ async def _connect(rank: int, port: int, fd: int | None, count: int) -> list[soc
 async def worker(rank: int, port: int, fd: int | None, quick: bool) -> dict:
     import numpy as np
 
-    from transports.base import serving
-    from transports.rdma_bnxt.transport import RdmaLink, close_process_nic, open_link
-    from transports.tcp import TcpLink
+    from tinydist.transports.base import serving
+    from tinydist.transports.rdma_bnxt.transport import RdmaLink, close_process_nic, open_link
+    from tinydist.transports.tcp import TcpLink
 
     tcp_sock, rdma_sock = await _connect(rank, port, fd, 2)
     tcp = TcpLink(tcp_sock, 1 - rank)

@@ -9,7 +9,7 @@
   server-stream source moving the same chunks (the buffer is a tenant segment: memfd memory mapped
   by the node and, for kernels, by the caller's worker process);
 - launch: a one-store kernel's Launch round trip with the kernel in the caller's tenant worker
-  (`nodes.tenants`, the default) next to a node that runs it in its own process
+  (`tinydist.nodes.tenants`, the default) next to a node that runs it in its own process
   (`isolate_tenants=False`, the design before issue 23): the latency the worker adds.
 Medians over repeats; ratios printed. Targets: latency ≤ 1.3× echo; throughput ≥ 70 % of plain.
 """
@@ -32,14 +32,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from nodes.audit import AuditLog  # noqa: E402
-from nodes.server import RemoteServer, server_options  # noqa: E402
-from nodes.service import ServerConfig  # noqa: E402
+from tinydist.nodes.audit import AuditLog  # noqa: E402
+from tinydist.nodes.server import RemoteServer, server_options  # noqa: E402
+from tinydist.nodes.service import ServerConfig  # noqa: E402
 from tinydist.runtime.remote.client import CHUNK_BYTES, ClientCredentials, secure_channel  # noqa: E402
 from tinydist.runtime.remote.device import RemoteDevice  # noqa: E402
 from tinydist.security import pki  # noqa: E402
 from tinydist.security.pki import ServerCredentials  # noqa: E402
-from transports.pci_remote._generated import device_pb2 as pb  # noqa: E402
+from tinydist.transports.pci_remote._generated import device_pb2 as pb  # noqa: E402
 
 
 def _identity(x: bytes) -> bytes:

@@ -13,9 +13,9 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from nodes.audit import AuditLog
-from nodes.server import RemoteServer
-from nodes.service import ServerConfig
+from tinydist.nodes.audit import AuditLog
+from tinydist.nodes.server import RemoteServer
+from tinydist.nodes.service import ServerConfig
 from tinydist.base.logs import get_logger
 from tinydist.observability import metrics
 from tinydist.security.bind import bind_address

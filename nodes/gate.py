@@ -27,14 +27,14 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from nodes.audit import AuditLog
+from tinydist.nodes.audit import AuditLog
 from tinydist.base.errors import DeviceFailed, TinydistError
 from tinydist.base.logs import get_logger
 from tinydist.observability import metrics, tracing
 from tinydist.security.identity import IdentityError, PeerCache, peer_from_auth_context
 from tinydist.security.policy import ELEVATED, RANK, Policy, PolicyStore
-from transports.pci_remote import wire
-from transports.pci_remote._generated import device_pb2 as pb
+from tinydist.transports.pci_remote import wire
+from tinydist.transports.pci_remote._generated import device_pb2 as pb
 
 SERVICE = "tinydist.v1.DeviceService"
 ELEVATION_METADATA = "tinydist-elevation"

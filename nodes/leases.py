@@ -16,8 +16,8 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from nodes.audit import AuditLog, handle_tag
-from nodes.tenants import Segment
+from tinydist.nodes.audit import AuditLog, handle_tag
+from tinydist.nodes.tenants import Segment
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.device import Device
 

@@ -13,10 +13,10 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from nodes.audit import AuditLog
-from nodes.pci_sim import SimulatedPciFunction
-from nodes.gate import SERVICE
-from nodes.service import DeviceService, ServerConfig
+from tinydist.nodes.audit import AuditLog
+from tinydist.nodes.pci_sim import SimulatedPciFunction
+from tinydist.nodes.gate import SERVICE
+from tinydist.nodes.service import DeviceService, ServerConfig
 from tinydist.base.logs import get_logger
 from tinydist.runtime.device import Device
 from tinydist.runtime.registry import open_device

@@ -1,5 +1,5 @@
 """The remote device service (grpc.aio): the node's devices, leases, handles and programs, and
-the handler of each RPC. Every call passes the gate (`nodes.gate`: identity, revocation, role,
+the handler of each RPC. Every call passes the gate (`tinydist.nodes.gate`: identity, revocation, role,
 rate, elevation) before its handler runs and ends in one audit `decision` record. Memory is named by opaque random 128-bit handles
 owned by (identity, lease); offsets and lengths are checked as `offset <= size and length <= size -
 offset` in Python integers (no overflow) before anything reaches a device. The runtime runs the
@@ -21,19 +21,19 @@ from typing import Any
 import grpc
 import numpy as np
 
-from nodes.audit import AuditLog, handle_tag
-from nodes.gate import Call, Code, Gate, RpcError
-from nodes.leases import Allocation, Lease, LeaseTable
-from nodes.pci_sim import SimulatedPciFunction
-from nodes.tenants import Segment, TenantPool
-from nodes.verifier import ENGINE, RAW, VerificationError, program_id, verify
+from tinydist.nodes.audit import AuditLog, handle_tag
+from tinydist.nodes.gate import Call, Code, Gate, RpcError
+from tinydist.nodes.leases import Allocation, Lease, LeaseTable
+from tinydist.nodes.pci_sim import SimulatedPciFunction
+from tinydist.nodes.tenants import Segment, TenantPool
+from tinydist.nodes.verifier import ENGINE, RAW, VerificationError, program_id, verify
 from tinydist.base.errors import AllocationError, CompileError, TenantWorkerFailed
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.device import Device
 from tinydist.runtime.program import Program
 from tinydist.security.policy import PolicyStore
-from transports.pci_remote import wire
-from transports.pci_remote._generated import device_pb2 as pb
+from tinydist.transports.pci_remote import wire
+from tinydist.transports.pci_remote._generated import device_pb2 as pb
 
 
 @dataclass
@@ -80,7 +80,7 @@ def _check_range(nbytes: int, offset: int, length: int) -> None:
 
 class DeviceService:
     """The node's state and its RPC handlers (`rpc_<Method>(request, call)`, each given the
-    admitted `Call`); `handlers()` puts them behind the gate (`nodes.gate`)."""
+    admitted `Call`); `handlers()` puts them behind the gate (`tinydist.nodes.gate`)."""
 
     def __init__(self, config: ServerConfig, policy: PolicyStore, audit: AuditLog, devices: dict[str, Device],
                  pci: dict[str, SimulatedPciFunction] | None = None, compile_ir: Callable[[str], bytes] | None = None) -> None:

@@ -1,6 +1,6 @@
-"""The process one tenant's kernels run in (`python -m nodes.tenant_worker CTL FDS AS_BYTES CPU_S`).
+"""The process one tenant's kernels run in (`python -m tinydist.nodes.tenant_worker CTL FDS AS_BYTES CPU_S`).
 
-Started by `nodes.tenants.TenantWorker`, one per identity. Its address space holds the Python
+Started by `tinydist.nodes.tenants.TenantWorker`, one per identity. Its address space holds the Python
 interpreter, LLVM's loader, that tenant's loaded kernels and that tenant's buffers — shared-memory
 segments (memfd) the node created and passed over `FDS` (SCM_RIGHTS), mapped here and in the node
 at once, so copies stay zero-copy. Nothing of the node (keys, other tenants' memory, the policy) is

@@ -1,5 +1,5 @@
 """Tenant isolation on host-memory devices: each identity's buffers are shared-memory segments and
-its kernels run in a worker process of its own (`nodes.tenant_worker`).
+its kernels run in a worker process of its own (`tinydist.nodes.tenant_worker`).
 
 - `Segment`: one allocation, a memfd of its size mapped in the node (the node reads and writes it
   directly for Read/Write/streams/Copy: no extra copy) and, when a kernel needs it, in that tenant's
@@ -35,7 +35,7 @@ from typing import Any
 
 import pickle
 
-from nodes.tenant_worker import FRAME, MAX_REPLY_MESSAGE, REPLY
+from tinydist.nodes.tenant_worker import FRAME, MAX_REPLY_MESSAGE, REPLY
 from tinydist.base.errors import TenantWorkerFailed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,7 +109,7 @@ class TenantWorker:
         fds, fds_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-s", "-m", "nodes.tenant_worker", str(ctl_child.fileno()), str(fds_child.fileno()),
+                [sys.executable, "-s", "-m", "tinydist.nodes.tenant_worker", str(ctl_child.fileno()), str(fds_child.fileno()),
                  str(self.address_space), str(self.cpu_seconds)],
                 pass_fds=(ctl_child.fileno(), fds_child.fileno()), cwd=ROOT, close_fds=True,
                 env={"PATH": os.defpath, "LANG": "C.UTF-8", "PYTHONPATH": str(ROOT)},

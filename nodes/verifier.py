@@ -19,7 +19,7 @@ What it cannot prove: that a kernel's loads and stores stay inside the buffers i
 entry receives plain pointers, and a `getelementptr` by a scalar argument reaches any address (an
 engine kernel needs no ptrtoint for that). The verifier removes escapes from the instruction set
 (no calls out, no syscalls, no asm); the memory bound is the process: on host-memory devices every
-kernel runs in its tenant's worker (`nodes.tenants`), whose address space maps only that tenant's
+kernel runs in its tenant's worker (`tinydist.nodes.tenants`), whose address space maps only that tenant's
 buffers and whose seccomp filter leaves it no way to reach anything else (docs/remote.md).
 """
 

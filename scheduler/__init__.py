@@ -11,23 +11,23 @@ execute (real hierarchical allreduce), placement (cluster-wide sharding), checkp
 cluster). The Slurm / Kubernetes variables are mapped by tinydist/dist/environment.py.
 """
 
-from scheduler.errors import ClusterError, CoordinatorLost, JournalError, MembershipError, NodeFailed, PlanError
+from tinydist.scheduler.errors import ClusterError, CoordinatorLost, JournalError, MembershipError, NodeFailed, PlanError
 
 __all__ = ["ClusterError", "ClusterJob", "CoordinatorLost", "Credentials", "JournalError", "MembershipError", "NodeAgent", "NodeFailed",
            "PlanError", "Topology", "explain", "plan_allreduce"]
 
 
-def __getattr__(name: str):  # lazy: `import scheduler` stays cheap
+def __getattr__(name: str):  # lazy: `import tinydist.scheduler` stays cheap
     if name == "ClusterJob":
-        from scheduler.execute import ClusterJob
+        from tinydist.scheduler.execute import ClusterJob
         return ClusterJob
     if name in ("Credentials", "NodeAgent"):
-        from scheduler import node
+        from tinydist.scheduler import node
         return getattr(node, name)
     if name in ("explain", "plan_allreduce"):
-        from scheduler import plan
+        from tinydist.scheduler import plan
         return getattr(plan, name)
     if name == "Topology":
-        from scheduler.topology import Topology
+        from tinydist.scheduler.topology import Topology
         return Topology
-    raise AttributeError(f"module 'scheduler' has no attribute {name!r}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -33,10 +33,10 @@ import grpc
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from scheduler._generated import cluster_pb2 as pb
-from scheduler._generated import cluster_pb2_grpc as pb_grpc
-from scheduler.errors import MembershipError
-from scheduler.membership import LinkRecord, MemberRecord, Membership
+from tinydist.scheduler._generated import cluster_pb2 as pb
+from tinydist.scheduler._generated import cluster_pb2_grpc as pb_grpc
+from tinydist.scheduler.errors import MembershipError
+from tinydist.scheduler.membership import LinkRecord, MemberRecord, Membership
 from tinydist.base.logs import get_logger
 from tinydist.observability import metrics, tracing
 from tinydist.security.bind import add_port, bind_address, is_loopback, parse_host_port, split_bind
@@ -254,7 +254,7 @@ class Coordinator:
         self.host = split_bind(bind)[0]
         journal = None
         if state_dir is not None:
-            from scheduler.journal import Journal
+            from tinydist.scheduler.journal import Journal
             journal = Journal(state_dir)
         self.membership = Membership(heartbeat_interval, miss_limit, journal=journal)
         try:

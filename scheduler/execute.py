@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from scheduler.errors import ClusterError, CoordinatorLost, NodeFailed
-from scheduler.node import Credentials, NodeAgent
-from scheduler.plan import Plan, plan_allreduce
-from scheduler.topology import LinkModel, Topology
+from tinydist.scheduler.errors import ClusterError, CoordinatorLost, NodeFailed
+from tinydist.scheduler.node import Credentials, NodeAgent
+from tinydist.scheduler.plan import Plan, plan_allreduce
+from tinydist.scheduler.topology import LinkModel, Topology
 from tinydist.base.logs import get_logger
 from tinydist.graph.collectives import AUTO
 from tinydist.graph.reduce_ops import MEAN, collective_op
@@ -77,7 +77,7 @@ class ClusterJob:
 
     def measure_links(self) -> None:
         """Measure every link (all ranks), report them to the coordinator, plan on the measurements."""
-        from scheduler.probe import measure_links
+        from tinydist.scheduler.probe import measure_links
         records = measure_links(self.node_ids())
         self.agent.report_links([r for r in records if r.src == self.agent.node_id])
         topo = self.topology()
@@ -88,7 +88,7 @@ class ClusterJob:
     def topology(self) -> Topology:
         """The job's topology: the membership table from wait() (identical on every rank) plus measurements."""
         if self._topology is None:
-            from scheduler.node import topology_from_status
+            from tinydist.scheduler.node import topology_from_status
             st = self.agent.last_status
             if st is None:
                 raise ClusterError("no membership table: the job has not waited for its members")

@@ -41,7 +41,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from scheduler.errors import JournalError
+from tinydist.scheduler.errors import JournalError
 from tinydist.base.logs import get_logger
 
 JOURNAL = "journal.log"

@@ -27,9 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.errors import MembershipError
-from scheduler.journal import Journal
-from scheduler.topology import LinkModel, NodeSpec, Topology
+from tinydist.scheduler.errors import MembershipError
+from tinydist.scheduler.journal import Journal
+from tinydist.scheduler.topology import LinkModel, NodeSpec, Topology
 
 
 @dataclass

@@ -30,11 +30,11 @@ from typing import Any
 
 import grpc
 
-from scheduler._generated import cluster_pb2 as pb
-from scheduler._generated import cluster_pb2_grpc as pb_grpc
-from scheduler.errors import ClusterError, CoordinatorLost, MembershipError, NodeFailed
-from scheduler.membership import LinkRecord
-from scheduler.topology import LinkModel, NodeSpec, Topology
+from tinydist.scheduler._generated import cluster_pb2 as pb
+from tinydist.scheduler._generated import cluster_pb2_grpc as pb_grpc
+from tinydist.scheduler.errors import ClusterError, CoordinatorLost, MembershipError, NodeFailed
+from tinydist.scheduler.membership import LinkRecord
+from tinydist.scheduler.topology import LinkModel, NodeSpec, Topology
 from tinydist.base.config import settings
 from tinydist.base.logs import get_logger
 from tinydist.security.bind import format_address, is_loopback, parse_host_port

@@ -27,8 +27,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.errors import PlanError
-from scheduler.topology import LinkModel, PeerGroup, Topology
+from tinydist.scheduler.errors import PlanError
+from tinydist.scheduler.topology import LinkModel, PeerGroup, Topology
 from tinydist.base.logs import get_logger
 from tinydist.graph import collectives
 from tinydist.graph.collectives import AUTO, LEGAL, Algorithm, Medium, check, choose

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from scheduler.membership import LinkRecord
+from tinydist.scheduler.membership import LinkRecord
 
 SMALL, LARGE = 8, 1 << 20
 KINDS = ("mem", "shm", "tcp", "rdma_bnxt", "other")

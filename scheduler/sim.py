@@ -17,10 +17,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from scheduler.errors import NodeFailed
-from scheduler.membership import Membership
-from scheduler.plan import Plan, plan_allreduce
-from scheduler.topology import DEFAULT_LINKS, LinkModel, Topology
+from tinydist.scheduler.errors import NodeFailed
+from tinydist.scheduler.membership import Membership
+from tinydist.scheduler.plan import Plan, plan_allreduce
+from tinydist.scheduler.topology import DEFAULT_LINKS, LinkModel, Topology
 
 
 class VirtualClock:

@@ -8,7 +8,7 @@ BNXT RDMA where both ends have it).
 
 Every link kind has an α–β model (`LinkModel`): sending n bytes costs α + n·β, and each extra
 message a sender injects at once costs `overhead` (the per-message gap). Defaults are rough
-figures; measured values (`scheduler.probe`, reported to the coordinator) replace them per pair.
+figures; measured values (`tinydist.scheduler.probe`, reported to the coordinator) replace them per pair.
 """
 
 from __future__ import annotations

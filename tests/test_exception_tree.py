@@ -18,6 +18,7 @@ from tinydist.base.errors import ClosedResourceError, DeviceClosed, DeviceError,
 
 REPO = Path(__file__).resolve().parents[1]
 ROOTS = ("tinydist", "transports", "scheduler", "nodes")
+LINKED = ("transports", "scheduler", "nodes")  # imported as tinydist.<folder> (tinydist/<folder> is a link to it)
 
 # Outside the tree on purpose, each with its reason (the tree's docstring says the same).
 ALLOWED = {
@@ -35,6 +36,7 @@ def project_modules() -> list[str]:
     for root in ROOTS:
         for path in sorted((REPO / root).rglob("*.py")):
             parts = path.relative_to(REPO).with_suffix("").parts
+            parts = ("tinydist", *parts) if parts[0] in LINKED else parts
             names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
     return names
 
@@ -115,8 +117,8 @@ def test_the_check_fails_on_a_foreign_rooted_error_and_on_a_stale_drawing() -> N
 
 
 def test_closed_resources_share_one_class_and_keep_their_families() -> None:
-    from transports.base import LinkClosed, TransportError
-    from transports.tcp import TcpLink
+    from tinydist.transports.base import LinkClosed, TransportError
+    from tinydist.transports.tcp import TcpLink
 
     async def main() -> None:
         a, b = socket.socketpair()
@@ -144,7 +146,7 @@ def _closed_port() -> int:
 
 def test_no_coordinator_is_a_transport_error_caused_by_the_oserror() -> None:
     from tinydist.dist.rendezvous import register
-    from transports.base import TransportError
+    from tinydist.transports.base import TransportError
 
     port = _closed_port()
     with pytest.raises(TransportError, match=f"no coordinator at 127.0.0.1:{port}") as info:
@@ -154,7 +156,7 @@ def test_no_coordinator_is_a_transport_error_caused_by_the_oserror() -> None:
 
 def test_connecting_a_link_to_a_closed_port_is_a_transport_error_caused_by_the_oserror() -> None:
     from tinydist.dist.rendezvous import connect_mesh, host_key
-    from transports.base import TransportError
+    from tinydist.transports.base import TransportError
 
     port = _closed_port()
     listener = socket.create_server(("127.0.0.1", 0))
@@ -233,7 +235,7 @@ def test_a_coordinator_that_answers_no_json_is_a_transport_error_caused_by_the_d
     import json
 
     from tinydist.dist.rendezvous import register
-    from transports.base import TransportError
+    from tinydist.transports.base import TransportError
 
     async def main() -> None:
         async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-NOT_AT_IMPORT = ("grpc", "google.protobuf", "transports", "tinydist.dist", "tinydist.onnx", "onnx", "onnxruntime",
-                 "tinydist.runtime.remote", "tinydist.cli", "nodes", "scheduler", "prometheus_client")
+NOT_AT_IMPORT = ("grpc", "google.protobuf", "tinydist.transports", "tinydist.dist", "tinydist.onnx", "onnx", "onnxruntime",
+                 "tinydist.runtime.remote", "tinydist.cli", "tinydist.nodes", "tinydist.scheduler", "prometheus_client")
 
 
 def loaded_after(code: str) -> set[str]:
@@ -32,4 +32,4 @@ def test_subsystems_load_on_first_use_under_their_public_names() -> None:
                           "assert td.onnx.load and td.multi.MultiTensor and td.nn.Linear and td.optim.Adam\n"
                           "import tinydist.dist.launcher  # a submodule named like a td.dist function would replace it\n"
                           "assert callable(td.dist.launch), td.dist.launch")
-    assert {"tinydist.dist", "tinydist.dist.parallel", "tinydist.onnx", "transports.base"} <= loaded
+    assert {"tinydist.dist", "tinydist.dist.parallel", "tinydist.onnx", "tinydist.transports.base"} <= loaded

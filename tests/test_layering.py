@@ -16,7 +16,10 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("tinydist", "transports", "nodes", "scheduler", "proto")
+PACKAGES = ("tinydist", "transports", "nodes", "scheduler", "proto")  # the folders walked, by path
+# The folders kept at the top of the tree for the layer table; their modules are imported as
+# tinydist.<folder>.* through the symlinks tinydist/<folder> -> ../<folder> (docs/layout.md).
+LINKED = ("transports", "nodes", "scheduler", "proto")
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [  # lowest first: a layer imports only the ones above it here
     ("base", ("tinydist/base",)),
@@ -68,15 +71,20 @@ def python_files(root: Path = ROOT) -> list[Path]:
 
 
 def module_name(rel: str) -> str:
+    """The import name of the file at `rel`: a file in a linked folder is under `tinydist.`."""
     parts = list(Path(rel).with_suffix("").parts)
+    if parts[0] in LINKED:
+        parts.insert(0, "tinydist")
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def module_path(name: str, root: Path = ROOT) -> str | None:
+    """The file (its real path, from the root) that `name` imports: tinydist/scheduler/plan.py is
+    reached through the link, so the layer is the one of scheduler/plan.py."""
     base = Path(*name.split("."))
     for candidate in (base.with_suffix(".py"), base / "__init__.py"):
         if (root / candidate).is_file():
-            return candidate.as_posix()
+            return (root / candidate).resolve().relative_to(root.resolve()).as_posix()
     return None
 
 
@@ -117,6 +125,19 @@ def imports(path: Path, root: Path = ROOT) -> list[tuple[int, str, str]]:
     return found
 
 
+def old_names(root: Path = ROOT) -> list[str]:
+    """Imports of a linked folder by its folder name (`from scheduler.plan import ...`), anywhere in the
+    tree: it works from a source checkout, whose root is on sys.path, but makes a second copy of the
+    module (its errors no longer caught by `except tinydist.scheduler...`) and fails from the wheel."""
+    found = []
+    for folder in (*PACKAGES, "tests", "bench", "examples"):
+        for path in sorted((root / folder).rglob("*.py")):
+            for line, target, _ in imports(path, root):
+                if target.split(".")[0] in LINKED:
+                    found.append(f"{path.relative_to(root)}:{line} imports {target}: import tinydist.{target}")
+    return found
+
+
 def upward_imports(root: Path = ROOT) -> tuple[list[str], set[tuple[str, str]]]:
     """(violations, exceptions used)."""
     violations, used = [], set()
@@ -148,6 +169,18 @@ def test_every_import_points_down_the_layer_table() -> None:
     assert not violations, "upward imports:\n  " + "\n  ".join(violations)
     stale = sorted(set(EXCEPTIONS) - used)
     assert not stale, f"exceptions that no longer occur (delete them from EXCEPTIONS): {stale}"
+
+
+def test_nothing_imports_a_linked_folder_by_its_folder_name() -> None:
+    found = old_names()
+    assert not found, "old top-level names (re-run the import rewrite, /work/pkg_rename.py):\n  " + "\n  ".join(found)
+
+
+def test_each_linked_folder_is_reached_from_the_tinydist_package() -> None:
+    """The links are what setuptools, mypy and the import system follow; a copy instead would drift."""
+    wrong = [f"tinydist/{name}" for name in LINKED
+             if not ((ROOT / "tinydist" / name).is_symlink() and (ROOT / "tinydist" / name).readlink() == Path("..", name))]
+    assert not wrong, f"these must be relative symlinks tinydist/NAME -> ../NAME: {wrong}"
 
 
 def test_every_layer_folder_exists() -> None:

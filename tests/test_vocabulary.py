@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tinydist as td
-from scheduler.plan import plan_allreduce
-from scheduler.topology import NodeSpec, Topology
+from tinydist.scheduler.plan import plan_allreduce
+from tinydist.scheduler.topology import NodeSpec, Topology
 from tinydist.base.config import Settings
 from tinydist.base.config import settings as td_settings
 from tinydist.dist.group import ProcessGroup

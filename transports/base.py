@@ -53,7 +53,7 @@ FailureCallback = Callable[[int, str, int], None]   # (peer, reason, blamed rank
 
 
 class Link(abc.ABC):
-    """One peer, ordered messages both ways. Subclasses: `transports.tcp.TcpLink`, `transports.shm.ShmLink`."""
+    """One peer, ordered messages both ways. Subclasses: `tinydist.transports.tcp.TcpLink`, `tinydist.transports.shm.ShmLink`."""
 
     kind: str = "?"
     # the trace process this link's send/recv spans go to (`ProcessGroup` sets `rank{N}`)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from transports.base import TransportError
+from tinydist.transports.base import TransportError
 
 
 class _IoVec(ctypes.Structure):

@@ -10,7 +10,7 @@ the doorbell itself.
 
 Nothing spins: every wait is an event set by the socket reader, so a waiting rank sleeps in the
 event loop, and every wait is bounded by the owner's deadline. The socket also carries BYE/ABORT and
-notices a dead peer (EOF), exactly as `transports.tcp` does.
+notices a dead peer (EOF), exactly as `tinydist.transports.tcp` does.
 
 Segments never outlive the set-up: both sides unlink the name as soon as the peer has mapped it, so
 nothing stays in /dev/shm after close, a crash, or a SIGKILL (only a process killed inside the few
@@ -35,8 +35,8 @@ import anyio
 import numpy as np
 
 from tinydist.observability import tracing
-from transports.base import FailureCallback, LinkClosed, TransportError, as_bytes
-from transports.tcp import DATA, HEADER, SocketLink, recv_exactly
+from tinydist.transports.base import FailureCallback, LinkClosed, TransportError, as_bytes
+from tinydist.transports.tcp import DATA, HEADER, SocketLink, recv_exactly
 
 SLOT, CREDIT, BEGIN = 10, 11, 12
 SLOT_BYTES = 512 * 1024

@@ -1,6 +1,6 @@
 """One shared-memory segment per process group on one host, mapped by every rank, signalled by futexes.
 
-Where `transports.shm.ShmLink` moves a message through slots of a pairwise ring and rings a socket
+Where `tinydist.transports.shm.ShmLink` moves a message through slots of a pairwise ring and rings a socket
 doorbell, a `ShmGroup` lets every rank read every other rank's memory directly: a collective copies
 its input into its own region once, and peers reduce or gather straight out of it. No socket frame
 carries a collective's data or its signals; the links stay for liveness (EOF, BYE, ABORT).
@@ -57,9 +57,9 @@ from tinydist.codegen.stream_sync import futex_syscall
 from tinydist.runtime.cpu.futex import SYSCALL_ADDRESS
 from tinydist.runtime.cpu.loader import native_loader
 from tinydist.runtime.program import Program
-from transports import cma
-from transports.base import Link, LinkClosed, TransportError
-from transports.shm import PREFIX, _attach, _create, _unlink
+from tinydist.transports import cma
+from tinydist.transports.base import Link, LinkClosed, TransportError
+from tinydist.transports.shm import PREFIX, _attach, _create, _unlink
 
 CONTROL_BYTES = 16384
 HEADER_OFFSET = 64
@@ -173,7 +173,7 @@ class ShmGroup:
         self.step = int(self.steps[rank])
         self.rounds = 0           # rounds begun; every rank begins the same rounds, so parities agree
         # every rank's pid, and from what size on collectives copy straight between the ranks' memory
-        # (`transports.cma`; None: never, as when a rank may not read or write a peer's memory)
+        # (`tinydist.transports.cma`; None: never, as when a rank may not read or write a peer's memory)
         self.pids: list[int] = []
         self.single_copy_bytes: int | None = None
         self._scratch = np.empty(0, np.uint8)
@@ -249,7 +249,7 @@ class ShmGroup:
     def negotiate_single_copy(self, deadline: float, check: Callable[[int], tuple[int, int] | None],
                               min_bytes: int | None) -> int | None:
         """Learn every rank's pid, and agree from what message size on collectives copy straight
-        between the ranks' memory (`transports.cma`); None: never. Each rank publishes a probe word,
+        between the ranks' memory (`tinydist.transports.cma`); None: never. Each rank publishes a probe word,
         reads and rewrites every peer's, then publishes its verdict and its `min_bytes` (None: it
         wants no single copy). Single copy needs every rank's yes; its threshold is the largest asked
         for, the same on every rank. Two steps."""

@@ -5,7 +5,7 @@ sender writes straight from the caller's buffer and the reader reads straight in
 (`loop.sock_recv_into`), so a message is copied only by the kernel. Senders never wait for the
 receiver, so every chunk a collective issues is in flight at once, bounded by the socket buffers.
 
-`SocketLink` holds the framing, BYE/ABORT handling and EOF detection; `transports.shm.ShmLink`
+`SocketLink` holds the framing, BYE/ABORT handling and EOF detection; `tinydist.transports.shm.ShmLink`
 reuses it for its doorbells.
 """
 
@@ -23,7 +23,7 @@ import anyio
 import numpy as np
 
 from tinydist.observability import tracing
-from transports.base import FailureCallback, Link, PeerFailed, TransportError, as_bytes
+from tinydist.transports.base import FailureCallback, Link, PeerFailed, TransportError, as_bytes
 
 HEADER = struct.Struct("<B3xIQ")
 DATA, BYE, ABORT = 1, 2, 3

@@ -46,7 +46,7 @@ class Coordinator:
     def wait_until_not_alive(self, node_ids: list[str], timeout: float = 10.0) -> None:
         """Block until the coordinator no longer counts `node_ids` as alive (dead or left), so a
         restarted job cannot be handed a table naming an old incarnation."""
-        from scheduler.node import status
+        from tinydist.scheduler.node import status
         deadline = time.monotonic() + timeout
         while True:
             alive = {m.node.node_id for m in status(self.address, None).members if m.state == "alive"}

@@ -10,9 +10,9 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 import tinydist as td
-from scheduler._generated import cluster_pb2 as pb
-from scheduler._generated import cluster_pb2_grpc as pb_grpc
-from scheduler.coordinator import SERVICE, Coordinator
+from tinydist.scheduler._generated import cluster_pb2 as pb
+from tinydist.scheduler._generated import cluster_pb2_grpc as pb_grpc
+from tinydist.scheduler.coordinator import SERVICE, Coordinator
 from tinydist.observability import metrics
 
 

@@ -11,10 +11,10 @@ import zlib
 
 import pytest
 
-from scheduler.errors import CoordinatorLost, JournalError, MembershipError
-from scheduler.journal import JOURNAL, SNAPSHOT, Journal
-from scheduler.membership import LinkRecord, Membership
-from scheduler.node import CoordinatorWatch
+from tinydist.scheduler.errors import CoordinatorLost, JournalError, MembershipError
+from tinydist.scheduler.journal import JOURNAL, SNAPSHOT, Journal
+from tinydist.scheduler.membership import LinkRecord, Membership
+from tinydist.scheduler.node import CoordinatorWatch
 
 
 def _cluster(state_dir, now, compact_every=1000) -> Membership:

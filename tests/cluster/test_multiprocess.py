@@ -95,9 +95,9 @@ def test_node_loss_mid_collective_then_restart_from_checkpoint(coordinator, tmp_
 def test_mtls_membership_and_identity_binding(tmp_path):
     import grpc
 
-    from scheduler._generated import cluster_pb2 as pb
-    from scheduler.errors import MembershipError
-    from scheduler.node import Credentials, NodeAgent
+    from tinydist.scheduler._generated import cluster_pb2 as pb
+    from tinydist.scheduler.errors import MembershipError
+    from tinydist.scheduler.node import Credentials, NodeAgent
     from tinydist.security import pki
     lab = tmp_path / "lab"
     pki.init(lab)
@@ -111,7 +111,7 @@ def test_mtls_membership_and_identity_binding(tmp_path):
                 o.wait_for("HOLDING", 60)
                 assert "ALLREDUCE ok" in o.text
             creds = Credentials.load(lab / "clients/node-0.pem", lab / "clients/node-0.key", lab / "ca.pem")
-            from scheduler.node import status
+            from tinydist.scheduler.node import status
             st = status(c.address, creds)
             assert [m.node.node_id for m in st.members] == ["node-0", "node-1"] and len(st.groups) == 2
             # node-0's certificate may not speak for node-1
@@ -119,7 +119,7 @@ def test_mtls_membership_and_identity_binding(tmp_path):
                 NodeAgent(c.address, "node-1", ["CPU:0"], credentials=creds).join(timeout=5)
             # no client certificate: no insecure channel to a TLS coordinator, and plaintext fails
             with grpc.insecure_channel(c.address) as channel:
-                from scheduler._generated import cluster_pb2_grpc as pb_grpc
+                from tinydist.scheduler._generated import cluster_pb2_grpc as pb_grpc
                 with pytest.raises(grpc.RpcError):
                     pb_grpc.ClusterStub(channel).Status(pb.StatusRequest(), timeout=3)
         finally:
@@ -129,12 +129,12 @@ def test_mtls_membership_and_identity_binding(tmp_path):
 
 
 def test_insecure_coordinator_refuses_non_loopback_and_wildcard(tmp_path):
-    from scheduler.coordinator import Coordinator as CoordinatorServer
+    from tinydist.scheduler.coordinator import Coordinator as CoordinatorServer
     with pytest.raises(ValueError, match="wildcard.*the interface the nodes reach"):
         asyncio.run(CoordinatorServer.start("0.0.0.0:1234", pki=tmp_path))
     with pytest.raises(ValueError, match="loopback"):
         asyncio.run(CoordinatorServer.start("10.1.2.3:1234", insecure_loopback_only=True))
-    from scheduler.errors import ClusterError
-    from scheduler.node import open_channel
+    from tinydist.scheduler.errors import ClusterError
+    from tinydist.scheduler.node import open_channel
     with pytest.raises(ClusterError, match="loopback-only"):
         open_channel("10.1.2.3:29500", None)

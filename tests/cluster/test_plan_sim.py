@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.errors import MembershipError, NodeFailed, PlanError
-from scheduler.membership import Membership
-from scheduler.plan import plan_allreduce
-from scheduler.sim import SimCluster, format_table, scaling_table
-from scheduler.topology import NodeSpec, Topology
+from tinydist.scheduler.errors import MembershipError, NodeFailed, PlanError
+from tinydist.scheduler.membership import Membership
+from tinydist.scheduler.plan import plan_allreduce
+from tinydist.scheduler.sim import SimCluster, format_table, scaling_table
+from tinydist.scheduler.topology import NodeSpec, Topology
 
 
 def topo(nodes: int, devices: int = 2, per_host: int = 1) -> Topology:

@@ -20,8 +20,8 @@ def test_generated_code_is_fresh(tmp_path):
 
 
 def test_both_protos_load_in_one_process():
-    from scheduler._generated import cluster_pb2
-    from transports.pci_remote._generated import device_pb2
+    from tinydist.scheduler._generated import cluster_pb2
+    from tinydist.transports.pci_remote._generated import device_pb2
     assert cluster_pb2.DESCRIPTOR.package == device_pb2.DESCRIPTOR.package == "tinydist.v1"
     assert "Cluster" in cluster_pb2.DESCRIPTOR.services_by_name
     assert Path(cluster_pb2.__file__).parent.name == "_generated"

@@ -31,7 +31,7 @@ def _steps_done(out: Output) -> int:
 
 
 def _kill_restart(tmp_path, state_args: list[str], misses: int = 20):
-    from scheduler.node import Credentials, status
+    from tinydist.scheduler.node import Credentials, status
     lab = _lab(tmp_path)
     creds = Credentials.load(lab / "clients/node-0.pem", lab / "clients/node-0.key", lab / "ca.pem")
     out, steps, size = tmp_path / "w.npy", 32, 3001

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from transports import cma
-from transports.base import TransportError
+from tinydist.transports import cma
+from tinydist.transports.base import TransportError
 
 from .helpers import finish, launch, spawn_ranks
 

@@ -119,8 +119,8 @@ def test_a_rank_that_dies_after_registering_is_named_by_both_others(no_shm_leak)
 @pytest.fixture
 def segment():
     """Three ranks' views of one group segment, in this process."""
-    from transports.shm import _unlink
-    from transports.shm_group import ShmGroup
+    from tinydist.transports.shm import _unlink
+    from tinydist.transports.shm_group import ShmGroup
     if not ShmGroup.supported():
         pytest.skip("the group segment needs x86-64 Linux")
     first, name = ShmGroup.create("semtest0", 0, 3, 4096)
@@ -135,7 +135,7 @@ def test_giving_up_on_a_step_and_posting_it_exclude_each_other(segment):
     """The segment's agreement, without processes or clocks: whichever of a peer's post and a
     waiter's give-up comes first wins, and the loser learns it (posted: nobody is given up on;
     given up: the post raises Abandoned, and every other waiter sees the poison)."""
-    from transports.shm_group import TIMED_OUT, Abandoned
+    from tinydist.transports.shm_group import TIMED_OUT, Abandoned
     a, b, c = segment
     keep_waiting = lambda peer: None  # noqa: E731
     # the post comes first: rank 0 finds nobody behind, and its wait returns
@@ -162,7 +162,7 @@ def test_giving_up_on_a_step_and_posting_it_exclude_each_other(segment):
 
 def test_a_wait_whose_test_gives_up_poisons_the_peer(segment):
     """`check(peer)` answering (reason, blamed) ends the wait with Abandoned, and the peer's post fails."""
-    from transports.shm_group import Abandoned
+    from tinydist.transports.shm_group import Abandoned
     a, b, _ = segment
     step = a.post()
     with pytest.raises(Abandoned) as info:

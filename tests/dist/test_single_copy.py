@@ -1,4 +1,4 @@
-"""Single copy between ranks' memory: `transports.cma` against a real child process, and the group's agreement on it."""
+"""Single copy between ranks' memory: `tinydist.transports.cma` against a real child process, and the group's agreement on it."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import time
 import numpy as np
 import pytest
 
-from transports import cma
-from transports.base import TransportError
-from transports.shm import _unlink
-from transports.shm_group import ShmGroup
+from tinydist.transports import cma
+from tinydist.transports.base import TransportError
+from tinydist.transports.shm import _unlink
+from tinydist.transports.shm_group import ShmGroup
 
 from .test_collectives import _single_copy_permitted
 

@@ -7,9 +7,9 @@ import socket
 import anyio
 import pytest
 
-from transports.base import PeerFailed, check_link_pair, check_peer_death, serving
-from transports.shm import ShmLink
-from transports.tcp import TcpLink, connected_pair
+from tinydist.transports.base import PeerFailed, check_link_pair, check_peer_death, serving
+from tinydist.transports.shm import ShmLink
+from tinydist.transports.tcp import TcpLink, connected_pair
 
 from .helpers import shm_entries
 

@@ -30,7 +30,7 @@ async def connect(rank: int, port: int, fd: int | None) -> socket.socket:
 
 async def allreduce(rank: int, port: int, fd: int | None, out: str) -> None:
     from tinydist.dist.group import ProcessGroup
-    from transports.rdma_bnxt.transport import close_process_nic, open_link
+    from tinydist.transports.rdma_bnxt.transport import close_process_nic, open_link
     sock = await connect(rank, port, fd)
     link = await open_link(sock, rank, 1 - rank, timeout=20)
     group = ProcessGroup(rank, 2)

@@ -6,10 +6,10 @@ import asyncio
 import dataclasses
 import time
 
-from transports.rdma_bnxt import BnxtDevice, DriverConfig
-from transports.rdma_bnxt.device import Mr, Qp
-from transports.rdma_bnxt.pci import SoftPciDevice
-from transports.rdma_bnxt.softbnxt import FaultPlan, PhysMem, SoftNic
+from tinydist.transports.rdma_bnxt import BnxtDevice, DriverConfig
+from tinydist.transports.rdma_bnxt.device import Mr, Qp
+from tinydist.transports.rdma_bnxt.pci import SoftPciDevice
+from tinydist.transports.rdma_bnxt.softbnxt import FaultPlan, PhysMem, SoftNic
 
 FAST = DriverConfig(hwrm_timeout=0.1, hwrm_reset_timeout=0.1, rcfw_timeout=0.1, qp_timeout=8, retry_cnt=3, rnr_retry=3,
                     drain_timeout=0.1, cq_entries=64, sq_entries=64, rq_entries=64)

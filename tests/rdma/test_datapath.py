@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from tests.rdma.helpers import FAST, assert_clean, close_pair, open_pair, run
-from transports.rdma_bnxt import hsi
-from transports.rdma_bnxt.errors import (CompletionError, CQOverflow, Flushed, LinkDown, LocalLengthError, LocalProtectionError,
+from tinydist.transports.rdma_bnxt import hsi
+from tinydist.transports.rdma_bnxt.errors import (CompletionError, CQOverflow, Flushed, LinkDown, LocalLengthError, LocalProtectionError,
                                          LocalQpOperation, QpFatal, Recovery, RemoteAccessError, RemoteInvalidRequest, RetryExceeded,
                                          RnrRetryExceeded, completion_error)
-from transports.rdma_bnxt.softbnxt import FaultPlan
+from tinydist.transports.rdma_bnxt.softbnxt import FaultPlan
 
 
 def _fill(mr, seed=0):
@@ -303,15 +303,15 @@ def test_every_error_cqe_status_is_classified(status: int) -> None:
 @pytest.mark.parametrize(("step", "fault", "cls"), [("create_qp", "status", "FirmwareError"), ("modify_qp", "status", "FirmwareError"),
                                                      ("register_mr", "status", "FirmwareError"), ("create_cq", "never", "Timeout")])
 def test_rcfw_fault_during_setup_of_transfer(step: str, fault: str, cls: str) -> None:
-    import transports.rdma_bnxt.errors as E
+    import tinydist.transports.rdma_bnxt.errors as E
     plan = FaultPlan()
     rule = plan.rcfw(step, nth=2)
     rule.status(2) if fault == "status" else rule.never()
 
     async def body():
         from tests.rdma.helpers import open_nic
-        from transports.rdma_bnxt import BnxtDevice
-        from transports.rdma_bnxt.pci import SoftPciDevice
+        from tinydist.transports.rdma_bnxt import BnxtDevice
+        from tinydist.transports.rdma_bnxt.pci import SoftPciDevice
         nic, _ = await open_nic("n", plan)
         dev = await BnxtDevice.create(SoftPciDevice(nic), FAST)
         t0 = time.monotonic()

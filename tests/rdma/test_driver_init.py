@@ -7,9 +7,9 @@ import time
 import pytest
 
 from tests.rdma.helpers import FAST, assert_clean, run
-from transports.rdma_bnxt import BnxtDevice, FirmwareError, ProtocolViolation, TeardownError, Timeout
-from transports.rdma_bnxt.pci import SoftPciDevice
-from transports.rdma_bnxt.softbnxt import FaultPlan, PhysMem, SoftNic
+from tinydist.transports.rdma_bnxt import BnxtDevice, FirmwareError, ProtocolViolation, TeardownError, Timeout
+from tinydist.transports.rdma_bnxt.pci import SoftPciDevice
+from tinydist.transports.rdma_bnxt.softbnxt import FaultPlan, PhysMem, SoftNic
 
 INIT_ORDER = ["pci_reset", "ver_get", "func_reset", "func_qcaps", "func_drv_rgtr", "func_qcfg"] + \
     ["func_backing_store_qcaps_v2", "func_backing_store_cfg_v2"] * 9 + \

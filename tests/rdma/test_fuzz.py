@@ -13,12 +13,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.rdma.helpers import FAST, run
-from transports.rdma_bnxt import hsi
-from transports.rdma_bnxt.device import BnxtDevice, Cq, Qp
-from transports.rdma_bnxt.errors import RdmaError
-from transports.rdma_bnxt.hwrm import Mailbox
-from transports.rdma_bnxt.rcfw import Rcfw
-from transports.rdma_bnxt.softbnxt import wire
+from tinydist.transports.rdma_bnxt import hsi
+from tinydist.transports.rdma_bnxt.device import BnxtDevice, Cq, Qp
+from tinydist.transports.rdma_bnxt.errors import RdmaError
+from tinydist.transports.rdma_bnxt.hwrm import Mailbox
+from tinydist.transports.rdma_bnxt.rcfw import Rcfw
+from tinydist.transports.rdma_bnxt.softbnxt import wire
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -14,10 +14,10 @@ import pytest
 
 from tests.rdma.helpers import FAST, run
 from tinydist.base.config import settings
-from transports.base import PeerFailed, check_link_pair, check_peer_death, serving
-from transports.rdma_bnxt.softbnxt import FaultPlan
-from transports.rdma_bnxt.transport import RdmaLink, RdmaNic, open_link
-from transports.tcp import TcpLink, connected_pair
+from tinydist.transports.base import PeerFailed, check_link_pair, check_peer_death, serving
+from tinydist.transports.rdma_bnxt.softbnxt import FaultPlan
+from tinydist.transports.rdma_bnxt.transport import RdmaLink, RdmaNic, open_link
+from tinydist.transports.tcp import TcpLink, connected_pair
 
 ROOT = Path(__file__).resolve().parents[2]
 

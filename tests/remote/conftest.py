@@ -17,14 +17,14 @@ import grpc
 import pytest
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from nodes.audit import AuditLog
-from nodes.server import RemoteServer
-from nodes.service import ServerConfig
+from tinydist.nodes.audit import AuditLog
+from tinydist.nodes.server import RemoteServer
+from tinydist.nodes.service import ServerConfig
 from tinydist.runtime.remote.client import ClientCredentials, channel_options
 from tinydist.security import pki
 from tinydist.security.pki import ServerCredentials
-from transports.pci_remote._generated import device_pb2 as pb
-from transports.pci_remote._generated import device_pb2_grpc as pb_grpc
+from tinydist.transports.pci_remote._generated import device_pb2 as pb
+from tinydist.transports.pci_remote._generated import device_pb2_grpc as pb_grpc
 
 TD = "tinydist.lab"
 ROLES = {"alice": "admin", "bob": "operator", "carol": "viewer", "dave": "operator"}

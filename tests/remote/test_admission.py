@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 import pytest
 
-from transports.pci_remote._generated import device_pb2 as pb
+from tinydist.transports.pci_remote._generated import device_pb2 as pb
 
 from .conftest import code_of
 

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from tinydist.security.policy import DEFAULT_METHODS, ELEVATED, RANK
-from transports.pci_remote._generated import device_pb2 as pb
+from tinydist.transports.pci_remote._generated import device_pb2 as pb
 
 from .conftest import ROLES, code_of, lease_of, uri
 
@@ -30,7 +30,7 @@ def test_bad_certificates_fail_the_handshake(server, connect, name) -> None:
 def test_no_client_certificate_fails_the_handshake(server, lab) -> None:
     before = calls(server)
     channel = grpc.secure_channel(server.target, grpc.ssl_channel_credentials(root_certificates=lab.creds["alice"].ca))
-    stub = __import__("transports.pci_remote._generated.device_pb2_grpc", fromlist=["x"]).DeviceServiceStub(channel)
+    stub = __import__("tinydist.transports.pci_remote._generated.device_pb2_grpc", fromlist=["x"]).DeviceServiceStub(channel)
     assert code_of(stub.WhoAmI, pb.WhoAmIRequest(), timeout=5) == grpc.StatusCode.UNAVAILABLE
     channel.close()
     assert calls(server) == before
@@ -38,7 +38,7 @@ def test_no_client_certificate_fails_the_handshake(server, lab) -> None:
 
 def test_plaintext_is_refused(server) -> None:
     channel = grpc.insecure_channel(server.target)
-    stub = __import__("transports.pci_remote._generated.device_pb2_grpc", fromlist=["x"]).DeviceServiceStub(channel)
+    stub = __import__("tinydist.transports.pci_remote._generated.device_pb2_grpc", fromlist=["x"]).DeviceServiceStub(channel)
     assert code_of(stub.WhoAmI, pb.WhoAmIRequest(), timeout=5) == grpc.StatusCode.UNAVAILABLE
     channel.close()
 

@@ -15,12 +15,12 @@ import time
 import grpc
 import pytest
 
-from nodes.service import ServerConfig
+from tinydist.nodes.service import ServerConfig
 from tinydist.security import pki
 from tinydist.security.identity import IdentityError, PeerCache, peer_from_auth_context
 from tinydist.security.pki import PKIError, ServerCredentials
 from tinydist.security.policy import PolicyStore
-from transports.pci_remote._generated import device_pb2 as pb
+from tinydist.transports.pci_remote._generated import device_pb2 as pb
 
 from .conftest import TD, code_of, lease_of
 
@@ -169,7 +169,7 @@ def test_a_revoked_certificate_ends_its_open_stream_at_the_next_message(make_ser
 
 
 def test_connections_have_an_age_and_an_idle_limit() -> None:
-    from nodes.server import server_options
+    from tinydist.nodes.server import server_options
     options = dict(server_options(ServerConfig(max_connection_age_s=120, max_connection_idle_s=30)))
     assert options["grpc.max_connection_age_ms"] == 120_000 and options["grpc.max_connection_idle_ms"] == 30_000
 

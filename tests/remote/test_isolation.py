@@ -1,5 +1,5 @@
 """Tenant kernels cannot leave their tenant (issue 23, item 1): each identity's kernels run in a
-worker process of its own (`nodes.tenants`) that maps only that identity's buffers and is confined
+worker process of its own (`tinydist.nodes.tenants`) that maps only that identity's buffers and is confined
 by rlimits and a seccomp filter; a crash or a kernel past its deadline ends that worker only, the
 node and every other tenant carry on. Real certificates on loopback; the crash tests run against a
 `tinydist node serve` process."""
@@ -20,7 +20,7 @@ import pytest
 
 from tests.remote.conftest import code_of, lease_of
 from tests.remote.test_node import serving_node
-from transports.pci_remote._generated import device_pb2 as pb
+from tinydist.transports.pci_remote._generated import device_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[2]
 BOB, DAVE = "spiffe://tinydist.lab/user/bob", "spiffe://tinydist.lab/user/dave"

@@ -11,8 +11,8 @@ import pytest
 
 from tinydist.runtime.remote.client import channel_options
 from tinydist.testing import spin_ir
-from transports.pci_remote import wire
-from transports.pci_remote._generated import device_pb2 as pb
+from tinydist.transports.pci_remote import wire
+from tinydist.transports.pci_remote._generated import device_pb2 as pb
 
 from .conftest import code_of, lease_of
 

@@ -18,7 +18,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from nodes.daemon import NodeOptions, prepare
+from tinydist.nodes.daemon import NodeOptions, prepare
 from .conftest import uri
 from tinydist.security.bind import bind_address
 
@@ -153,7 +153,7 @@ def test_node_serves_prometheus_metrics_that_count_rpcs_and_denials(lab, tmp_pat
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    from transports.pci_remote._generated import device_pb2 as pb
+    from tinydist.transports.pci_remote._generated import device_pb2 as pb
 
     with socket.socket() as probe:  # a free loopback port for the metrics endpoint
         probe.bind(("127.0.0.1", 0))

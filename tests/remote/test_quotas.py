@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 
 from tinydist.testing import spin_ir
-from transports.pci_remote._generated import device_pb2 as pb
+from tinydist.transports.pci_remote._generated import device_pb2 as pb
 
 from .conftest import code_of, lease_of
 

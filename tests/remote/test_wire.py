@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from tinydist.runtime.remote.client import CHUNK_BYTES
 from tinydist.runtime.remote.device import SourceChunks
-from transports.pci_remote import wire
-from transports.pci_remote._generated import device_pb2 as pb
+from tinydist.transports.pci_remote import wire
+from tinydist.transports.pci_remote._generated import device_pb2 as pb
 
 
 def varint(n: int) -> bytes:  # protobuf's own: a uint64 field's encoding after its one-byte tag

@@ -39,8 +39,8 @@ underscore, never seen outside their module) are not drawn, but are TinydistErro
     │   ├── CollectiveMismatch (ValueError)         ranks called different collectives / shapes / dtypes / ops
     │   ├── RankFailed                              a rank died or left mid-job; .rank
     │   ├── CollectiveTimeout (TimeoutError)        TINYDIST_COLLECTIVE_TIMEOUT passed; .ranks waited on
-    │   └── NodeFailed [scheduler.errors]           a node of the job died; .node_id, .rank
-    ├── ClusterError [scheduler.errors]             the cluster scheduler refused or could not do something
+    │   └── NodeFailed [tinydist.scheduler.errors]           a node of the job died; .node_id, .rank
+    ├── ClusterError [tinydist.scheduler.errors]             the cluster scheduler refused or could not do something
     │   ├── MembershipError                         a join, heartbeat or wait the coordinator refused
     │   ├── CoordinatorLost                         unreachable past TINYDIST_SCHEDULER_LOST_AFTER (retried with backoff)
     │   ├── JournalError                            the coordinator's --state-dir is corrupt, locked or unwritable
@@ -48,16 +48,16 @@ underscore, never seen outside their module) are not drawn, but are TinydistErro
     ├── PKIError [tinydist.security.pki]                     a certificate directory misses or holds something invalid
     ├── IdentityError [tinydist.security.identity]    the peer certificate names no one acceptable identity
     ├── PolicyError (ValueError) [tinydist.security.policy]    the policy file is missing or invalid; names the key
-    ├── VerificationError (ValueError) [nodes.verifier]    a program refused; names the rule
-    ├── RpcError [nodes.gate]    a node-service handler's refusal: .code, .reason
-    ├── DmaFault [transports.rdma_bnxt.softbnxt.physmem]    the NIC model touched unmapped memory
-    └── TransportError [transports.base]            a link broke its protocol or could not be set up
+    ├── VerificationError (ValueError) [tinydist.nodes.verifier]    a program refused; names the rule
+    ├── RpcError [tinydist.nodes.gate]    a node-service handler's refusal: .code, .reason
+    ├── DmaFault [tinydist.transports.rdma_bnxt.softbnxt.physmem]    the NIC model touched unmapped memory
+    └── TransportError [tinydist.transports.base]            a link broke its protocol or could not be set up
         ├── LinkClosed (ClosedResourceError)        this side closed the link or the group segment
         ├── PeerFailed                              the peer left without closing: .peer, .blamed, .reason, .code
-        ├── PeerGone [transports.cma]               the peer process died under a cross-memory copy
-        ├── WaitTimeout [transports.shm_group]      a shared-memory wait passed its deadline: .ranks, .step
-        ├── Abandoned [transports.shm_group]        a rank gave up on the group's step: .reason, .blamed, .ranks
-        └── RdmaError [transports.rdma_bnxt.errors]    .recovery, .hint (fields: that module's docstring)
+        ├── PeerGone [tinydist.transports.cma]               the peer process died under a cross-memory copy
+        ├── WaitTimeout [tinydist.transports.shm_group]      a shared-memory wait passed its deadline: .ranks, .step
+        ├── Abandoned [tinydist.transports.shm_group]        a rank gave up on the group's step: .reason, .blamed, .ranks
+        └── RdmaError [tinydist.transports.rdma_bnxt.errors]    .recovery, .hint (fields: that module's docstring)
             ├── Timeout                             firmware or a completion gave no answer in its budget
             ├── FirmwareError                       firmware answered with a non-zero code
             │   └── ProtocolViolation               firmware or the bus broke the protocol
@@ -128,7 +128,7 @@ class DeviceClosed(DeviceError, ClosedResourceError):
 
 
 class TenantWorkerFailed(DeviceError):
-    """A remote node's worker process for one tenant (`nodes.tenants`) died or was killed, or one of
+    """A remote node's worker process for one tenant (`tinydist.nodes.tenants`) died or was killed, or one of
     its requests failed (`fatal=False`). Names the tenant and the cause; the node keeps the tenant's
     buffers and starts a fresh worker at its next call."""
 

@@ -19,9 +19,11 @@ import argparse
 import os
 import signal
 import sys
+import tomllib
 import traceback
 from collections.abc import Sequence
-from importlib import import_module
+from importlib import import_module, metadata
+from pathlib import Path
 
 from tinydist.base import logs
 from tinydist.base.config import SettingError
@@ -33,6 +35,18 @@ EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
 
 # A module an optional extra provides (top-level import name) -> the extra that installs it.
 _EXTRAS = {"onnx": "onnx", "onnxruntime": "onnx", "matplotlib": "plot", "sklearn": "examples", "torch": "bench"}
+
+
+def version() -> str:
+    """This code's version. A source checkout (pyproject.toml two folders above this package, as with
+    PYTHONPATH=<repo> or `pip install -e .`) reads it from pyproject.toml, since an installed
+    distribution of the same name may be another copy; an installed wheel reads its metadata."""
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    if pyproject.is_file():
+        project = tomllib.loads(pyproject.read_text()).get("project", {})
+        if project.get("name") == "tinydist":
+            return f"{project['version']} (source checkout {pyproject.parent})"
+    return metadata.version("tinydist")
 
 
 def _devices(args: argparse.Namespace) -> int:
@@ -67,6 +81,7 @@ def _leaf_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentPars
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tinydist", description="asyncio-native distributed tensor runtime",
                                      epilog="exit codes: 0 ok, 1 runtime failure, 2 usage error, 130 interrupted")
+    parser.add_argument("--version", action="version", version=f"tinydist {version()}")
     parser.add_argument("--log-format", choices=["console", "json"], help="log rendering (default: TINYDIST_LOG_FORMAT or console)")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
                         help="lowest level printed (default: TINYDIST_LOG_LEVEL or warning)")

@@ -14,7 +14,7 @@ from tinydist.base.arguments import integer, seconds
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from scheduler.coordinator import serve
+    from tinydist.scheduler.coordinator import serve
     from tinydist.observability import metrics
     from tinydist.security.bind import bind_address
     from tinydist.security.pki import ServerCredentials
@@ -26,7 +26,7 @@ def _serve(args: argparse.Namespace) -> int:
             ServerCredentials.load(args.pki)
     except (OSError, ValueError) as exc:
         args.parser.error(str(exc))
-    from scheduler.errors import JournalError
+    from tinydist.scheduler.errors import JournalError
     try:
         with metrics.serving_from_args(args):  # --metrics: Prometheus text on loopback
             asyncio.run(serve(args.listen, args.pki, args.insecure_loopback_only, args.heartbeat_interval,
@@ -38,14 +38,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _credentials(args: argparse.Namespace) -> Any:
-    from scheduler.node import Credentials
+    from tinydist.scheduler.node import Credentials
     if args.insecure:
         return None
     return Credentials.load(args.cert, args.key, args.ca)
 
 
 def format_status(st: Any, plan_bytes: int | None = None) -> str:
-    from scheduler.node import topology_from_status
+    from tinydist.scheduler.node import topology_from_status
     lines = [f"cluster epoch {st.epoch}: {sum(m.state == 'alive' for m in st.members)} alive of {len(st.members)} nodes "
              f"(heartbeat {st.heartbeat_interval_s:g} s, dead after {st.miss_limit} misses)", "", "nodes:"]
     lines.append(f"  {'rank':>4}  {'node':<14} {'state':<6} {'host':<28} {'devices':<24} {'transports':<16} seen")
@@ -65,8 +65,8 @@ def format_status(st: Any, plan_bytes: int | None = None) -> str:
         lines.append(f"  {link.src:>14} <-> {link.dst:<14} {link.kind:<5} latency {link.latency_s * 1e6:9.1f} µs  "
                      f"bandwidth {link.bandwidth_bps / 1e9:7.3f} GB/s")
     if plan_bytes:
-        from scheduler.plan import plan_allreduce
-        from scheduler.errors import PlanError
+        from tinydist.scheduler.plan import plan_allreduce
+        from tinydist.scheduler.errors import PlanError
         try:
             lines += ["", "plan:", plan_allreduce(topology_from_status(st), plan_bytes, log=False).explain()]
         except PlanError as exc:
@@ -77,7 +77,7 @@ def format_status(st: Any, plan_bytes: int | None = None) -> str:
 def _status(args: argparse.Namespace) -> int:
     import grpc
 
-    from scheduler.node import status
+    from tinydist.scheduler.node import status
     from tinydist.security.pki import PKIError
     try:
         st = status(args.coordinator, _credentials(args), timeout=args.timeout)

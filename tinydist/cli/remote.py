@@ -11,7 +11,7 @@ from tinydist.observability import metrics
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from nodes.daemon import NodeOptions, prepare, serve
+    from tinydist.nodes.daemon import NodeOptions, prepare, serve
     options = NodeOptions(listen=args.listen, pki=Path(args.pki), policy=Path(args.policy) if args.policy else None,
                           devices=tuple(d.strip() for d in args.devices.split(",") if d.strip()),
                           allow_wildcard=args.allow_wildcard, insecure_loopback_only=args.insecure_loopback_only,

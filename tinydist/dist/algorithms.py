@@ -26,8 +26,8 @@ import anyio
 import numpy as np
 
 from tinydist.observability import tracing
-from transports.base import Link
-from transports.shm import SLOT_BYTES
+from tinydist.transports.base import Link
+from tinydist.transports.shm import SLOT_BYTES
 
 CHUNK_BYTES = SLOT_BYTES
 

@@ -8,7 +8,7 @@ group stays usable). The exchange doubles as the barrier, and tells allgather ea
 
 Two ways to run a collective:
 - ranks on one host (shared-memory links, x86-64 Linux) also map one group segment
-  (`transports.shm_group`): the header sits in shared memory next to the data, and the collective
+  (`tinydist.transports.shm_group`): the header sits in shared memory next to the data, and the collective
   runs on the caller's thread (`blocking`), reading peers' regions directly
   (`tinydist.dist.shm_algorithms`). An explicit `ring` still moves its data over the links.
 - otherwise headers and data go as link messages, on the event loop (`_collective`).
@@ -58,8 +58,8 @@ from tinydist.dist.rendezvous import connect_mesh, coordinator_listener, registe
 from tinydist.graph.collectives import Algorithm, Medium, check, choose_partitioned, resolve, resolve_partitioned, shard_bounds
 from tinydist.graph.reduce_ops import MEAN, collective_op
 from tinydist.observability import tracing
-from transports.base import Link, PeerFailed, TransportError
-from transports.shm_group import TIMED_OUT, Abandoned, ShmGroup, WaitTimeout, open_group
+from tinydist.transports.base import Link, PeerFailed, TransportError
+from tinydist.transports.shm_group import TIMED_OUT, Abandoned, ShmGroup, WaitTimeout, open_group
 
 T = TypeVar("T")
 # the algorithm of a collective that has one way to run (the others name theirs in the header)

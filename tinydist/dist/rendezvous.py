@@ -32,9 +32,9 @@ from tinydist.base.config import settings
 from tinydist.base.logs import get_logger
 from tinydist.dist.errors import CollectiveMismatch, CollectiveTimeout
 from tinydist.security.bind import bind_policy, parse_host_port
-from transports.base import FailureCallback, Link, PeerFailed, TransportError
-from transports.shm import ShmLink
-from transports.tcp import TcpLink, recv_exactly
+from tinydist.transports.base import FailureCallback, Link, PeerFailed, TransportError
+from tinydist.transports.shm import ShmLink
+from tinydist.transports.tcp import TcpLink, recv_exactly
 
 HELLO = struct.Struct("<4sI16s")
 MAGIC = b"TDST"
@@ -227,7 +227,7 @@ async def connect_mesh(rank: int, world: int, table: dict[str, Any], listener: s
                 elif transport in ("rdma", "auto"):
                     # between hosts: BNXT RDMA when both sides have a NIC (real, or the softbnxt
                     # model where TINYDIST_RDMA_NIC=soft), else TCP with the reason logged
-                    from transports.rdma_bnxt.transport import open_link
+                    from tinydist.transports.rdma_bnxt.transport import open_link
                     links[peer] = await open_link(socks[peer], rank, peer, job, on_failure=on_failure, timeout=timeout)
                 else:
                     links[peer] = TcpLink(socks[peer], peer, on_failure)

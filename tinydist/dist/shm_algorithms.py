@@ -1,4 +1,4 @@
-"""Collectives over a `transports.shm_group.ShmGroup`: ranks read each other's regions directly.
+"""Collectives over a `tinydist.transports.shm_group.ShmGroup`: ranks read each other's regions directly.
 
 A collective is a sequence of rounds; a round moves at most one slot (`slot_bytes`) per rank and
 is one or two steps, each a post-and-wait on every peer (no data frames, no acknowledgements: the
@@ -39,8 +39,8 @@ from tinydist.graph.collectives import shard_bounds
 from tinydist.graph.reduce_ops import ReduceOp
 from tinydist.observability import tracing
 from tinydist.runtime.compiler import host_reduce
-from transports import cma
-from transports.shm_group import ShmGroup
+from tinydist.transports import cma
+from tinydist.transports.shm_group import ShmGroup
 
 Verdict = Callable[[dict[int, bytes]], dict[int, dict[str, Any]]]
 
@@ -184,7 +184,7 @@ def allreduce_all2all(s: Session, x: np.ndarray, out: np.ndarray, op: ReduceOp) 
 
 def allreduce_single_copy(s: Session, x: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
     """The reduction of every rank's flat `x` into `out` (which may be `x`), copying straight between
-    the ranks' memory (`transports.cma`; the group agreed it may, `ShmGroup.single_copy_bytes`).
+    the ranks' memory (`tinydist.transports.cma`; the group agreed it may, `ShmGroup.single_copy_bytes`).
 
     Every rank publishes where its `x` and `out` are, then reduces its part piece by piece: it reads
     the peers' pieces into cache-sized scratch, reduces them with its own into its `out`, and writes

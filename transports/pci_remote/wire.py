@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from transports.pci_remote._generated import device_pb2 as pb
+from tinydist.transports.pci_remote._generated import device_pb2 as pb
 
 _LENGTH_DELIMITED = 2
 _MAX_VARINT_BYTES = 10

@@ -5,8 +5,8 @@ Layering (as tinygrad's driver): PciDevice (pci.py) -> HWRM mailbox (hwrm.py) ->
 it. See docs/rdma.md.
 """
 
-from transports.rdma_bnxt.device import BnxtDevice, Cq, DriverConfig, Mr, Qp
-from transports.rdma_bnxt.errors import (CompletionError, CQOverflow, FirmwareError, Flushed, LinkDown, ProtocolViolation, QpFatal,
+from tinydist.transports.rdma_bnxt.device import BnxtDevice, Cq, DriverConfig, Mr, Qp
+from tinydist.transports.rdma_bnxt.errors import (CompletionError, CQOverflow, FirmwareError, Flushed, LinkDown, ProtocolViolation, QpFatal,
                                          RdmaError, Recovery, RemoteAccessError, RetryExceeded, TeardownError, Timeout)
 
 __all__ = ["BnxtDevice", "CQOverflow", "CompletionError", "Cq", "DriverConfig", "FirmwareError", "Flushed", "LinkDown", "Mr",

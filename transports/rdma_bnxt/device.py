@@ -24,14 +24,14 @@ from typing import Any, TypeVar
 import numpy as np
 
 from tinydist.base.logs import get_logger
-from transports.rdma_bnxt import hsi
-from transports.rdma_bnxt.errors import (CompletionError, CQOverflow, CqeProtocolViolation, FirmwareError, Flushed, LinkDown,
+from tinydist.transports.rdma_bnxt import hsi
+from tinydist.transports.rdma_bnxt.errors import (CompletionError, CQOverflow, CqeProtocolViolation, FirmwareError, Flushed, LinkDown,
                                          LocalQpOperation, ProtocolViolation, QpFatal, RdmaError, RetryExceeded, TeardownError,
                                          Timeout, completion_error)
-from transports.rdma_bnxt.hwrm import Mailbox
-from transports.rdma_bnxt.ledger import PAGES, Entry, ResourceLedger
-from transports.rdma_bnxt.rcfw import Rcfw
-from transports.rdma_bnxt.wait import poll
+from tinydist.transports.rdma_bnxt.hwrm import Mailbox
+from tinydist.transports.rdma_bnxt.ledger import PAGES, Entry, ResourceLedger
+from tinydist.transports.rdma_bnxt.rcfw import Rcfw
+from tinydist.transports.rdma_bnxt.wait import poll
 
 PTE_VALID, PTE_LAST, PTE_NEXT_TO_LAST = 1, 2, 4
 VA_BASE = 0x7f00_0000_0000

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 
-from transports.base import TransportError
+from tinydist.transports.base import TransportError
 
 
 class Recovery(str, enum.Enum):

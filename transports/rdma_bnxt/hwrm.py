@@ -18,9 +18,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from transports.rdma_bnxt import hsi
-from transports.rdma_bnxt.errors import FirmwareError, ProtocolViolation, Timeout
-from transports.rdma_bnxt.wait import poll
+from tinydist.transports.rdma_bnxt import hsi
+from tinydist.transports.rdma_bnxt.errors import FirmwareError, ProtocolViolation, Timeout
+from tinydist.transports.rdma_bnxt.wait import poll
 
 
 class Mailbox:

@@ -16,8 +16,8 @@ from typing import Protocol
 
 import numpy as np
 
-from transports.rdma_bnxt.errors import NicUnavailable
-from transports.rdma_bnxt.softbnxt.nic import SoftNic
+from tinydist.transports.rdma_bnxt.errors import NicUnavailable
+from tinydist.transports.rdma_bnxt.softbnxt.nic import SoftNic
 
 BNXT_VENDOR, BNXT_DEVICE = 0x14E4, 0x1760
 

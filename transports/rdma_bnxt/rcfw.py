@@ -16,9 +16,9 @@ import asyncio
 import itertools
 from typing import Any
 
-from transports.rdma_bnxt import hsi
-from transports.rdma_bnxt.errors import FirmwareError, Timeout
-from transports.rdma_bnxt.wait import poll
+from tinydist.transports.rdma_bnxt import hsi
+from tinydist.transports.rdma_bnxt.errors import FirmwareError, Timeout
+from tinydist.transports.rdma_bnxt.wait import poll
 
 
 class Rcfw:

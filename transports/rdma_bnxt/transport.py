@@ -14,7 +14,7 @@ credited at once. Every completion's status is checked (an interrupt handler pol
 task classifies errors); any error fails the link with the classified RDMA error in the reason.
 
 The TCP socket the rendezvous made stays as the control channel: the QP handshake, BYE/ABORT, and
-peer-death detection (EOF), exactly as `transports.tcp.SocketLink` does.
+peer-death detection (EOF), exactly as `tinydist.transports.tcp.SocketLink` does.
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ import numpy as np
 
 from tinydist.base.config import settings
 from tinydist.base.logs import get_logger
-from transports.base import FailureCallback, Link, TransportError, as_bytes
-from transports.rdma_bnxt.device import BnxtDevice, DriverConfig, Mr, Qp
-from transports.rdma_bnxt.errors import NicUnavailable, RdmaError
-from transports.rdma_bnxt.pci import SoftPciDevice, find_pci_nic
-from transports.rdma_bnxt.softbnxt import FaultPlan, PhysMem, SoftNic
-from transports.rdma_bnxt.wait import poll
-from transports.tcp import SocketLink, TcpLink, recv_exactly
+from tinydist.transports.base import FailureCallback, Link, TransportError, as_bytes
+from tinydist.transports.rdma_bnxt.device import BnxtDevice, DriverConfig, Mr, Qp
+from tinydist.transports.rdma_bnxt.errors import NicUnavailable, RdmaError
+from tinydist.transports.rdma_bnxt.pci import SoftPciDevice, find_pci_nic
+from tinydist.transports.rdma_bnxt.softbnxt import FaultPlan, PhysMem, SoftNic
+from tinydist.transports.rdma_bnxt.wait import poll
+from tinydist.transports.tcp import SocketLink, TcpLink, recv_exactly
 
 RING_BYTES = 8 << 20                      # the receive ring each side exposes to its peer's RDMA WRITEs
 CHUNK_BYTES = 2 << 20                     # pieces of a message larger than the ring

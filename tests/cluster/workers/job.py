@@ -44,10 +44,10 @@ def main() -> int:
                    help="after the last step, wait this long for a re-registration with the coordinator")
     args = p.parse_args()
 
-    from scheduler.errors import ClusterError, NodeFailed
-    from scheduler.execute import ClusterJob
-    from scheduler.node import Credentials
-    from scheduler import checkpoint as ck
+    from tinydist.scheduler.errors import ClusterError, NodeFailed
+    from tinydist.scheduler.execute import ClusterJob
+    from tinydist.scheduler.node import Credentials
+    from tinydist.scheduler import checkpoint as ck
 
     creds = None
     if args.pki:

@@ -15,9 +15,9 @@ import grpc
 
 from tinydist.base.logs import get_logger
 from tinydist.security.pki import ClientCredentials
-from transports.pci_remote import wire
-from transports.pci_remote._generated import device_pb2 as pb
-from transports.pci_remote._generated import device_pb2_grpc as pb_grpc
+from tinydist.transports.pci_remote import wire
+from tinydist.transports.pci_remote._generated import device_pb2 as pb
+from tinydist.transports.pci_remote._generated import device_pb2_grpc as pb_grpc
 
 MAX_MESSAGE_BYTES = 8 << 20
 CHUNK_BYTES = 4 << 20

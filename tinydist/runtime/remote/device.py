@@ -26,8 +26,8 @@ from tinydist.runtime.device import Device
 from tinydist.runtime.program import Program, check_signature
 from tinydist.runtime.remote.client import CHUNK_BYTES, ClientCredentials, RemoteSession
 from tinydist.security.pki import PKIError
-from transports.pci_remote import wire
-from transports.pci_remote._generated import device_pb2 as pb
+from tinydist.transports.pci_remote import wire
+from tinydist.transports.pci_remote._generated import device_pb2 as pb
 
 REMOTE_BASE = 1 << 60
 PAGE = 4096

@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from transports.rdma_bnxt import hsi
-from transports.rdma_bnxt.softbnxt import wire
-from transports.rdma_bnxt.softbnxt.faults import FaultPlan
-from transports.rdma_bnxt.softbnxt.physmem import PAGE, DmaFault, PhysMem
+from tinydist.transports.rdma_bnxt import hsi
+from tinydist.transports.rdma_bnxt.softbnxt import wire
+from tinydist.transports.rdma_bnxt.softbnxt.faults import FaultPlan
+from tinydist.transports.rdma_bnxt.softbnxt.physmem import PAGE, DmaFault, PhysMem
 
 PSN_MASK = 0xffffff
 BURST = 256                      # MTU packets per wire frame (1 MiB)
