@@ -21,14 +21,14 @@ shapes, 2-vCPU VM, load 2-7):
   (4,096-8,192 entries, full by ~4,000 shapes); one unbounded: the allocator's index kept an
   empty list per size ever freed (~0.2 KiB/shape; now removed with the size's last block).
 - The allocator's reuse cache (TINYDIST_ALLOCATOR_CACHE_BLOCKS, 2,048 blocks): bounded, but its
-  bytes grow with this loop's ever-longer tensors (~4 KiB/shape of blocks held, the sample prints
-  them; ~6 KiB/shape of RSS: 5.4 with it given back before each sample against 11.6 without).
+  bytes grow with this loop's ever-longer tensors (8.1 KiB/shape of blocks held, 36.0 MiB at
+  5,000 shapes: the sample prints them; ~6 KiB/shape of RSS: 5.4 with it given back before each sample against 11.6 without).
 - The rest was free memory glibc kept: /proc/self/smaps put all of the growth in [heap], and one
   malloc_trim(0) took RSS below its level at 2,500 shapes. The loader now trims the heap every
   256 engines it disposes (`tinydist.runtime.cpu.loader`); with the index fix, 16.8 -> 11.6
   KiB/shape (10.5 -> 5.4 with the reuse cache given back before each sample).
-Measured after (5,000 shapes, one run, load 2.4-3.3): mappings +0 (0.000/shape, PASS), RSS +28.3
-MiB over the second half, 11.6 KiB/shape (PASS against < 16). Engines: disposing and reloading
+Measured after (5,000 shapes, load 2.4-3.3, two runs): mappings +0 (0.000/shape, PASS), RSS
++28.3 and +28.0 MiB over the second half, 11.6 and 11.5 KiB/shape (PASS against < 16). Engines: disposing and reloading
 6,000 objects costs 0.003 KiB per load (0.019 with 1,024 kept live): not a holder.
 Not a timing benchmark: figures are counts.
 """
