@@ -12,14 +12,24 @@ full. RSS grew a further ~130 KiB per shape (133.0 KiB measured): LLVM's O3 pipe
 0.50) keeps ~74 KiB of every module it optimises for the life of the process, and no glibc remedy
 touches it (malloc_trim, M_ARENA_MAX, fresh contexts or pass builders: the figures are in
 `tinydist.codegen.compile_worker`). Past TINYDIST_COMPILE_WORKER_AFTER modules that pipeline runs
-in a child process replaced every 256, and this process keeps none of it. Measured (5,000 shapes,
-2-vCPU VM, load average 5-8 from other jobs, one run): mappings +0 (0.000/shape, PASS), RSS +40.9
-MiB over the second half, 16.8 KiB/shape (MISS against < 16). What is left is not LLVM's pipeline:
-with O0 kernels (no pipeline at all) and 256 loaded kernels the same loop grows 14.2-14.6 KiB/shape
-(13.1 with malloc_trim), and tracemalloc puts ~7-8 KiB/shape of it in Python objects (kernel ASTs,
-schedules, lowerings, the loader's entries) still to be traced to their holder. It is not the
-shape caches filling (graph/lazy.py's and graph/shape.py's lru_caches of 4,096-8,192 entries): the
-O0 loop over 12,000 shapes still grows 16.2 KiB/shape from 6,000 to 12,000 (1,024 kernels loaded).
+in a child process replaced every 256, and this process keeps none of it. With that: mappings
++0 (PASS), RSS 16.8 KiB/shape (MISS against < 16, load 5-8). Of those 16.8 (traced 2,500 -> 5,000
+shapes, 2-vCPU VM, load 2-7):
+- Python objects: ~1.2 KiB/shape (tracemalloc, snapshots after the schedule cache and the kernel
+  LRU had turned over once; the 7-8 KiB/shape reported before counted those bounded caches'
+  fresh entries as growth), nearly all graph/lazy.py's and graph/shape.py's lru_caches filling
+  (4,096-8,192 entries, full by ~4,000 shapes); one unbounded: the allocator's index kept an
+  empty list per size ever freed (~0.2 KiB/shape; now removed with the size's last block).
+- The allocator's reuse cache (TINYDIST_ALLOCATOR_CACHE_BLOCKS, 2,048 blocks): bounded, but its
+  bytes grow with this loop's ever-longer tensors (8.1 KiB/shape of blocks held, 36.0 MiB at
+  5,000 shapes: the sample prints them; ~6 KiB/shape of RSS: 5.4 with it given back before each sample against 11.6 without).
+- The rest was free memory glibc kept: /proc/self/smaps put all of the growth in [heap], and one
+  malloc_trim(0) took RSS below its level at 2,500 shapes. The loader now trims the heap every
+  256 engines it disposes (`tinydist.runtime.cpu.loader`); with the index fix, 16.8 -> 11.6
+  KiB/shape (10.5 -> 5.4 with the reuse cache given back before each sample).
+Measured after (5,000 shapes, load 2.4-3.3, two runs): mappings +0 (0.000/shape, PASS), RSS
++28.3 and +28.0 MiB over the second half, 11.6 and 11.5 KiB/shape (PASS against < 16). Engines: disposing and reloading
+6,000 objects costs 0.003 KiB per load (0.019 with 1,024 kept live): not a holder.
 Not a timing benchmark: figures are counts.
 """
 
@@ -48,6 +58,7 @@ def main() -> None:
         import numpy as np
 
         import tinydist as td
+        from tinydist.runtime.engine import get_engine
         from tinydist.testing import process_resources  # (after TINYDIST_CACHE_DIR is set)
 
         samples: list[tuple[int, int, float]] = []
@@ -57,9 +68,13 @@ def main() -> None:
             (td.Tensor(x) * 2.0 + float(n)).exp().numpy()
             if n % step == 0:
                 gc.collect()
+                # the allocator's reuse cache is a bound of its own (TINYDIST_ALLOCATOR_CACHE_BLOCKS),
+                # counted in RSS: its bytes grow with this loop's ever-longer tensors, not with kernels
+                cached = sum(device.allocator.statistics().cached_bytes for device in get_engine().open_devices()) / 2**20
                 resources = process_resources()
                 samples.append((n, int(resources["mappings"]), resources["rss_mib"]))
-                print(f"shapes {n:6d}   mappings {samples[-1][1]:6d}   RSS {samples[-1][2]:8.1f} MiB", flush=True)
+                print(f"shapes {n:6d}   mappings {samples[-1][1]:6d}   RSS {samples[-1][2]:8.1f} MiB   "
+                      f"(of it the allocator's reuse cache: {cached:.1f} MiB)", flush=True)
     (n0, maps0, rss0), (n1, maps1, rss1) = samples[len(samples) // 2 - 1], samples[-1]
     per_map, per_rss = (maps1 - maps0) / (n1 - n0), (rss1 - rss0) / (n1 - n0) * 1024
     print(f"second half ({n0} -> {n1} shapes): {maps1 - maps0:+d} mappings ({per_map:.3f}/shape), "

@@ -183,3 +183,21 @@ async def test_random_sizes_reuse_blocks_and_the_cache_stays_bounded(cpu) -> Non
     assert again.address == address
     again.free()
     _assert_nothing_held(cpu)
+
+
+async def test_distinct_sizes_freed_keep_no_index_entry_past_the_cache(cpu) -> None:
+    # a process meeting ever-new tensor sizes (every new shape) evicts each size's last block;
+    # before, its size stayed a key of the cache's index with an empty list, one per size ever freed
+    alloc = cpu.allocator
+    alloc.cache_limit, alloc.cache_blocks = 1 << 30, 16
+    for n in range(1000, 1000 + 8 * 500, 8):  # 500 sizes below SIZE_CLASS_FROM: exact, never reused
+        alloc.alloc(n).free()
+    assert len(alloc._cache_order) == 16
+    assert len(alloc._cache) == 16 and all(alloc._cache.values())
+    assert set(alloc._cache) == {1000 + 8 * i for i in range(484, 500)}  # the 16 freed last
+    reused = alloc.alloc(1000 + 8 * 499)  # a size still cached is handed out again
+    assert alloc.statistics().cached_bytes == sum(range(1000 + 8 * 484, 1000 + 8 * 499, 8))
+    reused.free()
+    alloc.trim()
+    assert alloc._cache == {} and alloc._cache_order == {}
+    _assert_nothing_held(cpu)

@@ -298,7 +298,10 @@ class Allocator(ABC):
         while self._cache_order and (self._cached_bytes + block > self.cache_limit
                                      or len(self._cache_order) >= self.cache_blocks):
             oldest, size = self._cache_order.popitem(last=False)
-            self._cache[size].remove(oldest)
+            blocks = self._cache[size]
+            blocks.remove(oldest)
+            if not blocks:  # else every size ever freed keeps a key: one per new shape, without bound
+                del self._cache[size]
             self._cached_bytes -= size
             unmap.append((oldest, size))
         self._cache.setdefault(block, []).append(address)
