@@ -142,12 +142,6 @@ def _compare_and_swap() -> tuple[Program, Callable[[int, int, int], int]] | None
     return program, cas
 
 
-def _cas(address: int, expected: int, desired: int) -> int:
-    compiled = _compare_and_swap()
-    assert compiled is not None, "ShmGroup.supported() is checked before a group is made"
-    return compiled[1](address, expected, desired)
-
-
 _PROBE = 0x7464_7072_6F62_6500   # a rank's probe word is this | its rank: a read of the wrong address shows
 _FAILED = "failed: "   # rank 0's message instead of a segment name when it could not create one
 
@@ -161,6 +155,11 @@ class ShmGroup:
 
     def __init__(self, mapping: mmap.mmap, rank: int, world: int, slot_bytes: int) -> None:
         self.map, self.rank, self.world, self.slot_bytes = mapping, rank, world, slot_bytes
+        compiled = _compare_and_swap()
+        if compiled is None:
+            raise TransportError("a shared-memory group needs x86-64 Linux (futexes, its store order and a "
+                                 "compare-and-swap); check ShmGroup.supported() and use the links instead")
+        self._cas = compiled[1]   # bound once: a post is one native call, no lookup
         self.raw: np.ndarray | None = np.frombuffer(mapping, np.uint8)
         base = self.raw.ctypes.data
         self._words = [base + r * CONTROL_BYTES for r in range(world)]
@@ -286,7 +285,7 @@ class ShmGroup:
         when a peer gave up on this rank first (its poison is in our word: the step never happens)."""
         if self.steps is None:
             raise LinkClosed(f"the group's shared memory is closed (rank {self.rank})")
-        old = _cas(self._words[self.rank], self.step, self.step + 1)  # and wakes
+        old = self._cas(self._words[self.rank], self.step, self.step + 1)  # and wakes
         if old != self.step:
             raise self._abandoned(old)
         self.step += 1
@@ -313,7 +312,7 @@ class ShmGroup:
                     break
                 if seen >= step:
                     break
-                if _cas(self._words[r], seen, _poison(reason, blamed)) == seen:  # and wakes
+                if self._cas(self._words[r], seen, _poison(reason, blamed)) == seen:  # and wakes
                     poisoned.append(r)
                     break
         return poisoned
