@@ -469,14 +469,9 @@ class DeviceService:
             for i, (arg, kind) in enumerate(zip(request.args, program.signature)):
                 which = arg.WhichOneof("value")
                 if kind in ("r", "w", "rw"):
-                    if which != "buffer":
-                        raise RpcError(Code.INVALID_ARGUMENT, f"argument {i} must be a buffer")
-                    alloc = self._allocation(call, lease, arg.buffer.handle)
-                    _check_range(alloc.nbytes, arg.buffer.offset, arg.buffer.length)
-                    if alloc.device is not device or isinstance(alloc.buffer, Segment):
+                    alloc = self._buffer_argument(call, lease, device, i, arg)
+                    if isinstance(alloc.buffer, Segment):  # a tenant segment: its kernels run in the worker
                         raise RpcError(Code.INVALID_ARGUMENT, f"argument {i} lives on another device")
-                    if arg.buffer.length == 0:
-                        raise RpcError(Code.INVALID_ARGUMENT, f"argument {i} is an empty range")
                     view = alloc.buffer.view(arg.buffer.offset, arg.buffer.length)
                     views.append(view)
                     values.append(view)
@@ -501,6 +496,19 @@ class DeviceService:
         self._effect(call, "launch", program_id=request.program_id, buffers=[handle_tag(a.handle) for a in used])
         return pb.LaunchReply(seconds=seconds)
 
+    def _buffer_argument(self, call: Call, lease: Lease, device: Device, i: int, arg: Any) -> Allocation:
+        """Launch argument `i`'s allocation, checked: a buffer of the caller's lease on `device` and a
+        non-empty range inside it (the caller checks it is held where the kernel runs)."""
+        if arg.WhichOneof("value") != "buffer":
+            raise RpcError(Code.INVALID_ARGUMENT, f"argument {i} must be a buffer")
+        alloc = self._allocation(call, lease, arg.buffer.handle)
+        _check_range(alloc.nbytes, arg.buffer.offset, arg.buffer.length)
+        if alloc.device is not device:
+            raise RpcError(Code.INVALID_ARGUMENT, f"argument {i} lives on another device")
+        if arg.buffer.length == 0:  # inside the buffer (checked above), so a non-empty range starts in it
+            raise RpcError(Code.INVALID_ARGUMENT, f"argument {i} is an empty range")
+        return alloc
+
     async def _launch_isolated(self, request: pb.LaunchRequest, call: Call, lease: Lease, device: Device,
                                program: IsolatedProgram) -> pb.LaunchReply:
         """Launch in the caller's worker: only the caller's segments are mapped there; a crash or
@@ -511,14 +519,9 @@ class DeviceService:
         for i, (arg, kind) in enumerate(zip(request.args, program.signature)):
             which = arg.WhichOneof("value")
             if kind in ("r", "w", "rw"):
-                if which != "buffer":
-                    raise RpcError(Code.INVALID_ARGUMENT, f"argument {i} must be a buffer")
-                alloc = self._allocation(call, lease, arg.buffer.handle)
-                _check_range(alloc.nbytes, arg.buffer.offset, arg.buffer.length)
-                if alloc.device is not device or not isinstance(alloc.buffer, Segment):
+                alloc = self._buffer_argument(call, lease, device, i, arg)
+                if not isinstance(alloc.buffer, Segment):
                     raise RpcError(Code.INVALID_ARGUMENT, f"argument {i} lives on another device")
-                if arg.buffer.length == 0 or arg.buffer.offset >= alloc.nbytes:
-                    raise RpcError(Code.INVALID_ARGUMENT, f"argument {i} is an empty range")
                 args.append(("b", alloc.buffer.id, arg.buffer.offset))
                 if alloc not in used:
                     used.append(alloc)
