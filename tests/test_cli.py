@@ -84,6 +84,13 @@ def test_module_entry_point_in_a_subprocess() -> None:
     assert rows["CPU:0"][0] == "ok" and rows["CUDA"][0] == "n/a"
 
 
+def test_package_runs_as_a_module() -> None:
+    """`python -m tinydist` is what a user types first; it is the same command line."""
+    result = _run([sys.executable, "-m", "tinydist", "devices"])
+    assert result.returncode == 0, result.stderr
+    assert _table(result.stdout)["CPU:0"][0] == "ok"
+
+
 def test_installed_script_in_a_subprocess() -> None:
     script = Path(sys.executable).parent / "tinydist"
     if not script.exists():

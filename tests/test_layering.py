@@ -41,7 +41,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [  # lowest first: a layer imports o
     ("api", ("tinydist/__init__.py", "tinydist/testing.py")),
     ("nodes", ("nodes",)),
     ("scheduler", ("scheduler",)),
-    ("cli", ("tinydist/cli",)),
+    ("cli", ("tinydist/cli", "tinydist/__main__.py")),
 ]
 RANK = {name: rank for rank, (name, _) in enumerate(LAYERS)}
 

@@ -84,6 +84,17 @@ def test_traced_launch_job_records_collectives_steps_and_transport_on_both_ranks
         assert sum(e["args"]["bytes"] for e in sends) >= nbytes   # 2 steps of half: n/N each, plus the header
         assert sum(e["args"]["bytes"] for e in recvs) >= nbytes
 
+    # TINYDIST_TRACE's own path is the whole job: the launcher merges its ranks' files into it (it
+    # wrote an empty trace of its own process before), each rank's lane named once ("rank0", not
+    # "rank0 rank0")
+    merged = json.loads((tmp_path / "dist.json").read_text())
+    assert chrome.validate(merged) == []
+    processes = [e["args"]["name"] for e in merged["traceEvents"] if e.get("name") == "process_name"]
+    assert "rank0" in processes and "rank1" in processes, processes
+    assert not any(name.startswith(("rank0 rank0", "rank1 rank1")) for name in processes), processes
+    assert len([e for e in _spans(merged, "collective") if e["name"] == "all_reduce"]) == 4
+    assert "merged 2 rank trace(s) into" in run.stderr
+
 
 def test_model_run_has_compile_host_and_kernel_lanes_with_op_names() -> None:
     """An ONNX model (resnet of the architecture suite) traced from its first call: every kernel

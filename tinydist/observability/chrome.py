@@ -253,7 +253,8 @@ def merge(traces: Sequence[dict[str, Any]], labels: Sequence[str] | None = None)
             if "ts" in e:
                 e["ts"] = round(e["ts"] + shift, 3)
             if e.get("ph") == "M" and e.get("name") == "process_name":
-                e["args"] = {"name": f"{label} {e['args'].get('name', '')}".strip()}
+                name = e["args"].get("name", "")     # a rank's own lane ("rank0") is not named twice
+                e["args"] = {"name": name if name == label or name.startswith(f"{label} ") else f"{label} {name}".strip()}
             if e.get("ph") == "M" and e.get("name") == "process_sort_index":
                 e["args"] = {"sort_index": e["args"].get("sort_index", 0) + n * PID_STRIDE}
             if e.get("ph") in ("s", "t", "f"):

@@ -282,11 +282,30 @@ def _finish_env(tracer: Tracer, path: Path) -> None:
           f"{f', {tracer.dropped} dropped' if tracer.dropped else ''})", file=sys.stderr)
 
 
+_ENVIRONMENT_TRACE: tuple[Tracer, Path] | None = None
+
+
 def start_from_environment() -> Tracer | None:
     """If TINYDIST_TRACE names a path, trace the whole program and write it at exit."""
+    global _ENVIRONMENT_TRACE
     path = settings.TRACE
     if not path:
         return None
     tracer = start()
+    _ENVIRONMENT_TRACE = (tracer, Path(path))
     atexit.register(_finish_env, tracer, Path(path))
     return tracer
+
+
+def take_environment_trace() -> Path | None:
+    """Stop the TINYDIST_TRACE trace of this process without writing it and return its path (None
+    if there is none): `tinydist launch` does this, since its own process runs no tensor work and
+    the path is the ranks' (each writes `path.rankN.json`; the launcher merges them into `path`)."""
+    global _ENVIRONMENT_TRACE
+    if _ENVIRONMENT_TRACE is None:
+        return None
+    tracer, path = _ENVIRONMENT_TRACE
+    _ENVIRONMENT_TRACE = None
+    atexit.unregister(_finish_env)
+    stop(tracer, wait=True)
+    return path
