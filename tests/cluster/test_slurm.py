@@ -48,6 +48,7 @@ def _weights(path: Path) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(900)       # ~100 s here (Slurm up ~10 s, two short trainings); pyproject's 120 s is per unit test
 def test_sbatch_recipe_trains_as_one_two_rank_group_with_the_local_result(tmp_path):
     pytest.importorskip("sklearn")                # the example's data set (the `examples` extra)
     reason = slurm.unavailable()
