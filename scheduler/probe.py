@@ -56,9 +56,9 @@ async def _exchange(group: Any, peer: int, mine: np.ndarray, into: np.ndarray) -
 
 def _fit(small: list[float], large: list[float], per: int, large_bytes: int) -> tuple[float, float]:
     """(α, bandwidth) of t(n) = per·(α + nβ) from medians at SMALL and `large_bytes`."""
-    alpha = statistics.median(small) / per
-    beta = max(statistics.median(large) / per - alpha, 1e-12) / (large_bytes - SMALL)
-    return alpha, 1.0 / beta
+    t_small, t_large = statistics.median(small) / per, statistics.median(large) / per
+    beta = max(t_large - t_small, 1e-12) / (large_bytes - SMALL)     # a noisy large below the small: no slope
+    return max(t_small - SMALL * beta, 0.0), 1.0 / beta
 
 
 def _between_ranks(group: Any, reps: int) -> dict[int, tuple[float, float]]:
