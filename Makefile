@@ -27,8 +27,12 @@ test: lint
 	$(BIN)/python -m pytest -q
 
 # Tests marked `integration` (pyproject's addopts leaves them out of `make test`): two hosts in network
-# namespaces (tests/cluster/test_two_hosts.py). They need root; elsewhere they skip and -rs prints why.
+# namespaces (tests/cluster/test_two_hosts.py), a one-host Slurm running deploy/slurm/train.sbatch
+# (tests/cluster/test_slurm.py), ... First, as root, the Debian packages they need
+# (deploy/ci/apt-packages.txt, one per line) that are missing are installed with apt-get
+# (deploy/ci/install-packages.sh); not root, nothing is installed and the tests skip, -rs printing why.
 integration: $(STAMP)
+	sh deploy/ci/install-packages.sh
 	$(BIN)/python -m pytest -q -rs -m integration
 
 # The schedules and LLVM IR of a fixed graph corpus, against the goldens in tests/schedule/process_replay/.

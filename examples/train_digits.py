@@ -3,6 +3,8 @@
     .venv/bin/python examples/train_digits.py                 # one device
     .venv/bin/python examples/train_digits.py --devices 2     # data parallel over CPU:0, CPU:1 (one process)
     .venv/bin/tinydist launch --nproc 2 examples/train_digits.py   # data parallel over 2 processes
+    torchrun --nproc-per-node 2 examples/train_digits.py          # the same job under torchrun
+    sbatch --ntasks=2 deploy/slurm/train.sbatch examples/train_digits.py   # ... as a Slurm job (srun steps)
 
 Needs the `examples` extra (scikit-learn). Prints a progress bar per epoch (loss, test accuracy,
 samples/s) and exits non-zero if the final test accuracy is below --target.
@@ -51,9 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     rank, world = 0, 1
-    if "TINYDIST_WORLD_SIZE" in os.environ and int(os.environ["TINYDIST_WORLD_SIZE"]) > 1:
+    job = td.dist.job_environment()        # whichever launcher started us; None when run by hand
+    if job is not None and job.world_size > 1:
         td.dist.init()
         rank, world = td.dist.rank(), td.dist.world_size()
+        # every rank says where it is, so a job's log shows one group of `world` ranks (not `world` jobs of one)
+        print(f"rank {rank} of {world} in one group (launched by {job.source}, rendezvous {job.coordinator})", flush=True)
     out = sys.stdout if rank == 0 else open(os.devnull, "w")
 
     xtr, ytr, xte, yte = load(args.seed)

@@ -78,7 +78,7 @@ class ClusterJob:
     def measure_links(self) -> None:
         """Measure every link (all ranks), report them to the coordinator, plan on the measurements."""
         from tinydist.scheduler.probe import measure_links
-        records = measure_links(self.node_ids())
+        records = measure_links(self.node_ids(), devices=self.devices)
         self.agent.report_links([r for r in records if r.src == self.agent.node_id])
         topo = self.topology()
         for r in records:

@@ -14,7 +14,7 @@ n bytes, g devices per group, G groups, link (α, β, o):
   in group     naive   (g-1)·(α + nβ)                ring  2(g-1)·(α + nβ/g)
   across       naive   α + (G-1)·nβ + (G-1)·o        ring  2(G-1)·(α + nβ/G)
                all2all 2·(α + (G-1)·o) + 2(G-1)/G·nβ
-  back         α + (g-1)·nβ      (the leader's copy goes to every other device)
+  back         α + g·nβ          (scheduler.execute copies the host result to every device, the leader's too)
   flat ring    2(D-1)·(α + nβ/D) over D devices, (α, β) of the slowest link on the ring
 
 `Plan.explain()` prints the stages, the links, each candidate's modelled time and why the winner
@@ -141,7 +141,7 @@ def inter_cost(algorithm: str, G: int, n: float, link: LinkModel) -> float:
 
 
 def broadcast_cost(g: int, n: float, link: LinkModel) -> float:
-    return 0.0 if g <= 1 else link.alpha + (g - 1) * n * link.beta
+    return 0.0 if g <= 1 else link.alpha + g * n * link.beta
 
 
 def flat_ring_cost(D: int, n: float, link: LinkModel) -> float:

@@ -1,22 +1,35 @@
-"""Measure the links of a tinydist.dist group: latency (ping-pong of 8 bytes) and bandwidth (1 MiB).
+"""Measure the links of a tinydist.dist group as the allreduce stages use them (the planner's α and β).
+
+Between ranks: an exchange (both ranks of a pair send n bytes, receive n and add them in, as every
+step of naive, ring and all2all does), each one a separate call from this thread onto the group's
+loop (as every collective is), at 8 B (α) and 4 MiB (β = the extra time per byte). Inside a process with
+several devices ("mem", the in-group reduce and the copy back): tinydist.multi.allreduce (naive)
+over its devices at 8 B and 4 MiB, fitted to the planner's (g-1)·(α + nβ); with one device, a host
+copy. Why not a ping-pong and a memcpy, as before: on two network-namespace hosts over a veth (2
+shared cores, bench/cluster.py) the ping-pong's one-way time put a 1 MiB exchange at 0.7 ms where
+it took 1.9 ms, and the memcpy priced the in-process stage of 1 MiB at 0.03 ms where
+multi.allreduce took 2.3 ms: the plans were predicted 2.4-8x too fast.
 
 Pairs are measured in round-robin rounds (every rank in at most one pair per round), so every rank
 runs the same schedule; `measure_links` must be called on every rank, between collectives. The
 result is shared with all ranks (an allgather), so every rank plans on the same topology.
-In-process ("mem") links are measured as a host copy of the same size.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from typing import Any
 
+import anyio
 import numpy as np
 
 from tinydist.scheduler.membership import LinkRecord
 
-SMALL, LARGE = 8, 1 << 20
+# LARGE: one chunk of tinydist.dist's algorithms (CHUNK_BYTES), large enough that neither the kernel's
+# socket buffers nor the CPU caches hide the rate (at 1 MiB the probe priced 16 MiB allreduces 2.3x too fast)
+SMALL, LARGE = 8, 4 << 20
 KINDS = ("mem", "shm", "tcp", "rdma_bnxt", "other")
 
 
@@ -31,59 +44,83 @@ def rounds(world: int) -> list[list[tuple[int, int]]]:
     return out
 
 
-async def _pingpong(group: Any, peer: int, first: bool, nbytes: int, reps: int) -> list[float]:
+async def _exchange(group: Any, peer: int, mine: np.ndarray, into: np.ndarray) -> None:
+    """One exchange with `peer` as a step of naive's reducer runs it: both send `mine`, both add what
+    arrives into `into`."""
     link = group.links[peer]
-    buf = bytearray(nbytes)
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        if first:
-            await link.send(buf)
-            async with link.recv() as view:
-                pass
-        else:
-            async with link.recv() as view:
-                n = len(view)
-            await link.send(buf[:n] if n != nbytes else buf)
-        times.append(time.perf_counter() - start)
-    return times
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(link.send, mine)
+        async with link.recv() as view:
+            np.add(into, np.frombuffer(view, np.float32), out=into)
 
 
-async def _measure(group: Any, reps: int) -> dict[int, tuple[float, float]]:
+def _fit(small: list[float], large: list[float], per: int, large_bytes: int) -> tuple[float, float]:
+    """(α, bandwidth) of t(n) = per·(α + nβ) from medians at SMALL and `large_bytes`."""
+    t_small, t_large = statistics.median(small) / per, statistics.median(large) / per
+    beta = max(t_large - t_small, 1e-12) / (large_bytes - SMALL)     # a noisy large below the small: no slope
+    return max(t_small - SMALL * beta, 0.0), 1.0 / beta
+
+
+def _between_ranks(group: Any, reps: int) -> dict[int, tuple[float, float]]:
+    from tinydist import dist
     out: dict[int, tuple[float, float]] = {}
     for pairs in rounds(group.world):
         for a, b in pairs:
             if group.rank not in (a, b):
                 continue
             peer = b if group.rank == a else a
-            first = group.rank == a
-            small = await _pingpong(group, peer, first, SMALL, reps)
-            large = await _pingpong(group, peer, first, LARGE, max(3, reps // 4))
-            latency = statistics.median(small) / 2
-            per_large = statistics.median(large) / 2
-            out[peer] = (latency, LARGE / max(per_large - latency, 1e-9))
+            timed: dict[int, list[float]] = {}
+            for nbytes, count in ((SMALL, reps), (LARGE, max(3, reps // 4))):
+                mine, into = np.ones(nbytes // 4, np.float32), np.zeros(nbytes // 4, np.float32)
+                timed[nbytes] = []
+                for _ in range(count):
+                    # each exchange its own call from this thread, as each collective is: the hop onto the loop counts
+                    start = time.perf_counter()
+                    dist.run_on_loop(_exchange, group, peer, mine, into)
+                    timed[nbytes].append(time.perf_counter() - start)
+            out[peer] = _fit(timed[SMALL], timed[LARGE], 1, LARGE)
     return out
 
 
-def measure_links(node_ids: list[str], reps: int = 20) -> list[LinkRecord]:
-    """Every rank calls this; returns the measured links of the whole job (the same list on every rank)."""
+def _in_process(devices: Sequence[str], reps: int) -> tuple[float, float]:
+    """The in-process link: multi.allreduce (naive) over `devices`, as stage 1 runs it and reads it back;
+    with fewer than two devices (nothing to reduce) a host copy of LARGE bytes at 1 µs."""
+    if len(devices) < 2:
+        src = np.empty(LARGE // 8)
+        dst = np.empty_like(src)
+        copies = []
+        for _ in range(5):
+            start = time.perf_counter()
+            np.copyto(dst, src)
+            copies.append(time.perf_counter() - start)
+        return 1e-6, LARGE / max(statistics.median(copies), 1e-9)
+    from tinydist.frontend.tensor import Tensor
+    from tinydist.multi import allreduce
+    timed: dict[int, list[float]] = {}
+    for nbytes in (SMALL, LARGE):
+        inputs = [Tensor(np.zeros(nbytes // 4, np.float32), device=d) for d in devices]
+        allreduce(inputs, "sum", "naive")[0].numpy()          # warm-up: the kernels compiled once
+        timed[nbytes] = []
+        for _ in range(max(3, reps // 4)):
+            start = time.perf_counter()
+            allreduce(inputs, "sum", "naive")[0].numpy()
+            timed[nbytes].append(time.perf_counter() - start)
+    return _fit(timed[SMALL], timed[LARGE], len(devices) - 1, LARGE)
+
+
+def measure_links(node_ids: list[str], reps: int = 20, devices: Sequence[str] = ()) -> list[LinkRecord]:
+    """Every rank calls this (with its own `devices`); returns the measured links of the whole job
+    (the same list on every rank)."""
     from tinydist import dist
     group = dist.get_group()
     dist.barrier()
-    mine = dist.run_on_loop(_measure, group, reps) if group.world > 1 else {}
-    src = np.empty(LARGE // 8)
-    dst = np.empty_like(src)
-    copies = []
-    for _ in range(5):
-        start = time.perf_counter()
-        np.copyto(dst, src)
-        copies.append(time.perf_counter() - start)
-    mem_bw = LARGE / max(statistics.median(copies), 1e-9)
+    mine = _between_ranks(group, reps) if group.world > 1 else {}
+    mem_lat, mem_bw = _in_process(devices, reps)
     row = np.zeros((1, group.world, 3))
     for peer, (lat, bw) in mine.items():
         kind = getattr(group.links[peer], "kind", "tcp")
         row[0, peer] = (lat, bw, KINDS.index(kind) if kind in KINDS else len(KINDS) - 1)
-    row[0, group.rank] = (1e-6, mem_bw, 0)
+    row[0, group.rank] = (mem_lat, mem_bw, 0)
     table = dist.all_gather(row, axis=0).numpy() if group.world > 1 else row
     records = []
     for i in range(group.world):

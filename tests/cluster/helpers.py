@@ -16,7 +16,7 @@ JOB = Path(__file__).parent / "workers" / "job.py"
 def env(**extra: str) -> dict[str, str]:
     out = dict(os.environ, PYTHONPATH=str(ROOT))
     for name in ("TINYDIST_RANK", "TINYDIST_WORLD_SIZE", "TINYDIST_COORDINATOR", "TINYDIST_COORDINATOR_FD",
-                 "SLURM_PROCID", "KUBERNETES_SERVICE_HOST"):
+                 "SLURM_PROCID", "KUBERNETES_SERVICE_HOST", "RANK", "MASTER_ADDR"):
         out.pop(name, None)
     out.update(extra)
     return out

@@ -98,3 +98,18 @@ def test_simulated_kill_fails_survivors_naming_node_then_replans():
     again = sim.allreduce(64 << 20)
     order = [g.leader.node_id for g in again.plan.groups]
     assert frozenset(("n0001", "n0002")) not in {frozenset(p) for p in zip(order, order[1:] + order[:1])}
+
+
+def test_probe_fit_inverts_the_planners_stage_costs():
+    """What the probe fits from its two timings (8 B and 4 MiB) is what the planner's formula needs to
+    give those timings back: (g-1)(α + nβ) in a process of g devices, α + nβ for one exchange."""
+    from tinydist.scheduler.plan import intra_cost
+    from tinydist.scheduler.probe import LARGE, SMALL, _fit
+    from tinydist.scheduler.topology import LinkModel
+    g, t_small, t_large = 4, 3 * 85e-6, 3 * 0.9e-3        # naive over 4 devices: three reduction steps
+    alpha, bandwidth = _fit([t_small, 2 * t_small, t_small / 2], [t_large] * 3, g - 1, LARGE)
+    link = LinkModel("mem", alpha, 1 / bandwidth)
+    assert intra_cost("naive", g, SMALL, link) == pytest.approx(t_small)
+    assert intra_cost("naive", g, LARGE, link) == pytest.approx(t_large)
+    alpha, bandwidth = _fit([2e-4], [4e-3], 1, LARGE)
+    assert LinkModel("tcp", alpha, 1 / bandwidth).time(LARGE) == pytest.approx(4e-3)

@@ -205,7 +205,7 @@ LAUNCH_VARIABLES: dict[str, str] = {
                                "starting the ranks; removed from the environment once used.",
     "TINYDIST_JOB_ID": "Names the job's shared-memory segments, so `tinydist launch` can sweep what a killed rank left.",
     "TINYDIST_PORT": "Rendezvous port on Slurm and Kubernetes, where the coordinator host comes from the scheduler "
-                     "(default 29400).",
+                     "(default 29400), and under torchrun (default MASTER_PORT + 1: torchrun's agent holds MASTER_PORT).",
     "TINYDIST_K8S_SERVICE": "The headless Service that names rank 0's pod on Kubernetes (when TINYDIST_COORDINATOR is unset).",
     "TINYDIST_NODE_ID": "This node's id for the cluster scheduler (else the pod name, `<SLURMD_NODENAME>-<localid>` "
                         "or `node-<rank>`).",
@@ -215,7 +215,8 @@ LAUNCH_VARIABLES: dict[str, str] = {
     "TINYDIST_KEY": "The client certificate's private key (PEM path).",
     "TINYDIST_CA": "The CA certificate (PEM path) that node and scheduler certificates must chain to.",
     "RANK, LOCAL_RANK, WORLD_SIZE": "torchrun's names, set by `tinydist launch` beside TINYDIST_RANK, TINYDIST_LOCAL_RANK "
-                                    "and TINYDIST_WORLD_SIZE (tinydist reads its own).",
+                                    "and TINYDIST_WORLD_SIZE (which win); read, with MASTER_ADDR, where torchrun "
+                                    "started the process.",
     "LOCAL_WORLD_SIZE, GROUP_RANK": "Set by `tinydist launch`, as torchrun does: ranks on this node (--nproc-per-node), "
                                     "and this node's rank (--node-rank).",
     "MASTER_ADDR, MASTER_PORT": "Set by `tinydist launch`, as torchrun does: where node 0 holds the rendezvous "

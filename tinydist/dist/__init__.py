@@ -1,7 +1,8 @@
 """Process-group collectives: one process per rank, started by `tinydist launch` (or by hand).
 
     import tinydist as td
-    td.dist.init()                                   # TINYDIST_RANK, TINYDIST_WORLD_SIZE, TINYDIST_COORDINATOR
+    if td.dist.job_environment() is not None:        # started by tinydist launch, torchrun, srun or Kubernetes
+        td.dist.init()                               # TINYDIST_RANK, TINYDIST_WORLD_SIZE, TINYDIST_COORDINATOR
     y = td.dist.all_reduce(td.Tensor(x), op="sum")   # algorithm="auto" | "naive" | "ring" | "all2all"
     td.dist.all_reduce(x, out=x)                     # numpy x overwritten with the result, as in torch
     td.dist.all_gather(t, axis=0); td.dist.reduce_scatter(t, op="sum", axis=0)
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from tinydist.dist.environment import launch
+from tinydist.dist.environment import JobEnvironment, detect, launch
 from tinydist.dist.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, RankFailed
 from tinydist.dist.group import EXITED, EXITED_ON_ERROR, ProcessGroup
 from tinydist.dist.parallel import DistributedDataParallel
@@ -33,10 +34,19 @@ from tinydist.runtime.engine import get_engine
 
 __all__ = ["CollectiveError", "CollectiveMismatch", "CollectiveTimeout", "DistributedDataParallel", "ProcessGroup", "RankFailed", "all_gather",
            "all_reduce", "barrier", "broadcast", "destroy", "fail", "get_group", "get_rank", "get_world_size", "init",
-           "is_initialized", "rank", "reduce_scatter", "run_on_loop", "world_size"]
+           "is_initialized", "job_environment", "rank", "reduce_scatter", "run_on_loop", "world_size"]
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
+
+
+def job_environment() -> JobEnvironment | None:
+    """Am I part of a job? What the launcher that started this process says about it (rank, world
+    size, rendezvous, and which launcher: tinydist launch, torchrun, an srun step, a Kubernetes
+    Indexed Job or StatefulSet), or None when none did. The one reader of every launcher's
+    variables (`tinydist.dist.environment.detect`), so a script that asks this before td.dist.init()
+    runs unchanged under each; it reads the environment only and joins nothing."""
+    return detect()
 
 
 def init(rank: int | None = None, world_size: int | None = None, coordinator: str | None = None,

@@ -1,17 +1,27 @@
 """Where am I in the job? The one reader of the launch variables, the same answer from `tinydist
-launch`, Slurm (srun) and Kubernetes.
+launch`, torchrun, Slurm (srun) and Kubernetes.
 
-`launch()` is what td.dist.init() reads: its rank, world size, coordinator and the socket a
-launcher handed down. It consults `apply()` when TINYDIST_RANK is not set, so one script runs unchanged:
+`detect()` (td.dist.job_environment()) answers "am I part of a job?": the launcher's view of this
+process, or None outside any. `launch()` is what td.dist.init() reads: its rank, world size,
+coordinator and the socket a launcher handed down. It consults `apply()` when TINYDIST_RANK is not
+set, so one script runs unchanged. The first row that matches wins (an inner launcher before an outer
+one: torchrun started by srun is torchrun's job):
 
 | source | rank | world size | tinydist.dist coordinator |
 |---|---|---|---|
 | tinydist launch / by hand | TINYDIST_RANK | TINYDIST_WORLD_SIZE | TINYDIST_COORDINATOR |
-| Slurm (srun) | SLURM_PROCID | SLURM_NTASKS (SLURM_NPROCS) | first host of SLURM_STEP_NODELIST (else SLURM_NODELIST) : TINYDIST_PORT |
+| torchrun (torch.distributed's env://) | RANK | WORLD_SIZE | MASTER_ADDR : TINYDIST_PORT, else MASTER_PORT + 1 |
+| Slurm (an srun step) | SLURM_PROCID | SLURM_NTASKS (SLURM_NPROCS) | first host of SLURM_STEP_NODELIST (else SLURM_NODELIST) : TINYDIST_PORT |
 | Kubernetes Indexed Job | JOB_COMPLETION_INDEX | TINYDIST_WORLD_SIZE | TINYDIST_COORDINATOR, else <job>-0.<TINYDIST_K8S_SERVICE>:TINYDIST_PORT |
 | Kubernetes StatefulSet | ordinal suffix of HOSTNAME (`train-3`) | TINYDIST_WORLD_SIZE | as above, <statefulset>-0.<service> |
 
-TINYDIST_PORT defaults to 29400. Local rank: SLURM_LOCALID, else 0 (one pod per rank). The node id
+torchrun's agent holds MASTER_PORT itself (its TCPStore: binding it fails with EADDRINUSE, seen with
+torch 2.13's `torchrun --standalone`), hence the next port. Slurm counts only inside a step: the
+batch script itself also has SLURM_PROCID=0 and SLURM_NTASKS=<the allocation's tasks> but no
+SLURM_STEP_ID (seen under Slurm 22.05), and a script run there without srun is one process, not
+rank 0 of a group whose other ranks never start.
+
+TINYDIST_PORT defaults to 29400. Local rank: SLURM_LOCALID or LOCAL_RANK, else 0 (one pod per rank). The node id
 for the cluster scheduler: TINYDIST_NODE_ID, else the pod name, else `<SLURMD_NODENAME>-<localid>`,
 else `node-<rank>`. Every integer is parsed by `tinydist.base.config.launch_int`, so a bad TINYDIST_RANK
 (or SLURM_PROCID, ...) raises the same LaunchError wherever it is read.
@@ -34,7 +44,7 @@ DEFAULT_COORDINATOR = f"127.0.0.1:{DEFAULT_PORT}"
 
 @dataclass(frozen=True)
 class JobEnvironment:
-    source: str                 # "tinydist", "slurm", "kubernetes"
+    source: str                 # "tinydist", "torchrun", "slurm", "kubernetes"
     rank: int
     world_size: int
     local_rank: int
@@ -100,7 +110,13 @@ def detect(env: MutableMapping[str, str] | None = None) -> JobEnvironment | None
         return JobEnvironment("tinydist", rank, world, _optional_int(env, "TINYDIST_LOCAL_RANK", 0),
                               env.get("TINYDIST_COORDINATOR", f"127.0.0.1:{port}"),
                               env.get("TINYDIST_NODE_ID", f"node-{rank}"), scheduler)
-    if "SLURM_PROCID" in env:
+    if all(name in env for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        rank = _int(env, "RANK")
+        after = _int(env, "TINYDIST_PORT") if "TINYDIST_PORT" in env else _int(env, "MASTER_PORT") + 1
+        return JobEnvironment("torchrun", rank, _int(env, "WORLD_SIZE"), _optional_int(env, "LOCAL_RANK", 0),
+                              env.get("TINYDIST_COORDINATOR", f"{env['MASTER_ADDR']}:{after}"),
+                              env.get("TINYDIST_NODE_ID", f"node-{rank}"), scheduler)
+    if "SLURM_PROCID" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env):
         rank = _int(env, "SLURM_PROCID")
         world = _int(env, "SLURM_NTASKS" if "SLURM_NTASKS" in env else "SLURM_NPROCS")
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST") or env.get("SLURM_JOB_NODELIST")
@@ -130,7 +146,7 @@ def detect(env: MutableMapping[str, str] | None = None) -> JobEnvironment | None
 
 
 def apply(env: MutableMapping[str, str] | None = None) -> JobEnvironment | None:
-    """Fill in TINYDIST_RANK / WORLD_SIZE / LOCAL_RANK / COORDINATOR from Slurm or Kubernetes (never
+    """Fill in TINYDIST_RANK / WORLD_SIZE / LOCAL_RANK / COORDINATOR from torchrun, Slurm or Kubernetes (never
     overriding what is already set). Returns what was detected."""
     env = os.environ if env is None else env
     found = detect(env)
@@ -155,7 +171,7 @@ class Launch:
 def launch(rank: int | None = None, world_size: int | None = None, coordinator: str | None = None,
            coordinator_sock: socket.socket | None = None, env: MutableMapping[str, str] | None = None) -> Launch:
     """The arguments of td.dist.init() completed from the launch variables: what is passed wins, the
-    rest comes from TINYDIST_* (mapped from Slurm or Kubernetes first when TINYDIST_RANK is unset).
+    rest comes from TINYDIST_* (mapped from torchrun, Slurm or Kubernetes first when TINYDIST_RANK is unset).
     Rank 0 takes the socket `tinydist launch` bound (TINYDIST_COORDINATOR_FD, consumed: removed from
     `env` so this process's own children cannot reuse it) unless a socket or coordinator is passed."""
     env = os.environ if env is None else env
