@@ -148,6 +148,8 @@ def test_status_of_no_scheduler_is_one_line_on_stderr(tmp_path: Path) -> None:
     (["--world-size", "0"], 2, "--world-size: must be at least 1, got 0"),
     (["--world-size", "2", "--devices", ","], 2, "--devices: expected a comma-separated list"),
     (["--world-size", "2", "--coordinator", "10.1.2.3:29500"], 1, "refusing an insecure channel to 10.1.2.3:29500"),
+    (["--world-size", "2", "--coordinator", "nohost"], 2, "--coordinator: expected HOST:PORT, got 'nohost'"),
+    (["--world-size", "2", "--coordinator", "127.0.0.1:99999"], 2, "expected a port number 0-65535, got '99999'"),
 ])
 def test_node_join_user_errors(args: list[str], code: int, needle: str) -> None:
     result = _tinydist("node", "join", "--insecure", "--node-id", "node-9", *args)

@@ -19,7 +19,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from tinydist.base.arguments import integer, seconds
+from tinydist.base.arguments import endpoint, integer, seconds
+
+
+def _address(text: str) -> str:
+    """A coordinator's HOST:PORT, checked when the flags are parsed (a bad one is a usage error, exit 2)."""
+    endpoint(text)
+    return text
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -224,7 +230,7 @@ def add_commands(subparsers: Any) -> None:
         description="Join `tinydist scheduler serve` at --coordinator, wait for --world-size nodes, start "
                     "tinydist.dist between them, measure and report the links, then heartbeat until SIGTERM or "
                     "Ctrl-C, and leave (what tinydist.scheduler.execute.ClusterJob.start does in Python).")
-    join.add_argument("--coordinator", default="127.0.0.1:29500", help="host:port of `tinydist scheduler serve`")
+    join.add_argument("--coordinator", default="127.0.0.1:29500", type=_address, help="host:port of `tinydist scheduler serve`")
     join.add_argument("--node-id", required=True, help="this node's id (with mTLS: the name in its certificate)")
     join.add_argument("--world-size", type=integer(1), required=True, help="nodes in the job; waits for them all")
     join.add_argument("--devices", default="CPU:0", help="comma-separated local devices (default CPU:0)")
@@ -242,7 +248,7 @@ def add_commands(subparsers: Any) -> None:
     cluster = subparsers.add_parser("cluster", help="inspect a running cluster")
     cluster_cmds = cluster.add_subparsers(dest="cluster_command", required=True, metavar="COMMAND")
     st = cluster_cmds.add_parser("status", help="nodes, devices, peer groups and measured links")
-    st.add_argument("--coordinator", default="127.0.0.1:29500", help="host:port of `tinydist scheduler serve`")
+    st.add_argument("--coordinator", default="127.0.0.1:29500", type=_address, help="host:port of `tinydist scheduler serve`")
     _add_credentials(st)
     st.add_argument("--json", action="store_true",
                     help="every ClusterStatus field as JSON (snake_case, defaults included, numbers as numbers)")
