@@ -180,3 +180,22 @@ def test_sigterm_leaves_cleanly(tmp_path: Path) -> None:
     finally:
         node.close()
         coordinator.stop()
+
+
+def test_a_peer_s_death_ends_the_join_with_its_name(tmp_path: Path) -> None:
+    """A joined node whose peer is SIGKILLed hears of the death from the coordinator (missed
+    heartbeats) and exits 1 naming the dead node, without a traceback."""
+    coordinator = Coordinator(tmp_path, "--insecure-loopback-only", interval=0.2, misses=5)
+    nodes = [_join(coordinator.address, f"node-{i}", 2, "--rank", str(i), "--no-probe") for i in range(2)]
+    try:
+        for node in nodes:
+            node.wait_for("joined", 90)
+        nodes[1].proc.kill()
+        assert nodes[0].finish(30) == 1, nodes[0].text
+        last = nodes[0].text.strip().splitlines()[-1]
+        assert last.startswith("tinydist node join: error: ") and "node-1" in last, nodes[0].text
+        assert "Traceback" not in nodes[0].text
+    finally:
+        for node in nodes:
+            node.close()
+        coordinator.stop()
