@@ -14,6 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+# each example is a fresh interpreter that imports tinydist and compiles its kernels: 5-25 s each here
+pytestmark = pytest.mark.timeout(300)
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 

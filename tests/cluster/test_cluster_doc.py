@@ -9,9 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.cluster.helpers import ROOT, Coordinator, Output, env
 
 DOC = ROOT / "docs" / "cluster.md"
+# certificates, a scheduler, two joins, then four processes started one after another: 35-45 s here
+pytestmark = pytest.mark.timeout(300)
 TINYDIST = f"{sys.executable} -m tinydist.cli"
 
 
