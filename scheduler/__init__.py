@@ -1,14 +1,16 @@
-"""The cluster scheduler: membership, peer groups, placement, collective planning, failure handling.
+"""The cluster scheduler: membership, peer groups, collective planning, failure handling.
 
     tinydist scheduler serve --listen 127.0.0.1:29500 --pki ./lab        # the coordinator
+    tinydist node join --coordinator 127.0.0.1:29500 --node-id node-0 --world-size 2   # a node, from flags
     job = scheduler.ClusterJob.start("127.0.0.1:29500", "node-0", ["CPU:0", "CPU:1"], world_size=2,
-                                     credentials=scheduler.Credentials.load())
-    outs = job.all_reduce([t0, t1]); print(job.plan(t0.nbytes).explain())
+                                     credentials=scheduler.Credentials.load())   # a node, in Python
+    outs = job.all_reduce([t0, t1]); print(job.plan(t0.numpy().nbytes).explain())
 
 See docs/cluster.md. Modules: topology (nodes, peer groups, α–β links), plan (hierarchical planner),
-membership (join/heartbeat/death, clock injected), coordinator (gRPC service), node (node agent),
-execute (real hierarchical allreduce), placement (cluster-wide sharding), checkpoint, sim (simulated
-cluster). The Slurm / Kubernetes variables are mapped by tinydist/dist/environment.py.
+membership (join/heartbeat/death, clock injected), coordinator (gRPC service), journal (its
+write-ahead state), node (node agent), probe (link measurements), execute (real hierarchical
+allreduce), checkpoint, sim (simulated cluster). The Slurm / Kubernetes variables are mapped by
+tinydist/dist/environment.py.
 """
 
 from tinydist.scheduler.errors import ClusterError, CoordinatorLost, JournalError, MembershipError, NodeFailed, PlanError

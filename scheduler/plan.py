@@ -247,12 +247,18 @@ def plan_allreduce(topology: Topology, nbytes: int, *, executable: bool = True, 
                         inter_cost(algorithm, G, nbytes, link) if link else 0.0, "tinydist.dist between group leaders"),
                   Stage("broadcast-in-group", "direct", intra, g, bcast, "leader's result copied to each device")]
         strategy = "hierarchical"
-    runner_up = sorted((v, k) for k, v in candidates.items() if k != winner)
-    reason = f"{winner} is cheapest under the α–β model"
-    if runner_up:
-        reason += f" ({_secs(usable[winner])} vs {runner_up[0][1]} {_secs(runner_up[0][0])})"
+    # the why compares the winner with what it was chosen from (the flat ring only when executable is
+    # off), so the numbers it quotes never contradict it; a cheaper flat ring it could not run is named apart
+    rivals = sorted((v, k) for k, v in candidates.items() if k != winner and (k != "flat-ring" or not executable))
+    if forced is not None:
+        reason = f"{winner}: the across-groups algorithm was forced (inter={inter!r})"
+    else:
+        reason = f"{winner} is the cheapest {'executable ' if executable else ''}candidate under the α–β model"
+    if rivals:
+        reason += f" ({_secs(usable[winner])} vs {rivals[0][1]} {_secs(rivals[0][0])})"
     if executable and candidates["flat-ring"] < usable[winner]:
-        reason += "; flat-ring would be cheaper but is not executable between multi-device processes"
+        reason += (f"; flat-ring would be cheaper ({_secs(candidates['flat-ring'])}) but is not executable "
+                   "between multi-device processes")
     notes = []
     if dead:
         notes.append(f"excluded dead nodes: {', '.join(dead[:8])}{' ...' if len(dead) > 8 else ''}")
