@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -57,3 +58,18 @@ def test_compare_revisions_reads_report_json_and_printed_tables(tmp_path: Path) 
     assert compare.verdict(1.0, 1.2, "us per call") == "SLOWER"
     assert compare.verdict(1.0, 1.2, "GFLOP/s") == "faster"
     assert compare.verdict(1.0, 1.05, "ms") == "same"
+
+
+def test_architectures_table_runs_tiny() -> None:
+    """bench/architectures.py at its smallest: one coverage-set model, both thread counts, the
+    summary lines and a first call (cold and warm cache)."""
+    pytest.importorskip("onnxruntime")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "architectures.py"), "--frames", "2", "--warmup", "1",
+                           "--models", "squeezenet", "--batches", "1", "--threads", "1,2", "--first-call", "squeezenet"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split()[:3] for line in proc.stdout.splitlines() if re.match(r"squeezenet +\d+ +\d+ ", line)]
+    assert rows == [["squeezenet", "1", "1"], ["squeezenet", "1", "2"]], proc.stdout
+    assert "batch 1 threads 2: median ratio" in proc.stdout, proc.stdout
+    assert "squeezenet first call (load + capture + compile, batch 1): cold cache" in proc.stdout, proc.stdout

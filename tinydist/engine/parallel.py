@@ -1,11 +1,13 @@
 """A captured schedule split across threads: the parts of a parallel entry point.
 
-Each call big enough to pay for a phase of its own is cut into pieces (one per thread, two for a
-matmul), every piece an ordinary program over a slice of the call's output:
+Each call big enough to pay for a phase of its own is cut into pieces (one per thread; two for a
+matmul over a batch or a packed weight), every piece an ordinary program over a slice of the
+call's output:
 
 - a matmul over its batch (attention heads: each piece a run of whole products) or, in a batch of
   one, over M in multiples of the micro-tile's MR rows (each piece a contiguous block of rows of
-  A and C; B, a packed weight or a convolution's strided columns, shared). Every element of C is
+  A and C; B, a packed weight or a convolution's strided columns, shared — an unpacked B is
+  packed by every piece, so such a product gets one piece per thread). Every element of C is
   the same FMA chain whichever tile computes it (`tinydist.codegen.matmul`), so the results are
   bitwise those of one thread. Each piece past the first gets a workspace of its own.
 - a kernel (elementwise, or a reduce over inner axes) over its outermost axis longer than 1:
@@ -40,9 +42,9 @@ Piece = tuple[Any, tuple[int, ...]]
 # several times that. 4 MFLOP is ~20-40 µs of one core's GEMM (100-200 GFLOP/s); 64K elements is
 # ~20 µs of an elementwise kernel streaming from L2.
 MATMUL_SPLIT_FLOPS = 4_000_000
-# a matmul is cut finer than one piece per thread: a thread that lost its core for a while leaves
-# less for the others to wait on (pieces of one program cost nothing to compile; a kernel's pieces
-# are programs of their own, so a kernel gets one per thread)
+# a matmul whose pieces share no work is cut finer than one piece per thread: a thread that lost
+# its core for a while leaves less for the others to wait on (pieces of one program cost nothing
+# to compile; a kernel's pieces are programs of their own, so a kernel gets one per thread)
 MATMUL_PIECES_PER_THREAD = 2
 KERNEL_SPLIT_ELEMENTS = 65_536
 _ALIGN = 64
@@ -141,7 +143,9 @@ def split(calls: Sequence[Call], buffers: Sequence[Buffer | None], device: Devic
         if isinstance(call, KernelCall):
             pieces = _split_kernel(call, buffers, device, threads)
         elif isinstance(call, MatmulCall):
-            pieces = _split_matmul(call, buffers, device, threads * MATMUL_PIECES_PER_THREAD, workspaces)
+            # a piece of rows packs all of an unpacked B itself (a convolution's columns): one per thread then
+            finer = call.prepacked or call.batch >= 2
+            pieces = _split_matmul(call, buffers, device, threads * (MATMUL_PIECES_PER_THREAD if finer else 1), workspaces)
         if pieces is None:
             for command in lower_call(call, buffers, device, []):
                 assert isinstance(command, Launch), command
