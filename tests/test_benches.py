@@ -66,10 +66,11 @@ def test_architectures_table_runs_tiny() -> None:
     pytest.importorskip("onnxruntime")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "architectures.py"), "--frames", "2", "--warmup", "1",
-                           "--models", "squeezenet", "--batches", "1", "--threads", "1,2", "--first-call", "squeezenet"],
+                           "--models", "squeezenet", "--batches", "1", "--threads", "1,2", "--first-call", "squeezenet",
+                           "--first-call-threads", "default"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line.split()[:3] for line in proc.stdout.splitlines() if re.match(r"squeezenet +\d+ +\d+ ", line)]
     assert rows == [["squeezenet", "1", "1"], ["squeezenet", "1", "2"]], proc.stdout
     assert "batch 1 threads 2: median ratio" in proc.stdout, proc.stdout
-    assert "squeezenet first call (load + capture + compile, batch 1): cold cache" in proc.stdout, proc.stdout
+    assert "squeezenet first call (load + capture + compile, batch 1, threads default): cold cache" in proc.stdout, proc.stdout
