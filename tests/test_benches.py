@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -82,3 +83,19 @@ def test_cluster_bench_predicts_and_measures_every_plan_on_two_namespace_hosts()
     assert len([line for line in out.splitlines() if line.startswith("2x2 hierarchical 0.0625 MiB, chosen plan ")]) == 1, out
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
     assert f"{netns.PREFIX}{bench.pid}-" not in listed, listed              # its two hosts removed
+
+
+def test_architectures_table_runs_tiny() -> None:
+    """bench/architectures.py at its smallest: one coverage-set model, both thread counts, the
+    summary lines and a first call (cold and warm cache)."""
+    pytest.importorskip("onnxruntime")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "architectures.py"), "--frames", "2", "--warmup", "1",
+                           "--models", "squeezenet", "--batches", "1", "--threads", "1,2", "--first-call", "squeezenet",
+                           "--first-call-threads", "default"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split()[:3] for line in proc.stdout.splitlines() if re.match(r"squeezenet +\d+ +\d+ ", line)]
+    assert rows == [["squeezenet", "1", "1"], ["squeezenet", "1", "2"]], proc.stdout
+    assert "batch 1 threads 2: median ratio" in proc.stdout, proc.stdout
+    assert "squeezenet first call (load + capture + compile, batch 1, threads default): cold cache" in proc.stdout, proc.stdout

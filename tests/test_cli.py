@@ -152,17 +152,19 @@ def files(tmp_path_factory) -> Path:
     (["relu.onnx", "--input", "x=nothere.npy"], 2, ["x=nothere.npy", "No such file"]),
     (["relu.onnx", "--input", "x=relu.onnx"], 2, ["x=relu.onnx", "not a .npy"]),
     (["relu.onnx", "--input", "x=ok.npy", "--bench", "-5"], 2, ["--bench", "-5"]),
+    (["relu.onnx", "--input", "x=ok.npy", "--threads", "0"], 2, ["--threads", "at least 1", "got 0"]),
     (["relu.onnx", "--input", "x=ok.npy", "--device", "GPU"], 2, ["--device GPU", "available devices: CPU:0"]),
     (["relu.onnx", "--input", "x=ok.npy", "--output", "nodir/out.npz"], 2, ["--output nodir/out.npz", "does not exist"]),
-], ids=["missing", "corrupt", "empty", "shape", "dtype", "unknown-input", "missing-npy", "not-npy", "bench", "device",
+], ids=["missing", "corrupt", "empty", "shape", "dtype", "unknown-input", "missing-npy", "not-npy", "bench", "threads", "device",
         "output-folder"])
 def test_infer_user_errors(files, argv, code, named) -> None:
     line = _user_error(_tinydist("infer", *argv, cwd=files), code, "infer", *named)
     assert "opset 0" not in line
 
 
-def test_infer_still_runs(files) -> None:
-    result = _tinydist("infer", "relu.onnx", "--input", "x=ok.npy", cwd=files)
+@pytest.mark.parametrize("threads", [[], ["--threads", "1"], ["--threads", "2"]], ids=["default", "1", "2"])
+def test_infer_still_runs(files, threads) -> None:
+    result = _tinydist("infer", "relu.onnx", "--input", "x=ok.npy", *threads, cwd=files)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["y", "shape", "(2,", "3)", "float32"]
 

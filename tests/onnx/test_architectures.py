@@ -116,3 +116,16 @@ def test_weights_in_an_external_data_file(name: str, tmp_path: Path) -> None:
     got = tdo.load(str(path))(feed)
     for have, expected in zip(got.values(), want):
         np.testing.assert_allclose(have, expected, rtol=0, atol=SCALE_TOL * float(np.abs(expected).max()))
+
+
+@pytest.mark.parametrize("name", [name for name in FILES if name.endswith("_default.onnx")],
+                         ids=lambda name: name.removesuffix("_default.onnx"))
+def test_threads_equal_one_thread_bitwise(name: str) -> None:
+    """The intra-op split (`tinydist.engine.parallel`) computes every element with the code one
+    thread uses: 1 and 2 threads agree bitwise, at batch 8 (where the big calls split)."""
+    entry = MANIFEST[name]
+    one, two = tdo.load(str(MODELS / name), threads=1), tdo.load(str(MODELS / name), threads=2)
+    for call in range(3):
+        feed = feeds(entry, 8, seed=7000 + call)
+        for (out_name, a), b in zip(one(feed).items(), two(feed).values()):
+            np.testing.assert_array_equal(a, b, err_msg=f"{name} call {call} output {out_name!r}")

@@ -95,7 +95,7 @@ def _infer(args: argparse.Namespace) -> int:
 
     proto = _read_model(args)
     try:
-        model = load(proto, device=args.device)
+        model = load(proto, device=args.device, threads=args.threads)
     except (DeviceNotFound, DeviceUnavailable) as e:  # the message lists the devices that do open
         args.parser.error(f"--device {args.device}: {e}")
     except UnsupportedModelError as e:
@@ -141,6 +141,8 @@ def add_commands(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--bench", type=integer(0), default=0, metavar="N", help="also time N frames: p50/p90/p99 latency")
     parser.add_argument("--warmup", type=integer(0), default=10, metavar="N", help="untimed frames before --bench (default 10)")
     parser.add_argument("--device", default="CPU", type=_parse_device, help="device to run on, e.g. CPU:1 (default CPU)")
+    parser.add_argument("--threads", type=integer(1), default=None, metavar="N",
+                        help="threads each frame's big kernels are split across (default: this machine's CPUs; 1: one thread)")
     parser.add_argument("--output", type=Path, metavar="FILE.npz",
                         help="write the outputs of the first frame to one .npz, keyed by output name")
     parser.add_argument("--save-outputs", type=Path, metavar="DIR",

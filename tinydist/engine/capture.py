@@ -32,8 +32,9 @@ class Capture:
     schedule's first targets; the rest are side effects, assigns made by the function)."""
 
     def __init__(self, schedule: Schedule, inputs: Sequence[LazyNode], arguments: Mapping[int, int],
-                 outputs: Sequence[LazyNode], replay: str = "auto") -> None:
+                 outputs: Sequence[LazyNode], replay: str = "auto", threads: int = 1) -> None:
         self.schedule = schedule
+        self.threads = threads  # the one-entry-point replay's (tinydist.engine.parallel)
         self.output_specs: list[tuple[Shape, DType, str]] = [(node.shape, node.dtype, node.device) for node in outputs]
         self.output_bytes = [node.nbytes for node in outputs]
         self.devices = {device for _, _, device in self.output_specs} | {call.device for call in schedule.linear}

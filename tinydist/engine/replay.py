@@ -30,6 +30,7 @@ from tinydist.base.config import settings
 from tinydist.base.errors import TinydistError
 from tinydist.base.logs import get_logger
 from tinydist.engine.commands import Launch, lower_call
+from tinydist.engine.parallel import split
 from tinydist.engine.streams import NativeStreams, overlap, span
 from tinydist.runtime import command_queue
 from tinydist.runtime.buffer import Buffer
@@ -90,7 +91,12 @@ class EntryReplay:
     def __init__(self, capture: Capture) -> None:
         self.capture = capture
         self.device = get_engine().device(next(iter(capture.devices)))
-        self.entry = _link(self.device, capture, capture.schedule.linear)
+        # over several threads when asked, on host memory, and some call is big enough to split
+        self.workspaces: list[np.ndarray] = []  # the split matmuls' extra workspaces
+        self.phases = split(capture.schedule.linear, capture.buffers, self.device, capture.threads, self.workspaces) \
+            if capture.threads > 1 and self.device.host_visible else None
+        self.entry = self.device.compiler.link_parallel(capture.threads, self.phases) if self.phases \
+            else _link(self.device, capture, capture.schedule.linear)
         b = capture.buffer
         self.arg_copies = [(position, b(number).address, b(number).nbytes) for position, number in capture.arg_slots]
         self.output_copies = [(b(n).address, b(n).nbytes) for n in capture.output_numbers]

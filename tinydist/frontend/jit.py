@@ -183,11 +183,14 @@ class _Captured:
 class TinyJit:
     """A jitted function; see the module docstring."""
 
-    def __init__(self, fn: Callable[..., Any], replay: str = "auto") -> None:
+    def __init__(self, fn: Callable[..., Any], replay: str = "auto", threads: int = 1) -> None:
         if replay not in REPLAYS:
             raise ValueError(f"replay must be one of {', '.join(REPLAYS)}, got {replay!r}")
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+            raise ValueError(f"threads must be a positive int (1: the calling thread alone), got {threads!r}")
         self.fn = fn
         self.replay = replay
+        self.threads = threads
         self.signature = inspect.signature(fn)
         self.calls = 0
         self.queued = 0  # replays since the caller last waited for the devices to catch up
@@ -358,7 +361,7 @@ class TinyJit:
         schedule, inputs = create_schedule(computed + side_effects)
         arguments = {number: arg_nodes[id(node)] for number, node in enumerate(inputs) if id(node) in arg_nodes}
         try:
-            capture = Capture(schedule, inputs, arguments, computed, self.replay)
+            capture = Capture(schedule, inputs, arguments, computed, self.replay, self.threads)
         except ReplayUnfit as exc:
             raise JitError(f"{self.fn.__name__}: {exc}") from None
         self.captured = _Captured(capture, returned, rebuild,
@@ -409,11 +412,13 @@ def _same_value(a: Any, b: Any) -> bool:
         return a is b
 
 
-def jit(fn: Callable[..., Any] | None = None, *, replay: str = "auto") -> Any:
+def jit(fn: Callable[..., Any] | None = None, *, replay: str = "auto", threads: int = 1) -> Any:
     """Capture `fn` on its second call and replay it afterwards; see the module docstring.
-    `@td.jit(replay="runs")` forces a replay strategy (one of REPLAYS) instead of choosing one."""
+    `@td.jit(replay="runs")` forces a replay strategy (one of REPLAYS) instead of choosing one;
+    `threads=N` splits the big kernels of a one-entry-point replay across N threads (the caller's
+    and the engine's intra-op workers: `tinydist.engine.parallel`)."""
     if replay not in REPLAYS:
         raise ValueError(f"replay must be one of {', '.join(REPLAYS)}, got {replay!r}")
     if fn is None:
-        return lambda f: TinyJit(f, replay)
-    return TinyJit(fn, replay)
+        return lambda f: TinyJit(f, replay, threads)
+    return TinyJit(fn, replay, threads)

@@ -291,9 +291,11 @@ def _make_step(fn: Callable[..., Any], ctx: NodeCtx, spec: list[tuple[int, Any]]
 class OnnxModel:
     """A loaded model: `model(feed)` → dict of numpy outputs; `model.run_tensors(feed)` → Tensors."""
 
-    def __init__(self, proto: Any, device: str = "CPU") -> None:
+    def __init__(self, proto: Any, device: str = "CPU", threads: int | None = None) -> None:
         import onnx  # the optional extra: imported only when a model is loaded
         from onnx import defs, numpy_helper
+
+        self.threads = intra_op_threads(threads)
 
         # canonical ("cpu:1" -> "CPU:1"), as every Tensor names its device: compared with the feed's
         # devices, and opened now so that a device this machine lacks fails the load, not a frame
@@ -796,7 +798,7 @@ class OnnxModel:
         if key not in self._jits:
             def outputs(*tensors: Tensor) -> tuple[Tensor, ...]:
                 return self._tensor_outputs(shapes, values, *tensors)
-            self._jits[key] = TinyJit(outputs)
+            self._jits[key] = TinyJit(outputs, threads=self.threads)
             if self.value_inputs and len(self._jits) > _MAX_VALUE_PLANS:
                 del self._jits[next(iter(self._jits))]
         jitted = self._jits[key]
@@ -858,8 +860,23 @@ class OnnxModel:
         return {name: to_host(r) for name, r in zip(self.output_names, results)}
 
 
-def load(model: Any, device: str = "CPU") -> OnnxModel:
+def intra_op_threads(threads: int | None) -> int:
+    """The threads a model's frames run on: `threads`, or by default this process's CPUs (as
+    onnxruntime's default intra-op pool takes the machine's cores)."""
+    if threads is None:
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise ValueError(f"threads must be a positive int (1: the calling thread alone) or None "
+                         f"(this machine's CPUs), got {threads!r}")
+    return threads
+
+
+def load(model: Any, device: str = "CPU", threads: int | None = None) -> OnnxModel:
     """Load an ONNX model (a path, bytes, or an `onnx.ModelProto`) for inference on `device`.
+
+    Each frame's big kernels (matmuls, convolutions, large elementwise ops) are split across
+    `threads` threads — the caller's and the engine's own intra-op workers — by default as many
+    as this process may run on; `threads=1` runs every frame on the calling thread alone.
 
     Raises `UnsupportedModelError` (a ValueError) naming the node, op type and opset for anything
     tinydist cannot run exactly, and `ModelLoadError` naming the file for one that is no ONNX model
@@ -884,4 +901,4 @@ def load(model: Any, device: str = "CPU") -> OnnxModel:
         source = repr(os.fspath(model)) if isinstance(model, (str, os.PathLike)) else f"the {len(model)} bytes given"
         raise ModelLoadError(f"{source} is not an ONNX model ({exc}); check that it is a complete .onnx export, "
                              "not truncated and not another format") from exc
-    return OnnxModel(proto, device)
+    return OnnxModel(proto, device, threads)

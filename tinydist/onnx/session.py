@@ -43,10 +43,11 @@ class NodeArg:
 
 @dataclass
 class SessionOptions:
-    """onnxruntime's session options, for code that builds them. tinydist chooses its own graph
-    optimisations (every graph is fused and captured) and threads (one per device queue), so
-    these are accepted and kept, not acted on; `log_severity_level` maps to nothing either: set
-    TINYDIST_LOG_LEVEL."""
+    """onnxruntime's session options, for code that builds them. `intra_op_num_threads` is
+    `td.onnx.load`'s `threads` (0, onnxruntime's default: this machine's CPUs). tinydist chooses
+    its own graph optimisations (every graph is fused and captured) and has no inter-op pool, so
+    the others are accepted and kept, not acted on; `log_severity_level` maps to nothing either:
+    set TINYDIST_LOG_LEVEL."""
     intra_op_num_threads: int = 0
     inter_op_num_threads: int = 0
     graph_optimization_level: Any = None
@@ -79,7 +80,8 @@ class InferenceSession:
         self._providers = [CPU_PROVIDER] if self._device.startswith("CPU") else [self._device]
         self._options = sess_options if sess_options is not None else SessionOptions()
         proto = _read(path_or_bytes)
-        self._model: OnnxModel = load(proto, device=self._device)
+        threads = self._options.intra_op_num_threads
+        self._model: OnnxModel = load(proto, device=self._device, threads=threads or None)
         initializers = {init.name for init in proto.graph.initializer}
         self._inputs = [_node_arg(vi) for vi in proto.graph.input if vi.name not in initializers]
         self._outputs = [_node_arg(vi) for vi in proto.graph.output]

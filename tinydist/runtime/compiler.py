@@ -42,10 +42,12 @@ from tinydist.codegen.kernel import KernelAST, short_dtype
 from tinydist.codegen.lowering import lower
 from tinydist.codegen.matmul import SIGNATURE as MATMUL_SIGNATURE
 from tinydist.codegen.matmul import StridedOperand, matmul_ir, program_name
+from tinydist.codegen.parallel import entry_ir as parallel_entry_ir
 from tinydist.codegen.reduce import reduce_ir
 from tinydist.codegen.reduce import signature as reduce_signature
 from tinydist.graph.dtypes import DType
 from tinydist.runtime.cpu.loader import native_loader
+from tinydist.runtime.cpu.workers import pool
 from tinydist.runtime import command_queue
 from tinydist.runtime.program import LABELS, Program
 
@@ -149,17 +151,29 @@ class DeviceCompiler:
         if not self.device.native_code:
             raise DeviceError(f"{self.device.name} cannot link launches into one program (it runs no host code "
                               "of this process); replay its calls one by one")
-        lines = []
-        for program, args in launches:
-            operands = [f"ptr inttoptr (i64 {value} to ptr)" if kind in ("r", "w", "rw") else f"i64 {value}"
-                        for kind, value in zip(program.signature, args, strict=True)]
-            lines.append(f"  call void inttoptr (i64 {program.address} to ptr)({', '.join(operands)})")
+        lines = [f"  {_call(program, args)}" for program, args in launches]
         name = f"tinydist_entry_{next(_entry_ids)}"
         ir_text = f"define void @{name}() {{\nentry:\n" + "\n".join(lines) + "\n  ret void\n}\n"
-        inner = list(dict.fromkeys(LABELS.get(program.name, program.name) for program, _ in launches))
-        label = f"{len(launches)} kernels: " + ", ".join(inner[:3]) + (", …" if len(inner) > 3 else "")
         return self._build(lambda: self.device.load_program(compile_glue(ir_text), name, [],
-                                                            calls=[program for program, _ in launches]), lambda: label)
+                                                            calls=[program for program, _ in launches]),
+                           lambda: _entry_label(launches))
+
+    def link_parallel(self, threads: int, phases: Sequence[Sequence[Sequence[Launch]]]) -> Program:
+        """One program running a frame on `threads` threads: this one and the workers of this
+        device's pool of that size (`tinydist.runtime.cpu.workers`). `phases`: each a list of
+        pieces, each piece launches one thread runs in order; a phase's pieces go to whichever
+        thread takes them, and the next phase starts when they are all done (`tinydist.codegen.parallel`)."""
+        if not self.device.native_code or threads < 2:
+            raise DeviceError(f"{self.device.name} cannot link a parallel entry point over {threads} thread(s) "
+                              "(it needs host code of this process and 2 or more threads); link one entry instead")
+        workers = pool(self.device.name, threads)
+        name = f"tinydist_entry_{next(_entry_ids)}"
+        calls = [[[_call(program, args) for program, args in piece] for piece in phase] for phase in phases]
+        ir_text = parallel_entry_ir(name, workers.control, workers.post.address, calls)
+        launches = [launch for phase in phases for piece in phase for launch in piece]
+        return self._build(lambda: self.device.load_program(compile_glue(ir_text), name, [],
+                                                            calls=[workers.post, *(program for program, _ in launches)]),
+                           lambda: f"{threads} threads, " + _entry_label(launches))
 
     def link_frame(self, entry: Program, copies_in: Sequence[tuple[int, int]], copies_out: Sequence[tuple[int, int]]) -> Program:
         """One program taking a frame's host addresses — a source per `copies_in` (destination
@@ -183,6 +197,18 @@ class DeviceCompiler:
         return self._build(lambda: self.device.load_program(compile_glue(ir_text), name,
                                                             ["r"] * len(copies_in) + ["w"] * len(copies_out), calls=[entry]),
                            lambda: f"frame: {LABELS.get(entry.name, entry.name)}")
+
+
+def _call(program: Program, args: Sequence[int]) -> str:
+    """The IR instruction calling `program` with `args` baked in."""
+    operands = [f"ptr inttoptr (i64 {value} to ptr)" if kind in ("r", "w", "rw") else f"i64 {value}"
+                for kind, value in zip(program.signature, args, strict=True)]
+    return f"call void inttoptr (i64 {program.address} to ptr)({', '.join(operands)})"
+
+
+def _entry_label(launches: Sequence[Launch]) -> str:
+    inner = list(dict.fromkeys(LABELS.get(program.name, program.name) for program, _ in launches))
+    return f"{len(launches)} kernels: " + ", ".join(inner[:3]) + (", …" if len(inner) > 3 else "")
 
 
 @functools.cache

@@ -1,0 +1,102 @@
+"""Intra-op parallelism: a capture's big calls split across threads (`tinydist.engine.parallel`).
+
+Every piece computes its elements with the same code as one thread does (matmul: the same FMA
+chain per element; kernels: the same expression per element), so 1 and N threads must agree
+bitwise; both are compared against numpy in float64 too. Each test also checks that the capture
+did run split (a phase with several pieces), so a change that silently stops splitting fails."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tinydist as td
+from tinydist.engine.parallel import KERNEL_SPLIT_ELEMENTS, MATMUL_SPLIT_FLOPS, _bounds
+
+
+def _run(fn, threads: int, *arrays: np.ndarray, calls: int = 4) -> tuple[list[np.ndarray], object]:
+    jitted = td.jit(fn, threads=threads)
+    outs = [jitted(*(td.Tensor(a) for a in arrays)).numpy() for _ in range(calls)]
+    return outs, jitted.captured.capture.strategy  # type: ignore[union-attr]
+
+
+def _split_phases(strategy: object) -> int:
+    phases = getattr(strategy, "phases", None)
+    return sum(len(phase) > 1 for phase in phases) if phases else 0
+
+
+def _check(fn, want: np.ndarray, *arrays: np.ndarray, rtol: float = 1e-5, atol: float = 1e-5) -> None:
+    single, strategy1 = _run(fn, 1, *arrays)
+    assert _split_phases(strategy1) == 0
+    for threads in (2, 3):
+        many, strategy = _run(fn, threads, *arrays)
+        assert _split_phases(strategy) >= 1, f"nothing split on {threads} threads"
+        for one, other in zip(single, many):
+            np.testing.assert_array_equal(one, other)  # bitwise: the same code per element
+    np.testing.assert_allclose(single[-1], want, rtol=rtol, atol=atol)
+
+
+def test_bounds_cover_the_range_in_aligned_pieces() -> None:
+    assert _bounds(10, 3) == [(0, 4), (4, 8), (8, 10)]
+    assert _bounds(100, 2, 8) == [(0, 56), (56, 100)]
+    assert _bounds(8, 4, 8) == [(0, 8)]  # too little to go round: fewer pieces
+
+
+def test_matmul_split_over_rows_with_a_packed_weight_and_an_epilogue() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((200, 384)).astype(np.float32)  # M not a multiple of MR: an edge tile
+    w = rng.standard_normal((384, 136)).astype(np.float32)
+    assert 2 * 200 * 384 * 136 >= MATMUL_SPLIT_FLOPS
+    weight = td.Tensor(w)
+    want = np.maximum(x.astype(np.float64) @ w, 0) * 0.5
+    _check(lambda t: (t @ weight).relu() * 0.5, want, x, rtol=1e-4, atol=1e-4)
+
+
+def test_batched_matmul_split_over_the_batch() -> None:
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((24, 64, 32)).astype(np.float32)  # 2 frames x 12 heads of 64x32x64
+    k = rng.standard_normal((24, 32, 64)).astype(np.float32)
+    assert 2 * 24 * 64 * 32 * 64 >= MATMUL_SPLIT_FLOPS
+    want = q.astype(np.float64) @ k
+    _check(lambda a, b: a @ b, want, q, k, rtol=1e-4, atol=1e-4)
+
+
+def test_convolution_split_over_output_channels() -> None:
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((1, 16, 32, 32)).astype(np.float32)
+    w = rng.standard_normal((32, 16, 3, 3)).astype(np.float32)
+    weight = td.Tensor(w)
+    torch = pytest.importorskip("torch")
+    want = torch.nn.functional.conv2d(torch.from_numpy(x).double(), torch.from_numpy(w).double(), padding=1).numpy()
+    _check(lambda t: t.conv2d(weight, padding=1), want, x, rtol=1e-4, atol=1e-4)
+
+
+def test_elementwise_and_row_reduce_split_over_rows() -> None:
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((300, 512)).astype(np.float32)
+    assert x.size >= KERNEL_SPLIT_ELEMENTS
+    x64 = x.astype(np.float64)
+    e = np.exp(x64 - x64.max(axis=1, keepdims=True))
+    _check(lambda t: t.softmax(-1), e / e.sum(axis=1, keepdims=True), x, rtol=1e-5, atol=1e-6)
+    _check(lambda t: (t * 2.0 + 1.0).tanh(), np.tanh(x64 * 2 + 1), x, rtol=1e-5, atol=1e-6)
+
+
+def test_two_captures_alternating_on_one_pool() -> None:
+    """Frames of two programs posted in turn to the same workers: a worker late for one frame
+    must not run pieces of the next program under the old frame's number (the counters' tags)."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((256, 256)).astype(np.float32)
+    w1, w2 = (td.Tensor(rng.standard_normal((256, 256)).astype(np.float32)) for _ in range(2))
+    f1, f2 = td.jit(lambda t: t @ w1, threads=2), td.jit(lambda t: (t @ w2).relu(), threads=2)
+    want1 = (td.Tensor(x) @ w1).numpy()
+    want2 = (td.Tensor(x) @ w2).relu().numpy()
+    for _ in range(200):
+        np.testing.assert_array_equal(f1(td.Tensor(x)).numpy(), want1)
+        np.testing.assert_array_equal(f2(td.Tensor(x)).numpy(), want2)
+    assert _split_phases(f1.captured.capture.strategy) >= 1  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5, True])
+def test_threads_must_be_a_positive_int(threads) -> None:
+    with pytest.raises(ValueError, match="threads must be a positive int"):
+        td.jit(lambda t: t + 1, threads=threads)

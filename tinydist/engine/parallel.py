@@ -1,0 +1,161 @@
+"""A captured schedule split across threads: the parts of a parallel entry point.
+
+Each call big enough to pay for a phase of its own is cut into pieces (one per thread; two for a
+matmul over a batch or a packed weight), every piece an ordinary program over a slice of the
+call's output:
+
+- a matmul over its batch (attention heads: each piece a run of whole products) or, in a batch of
+  one, over M in multiples of the micro-tile's MR rows (each piece a contiguous block of rows of
+  A and C; B, a packed weight or a convolution's strided columns, shared — an unpacked B is
+  packed by every piece, so such a product gets one piece per thread). Every element of C is
+  the same FMA chain whichever tile computes it (`tinydist.codegen.matmul`), so the results are
+  bitwise those of one thread. Each piece past the first gets a workspace of its own.
+- a kernel (elementwise, or a reduce over inner axes) over its outermost axis longer than 1:
+  a piece is the same kernel AST with every load's view shrunk to its rows and the output's
+  contiguous block of them; each element is computed by the same expression, so again bitwise.
+
+Calls too small to split run in a row as one piece of a phase of their own (whichever thread
+takes it; the others wait for it). A matmul is split from `MATMUL_SPLIT_FLOPS`, a
+kernel from `KERNEL_SPLIT_ELEMENTS` (see their comments for the measurement).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from tinydist.codegen.kernel import KNode, KernelAST
+from tinydist.codegen.matmul import DEFAULT_TILINGS
+from tinydist.engine.commands import Launch, lower_call
+from tinydist.runtime.buffer import Buffer
+from tinydist.runtime.device import Device
+from tinydist.schedule.items import Call, KernelCall, MatmulCall
+
+# (program, its arguments: addresses and integers), what `DeviceCompiler.link_parallel` takes
+Piece = tuple[Any, tuple[int, ...]]
+
+# A phase ends in a wait: ~1-3 µs when the peer spins, ~10 µs when it must be woken; a piece must run
+# several times that. 4 MFLOP is ~20-40 µs of one core's GEMM (100-200 GFLOP/s); 64K elements is
+# ~20 µs of an elementwise kernel streaming from L2.
+MATMUL_SPLIT_FLOPS = 4_000_000
+# a matmul whose pieces share no work is cut finer than one piece per thread: a thread that lost
+# its core for a while leaves less for the others to wait on (pieces of one program cost nothing
+# to compile; a kernel's pieces are programs of their own, so a kernel gets one per thread)
+MATMUL_PIECES_PER_THREAD = 2
+KERNEL_SPLIT_ELEMENTS = 65_536
+_ALIGN = 64
+
+
+def _bounds(size: int, parts: int, multiple: int = 1) -> list[tuple[int, int]]:
+    """`size` cut into `parts` ranges, each a multiple of `multiple` long but the last (fewer
+    ranges, all non-empty, when there is not enough to go round)."""
+    step = -(-size // parts)
+    step = -(-step // multiple) * multiple
+    return [(lo, min(lo + step, size)) for lo in range(0, size, step)]
+
+
+def _shrunk(ast: KernelAST, axis: int, lo: int, hi: int) -> KernelAST:
+    """`ast` over rows [lo, hi) of `axis`: every load's view shrunk to them (iteratively: a
+    fused chain may be a very deep tree)."""
+    def bounds(shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        return tuple((lo, hi) if a == axis else (0, n) for a, n in enumerate(shape))
+    new: dict[int, KNode] = {}
+    for node in ast.root.walk():
+        if node.op == "load":
+            slot, tracker = node.arg
+            new[id(node)] = KNode("load", (), (slot, tracker.shrink(bounds(tracker.shape))), node.dtype)
+        elif node.srcs:
+            new[id(node)] = KNode(node.op, tuple(new[id(s)] for s in node.srcs), node.arg, node.dtype)
+        else:
+            new[id(node)] = node
+    shape = tuple(hi - lo if a == axis else n for a, n in enumerate(ast.shape))
+    return dataclasses.replace(ast, shape=shape, root=new[id(ast.root)])
+
+
+def _split_kernel(call: KernelCall, b: Sequence[Any], device: Device, threads: int) -> list[Piece] | None:
+    ast = call.ast
+    if ast.outputs != 1 or math.prod(ast.shape) < KERNEL_SPLIT_ELEMENTS:
+        return None
+    axis = next((a for a, n in enumerate(ast.shape) if n > 1), None)
+    if axis is None or axis in ast.reduce_axes or ast.shape[axis] < threads:
+        return None
+    if any(len(node.arg[1].shape) != len(ast.shape) for node in ast.root.walk() if node.op == "load"):
+        return None
+    row_bytes = math.prod(ast.out_shape[axis + 1:]) * ast.out_dtype.itemsize
+    # each piece's output 64-byte aligned, as the lowering's vector stores assume of an output
+    ranges = _bounds(ast.shape[axis], threads, _ALIGN // math.gcd(_ALIGN, row_bytes))
+    if len(ranges) < 2:
+        return None
+    out, inputs = b[call.out].address, tuple(b[i].address for i in call.inputs)
+    return [(device.compiler.kernel(_shrunk(ast, axis, lo, hi)), (out + lo * row_bytes, *inputs)) for lo, hi in ranges]
+
+
+def _split_matmul(call: MatmulCall, b: Sequence[Any], device: Device, pieces: int,
+                  workspaces: list[np.ndarray]) -> list[Piece] | None:
+    if 2 * call.batch * call.m * call.n * call.k < MATMUL_SPLIT_FLOPS:
+        return None
+    size = call.dtype.itemsize
+    program = device.compiler.matmul(call.dtype, call.strided, call.prepacked)
+    c, a, bb, w = (b[n].address for n in (call.out, call.a, call.b, call.workspace))
+    if call.batch >= 2 and call.strided is None:
+        ranges = _bounds(call.batch, pieces)
+
+        def args(lo: int, hi: int, work: int) -> tuple[int, ...]:
+            return (c + lo * call.m * call.n * size, a + lo * call.a_batch_stride * size,
+                    bb + lo * call.b_batch_stride * size, work, hi - lo, call.m, call.n, call.k,
+                    call.a_batch_stride, call.b_batch_stride, call.m * call.n)
+    elif call.batch == 1 and (call.strided is None or call.strided.operand == "b"):
+        mr = DEFAULT_TILINGS[call.dtype.name].mr
+        ranges = _bounds(call.m, pieces, mr)
+        if len(ranges) < 2:
+            return None
+
+        def args(lo: int, hi: int, work: int) -> tuple[int, ...]:
+            return (c + lo * call.n * size, a + lo * call.k * size, bb, work, 1, hi - lo, call.n, call.k,
+                    call.a_batch_stride, call.b_batch_stride, (hi - lo) * call.n)
+    else:
+        return None
+    out = []
+    for t, (lo, hi) in enumerate(ranges):
+        work = w
+        if t:  # a workspace of its own (the first piece's suffices for any smaller piece of the same product)
+            raw = np.empty(b[call.workspace].nbytes + _ALIGN, np.uint8)
+            workspaces.append(raw)
+            work = raw.ctypes.data + (-raw.ctypes.data % _ALIGN)
+        out.append((program, args(lo, hi, work)))
+    return out
+
+
+def split(calls: Sequence[Call], buffers: Sequence[Buffer | None], device: Device, threads: int,
+          workspaces: list[np.ndarray]) -> list[list[list[Piece]]] | None:
+    """The phases (each a list of pieces, each piece the launches one thread runs in order) of
+    `calls` on `threads` threads (see the module docstring); None when no call is big enough to
+    split (one thread's entry point then)."""
+    phases: list[list[list[Piece]]] = []
+    serial: list[Piece] = []
+    split_any = False
+    for call in calls:
+        pieces: list[Piece] | None = None
+        if isinstance(call, KernelCall):
+            pieces = _split_kernel(call, buffers, device, threads)
+        elif isinstance(call, MatmulCall):
+            # a piece of rows packs all of an unpacked B itself (a convolution's columns): one per thread then
+            finer = call.prepacked or call.batch >= 2
+            pieces = _split_matmul(call, buffers, device, threads * (MATMUL_PIECES_PER_THREAD if finer else 1), workspaces)
+        if pieces is None:
+            for command in lower_call(call, buffers, device, []):
+                assert isinstance(command, Launch), command
+                serial.append((command.program, command.bound(device)[1]))
+            continue
+        split_any = True
+        if serial:
+            phases.append([list(serial)])
+            serial.clear()
+        phases.append([[piece] for piece in pieces])
+    if serial:
+        phases.append([serial])
+    return phases if split_any else None
