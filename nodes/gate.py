@@ -46,12 +46,21 @@ def _log():  # not at import: configuring logs then would bind the importer's st
 
 
 class RpcError(TinydistError):
-    """A handler's refusal: the call ends with gRPC status `code` and `reason` as its details."""
+    """A handler's refusal: the call ends with gRPC status `code` and `reason` as its details, followed
+    by `hint` (what the caller or the node's admin can do; the audit records `reason` alone), and
+    `metadata` as trailing metadata (`wire.ERROR_METADATA` and friends)."""
 
-    def __init__(self, code: grpc.StatusCode, reason: str) -> None:
-        super().__init__(reason)
+    def __init__(self, code: grpc.StatusCode, reason: str, hint: str = "",
+                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self.code = code
         self.reason = reason
+        self.hint = hint
+        self.metadata = metadata
+        super().__init__(self.details)
+
+    @property
+    def details(self) -> str:
+        return f"{self.reason}: {self.hint}" if self.hint else self.reason
 
 
 @dataclass
@@ -89,10 +98,11 @@ class Gate:
             raise RpcError(Code.DEADLINE_EXCEEDED, "the stream outlived its deadline; split the transfer")
         policy, denied = self.policy.current()
         if call.fingerprint in denied:
-            raise _Refused(call, Code.UNAUTHENTICATED, "certificate revoked")
+            raise _Refused(call, Code.UNAUTHENTICATED, "certificate revoked", _revoked_hint(call.fingerprint))
         role, need = policy.role_of(call.identity), policy.min_role(call.method)
         if role is None or need is None or RANK[role] < RANK[need]:
-            raise _Refused(call, Code.PERMISSION_DENIED, f"the policy no longer lets {role or 'a caller not enrolled'} call {call.method}")
+            raise _Refused(call, Code.PERMISSION_DENIED, f"the policy no longer lets {role or 'a caller not enrolled'} call {call.method}",
+                           _enrol_hint(call.identity, need, "lost the role") if need else "")
 
     async def messages(self, call: Call, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         """A client stream's messages, each admitted by `recheck`; a client that sends nothing
@@ -129,16 +139,19 @@ class Gate:
             raise RpcError(Code.UNAUTHENTICATED, str(exc)) from None
         call = Call(peer.identity, peer.fingerprint, "", policy, method, 0.0)
         if peer.fingerprint in denied:
-            raise _Refused(call, Code.UNAUTHENTICATED, "certificate revoked")
+            raise _Refused(call, Code.UNAUTHENTICATED, "certificate revoked", _revoked_hint(peer.fingerprint))
         role = policy.role_of(peer.identity)
-        if role is None:
-            raise _Refused(call, Code.PERMISSION_DENIED, "identity not enrolled")
-        call.role = role
         need = policy.min_role(method)
+        if role is None:
+            raise _Refused(call, Code.PERMISSION_DENIED, "identity not enrolled", _enrol_hint(peer.identity, need, "is not enrolled"))
+        call.role = role
         if need is None:
-            raise _Refused(call, Code.PERMISSION_DENIED, "method not in policy (deny by default)")
+            raise _Refused(call, Code.PERMISSION_DENIED, "method not in policy (deny by default)",
+                           f'the node\'s policy lists no role for {method}; its admin adds `{method} = "operator"` '
+                           "(or the role it needs) under [methods]")
         if RANK[role] < RANK[need]:
-            raise _Refused(call, Code.PERMISSION_DENIED, f"role {role} below required {need}")
+            raise _Refused(call, Code.PERMISSION_DENIED, f"role {role} below required {need}",
+                           _enrol_hint(peer.identity, need, f"has role {role}, and {method} needs {need}"))
         quota = policy.quota_of(peer.identity)
         if self.calls_by_identity[peer.identity] >= quota.max_calls:
             raise _Refused(call, Code.RESOURCE_EXHAUSTED,
@@ -219,6 +232,7 @@ class Gate:
 
         async def unary_reply(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
             call, code, reason, started = None, Code.OK, "ok", tracing.clock()
+            refusal: RpcError | None = None
             metrics.RPCS_STARTED.labels(SERVICE, method, kind).inc()
             try:
                 call = self.admit(method, context, stream)
@@ -226,9 +240,9 @@ class Gate:
                 self.handler_calls[method] += 1
                 return await impl(request, call)
             except _Refused as exc:
-                call, code, reason = exc.call, exc.code, exc.reason
+                call, code, reason, refusal = exc.call, exc.code, exc.reason, exc
             except RpcError as exc:
-                code, reason = exc.code, exc.reason
+                code, reason, refusal = exc.code, exc.reason, exc
             except asyncio.CancelledError:
                 code, reason = Code.CANCELLED, "cancelled by the client"
                 raise
@@ -237,10 +251,11 @@ class Gate:
             finally:
                 self._release(call)
                 self._decide(call, method, kind, code, reason, context, started)
-            await context.abort(code, reason)
+            await _abort(context, code, reason, refusal)
 
         async def stream_reply(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             call, code, reason, started = None, Code.OK, "ok", tracing.clock()
+            refusal: RpcError | None = None
             metrics.RPCS_STARTED.labels(SERVICE, method, kind).inc()
             try:
                 call = self.admit(method, context, stream)
@@ -249,9 +264,9 @@ class Gate:
                 async for reply in impl(request, call):
                     yield reply
             except _Refused as exc:
-                call, code, reason = exc.call, exc.code, exc.reason
+                call, code, reason, refusal = exc.call, exc.code, exc.reason, exc
             except RpcError as exc:
-                code, reason = exc.code, exc.reason
+                code, reason, refusal = exc.code, exc.reason, exc
             except (asyncio.CancelledError, GeneratorExit):
                 code, reason = Code.CANCELLED, "cancelled by the client"
                 raise
@@ -261,7 +276,7 @@ class Gate:
                 self._release(call)
                 self._decide(call, method, kind, code, reason, context, started)
             if code is not Code.OK:
-                await context.abort(code, reason)
+                await _abort(context, code, reason, refusal)
 
         return stream_reply if server_stream else unary_reply
 
@@ -299,9 +314,28 @@ class Gate:
 class _Refused(RpcError):
     """A refusal after the caller was identified (the audit record names them)."""
 
-    def __init__(self, call: Call, code: grpc.StatusCode, reason: str) -> None:
-        super().__init__(code, reason)
+    def __init__(self, call: Call, code: grpc.StatusCode, reason: str, hint: str = "") -> None:
+        super().__init__(code, reason, hint)
         self.call = call
+
+
+def _enrol_hint(identity: str, need: str | None, what: str) -> str:
+    """The policy line that admits `identity` (for a method needing role `need`)."""
+    role = need or "operator"
+    name = identity.rsplit("/", 1)[-1]
+    return (f'{identity} {what}; an admin of the node adds `"{identity}" = "{role}"` under [identities] in its '
+            f"policy.toml (tinydist certs enrol DIR --name {name} --role {role}); it applies at the next call")
+
+
+def _revoked_hint(fingerprint: str) -> str:
+    return (f"the certificate with sha256 {fingerprint[:16]}… is on the node's deny-list; ask the lab's admin for a "
+            "new one (tinydist certs issue)")
+
+
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, reason: str, refusal: RpcError | None) -> None:
+    if refusal is None:
+        await context.abort(code, reason)
+    await context.abort(code, refusal.details, trailing_metadata=refusal.metadata)
 
 
 def _decode(decode: Callable[[bytes], Any], raw: bytes, method: str) -> Any:

@@ -73,6 +73,15 @@ class IsolatedProgram:
     symbol: str
 
 
+def tenant_metadata(exc: TenantWorkerFailed) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata that tells a client its tenant worker failed (`TenantWorkerFailed` on its
+    side, whatever the status); ASCII only, as gRPC requires of text metadata."""
+    def ascii_(text: str) -> str:
+        return text.encode("ascii", "replace").decode()[:400]
+    return ((wire.ERROR_METADATA, "TenantWorkerFailed"), (wire.TENANT_METADATA, ascii_(exc.identity)),
+            (wire.CAUSE_METADATA, ascii_(exc.cause)), (wire.FATAL_METADATA, "1" if exc.fatal else "0"))
+
+
 def _check_range(nbytes: int, offset: int, length: int) -> None:
     if not (offset <= nbytes and length <= nbytes - offset):
         raise RpcError(Code.OUT_OF_RANGE, f"range offset={offset} length={length} is outside the {nbytes}-byte buffer")
@@ -548,7 +557,7 @@ class DeviceService:
             if exc.fatal:
                 self._effect(call, "tenant_worker_failed", cause=exc.cause, program_id=request.program_id)
             code = Code.DEADLINE_EXCEEDED if time.monotonic() >= call.deadline else Code.ABORTED
-            raise RpcError(code, str(exc)) from None
+            raise RpcError(code, str(exc), metadata=tenant_metadata(exc)) from None
         self._effect(call, "launch", program_id=request.program_id, buffers=[handle_tag(a.handle) for a in used])
         return pb.LaunchReply(seconds=seconds)
 
