@@ -252,3 +252,73 @@ resets_per_minute = 6
 [revocation]
 deny_list = "revoked.txt"   # sha256 certificate fingerprints, one a line; re-read on change
 '''
+
+
+def _replace_file(path: Path, text: str) -> None:
+    """Write `text` to `path` at once (a temporary file renamed over it: a node re-reading it never
+    sees half a file), keeping its mode; group and others never get write access."""
+    mode = (os.stat(path).st_mode & 0o755) if path.exists() else 0o644
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.chmod(temporary, mode)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def enrol(path: Path, identity: str, role: str) -> str | None:
+    """Give `identity` `role` in the policy file at `path` (`tinydist certs enrol`): its line under
+    [identities] is replaced, or added after the header; comments and everything else stay as they
+    are. The edited text must parse as a policy before it replaces the file. Returns the old role."""
+    path = Path(path)
+    if role not in RANK:
+        raise PolicyError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
+    check_private(path, "the policy file")
+    try:
+        text = path.read_text()
+    except FileNotFoundError as exc:
+        raise PolicyError(f"no policy file at {path}; `tinydist certs init` writes one") from exc
+    old = parse_policy(text, path.parent).role_of(identity)
+    line = f'"{identity}" = "{role}"'
+    lines = text.splitlines()
+    section = None
+    at = None
+    for i, current in enumerate(lines):
+        stripped = current.strip()
+        if stripped.startswith("["):
+            section = stripped.split("#", 1)[0].strip()
+            if section == "[identities]":
+                at = i + 1
+            continue
+        if section == "[identities]" and stripped.split("=", 1)[0].strip().strip('"') == identity:
+            lines[i] = line
+            break
+    else:
+        if at is None:   # no table yet: at the end (a key above the first header would be top-level)
+            lines += ["", "[identities]", line]
+        else:
+            lines.insert(at, line)
+    edited = "\n".join(lines) + "\n"
+    if parse_policy(edited, path.parent).role_of(identity) != role:
+        raise PolicyError(f"could not enrol {identity} in {path}: the edited file does not give it {role}; edit it by hand")
+    _replace_file(path, edited)
+    return old
+
+
+def revoke(path: Path, fingerprint: str, note: str = "") -> bool:
+    """Put a certificate's sha256 `fingerprint` on the deny-list the policy at `path` names (`tinydist
+    certs revoke`); every node reading that policy refuses it from its next call. False if it was there."""
+    policy = parse_policy(Path(path).read_text(), Path(path).parent)
+    deny = policy.deny_list_path or Path(path).parent / "revoked.txt"
+    entry = fingerprint.replace(":", "").strip().lower()
+    parse_deny_list(entry)  # refuses anything but 64 hex digits
+    check_private(deny, "the deny-list")
+    text = deny.read_text() if deny.exists() else "# sha256 fingerprints (hex) of revoked client certificates, one a line\n"
+    if entry in parse_deny_list(text):
+        return False
+    _replace_file(deny, text + ("" if text.endswith("\n") or not text else "\n") + entry + (f"  # {note}" if note else "") + "\n")
+    return True
