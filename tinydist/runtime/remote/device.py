@@ -131,6 +131,7 @@ class RemoteDevice(Device):
             what = "node restarted: buffers are gone"
         return self.mark_failed(DeviceFailed(f"{self.name}: {what}; the next use reconnects"))
 
+
     def _open_backend(self) -> None:
         try:
             credentials = self._credentials or credentials_for(self.target) or ClientCredentials.load()
