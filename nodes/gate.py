@@ -208,11 +208,19 @@ class Gate:
         parsed here (malformed bytes are INVALID_ARGUMENT, audited like any refusal). Read with
         `context.read()`: the request iterator gRPC also offers is an async generator, a few
         microseconds more on every call."""
+        # bounded: an admitted caller's unsent message holds its slot until then. A timer that cancels
+        # the task, not asyncio.timeout_at (its context manager and rescheduling: 15 Python calls a call)
+        loop, task = asyncio.get_running_loop(), asyncio.current_task()
+        expired: list[bool] = []
+        timer = loop.call_at(loop.time() + call.deadline - time.monotonic(), _expire, task, expired)
         try:
-            async with asyncio.timeout_at(asyncio.get_running_loop().time() + call.deadline - time.monotonic()):
-                raw = await context.read()  # bounded: an admitted caller's unsent message holds its slot until then
-        except (asyncio.TimeoutError, TimeoutError):
+            raw = await context.read()
+        except asyncio.CancelledError:
+            if not expired or task is None or task.uncancel():
+                raise   # cancelled by someone else (the client left): not our deadline
             raise RpcError(Code.DEADLINE_EXCEEDED, "the request message did not arrive before the deadline") from None
+        finally:
+            timer.cancel()
         if raw is grpc.aio.EOF:
             raise RpcError(Code.INVALID_ARGUMENT, f"{call.method} takes one request message; none was sent")
         return _decode(decode, raw, call.method)
@@ -229,11 +237,12 @@ class Gate:
         read or parsed, and a refused caller holds no slot while its message is outstanding."""
         stream = client_stream or server_stream
         kind = metrics.grpc_type(client_stream, server_stream)
+        rpc_metrics = metrics.RpcMetrics(SERVICE, method, kind)
 
         async def unary_reply(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
             call, code, reason, started = None, Code.OK, "ok", tracing.clock()
             refusal: RpcError | None = None
-            metrics.RPCS_STARTED.labels(SERVICE, method, kind).inc()
+            rpc_metrics.start()
             try:
                 call = self.admit(method, context, stream)
                 request = self._decoded(call, requests, decode) if client_stream else await self._one_message(call, context, decode)
@@ -250,13 +259,13 @@ class Gate:
                 code, reason = classify(exc)
             finally:
                 self._release(call)
-                self._decide(call, method, kind, code, reason, context, started)
+                self._decide(call, method, rpc_metrics, code, reason, context, started)
             await _abort(context, code, reason, refusal)
 
         async def stream_reply(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             call, code, reason, started = None, Code.OK, "ok", tracing.clock()
             refusal: RpcError | None = None
-            metrics.RPCS_STARTED.labels(SERVICE, method, kind).inc()
+            rpc_metrics.start()
             try:
                 call = self.admit(method, context, stream)
                 request = await self._one_message(call, context, decode)
@@ -274,18 +283,18 @@ class Gate:
                 code, reason = classify(exc)
             finally:
                 self._release(call)
-                self._decide(call, method, kind, code, reason, context, started)
+                self._decide(call, method, rpc_metrics, code, reason, context, started)
             if code is not Code.OK:
                 await _abort(context, code, reason, refusal)
 
         return stream_reply if server_stream else unary_reply
 
-    def _decide(self, call: Call | None, method: str, kind: str, code: grpc.StatusCode, reason: str, context: Any,
-                started: int) -> None:
+    def _decide(self, call: Call | None, method: str, rpc_metrics: metrics.RpcMetrics, code: grpc.StatusCode, reason: str,
+                context: Any, started: int) -> None:
         identity = call.identity if call else None
         self.audit.decision(identity=identity, method=method, status=code.name, reason=reason,
                             fingerprint=call.fingerprint if call else None, peer=context.peer())
-        metrics.record_rpc(method, code.name, (tracing.clock() - started) / 1e9, SERVICE, kind, started=False)
+        rpc_metrics.finish(code.name, (tracing.clock() - started) / 1e9)
         tracing.record(f"rpc {method}", started, process="node", lane="rpc", cat="rpc", method=method,
                        identity=identity, status=code.name)
         if code in (Code.UNAUTHENTICATED, Code.PERMISSION_DENIED):
@@ -317,6 +326,12 @@ class _Refused(RpcError):
     def __init__(self, call: Call, code: grpc.StatusCode, reason: str, hint: str = "") -> None:
         super().__init__(code, reason, hint)
         self.call = call
+
+
+def _expire(task: asyncio.Task[Any] | None, expired: list[bool]) -> None:
+    expired.append(True)
+    if task is not None:
+        task.cancel()
 
 
 def _enrol_hint(identity: str, need: str | None, what: str) -> str:

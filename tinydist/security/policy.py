@@ -151,7 +151,7 @@ def parse_deny_list(text: str) -> frozenset[str]:
     return frozenset(entries)
 
 
-def _stamp(path: Path) -> tuple[int, int] | None:
+def _stamp(path: str | Path) -> tuple[int, int] | None:
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -172,6 +172,7 @@ class PolicyStore:
         self._policy = self._parse()
         self._stamp = stamp
         self._denied, self._deny_stamp = self._read_deny(self._policy)
+        self._paths: tuple[Policy | None, str, str | None] = (None, "", None)  # the policy they are of, its file, its deny-list
 
     def _parse(self) -> Policy:
         """The policy file read and parsed, refused where another user could have written it; its
@@ -198,10 +199,13 @@ class PolicyStore:
             pass  # a broken log stream must not turn a policy reload into a failed call
 
     def current(self) -> tuple[Policy, frozenset[str]]:
-        """The policy and deny-list in force, re-read first if either file changed."""
-        stamp = _stamp(self.path)
+        """The policy and deny-list in force, re-read first if either file changed (two `stat`s a call,
+        through str paths: a pathlib path costs two more Python calls for each, on every RPC)."""
         policy = self._policy
-        deny_stamp = _stamp(policy.deny_list_path) if policy.deny_list_path is not None else None
+        if self._paths[0] is not policy:
+            self._paths = (policy, str(self.path), str(policy.deny_list_path) if policy.deny_list_path is not None else None)
+        stamp = _stamp(self._paths[1])
+        deny_stamp = _stamp(self._paths[2]) if self._paths[2] is not None else None
         if stamp == self._stamp and deny_stamp == self._deny_stamp:
             return policy, self._denied
         with self._lock:
