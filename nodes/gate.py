@@ -46,12 +46,21 @@ def _log():  # not at import: configuring logs then would bind the importer's st
 
 
 class RpcError(TinydistError):
-    """A handler's refusal: the call ends with gRPC status `code` and `reason` as its details."""
+    """A handler's refusal: the call ends with gRPC status `code` and `reason` as its details, followed
+    by `hint` (what the caller or the node's admin can do; the audit records `reason` alone), and
+    `metadata` as trailing metadata (`wire.ERROR_METADATA` and friends)."""
 
-    def __init__(self, code: grpc.StatusCode, reason: str) -> None:
-        super().__init__(reason)
+    def __init__(self, code: grpc.StatusCode, reason: str, hint: str = "",
+                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self.code = code
         self.reason = reason
+        self.hint = hint
+        self.metadata = metadata
+        super().__init__(self.details)
+
+    @property
+    def details(self) -> str:
+        return f"{self.reason}: {self.hint}" if self.hint else self.reason
 
 
 @dataclass
@@ -89,10 +98,11 @@ class Gate:
             raise RpcError(Code.DEADLINE_EXCEEDED, "the stream outlived its deadline; split the transfer")
         policy, denied = self.policy.current()
         if call.fingerprint in denied:
-            raise _Refused(call, Code.UNAUTHENTICATED, "certificate revoked")
+            raise _Refused(call, Code.UNAUTHENTICATED, "certificate revoked", _revoked_hint(call.fingerprint))
         role, need = policy.role_of(call.identity), policy.min_role(call.method)
         if role is None or need is None or RANK[role] < RANK[need]:
-            raise _Refused(call, Code.PERMISSION_DENIED, f"the policy no longer lets {role or 'a caller not enrolled'} call {call.method}")
+            raise _Refused(call, Code.PERMISSION_DENIED, f"the policy no longer lets {role or 'a caller not enrolled'} call {call.method}",
+                           _enrol_hint(call.identity, need, "lost the role") if need else "")
 
     async def messages(self, call: Call, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         """A client stream's messages, each admitted by `recheck`; a client that sends nothing
@@ -129,16 +139,19 @@ class Gate:
             raise RpcError(Code.UNAUTHENTICATED, str(exc)) from None
         call = Call(peer.identity, peer.fingerprint, "", policy, method, 0.0)
         if peer.fingerprint in denied:
-            raise _Refused(call, Code.UNAUTHENTICATED, "certificate revoked")
+            raise _Refused(call, Code.UNAUTHENTICATED, "certificate revoked", _revoked_hint(peer.fingerprint))
         role = policy.role_of(peer.identity)
-        if role is None:
-            raise _Refused(call, Code.PERMISSION_DENIED, "identity not enrolled")
-        call.role = role
         need = policy.min_role(method)
+        if role is None:
+            raise _Refused(call, Code.PERMISSION_DENIED, "identity not enrolled", _enrol_hint(peer.identity, need, "is not enrolled"))
+        call.role = role
         if need is None:
-            raise _Refused(call, Code.PERMISSION_DENIED, "method not in policy (deny by default)")
+            raise _Refused(call, Code.PERMISSION_DENIED, "method not in policy (deny by default)",
+                           f'the node\'s policy lists no role for {method}; its admin adds `{method} = "operator"` '
+                           "(or the role it needs) under [methods]")
         if RANK[role] < RANK[need]:
-            raise _Refused(call, Code.PERMISSION_DENIED, f"role {role} below required {need}")
+            raise _Refused(call, Code.PERMISSION_DENIED, f"role {role} below required {need}",
+                           _enrol_hint(peer.identity, need, f"has role {role}, and {method} needs {need}"))
         quota = policy.quota_of(peer.identity)
         if self.calls_by_identity[peer.identity] >= quota.max_calls:
             raise _Refused(call, Code.RESOURCE_EXHAUSTED,
@@ -195,11 +208,19 @@ class Gate:
         parsed here (malformed bytes are INVALID_ARGUMENT, audited like any refusal). Read with
         `context.read()`: the request iterator gRPC also offers is an async generator, a few
         microseconds more on every call."""
+        # bounded: an admitted caller's unsent message holds its slot until then. A timer that cancels
+        # the task, not asyncio.timeout_at (its context manager and rescheduling: 15 Python calls a call)
+        loop, task = asyncio.get_running_loop(), asyncio.current_task()
+        expired: list[bool] = []
+        timer = loop.call_at(loop.time() + call.deadline - time.monotonic(), _expire, task, expired)
         try:
-            async with asyncio.timeout_at(asyncio.get_running_loop().time() + call.deadline - time.monotonic()):
-                raw = await context.read()  # bounded: an admitted caller's unsent message holds its slot until then
-        except (asyncio.TimeoutError, TimeoutError):
+            raw = await context.read()
+        except asyncio.CancelledError:
+            if not expired or task is None or task.uncancel():
+                raise   # cancelled by someone else (the client left): not our deadline
             raise RpcError(Code.DEADLINE_EXCEEDED, "the request message did not arrive before the deadline") from None
+        finally:
+            timer.cancel()
         if raw is grpc.aio.EOF:
             raise RpcError(Code.INVALID_ARGUMENT, f"{call.method} takes one request message; none was sent")
         return _decode(decode, raw, call.method)
@@ -216,19 +237,21 @@ class Gate:
         read or parsed, and a refused caller holds no slot while its message is outstanding."""
         stream = client_stream or server_stream
         kind = metrics.grpc_type(client_stream, server_stream)
+        rpc_metrics = metrics.RpcMetrics(SERVICE, method, kind)
 
         async def unary_reply(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
             call, code, reason, started = None, Code.OK, "ok", tracing.clock()
-            metrics.RPCS_STARTED.labels(SERVICE, method, kind).inc()
+            refusal: RpcError | None = None
+            rpc_metrics.start()
             try:
                 call = self.admit(method, context, stream)
                 request = self._decoded(call, requests, decode) if client_stream else await self._one_message(call, context, decode)
                 self.handler_calls[method] += 1
                 return await impl(request, call)
             except _Refused as exc:
-                call, code, reason = exc.call, exc.code, exc.reason
+                call, code, reason, refusal = exc.call, exc.code, exc.reason, exc
             except RpcError as exc:
-                code, reason = exc.code, exc.reason
+                code, reason, refusal = exc.code, exc.reason, exc
             except asyncio.CancelledError:
                 code, reason = Code.CANCELLED, "cancelled by the client"
                 raise
@@ -236,12 +259,13 @@ class Gate:
                 code, reason = classify(exc)
             finally:
                 self._release(call)
-                self._decide(call, method, kind, code, reason, context, started)
-            await context.abort(code, reason)
+                self._decide(call, method, rpc_metrics, code, reason, context, started)
+            await _abort(context, code, reason, refusal)
 
         async def stream_reply(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             call, code, reason, started = None, Code.OK, "ok", tracing.clock()
-            metrics.RPCS_STARTED.labels(SERVICE, method, kind).inc()
+            refusal: RpcError | None = None
+            rpc_metrics.start()
             try:
                 call = self.admit(method, context, stream)
                 request = await self._one_message(call, context, decode)
@@ -249,9 +273,9 @@ class Gate:
                 async for reply in impl(request, call):
                     yield reply
             except _Refused as exc:
-                call, code, reason = exc.call, exc.code, exc.reason
+                call, code, reason, refusal = exc.call, exc.code, exc.reason, exc
             except RpcError as exc:
-                code, reason = exc.code, exc.reason
+                code, reason, refusal = exc.code, exc.reason, exc
             except (asyncio.CancelledError, GeneratorExit):
                 code, reason = Code.CANCELLED, "cancelled by the client"
                 raise
@@ -259,18 +283,18 @@ class Gate:
                 code, reason = classify(exc)
             finally:
                 self._release(call)
-                self._decide(call, method, kind, code, reason, context, started)
+                self._decide(call, method, rpc_metrics, code, reason, context, started)
             if code is not Code.OK:
-                await context.abort(code, reason)
+                await _abort(context, code, reason, refusal)
 
         return stream_reply if server_stream else unary_reply
 
-    def _decide(self, call: Call | None, method: str, kind: str, code: grpc.StatusCode, reason: str, context: Any,
-                started: int) -> None:
+    def _decide(self, call: Call | None, method: str, rpc_metrics: metrics.RpcMetrics, code: grpc.StatusCode, reason: str,
+                context: Any, started: int) -> None:
         identity = call.identity if call else None
         self.audit.decision(identity=identity, method=method, status=code.name, reason=reason,
                             fingerprint=call.fingerprint if call else None, peer=context.peer())
-        metrics.record_rpc(method, code.name, (tracing.clock() - started) / 1e9, SERVICE, kind, started=False)
+        rpc_metrics.finish(code.name, (tracing.clock() - started) / 1e9)
         tracing.record(f"rpc {method}", started, process="node", lane="rpc", cat="rpc", method=method,
                        identity=identity, status=code.name)
         if code in (Code.UNAUTHENTICATED, Code.PERMISSION_DENIED):
@@ -299,9 +323,34 @@ class Gate:
 class _Refused(RpcError):
     """A refusal after the caller was identified (the audit record names them)."""
 
-    def __init__(self, call: Call, code: grpc.StatusCode, reason: str) -> None:
-        super().__init__(code, reason)
+    def __init__(self, call: Call, code: grpc.StatusCode, reason: str, hint: str = "") -> None:
+        super().__init__(code, reason, hint)
         self.call = call
+
+
+def _expire(task: asyncio.Task[Any] | None, expired: list[bool]) -> None:
+    expired.append(True)
+    if task is not None:
+        task.cancel()
+
+
+def _enrol_hint(identity: str, need: str | None, what: str) -> str:
+    """The policy line that admits `identity` (for a method needing role `need`)."""
+    role = need or "operator"
+    name = identity.rsplit("/", 1)[-1]
+    return (f'{identity} {what}; an admin of the node adds `"{identity}" = "{role}"` under [identities] in its '
+            f"policy.toml (tinydist certs enrol DIR --name {name} --role {role}); it applies at the next call")
+
+
+def _revoked_hint(fingerprint: str) -> str:
+    return (f"the certificate with sha256 {fingerprint[:16]}… is on the node's deny-list; ask the lab's admin for a "
+            "new one (tinydist certs issue)")
+
+
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, reason: str, refusal: RpcError | None) -> None:
+    if refusal is None:
+        await context.abort(code, reason)
+    await context.abort(code, refusal.details, trailing_metadata=refusal.metadata)
 
 
 def _decode(decode: Callable[[bytes], Any], raw: bytes, method: str) -> Any:

@@ -63,6 +63,11 @@ class ServerConfig:
     isolate_tenants: bool = True
     worker_heap_bytes: int = 2 << 30  # the worker's RLIMIT_AS beyond the tenant's byte quota
     worker_cpu_seconds: int = 3600    # the worker's RLIMIT_CPU (a backstop; deadlines end runaway kernels)
+    # a tenant whose worker died this many times in a row waits worker_backoff_s (doubling, at most
+    # worker_backoff_max_s) before its next worker starts (nodes.tenants.TenantPool)
+    worker_backoff_after: int = 3
+    worker_backoff_s: float = 1.0
+    worker_backoff_max_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,15 @@ class IsolatedProgram:
     signature: tuple[str, ...]
     code: bytes
     symbol: str
+
+
+def tenant_metadata(exc: TenantWorkerFailed) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata that tells a client its tenant worker failed (`TenantWorkerFailed` on its
+    side, whatever the status); ASCII only, as gRPC requires of text metadata."""
+    def ascii_(text: str) -> str:
+        return text.encode("ascii", "replace").decode()[:400]
+    return ((wire.ERROR_METADATA, "TenantWorkerFailed"), (wire.TENANT_METADATA, ascii_(exc.identity)),
+            (wire.CAUSE_METADATA, ascii_(exc.cause)), (wire.FATAL_METADATA, "1" if exc.fatal else "0"))
 
 
 def _check_range(nbytes: int, offset: int, length: int) -> None:
@@ -98,7 +112,8 @@ class DeviceService:
         self.boot = secrets.token_bytes(16)  # tells clients this node instance from the one before a restart  # when each identity's resets of the last minute happened
         self._compile_ir = compile_ir
         self._compile_lock = asyncio.Lock()
-        self.tenants = TenantPool(config.worker_heap_bytes, config.worker_cpu_seconds)
+        self.tenants = TenantPool(config.worker_heap_bytes, config.worker_cpu_seconds, config.worker_backoff_after,
+                                  config.worker_backoff_s, config.worker_backoff_max_s)
         self._stopping: set[asyncio.Task[None]] = set()
 
     def handlers(self) -> grpc.GenericRpcHandler:
@@ -493,6 +508,7 @@ class DeviceService:
             for view in views:
                 view.release()
         seconds = time.perf_counter() - start
+        self.tenants.succeeded(call.identity)
         self._effect(call, "launch", program_id=request.program_id, buffers=[handle_tag(a.handle) for a in used])
         return pb.LaunchReply(seconds=seconds)
 
@@ -545,10 +561,11 @@ class DeviceService:
                 self._effect(call, "tenant_worker_failed", cause=ended.failure.cause, program_id=request.program_id)
             raise
         except TenantWorkerFailed as exc:
-            if exc.fatal:
-                self._effect(call, "tenant_worker_failed", cause=exc.cause, program_id=request.program_id)
+            self._effect(call, "tenant_worker_failed" if exc.fatal else "tenant_request_failed", cause=exc.cause,
+                         program_id=request.program_id)
             code = Code.DEADLINE_EXCEEDED if time.monotonic() >= call.deadline else Code.ABORTED
-            raise RpcError(code, str(exc)) from None
+            raise RpcError(code, str(exc), metadata=tenant_metadata(exc)) from None
+        self.tenants.succeeded(call.identity)
         self._effect(call, "launch", program_id=request.program_id, buffers=[handle_tag(a.handle) for a in used])
         return pb.LaunchReply(seconds=seconds)
 

@@ -33,7 +33,7 @@ register_scheme("remote", "tinydist.runtime.remote.device:RemoteDevice")
 __version__ = "0.1.0"
 
 _LAZY = {"dist": "tinydist.dist", "onnx": "tinydist.onnx", "multi": "tinydist.multi",
-         "parallel": "tinydist.dist.parallel"}
+         "parallel": "tinydist.dist.parallel", "remote": "tinydist.runtime.remote"}
 
 
 def __getattr__(name: str) -> Any:
@@ -50,5 +50,5 @@ __all__ = ["AllocationError", "Buffer", "BufferInUse", "ClosedResourceError", "C
            "DeviceError", "DeviceFailed", "DeviceHang", "WorkTooLarge", "DeviceNotFound", "DeviceUnavailable", "JitError",
            "OutOfBounds", "ScheduleCycleError", "Tensor", "TinyJit", "TinydistError", "UseAfterFree", "autograd",
            "bool_", "cat", "discover", "dist", "enable_grad", "float16", "float32", "float64", "get_engine", "int8",
-           "int16", "int32", "int64", "jit", "load", "manual_seed", "multi", "nn", "no_grad", "onnx", "open_device", "optim", "parallel", "save",
+           "int16", "int32", "int64", "jit", "load", "manual_seed", "multi", "nn", "no_grad", "onnx", "open_device", "optim", "parallel", "remote", "save",
            "stack", "synchronize", "trace", "uint8", "uint16", "uint32", "uint64", "where"]

@@ -12,6 +12,7 @@ import pytest
 import tinydist as td
 from tinydist.base.errors import DeviceError, DeviceUnavailable
 from tinydist.runtime.remote.device import RemoteDevice
+from tinydist.runtime.remote.errors import AccessDenied
 
 
 @pytest.fixture
@@ -61,7 +62,7 @@ def test_remote_device_refuses_object_code_and_needs_credentials(server, lab, mo
                 batch.copy(other, buf)
             out = (await dev.copyout(other, timeout=10)).view(np.float32)
             np.testing.assert_array_equal(out, np.arange(1024, dtype=np.float32))
-        with pytest.raises(DeviceUnavailable, match="refused or is unreachable") as refused:
+        with pytest.raises(AccessDenied, match='"spiffe://tinydist.lab/user/mallory" = "viewer"') as refused:
             await RemoteDevice(f"remote://127.0.0.1:{server.port}/CPU:0", lab.creds["mallory"]).open()
         assert isinstance(refused.value.__cause__, grpc.RpcError)   # mapped where it entered, the original kept
 

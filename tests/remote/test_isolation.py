@@ -257,3 +257,38 @@ def test_a_null_store_and_a_runaway_kernel_end_only_their_tenants_worker(lab, tm
     assert [r["identity"] for r in failures] == [BOB] * 5, [r["cause"] for r in failures]
     assert "SIGSEGV" in failures[0]["cause"] and "died of SIG" in failures[1]["cause"]
     assert all("deadline" in r["cause"] for r in failures[2:4]) and "when its call ended" in failures[4]["cause"]
+
+
+def test_a_tenant_whose_worker_keeps_dying_is_held_off_and_told_for_how_long(make_server, connect) -> None:
+    from tinydist.base.errors import TenantWorkerFailed
+    from tinydist.runtime.remote.errors import from_rpc
+    from tinydist.testing import MockClock
+
+    server = make_server()
+    clock = MockClock(100.0)
+    server.service.tenants.clock = clock  # virtual time: the hold-off is read, never slept
+    bob, dave = connect(server, "bob"), connect(server, "dave")
+    blease, dlease = lease_of(bob), lease_of(dave)
+    bh, dh = alloc(bob, blease, 8), alloc(dave, dlease, 8)
+    boom, fine = load(bob, blease, NULL_STORE_IR, "boom", ["rw"]), load(bob, blease, SPIN_IR, "spin", ["rw", "i64"])
+    dspin = load(dave, dlease, SPIN_IR, "spin", ["rw", "i64"])
+    for _ in range(3):   # three deaths in a row: each launch starts a fresh worker, which dies
+        assert code_of(launch, bob, blease, boom, [buf(bh, 8)]) is grpc.StatusCode.ABORTED
+    started = server.audit_records()
+    with pytest.raises(grpc.RpcError) as held:
+        launch(bob, blease, fine, [buf(bh, 8), pb.LaunchArg(i64=3)])
+    assert held.value.code() is grpc.StatusCode.ABORTED
+    assert "died 3 times in a row (last: died of SIGSEGV)" in held.value.details() and "1.0 s more" in held.value.details()
+    mapped = from_rpc(held.value, "Launch", server.target)
+    assert isinstance(mapped, TenantWorkerFailed) and mapped.identity == BOB and not mapped.fatal
+    assert len(started) < len(server.audit_records())
+    assert server.audit_records()[-2]["action"] == "tenant_request_failed"   # then the decision record
+    launch(dave, dlease, dspin, [buf(dh, 8), pb.LaunchArg(i64=10)], timeout=5.0)   # another tenant is not held off
+    clock.advance(1.0)
+    assert code_of(launch, bob, blease, boom, [buf(bh, 8)]) is grpc.StatusCode.ABORTED   # a fourth death: 2 s now
+    clock.advance(1.5)
+    assert "0.5 s more" in (pytest.raises(grpc.RpcError, launch, bob, blease, fine, [buf(bh, 8), pb.LaunchArg(i64=3)])
+                            .value.details())
+    clock.advance(0.5)
+    launch(bob, blease, fine, [buf(bh, 8), pb.LaunchArg(i64=3)])   # a launch that completes forgives the deaths
+    assert server.service.tenants.hold_off(BOB) == 0.0 and BOB not in server.service.tenants.deaths

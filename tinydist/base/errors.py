@@ -15,6 +15,12 @@ underscore, never seen outside their module) are not drawn, but are TinydistErro
     │   │   └── DeviceHang (TimeoutError)           a timeline stopped moving past its deadline
     │   ├── DeviceClosed (ClosedResourceError)      the device, one of its queues, or the engine was closed
     │   ├── TenantWorkerFailed                      a tenant's kernel worker on a node died or was killed: .identity, .cause
+    │   ├── RemoteCallFailed [tinydist.runtime.remote.errors]    a node answered with an error no narrower class fits: .status, .method, .node
+    │   │   ├── AccessDenied (PermissionError)      UNAUTHENTICATED / PERMISSION_DENIED: the node's reason and the policy line to add
+    │   │   ├── QuotaExceeded                       RESOURCE_EXHAUSTED: names the quota or limit
+    │   │   ├── InvalidRequest (ValueError)         INVALID_ARGUMENT / FAILED_PRECONDITION: names the argument or the state
+    │   │   ├── CallTimeout (TimeoutError)          DEADLINE_EXCEEDED
+    │   │   └── NotOnNode (LookupError)             NOT_FOUND: no such device, lease, handle or program for this caller
     │   └── CUDAError [tinydist.runtime.cuda.driver]    a driver call failed: .code, .name, .call
     ├── ClosedResourceError                         a device, link or group segment was closed; open a new one
     ├── BufferError_                                misuse of a buffer or view
@@ -86,7 +92,8 @@ it would see in production, not one of ours.
 
 A foreign error (OSError, grpc.RpcError, an ssl, protobuf or cryptography error) is turned into
 one of these where it enters: `raise TransportError(...) from exc`, so `__cause__` keeps the
-original. Messages name the object, show the values and say what to do.
+original. A remote node's gRPC statuses are mapped in one table, every status once
+(`tinydist.runtime.remote.errors.STATUS_ERRORS`: OUT_OF_RANGE is OutOfBounds, UNAVAILABLE DeviceFailed, ...). Messages name the object, show the values and say what to do.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tinydist.base.errors import AllocationError
+from tinydist.base.errors import AllocationError, DeviceClosed, DeviceFailed
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.faults import faults
 
@@ -169,7 +169,8 @@ class Allocator(ABC):
                 self._unmap(address, block)
             if reserved:
                 self._unreserve(nbytes)
-            if isinstance(exc, AllocationError):
+            # a failed or closed device, or a refusal (a remote node's AccessDenied), is not an allocation failure
+            if isinstance(exc, (AllocationError, DeviceFailed, DeviceClosed, PermissionError)):
                 raise
             raise AllocationError(
                 f"{self.device.name}: allocating {nbytes} bytes failed ({exc}); "

@@ -177,7 +177,9 @@ class CommandQueue:
             self.device.mark_failed(DeviceFailed(f"{self.name}: batch {value} depended on failed work: {exc}"))
         except BaseException as exc:  # noqa: BLE001 - any failure in native work fails the device
             self.log.error("batch failed", value=value, error=f"{type(exc).__name__}: {exc}")
-            self.device.mark_failed(DeviceFailed(f"{self.name}: batch {value} failed: {type(exc).__name__}: {exc}"))
+            failure = DeviceFailed(f"{self.name}: batch {value} failed: {type(exc).__name__}: {exc}")
+            failure.__cause__ = exc  # what failed (a remote node's TenantWorkerFailed, say) stays reachable
+            self.device.mark_failed(failure)
         if timeline.failure is not None:
             timeline.retire(value)
             return

@@ -9,7 +9,8 @@ Layout of DIR:
                                a node never needs; copy DIR to a node without ca/ (the node refuses a
                                DIR that holds ca.key itself, and warns while DIR/ca/ is there)
     ca.pem                     the lab CA's certificate: what the node and every client trust
-    server.pem server.key      the node's certificate: DNS localhost, IP 127.0.0.1 and ::1
+    server.pem server.key      the node's certificate: DNS localhost, IP 127.0.0.1 and ::1, and each
+                               `--server-san` (`certs init` or `certs server`: a node on a LAN address)
     policy.toml                identities → roles, method table, quotas (docs/remote.md)
     revoked.txt                sha256 fingerprints refused on every call (reloaded when it changes)
     clients/NAME.pem NAME.key  client certificates; identity spiffe://<trust-domain>/user/NAME
@@ -27,7 +28,7 @@ import re
 import stat
 import tomllib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -58,12 +59,16 @@ class ClientCredentials:
     cert: bytes
     key: bytes
     ca: bytes
+    # where each came from ("lab/clients/alice.pem (TINYDIST_CERT)"), for messages that name the file to fix
+    sources: tuple[str, str, str] = field(default=("the client certificate", "the client key", "the CA certificate"),
+                                          compare=False)
 
     @classmethod
     def load(cls, cert: str | Path | None = None, key: str | Path | None = None,
              ca: str | Path | None = None) -> ClientCredentials:
         paths = {"certificate": (cert, "TINYDIST_CERT"), "key": (key, "TINYDIST_KEY"), "CA": (ca, "TINYDIST_CA")}
         found: dict[str, bytes] = {}
+        sources: list[str] = []
         for what, (explicit, env) in paths.items():
             path = explicit if explicit is not None else os.environ.get(env)
             if not path:
@@ -72,7 +77,8 @@ class ClientCredentials:
                 found[what] = Path(path).read_bytes()
             except OSError as exc:
                 raise PKIError(f"cannot read the client {what} {path}: {exc.strerror}") from exc
-        return cls(found["certificate"], found["key"], found["CA"])
+            sources.append(f"{path}" if explicit is not None else f"{path} ({env})")
+        return cls(found["certificate"], found["key"], found["CA"], (sources[0], sources[1], sources[2]))
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         import grpc  # only a channel needs gRPC; the certificate tools do not
@@ -233,10 +239,7 @@ def init(directory: Path, trust_domain: str = DEFAULT_TRUST_DOMAIN, *, server_dn
     (directory / "ca.pem").write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
     _write_private(directory / CA_KEY, _key_pem(ca_key))
     (directory / "ca.key").unlink(missing_ok=True)  # --force over the old layout: no second copy left behind
-    cert, key = make_certificate(ca_cert, ca_key, "tinydist node", dns=server_dns, ips=server_ips,
-                                 eku=(ExtendedKeyUsageOID.SERVER_AUTH,), days=days)
-    (directory / "server.pem").write_bytes(cert)
-    _write_private(directory / "server.key", key)
+    _write_server(directory, ca_cert, ca_key, server_dns, server_ips, days)
     revoked = directory / "revoked.txt"
     if not revoked.exists():
         revoked.write_text("# sha256 fingerprints (hex) of revoked client certificates, one a line\n")
@@ -245,6 +248,45 @@ def init(directory: Path, trust_domain: str = DEFAULT_TRUST_DOMAIN, *, server_dn
         from tinydist.security.policy import starter_policy  # the policy format lives with the service
         policy.write_text(starter_policy(trust_domain))
     return directory
+
+
+def split_sans(names: Sequence[str]) -> tuple[list[str], list[str]]:
+    """`--server-san` values (comma-separated or repeated) as (DNS names, IP addresses); each checked."""
+    dns: list[str] = []
+    ips: list[str] = []
+    for name in (n.strip() for value in names for n in value.split(",")):
+        if not name:
+            continue
+        try:
+            ips.append(str(ipaddress.ip_address(name.strip("[]"))))
+            continue
+        except ValueError:
+            pass
+        if not re.fullmatch(r"(\*\.)?[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*", name):
+            raise PKIError(f"server name {name!r} is neither an IP address nor a DNS name (letters, digits, dashes, dots)")
+        dns.append(name.lower())
+    return list(dict.fromkeys(dns)), list(dict.fromkeys(ips))
+
+
+def _write_server(directory: Path, ca_cert: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey,
+                  dns: Sequence[str], ips: Sequence[str], days: float) -> None:
+    if not dns and not ips:
+        raise PKIError("the server certificate needs at least one name (DNS or IP) a client dials")
+    cert, key = make_certificate(ca_cert, ca_key, "tinydist node", dns=dns, ips=ips,
+                                 eku=(ExtendedKeyUsageOID.SERVER_AUTH,), days=days)
+    (directory / "server.pem").write_bytes(cert)
+    _write_private(directory / "server.key", key)
+
+
+def issue_server(directory: Path, dns: Sequence[str] = ("localhost",), ips: Sequence[str] = ("127.0.0.1", "::1"),
+                 days: float = 365.0) -> list[str]:
+    """A new server certificate and key in `directory` (server.pem, server.key) for these names, signed by
+    its CA (`tinydist certs server`): a node reached on a LAN address needs that address in it.
+    Returns the names, as `DNS:...` / `IP:...`; the node serves the new one after a restart."""
+    directory = Path(directory)
+    ca_cert, ca_key = load_ca(directory)
+    _write_server(directory, ca_cert, ca_key, dns, ips, days)
+    return [f"DNS:{d}" for d in dns] + [f"IP:{i}" for i in ips]
 
 
 def trust_domain_of(directory: Path) -> str:

@@ -151,7 +151,7 @@ def parse_deny_list(text: str) -> frozenset[str]:
     return frozenset(entries)
 
 
-def _stamp(path: Path) -> tuple[int, int] | None:
+def _stamp(path: str | Path) -> tuple[int, int] | None:
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -172,6 +172,7 @@ class PolicyStore:
         self._policy = self._parse()
         self._stamp = stamp
         self._denied, self._deny_stamp = self._read_deny(self._policy)
+        self._paths: tuple[Policy | None, str, str | None] = (None, "", None)  # the policy they are of, its file, its deny-list
 
     def _parse(self) -> Policy:
         """The policy file read and parsed, refused where another user could have written it; its
@@ -198,10 +199,13 @@ class PolicyStore:
             pass  # a broken log stream must not turn a policy reload into a failed call
 
     def current(self) -> tuple[Policy, frozenset[str]]:
-        """The policy and deny-list in force, re-read first if either file changed."""
-        stamp = _stamp(self.path)
+        """The policy and deny-list in force, re-read first if either file changed (two `stat`s a call,
+        through str paths: a pathlib path costs two more Python calls for each, on every RPC)."""
         policy = self._policy
-        deny_stamp = _stamp(policy.deny_list_path) if policy.deny_list_path is not None else None
+        if self._paths[0] is not policy:
+            self._paths = (policy, str(self.path), str(policy.deny_list_path) if policy.deny_list_path is not None else None)
+        stamp = _stamp(self._paths[1])
+        deny_stamp = _stamp(self._paths[2]) if self._paths[2] is not None else None
         if stamp == self._stamp and deny_stamp == self._deny_stamp:
             return policy, self._denied
         with self._lock:
@@ -252,3 +256,73 @@ resets_per_minute = 6
 [revocation]
 deny_list = "revoked.txt"   # sha256 certificate fingerprints, one a line; re-read on change
 '''
+
+
+def _replace_file(path: Path, text: str) -> None:
+    """Write `text` to `path` at once (a temporary file renamed over it: a node re-reading it never
+    sees half a file), keeping its mode; group and others never get write access."""
+    mode = (os.stat(path).st_mode & 0o755) if path.exists() else 0o644
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.chmod(temporary, mode)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def enrol(path: Path, identity: str, role: str) -> str | None:
+    """Give `identity` `role` in the policy file at `path` (`tinydist certs enrol`): its line under
+    [identities] is replaced, or added after the header; comments and everything else stay as they
+    are. The edited text must parse as a policy before it replaces the file. Returns the old role."""
+    path = Path(path)
+    if role not in RANK:
+        raise PolicyError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
+    check_private(path, "the policy file")
+    try:
+        text = path.read_text()
+    except FileNotFoundError as exc:
+        raise PolicyError(f"no policy file at {path}; `tinydist certs init` writes one") from exc
+    old = parse_policy(text, path.parent).role_of(identity)
+    line = f'"{identity}" = "{role}"'
+    lines = text.splitlines()
+    section = None
+    at = None
+    for i, current in enumerate(lines):
+        stripped = current.strip()
+        if stripped.startswith("["):
+            section = stripped.split("#", 1)[0].strip()
+            if section == "[identities]":
+                at = i + 1
+            continue
+        if section == "[identities]" and stripped.split("=", 1)[0].strip().strip('"') == identity:
+            lines[i] = line
+            break
+    else:
+        if at is None:   # no table yet: at the end (a key above the first header would be top-level)
+            lines += ["", "[identities]", line]
+        else:
+            lines.insert(at, line)
+    edited = "\n".join(lines) + "\n"
+    if parse_policy(edited, path.parent).role_of(identity) != role:
+        raise PolicyError(f"could not enrol {identity} in {path}: the edited file does not give it {role}; edit it by hand")
+    _replace_file(path, edited)
+    return old
+
+
+def revoke(path: Path, fingerprint: str, note: str = "") -> bool:
+    """Put a certificate's sha256 `fingerprint` on the deny-list the policy at `path` names (`tinydist
+    certs revoke`); every node reading that policy refuses it from its next call. False if it was there."""
+    policy = parse_policy(Path(path).read_text(), Path(path).parent)
+    deny = policy.deny_list_path or Path(path).parent / "revoked.txt"
+    entry = fingerprint.replace(":", "").strip().lower()
+    parse_deny_list(entry)  # refuses anything but 64 hex digits
+    check_private(deny, "the deny-list")
+    text = deny.read_text() if deny.exists() else "# sha256 fingerprints (hex) of revoked client certificates, one a line\n"
+    if entry in parse_deny_list(text):
+        return False
+    _replace_file(deny, text + ("" if text.endswith("\n") or not text else "\n") + entry + (f"  # {note}" if note else "") + "\n")
+    return True

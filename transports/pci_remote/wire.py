@@ -16,6 +16,14 @@ import numpy as np
 
 from tinydist.transports.pci_remote._generated import device_pb2 as pb
 
+# Trailing metadata of a failed call, for what its status alone does not tell the client
+# (tinydist.runtime.remote.errors reads them): the class name of the failure, and for
+# TenantWorkerFailed the tenant, the cause and whether the worker died ("1") or one request failed ("0").
+ERROR_METADATA = "tinydist-error"
+TENANT_METADATA = "tinydist-tenant"
+CAUSE_METADATA = "tinydist-cause"
+FATAL_METADATA = "tinydist-fatal"
+
 _LENGTH_DELIMITED = 2
 _MAX_VARINT_BYTES = 10
 

@@ -20,11 +20,12 @@ from typing import Any
 
 import grpc
 
-from tinydist.base.errors import DeviceError, DeviceFailed, DeviceNotFound, DeviceUnavailable
+from tinydist.base.errors import DeviceError, DeviceFailed, DeviceNotFound, DeviceUnavailable, TinydistError
 from tinydist.runtime.allocator import Allocator
 from tinydist.runtime.device import Device
 from tinydist.runtime.program import Program, check_signature
-from tinydist.runtime.remote.client import CHUNK_BYTES, ClientCredentials, RemoteSession
+from tinydist.runtime.remote.client import CHUNK_BYTES, ClientCredentials, RemoteSession, credentials_for
+from tinydist.runtime.remote.errors import from_rpc, open_error
 from tinydist.security.pki import PKIError
 from tinydist.transports.pci_remote import wire
 from tinydist.transports.pci_remote._generated import device_pb2 as pb
@@ -111,13 +112,15 @@ class RemoteDevice(Device):
         except grpc.RpcError as exc:
             raise self._error(method, exc) from exc
 
-    def _error(self, method: str, exc: grpc.RpcError) -> DeviceError:
-        """A failed call as a device error. The node no longer knowing this client's lease means
-        every buffer of it is gone: the device is marked failed with what happened (a restart, told
-        by the node's boot id, or an expired lease) and the engine opens a fresh session at its
-        next use (`reconnects_after_failure`)."""
+    def _error(self, method: str, exc: grpc.RpcError) -> TinydistError:
+        """A failed call as one of our errors (`tinydist.runtime.remote.errors`). The node no longer
+        knowing this client's lease means every buffer of it is gone: the device is marked failed
+        with what happened (a restart, told by the node's boot id, or an expired lease) and the
+        engine opens a fresh session at its next use (`reconnects_after_failure`); so it is when the
+        node is unreachable (UNAVAILABLE: a DeviceFailed)."""
         if exc.code() is not grpc.StatusCode.NOT_FOUND or exc.details() != "no such lease" or self.session is None:
-            return DeviceError(f"{self.name}: {method} failed: {exc.code().name}: {exc.details()}")
+            error = from_rpc(exc, method, self.target, self.name)
+            return self.mark_failed(error) if isinstance(error, DeviceFailed) else error
         try:
             boot = self.session.stub.ListDevices(pb.ListDevicesRequest(), timeout=self.session.timeout).node_boot
         except grpc.RpcError:
@@ -128,9 +131,10 @@ class RemoteDevice(Device):
             what = "node restarted: buffers are gone"
         return self.mark_failed(DeviceFailed(f"{self.name}: {what}; the next use reconnects"))
 
+
     def _open_backend(self) -> None:
         try:
-            credentials = self._credentials or ClientCredentials.load()
+            credentials = self._credentials or credentials_for(self.target) or ClientCredentials.load()
         except PKIError as exc:
             raise DeviceUnavailable(f"remote device {self.name}: {exc}") from exc
         session = RemoteSession(self.target, credentials)
@@ -139,8 +143,8 @@ class RemoteDevice(Device):
                 devices = session.stub.ListDevices(pb.ListDevicesRequest(), timeout=session.timeout)
                 session.open_lease()
             except grpc.RpcError as exc:
-                raise DeviceUnavailable(f"{self.name}: node {self.target} refused or is unreachable: "
-                                        f"{exc.code().name}: {exc.details()}") from exc
+                raise open_error(self.name, self.target, credentials, "ListDevices" if not session.lease else "OpenLease",
+                                 exc) from exc
             names = [d.name for d in devices.devices]
             if self.remote_name not in names:
                 raise DeviceNotFound(f"{self.name}: node {self.target} exports no {self.remote_name}; it has {', '.join(names)}")
