@@ -267,16 +267,22 @@ class ProcessGroup:
     def _on_segment(self, call: _Call, run_async: Callable[..., Any]) -> Any:
         with self._thread_lock:
             header, name = self._begin(call)
+            # tracing asked once a call; untraced, no span to build and no context manager to enter
+            # (a nullcontext and a second active_tracer(): 5 Python calls, ~42 bytecodes of ~1,600)
+            if tracing.active_tracer() is None:
+                return self._on_segment_traced(call, run_async, header, name, None)
             with self._traced(header, call, "segment" if call.segment is not None else "links"):
-                return self._on_segment_traced(call, run_async, header, name)
+                return self._on_segment_traced(call, run_async, header, name, f"rank{self.rank}")
 
-    def _on_segment_traced(self, call: _Call, run_async: Callable[..., Any], header: dict[str, Any], name: str) -> Any:
+    def _on_segment_traced(self, call: _Call, run_async: Callable[..., Any], header: dict[str, Any], name: str,
+                           trace: str | None) -> Any:
+        """The collective on the segment; `trace`: this rank's trace process (its steps' spans) while tracing."""
         if self.shm is None:
             raise CollectiveError(f"{name}: the group's shared memory is closed (td.dist.destroy() was called)")
         deadline = time.monotonic() + settings.COLLECTIVE_TIMEOUT
         blob = json.dumps(header).encode()
         session = shm.Session(self.shm, blob, functools.partial(self._agree, name, header, blob), deadline,
-                              self._check_waiting, None if tracing.active_tracer() is None else f"rank{self.rank}")
+                              self._check_waiting, trace)
         try:
             if call.segment is not None:
                 return call.segment(session)
