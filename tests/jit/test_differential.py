@@ -1,11 +1,12 @@
 """Differential test of `td.jit`: every replay, through every entry, equals eager tinydist and numpy.
 
-Each example is a random program (`tests/jit/programs.py`) jitted once per replay strategy in
-`tinydist.frontend.jit.REPLAYS` and called 12 times with fresh arguments, through one entry: `f(*tensors)`,
+Each example is a random program (drawn by `tests/jit/generator.py`; the program as data and as
+Tensor code: `program.py`) jitted once per replay strategy in `tinydist.frontend.jit.REPLAYS` and
+called 12 times with fresh arguments, through one entry: `f(*tensors)`,
 `f.call_numpy(*arrays)` or `await f.acall(*tensors)`. Call 1 runs the function, call 2 captures,
 calls 3-12 replay. Every call's outputs must equal the same function run eagerly on the same
 arguments and a float64 numpy interpretation of the program: exactly for ints and bools, within
-the error bound the generator derives for each float value (see programs.py). An argument the
+the error bound the generator derives for each float value (see reference.py). An argument the
 program assigns to must hold its new value afterwards (a Tensor) or be left alone (an ndarray
 given to `call_numpy`, which the function only ever sees a copy of).
 
@@ -36,8 +37,9 @@ import tinydist as td
 from tinydist.engine.realize import realize  # one realize of several tensors: the one Tensor.realize calls
 from tinydist.frontend.jit import REPLAYS, JitError, TinyJit
 
-from .programs import (ASSIGN_CYCLE, ASSIGN_TWICE, READ_ASSIGNED, RETURN_ARGUMENT, STALE_VIEW, TOLERANCE, NearTie, Program,
-                       Reference, as_function, describe_mismatch, draw_arguments, matches, outputs_of, programs, run_numpy)
+from .generator import ASSIGN_CYCLE, ASSIGN_TWICE, READ_ASSIGNED, RETURN_ARGUMENT, STALE_VIEW, programs
+from .program import Program, as_function, draw_arguments, outputs_of
+from .reference import TOLERANCE, NearTie, Reference, describe_mismatch, matches, run_numpy
 
 CALLS = 12
 ENTRIES = ("call", "call_numpy", "acall")

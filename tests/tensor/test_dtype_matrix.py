@@ -272,8 +272,8 @@ def test_strided_and_fused_chains(dtype):
 
 _HALF_SCRIPT = """
 import numpy as np
-from tinydist.codegen import lowering
-lowering._host_converts_half = lambda: {native}
+from tinydist.codegen import llvm_types
+llvm_types._host_converts_half = lambda: {native}
 import tinydist as td
 every = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
 got = td.Tensor(every).cast(np.float32).numpy()

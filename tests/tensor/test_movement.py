@@ -144,7 +144,7 @@ def test_getitem(src, index):
     check(t[index], x[index])
 
 
-# regression: lowering.collapse once merged axes across a size-1 axis without checking the outer pair's strides
+# regression: codegen.collapse once merged axes across a size-1 axis without checking the outer pair's strides
 @pytest.mark.parametrize("computed", [False, True])
 def test_size_one_middle_axis_view(computed):
     t = td.Tensor(X) + 0 if computed else td.Tensor(X)

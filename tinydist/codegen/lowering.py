@@ -1,213 +1,42 @@
-"""Kernel IR → LLVM IR text.
+"""Kernel IR → LLVM IR text: the loop nest, loads and stores, reductions, vector loops.
 
 The loop nest is emitted by us, not discovered by LLVM: adjacent axes that every load walks
-contiguously are collapsed into one loop first (so a 4096×4096 elementwise kernel is one loop of
-16M), reduced axes run innermost with the accumulator in a register, and the innermost loop is
-affine in its induction variable so LLVM's loop vectoriser can widen it.
+contiguously are collapsed into one loop first (`tinydist.codegen.collapse`, so a 4096×4096
+elementwise kernel is one loop of 16M), reduced axes run innermost with the accumulator in a
+register, and the innermost loop is affine in its induction variable so LLVM's loop vectoriser
+can widen it. Each op's own IR comes from `tinydist.codegen.alu`, the dtypes' LLVM types and
+their memory forms from `tinydist.codegen.llvm_types`.
 
 A contiguous one-dimensional elementwise kernel (every load walks its input with stride 1 or 0)
 is emitted as explicit vector code — a loop over 64-byte vectors plus a scalar tail — so that an
 output much larger than the caches can be written with streaming (non-temporal) stores: they
 skip reading each cache line before overwriting it, a fifth of a triad's memory traffic. LLVM's
 vectoriser will not widen non-temporal stores itself.
-
-Floating-point flags: every float op may `contract` (a*b+c → fma, one rounding instead of two).
-Only a reduction's accumulation carries `reassoc`, which lets the vectoriser keep several partial
-sums (lanes × interleave) and combine them at the end: the result differs from a sequential sum
-in the last bits, with an error bound no worse than the sequential one (it is closer to pairwise
-summation). Nothing else is reordered, and NaN/inf semantics are kept (no `nnan`/`ninf`).
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from llvmlite import ir
 
 from tinydist.base.walk import postorder
-from tinydist.codegen import progress, transcendental
+from tinydist.codegen import progress
+from tinydist.codegen.alu import ALU_RULES, CONTRACT, ROUNDED, combine
+from tinydist.codegen.collapse import collapse
 from tinydist.codegen.kernel import KernelAST, KNode
-from tinydist.graph import dtypes
+from tinydist.codegen.llvm_types import (F16, F32, F64, I1, I8, I16, I32, I64, constant, from_memory, identity, llvm_type,
+                                         round_narrow, to_memory)
 from tinydist.graph.dtypes import DType
-from tinydist.graph.shape import ShapeTracker, View, prod
+from tinydist.graph.shape import ShapeTracker, prod
 
-I1, I8, I16, I32, I64 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-F16, F32, F64 = ir.HalfType(), ir.FloatType(), ir.DoubleType()
 PTR = ir.PointerType()  # opaque, address space 0: the CPU kernels' argument pointers
 VECTOR_BYTES = 64                  # one AVX-512 register, one cache line
 STREAMING_STORE_BYTES = 32 << 20   # bigger than this machine's last-level cache
 MAX_LOOP_PIECES = 128              # most copies of a loop body that index-set splitting may emit
 CASCADE_BLOCK = 1024               # elements a long float sum adds from zero before the pairwise cascade
-CONTRACT = ("contract",)
-REASSOC = ("reassoc", "contract")
-
-
-# A dtype's register type, and (where it differs) its memory type: bool is i1 in registers and a
-# byte in memory; float16 is a float in registers and its 16 bits in memory (numpy's float16 loops
-# compute in float32 and round after each op, as `round_narrow` does here).
-_REGISTER: dict[DType, ir.Type] = {dtypes.float16: F32, dtypes.float32: F32, dtypes.float64: F64,
-                                   dtypes.int8: I8, dtypes.int16: I16, dtypes.int32: I32, dtypes.int64: I64,
-                                   dtypes.uint8: I8, dtypes.uint16: I16, dtypes.uint32: I32, dtypes.uint64: I64,
-                                   dtypes.bool_: I1}
-_MEMORY: dict[DType, ir.Type] = {**_REGISTER, dtypes.bool_: I8, dtypes.float16: I16}
-
-
-def llvm_type(dtype: DType, in_memory: bool = False, width: int | None = None) -> ir.Type:
-    scalar = (_MEMORY if in_memory else _REGISTER).get(dtype) or (I16 if in_memory else F32)  # (bfloat16: registered late)
-    assert dtype.is_narrow_float or dtype in _REGISTER, dtype
-    return ir.VectorType(scalar, width) if width else scalar
-
-
-def _shaped(like: ir.Type, scalar: ir.Type) -> ir.Type:
-    """`scalar`, as a vector of as many lanes as `like` when `like` is a vector."""
-    return ir.VectorType(scalar, like.count) if isinstance(like, ir.VectorType) else scalar
-
-
-@functools.cache
-def _host_converts_half() -> bool:
-    """Whether the host CPU converts float <-> half in hardware (x86 F16C, every AArch64). Without
-    it LLVM lowers `fptrunc float to half` to a libcall (__truncsfhf2) the JIT cannot resolve."""
-    from tinydist.codegen.compiler import host_target
-    target = host_target()
-    return "+f16c" in target.features.split(",") or target.triple.startswith(("aarch64", "arm64"))
-
-
-def _native_half(b: ir.IRBuilder) -> bool:
-    return b.module.triple.startswith("nvptx") or _host_converts_half()
-
-
-def from_memory(b: ir.IRBuilder, value: ir.Value, dtype: DType) -> ir.Value:
-    """A value loaded from memory in its register type (bool: i8 → i1; float16: its bits → float)."""
-    if dtype is dtypes.bool_:
-        return b.icmp_unsigned("!=", value, splat(value.type, 0))
-    if dtype is dtypes.float16:
-        if _native_half(b):
-            return b.fpext(b.bitcast(value, _shaped(value.type, F16)), _shaped(value.type, F32))
-        return _half_bits_to_float(b, value)
-    if dtype.is_narrow_float:  # bfloat16: the top half of a float32
-        return b.bitcast(b.shl(b.zext(value, _shaped(value.type, I32)), splat(_shaped(value.type, I32), 16)),
-                         _shaped(value.type, F32))
-    return value
-
-
-def to_memory(b: ir.IRBuilder, value: ir.Value, dtype: DType) -> ir.Value:
-    """A register value in its memory type (bool: i1 → i8; float16: float → its bits, rounded to nearest even)."""
-    if dtype is dtypes.bool_:
-        return b.zext(value, _shaped(value.type, I8))
-    if dtype is dtypes.float16:
-        if _native_half(b):
-            return b.bitcast(b.fptrunc(value, _shaped(value.type, F16)), _shaped(value.type, I16))
-        return _float_to_half_bits(b, value)
-    if dtype.is_narrow_float:
-        return _float_to_bfloat16_bits(b, value)
-    return value
-
-
-def _float_to_bfloat16_bits(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
-    """float32 → bfloat16 bits rounded to nearest even (ml_dtypes' rule): add 0x7fff plus the kept
-    part's last bit, keep the top 16 bits; a NaN stays a quiet NaN of its sign."""
-    t32 = _shaped(x.type, I32)
-    bits = b.bitcast(x, t32)
-    odd = b.and_(b.lshr(bits, splat(t32, 16)), splat(t32, 1))
-    rounded = b.lshr(b.add(b.add(bits, splat(t32, 0x7FFF)), odd), splat(t32, 16))
-    quiet = b.or_(b.lshr(bits, splat(t32, 16)), splat(t32, 0x40))
-    return b.trunc(b.select(b.fcmp_unordered("uno", x, x), quiet, rounded), _shaped(x.type, I16))
-
-
-def _half_bits_to_float(b: ir.IRBuilder, h: ir.Value) -> ir.Value:
-    """float16 bits → float32, exactly, in integer ops (F. Giesen's half_to_float: subnormals
-    renormalised by a float subtraction, infinities and NaNs re-biased)."""
-    t32 = _shaped(h.type, I32)
-    wide = b.zext(h, t32)
-    o = b.shl(b.and_(wide, splat(t32, 0x7FFF)), splat(t32, 13))
-    exp = b.and_(o, splat(t32, 0x7C00 << 13))
-    o = b.add(o, splat(t32, (127 - 15) << 23))
-    special = b.add(o, splat(t32, (128 - 16) << 23))
-    tiny = b.fsub(b.bitcast(b.add(o, splat(t32, 1 << 23)), _shaped(h.type, F32)), splat(_shaped(h.type, F32), 2.0 ** -14))
-    o = b.select(b.icmp_unsigned("==", exp, splat(t32, 0x7C00 << 13)), special, o)
-    o = b.select(b.icmp_unsigned("==", exp, splat(t32, 0)), b.bitcast(tiny, t32), o)
-    o = b.or_(o, b.shl(b.and_(wide, splat(t32, 0x8000)), splat(t32, 16)))
-    return b.bitcast(o, _shaped(h.type, F32))
-
-
-def _float_to_half_bits(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
-    """float32 → float16 bits rounded to nearest even, in integer ops (F. Giesen's
-    float_to_half_fast3_rtne: subnormals rounded by adding 0.5 as a float, normals by adding
-    0xfff plus the kept mantissa's last bit)."""
-    t32, f32 = _shaped(x.type, I32), _shaped(x.type, F32)
-    bits = b.bitcast(x, t32)
-    sign = b.and_(bits, splat(t32, -(1 << 31)))
-    f = b.xor(bits, sign)
-    overflow = b.select(b.icmp_unsigned(">", f, splat(t32, 255 << 23)), splat(t32, 0x7E00), splat(t32, 0x7C00))
-    magic = splat(t32, 126 << 23)  # 0.5
-    subnormal = b.sub(b.bitcast(b.fadd(b.bitcast(f, f32), b.bitcast(magic, f32)), t32), magic)
-    odd = b.and_(b.lshr(f, splat(t32, 13)), splat(t32, 1))
-    normal = b.lshr(b.add(b.add(f, splat(t32, ((15 - 127) << 23) + 0xFFF)), odd), splat(t32, 13))
-    o = b.select(b.icmp_unsigned("<", f, splat(t32, 113 << 23)), subnormal, normal)
-    o = b.select(b.icmp_unsigned(">=", f, splat(t32, (127 + 16) << 23)), overflow, o)
-    return b.trunc(b.or_(o, b.lshr(sign, splat(t32, 16))), _shaped(x.type, I16))
-
-
-def round_narrow(b: ir.IRBuilder, value: ir.Value, dtype: DType) -> ir.Value:
-    """A float32 register rounded to `dtype`'s precision and range (float16), kept in float32."""
-    return from_memory(b, to_memory(b, value, dtype), dtype) if dtype.is_narrow_float else value
-
-
-def splat(t: ir.Type, value: Any) -> ir.Constant:
-    """`value` as a constant of type `t`, repeated in every lane when `t` is a vector."""
-    if isinstance(t, ir.VectorType):
-        return ir.Constant(t, [value] * t.count)
-    return ir.Constant(t, value)
-
-
-# ---- dimension collapsing ---------------------------------------------------------------------
-
-def collapse(ast: KernelAST) -> tuple[tuple[int, ...], tuple[int, ...], dict[int, ShapeTracker]]:
-    """Merge adjacent axes that every load (and the output) walks as one; returns the new shape,
-    reduce axes, and each load node's tracker rewritten for the new shape (keyed by id)."""
-    shape = ast.shape
-    loads = [n for n in ast.root.walk() if n.op == "load"]
-    n = len(shape)
-
-    def joins(group: list[int], axis: int) -> bool:
-        """Can `axis` join `group` (the axes just before it) as one loop for every load?"""
-        if (axis in ast.reduce_axes) != (group[0] in ast.reduce_axes):
-            return False
-        for node in loads:  # loads above the reduce see the output shape; the same rule holds there
-            top = node.arg[1].views[-1]
-            if top.mask is not None and any(top.mask[a] != (0, top.shape[a]) for a in (*group, axis)):
-                return False
-            # the group's innermost non-unit axis must step exactly over the new axis's extent
-            inner = [a for a in group if top.shape[a] != 1]
-            if inner and top.shape[axis] != 1 and top.strides[inner[-1]] != top.strides[axis] * top.shape[axis]:
-                return False
-        return True
-
-    groups: list[list[int]] = []
-    for axis in range(n):
-        if groups and joins(groups[-1], axis):
-            groups[-1].append(axis)
-        else:
-            groups.append([axis])
-    new_shape = tuple(prod([shape[a] for a in g]) for g in groups)
-    new_reduce = tuple(i for i, g in enumerate(groups) if g[0] in ast.reduce_axes)
-    out_groups_shape = tuple(1 if i in new_reduce else s for i, s in enumerate(new_shape))
-    trackers = {}
-    for node in loads:
-        tracker: ShapeTracker = node.arg[1]
-        top = tracker.views[-1]
-        target = new_shape if top.shape == shape else out_groups_shape
-        strides, mask = [], []
-        for g, size in zip(groups, target):
-            real = [a for a in g if top.shape[a] != 1]
-            strides.append(top.strides[real[-1]] if real else 0)
-            # merged groups are unmasked (checked above); a lone axis keeps its own mask
-            mask.append(top.mask[g[0]] if top.mask is not None and len(g) == 1 else (0, size))
-        trackers[id(node)] = ShapeTracker(tracker.views[:-1] + (View.create(target, tuple(strides), top.offset, None if top.mask is None else tuple(mask)),))
-    return new_shape, new_reduce, trackers
 
 
 # ---- IR building ------------------------------------------------------------------------------
@@ -246,9 +75,9 @@ class _Lowerer:
             return existing
         return ir.Function(self.module, ir.FunctionType(ret, args), name=name)
 
-    def _suffix(self, t: ir.Type) -> str:
+    def suffix(self, t: ir.Type) -> str:
         if isinstance(t, ir.VectorType):
-            return f"v{t.count}{self._suffix(t.element)}"
+            return f"v{t.count}{self.suffix(t.element)}"
         return {F16: "f16", F32: "f32", F64: "f64", I32: "i32", I64: "i64", I1: "i1", I8: "i8", I16: "i16"}[t]
 
     def typ(self, dtype: DType) -> ir.Type:
@@ -256,7 +85,7 @@ class _Lowerer:
         return llvm_type(dtype, width=self.width)
 
     def call(self, base: str, value_type: ir.Type, *args: ir.Value) -> ir.Value:
-        fn = self.intrinsic(f"llvm.{base}.{self._suffix(value_type)}", value_type, [a.type for a in args])
+        fn = self.intrinsic(f"llvm.{base}.{self.suffix(value_type)}", value_type, [a.type for a in args])
         return self.b.call(fn, list(args))
 
     def loop(self, count: int, body: Callable[[ir.Value], None], name: str) -> None:
@@ -724,290 +553,6 @@ def _entry_alloca(lowerer: _HasEntryBlock, t: ir.Type) -> ir.Value:
     with lowerer.b.goto_block(lowerer.entry):  # restores the builder's position on exit
         lowerer.b.position_at_start(lowerer.entry)
         return lowerer.b.alloca(t)
-
-
-def constant(dtype: DType, value: Any, width: int | None = None) -> ir.Constant:
-    t = llvm_type(dtype, width=width)
-    if dtype.is_float:  # a float16 constant holds a float16 value (in its float32 register)
-        return splat(t, float(dtype.np.type(value)) if dtype.is_narrow_float else float(value))
-    if dtype.is_bool:
-        return splat(t, int(bool(value)))
-    bits = dtype.itemsize * 8  # unsigned values past the signed range are written as their two's complement
-    wrapped = int(value) & ((1 << bits) - 1)
-    return splat(t, wrapped - (1 << bits) if wrapped >> (bits - 1) else wrapped)
-
-
-def identity(op: str, dtype: DType) -> ir.Constant:
-    if op == "sum":
-        return constant(dtype, 0)
-    if op == "prod":
-        return constant(dtype, 1)
-    if dtype.is_float:
-        return constant(dtype, float("-inf") if op == "max" else float("inf"))
-    if dtype.is_unsigned:
-        return constant(dtype, 0 if op == "max" else -1)
-    info = (1 << (dtype.itemsize * 8 - 1))
-    return constant(dtype, -info if op == "max" else info - 1)
-
-
-def combine(lowerer: _Lowerer, op: str, dtype: DType, acc: ir.Value, value: ir.Value) -> ir.Value:
-    b = lowerer.b
-    if dtype.is_float:
-        if op == "sum":
-            return b.fadd(acc, value, flags=REASSOC)
-        if op == "prod":
-            return b.fmul(acc, value, flags=REASSOC)
-        return lowerer.call("maximum" if op == "max" else "minimum", acc.type, acc, value)
-    if op == "sum":
-        return b.add(acc, value)
-    if op == "prod":
-        return b.mul(acc, value)
-    if dtype.is_unsigned:
-        return lowerer.call("umax" if op == "max" else "umin", acc.type, acc, value)
-    return lowerer.call("smax" if op == "max" else "smin", acc.type, acc, value)
-
-
-# ---- elementwise rules: op name → how to lower it, per dtype kind -----------------------------
-
-def _float_or_int(f: Callable[..., ir.Value], i: Callable[..., ir.Value],
-                  u: Callable[..., ir.Value] | None = None) -> Callable[[_Lowerer, KNode, list[ir.Value]], ir.Value]:
-    """The rule for float operands, signed (and bool) ones, and unsigned ones (`u`, else `i`)."""
-    def rule(lw: _Lowerer, node: KNode, args: list[ir.Value]) -> ir.Value:
-        dtype = node.srcs[0].dtype
-        if dtype.is_float:
-            return f(lw, *args)
-        return u(lw, *args) if u is not None and dtype.is_unsigned else i(lw, *args)
-    return rule
-
-
-# Ops whose float16 result is rounded to float16 after computing in float32 (numpy's float16
-# loops do the same); the others (compare, select, max/min, negate, abs, floor) are exact.
-ROUNDED = frozenset({"add", "sub", "mul", "div", "idiv", "mod", "pow", "sqrt", "exp", "exp2", "log", "log2", "sin", "cos"})
-
-
-def _fptosi_sat(lw: _Lowerer, x: ir.Value, to: ir.Type) -> ir.Value:
-    """float → signed int, saturating: NaN → 0 and out-of-range clamps, never poison."""
-    name = f"llvm.fptosi.sat.{lw._suffix(to)}.{lw._suffix(x.type)}"
-    return lw.b.call(lw.intrinsic(name, to, [x.type]), [x])
-
-
-def _to_float32_round_to_odd(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
-    """float64 → float32 rounded to odd (truncated, the last bit set when inexact): rounding that
-    to float16 then rounds once, correctly. (LLVM lowers a direct double → half to a libcall,
-    __truncdfhf2, that the JIT cannot resolve; x86 has no instruction for it.)"""
-    t = b.fptrunc(x, _shaped(x.type, F32))
-    bits_type = _shaped(x.type, I32)
-    r = b.bitcast(t, bits_type)
-    inexact = b.fcmp_unordered("!=", b.fpext(t, x.type), x)
-    even = b.icmp_unsigned("==", b.and_(r, splat(bits_type, 1)), splat(bits_type, 0))
-    away = b.fcmp_ordered(">", b.fpext(b.call(_fabs(b, t.type), [t]), x.type), b.call(_fabs(b, x.type), [x]))
-    odd = b.select(away, b.sub(r, splat(bits_type, 1)), b.or_(r, splat(bits_type, 1)))
-    return b.bitcast(b.select(b.and_(inexact, even), odd, r), t.type)
-
-
-def _fabs(b: ir.IRBuilder, t: ir.Type) -> ir.Function:
-    module = b.module
-    suffix = (f"v{t.count}" if isinstance(t, ir.VectorType) else "") + ("f32" if (t.element if isinstance(t, ir.VectorType) else t) == F32 else "f64")
-    name = f"llvm.fabs.{suffix}"
-    existing = module.globals.get(name)
-    return existing if existing is not None else ir.Function(module, ir.FunctionType(t, [t]), name=name)
-
-
-def _to_int64_x86(lw: _Lowerer, x: ir.Value) -> ir.Value:
-    """float → int64 as x86-64's cvttsd2si, numpy's conversion: truncated, and INT64_MIN for NaN,
-    infinities and values out of range."""
-    b, to = lw.b, _shaped(x.type, I64)
-    inside = b.fcmp_ordered("<", lw.call("fabs", x.type, x), splat(x.type, 2.0 ** 63))
-    return b.select(inside, _fptosi_sat(lw, x, to), splat(to, -(1 << 63)))
-
-
-def _bitcast(lw: _Lowerer, src: DType, dst: DType, x: ir.Value) -> ir.Value:
-    """The bits of `x` (its memory form: a bool's byte, a float16's 16 bits) read as `dst`."""
-    bits = to_memory(lw.b, x, src)
-    want = llvm_type(dst, in_memory=True, width=lw.width)
-    if bits.type != want:
-        bits = lw.b.bitcast(bits, want)
-    return from_memory(lw.b, bits, dst)
-
-
-def _cast(lw: _Lowerer, node: KNode, args: list[ir.Value]) -> ir.Value:
-    """numpy's astype (which ONNX's Cast follows): float → int truncates toward zero; into an int
-    narrower than 32 bits or an unsigned one it wraps modulo 2**bits, as numpy's x86-64 conversion
-    through int64 does (float32 300.7 → uint8 44, -1.0 → uint32 4294967295, inf and NaN → 0);
-    float → int32/int64 saturates (NaN → 0), where numpy's result is undefined. Float → float
-    rounds to nearest even, overflowing to inf."""
-    (x,), src, dst = args, node.srcs[0].dtype, node.dtype
-    b, to = lw.b, lw.typ(dst)
-    if src is dst:
-        return x
-    if dst.is_bool:
-        return b.fcmp_unordered("!=", x, splat(x.type, 0.0)) if src.is_float else b.icmp_unsigned("!=", x, splat(x.type, 0))
-    if src.is_bool:  # 0 and 1: exact in every type
-        return b.uitofp(x, to) if dst.is_float else b.zext(x, to)
-    if src.is_float and dst.is_float:
-        if dst.is_narrow_float and x.type != to:  # float64 → float16 rounds once, as numpy does
-            return round_narrow(b, _to_float32_round_to_odd(b, x), dst)
-        if x.type != to:
-            x = b.fpext(x, to) if dst.itemsize > src.itemsize else b.fptrunc(x, to)
-        return round_narrow(b, x, dst)
-    if src.is_float:
-        if dst.is_signed_wide:
-            return _fptosi_sat(lw, x, to)
-        wide = _to_int64_x86(lw, x)
-        if dst is dtypes.uint64:  # from 2**63 up: the conversion of x - 2**63, its top bit set again
-            big = b.fcmp_ordered(">=", x, splat(x.type, 2.0 ** 63))
-            high = b.xor(_to_int64_x86(lw, b.fsub(x, splat(x.type, 2.0 ** 63))), splat(to, -(1 << 63)))
-            return b.select(big, high, wide)
-        return b.trunc(wide, to)
-    if dst.is_float:
-        value = b.uitofp(x, to) if src.is_unsigned else b.sitofp(x, to)
-        return round_narrow(b, value, dst)
-    if dst.itemsize > src.itemsize:
-        return b.zext(x, to) if src.is_unsigned else b.sext(x, to)
-    return b.trunc(x, to) if dst.itemsize < src.itemsize else x
-
-
-def _safe_divisor(lw: _Lowerer, a: ir.Value, d: ir.Value) -> tuple[ir.Value, ir.Value]:
-    """(divisor safe for sdiv/srem, is-zero) — x86 traps on a zero divisor and on MIN / -1."""
-    b = lw.b
-    width = a.type.element.width if isinstance(a.type, ir.VectorType) else a.type.width
-    zero = b.icmp_signed("==", d, splat(d.type, 0))
-    overflow = b.and_(b.icmp_signed("==", a, splat(a.type, -(1 << (width - 1)))), b.icmp_signed("==", d, splat(d.type, -1)))
-    # MIN // -1 wraps to MIN and MIN % -1 is 0 in numpy: dividing by 1 gives exactly that
-    return b.select(b.or_(zero, overflow), splat(d.type, 1), d), zero
-
-
-def _floordiv_int(lw: _Lowerer, a: ir.Value, d: ir.Value) -> ir.Value:
-    b = lw.b
-    zero, one = splat(a.type, 0), splat(a.type, 1)
-    safe_d, bad = _safe_divisor(lw, a, d)
-    q = b.sdiv(a, safe_d)
-    r = b.srem(a, safe_d)
-    adjust = b.and_(b.icmp_signed("!=", r, zero), b.icmp_signed("!=", b.icmp_signed("<", r, zero), b.icmp_signed("<", safe_d, zero)))
-    q = b.select(adjust, b.sub(q, one), q)
-    return b.select(bad, zero, q)  # numpy: integer division by zero gives 0
-
-
-def _mod_int(lw: _Lowerer, a: ir.Value, d: ir.Value) -> ir.Value:
-    b = lw.b
-    zero = splat(a.type, 0)
-    safe_d, bad = _safe_divisor(lw, a, d)
-    r = b.srem(a, safe_d)
-    adjust = b.and_(b.icmp_signed("!=", r, zero), b.icmp_signed("!=", b.icmp_signed("<", r, zero), b.icmp_signed("<", safe_d, zero)))
-    return b.select(bad, zero, b.select(adjust, b.add(r, safe_d), r))
-
-
-def _floordiv_uint(lw: _Lowerer, a: ir.Value, d: ir.Value) -> ir.Value:
-    b = lw.b
-    zero = b.icmp_unsigned("==", d, splat(d.type, 0))
-    return b.select(zero, splat(a.type, 0), b.udiv(a, b.select(zero, splat(d.type, 1), d)))  # numpy: x // 0 is 0
-
-
-def _mod_uint(lw: _Lowerer, a: ir.Value, d: ir.Value) -> ir.Value:
-    b = lw.b
-    zero = b.icmp_unsigned("==", d, splat(d.type, 0))
-    return b.select(zero, splat(a.type, 0), b.urem(a, b.select(zero, splat(d.type, 1), d)))
-
-
-def _shift(left: bool) -> Callable[[_Lowerer, KNode, list[ir.Value]], ir.Value]:
-    """numpy's shifts: counts outside [0, bits) (compared unsigned) give 0, or for an arithmetic
-    right shift the sign; LLVM's own shifts are poison there, so the select keeps the defined arm."""
-    def rule(lw: _Lowerer, node: KNode, args: list[ir.Value]) -> ir.Value:
-        (a, c), b, dtype = args, lw.b, node.srcs[0].dtype
-        bits = dtype.itemsize * 8
-        inside = b.icmp_unsigned("<", c, splat(c.type, bits))
-        if left:
-            return b.select(inside, b.shl(a, c), splat(a.type, 0))
-        if dtype.is_unsigned:
-            return b.select(inside, b.lshr(a, c), splat(a.type, 0))
-        return b.select(inside, b.ashr(a, c), b.ashr(a, splat(a.type, bits - 1)))
-    return rule
-
-
-def _mod_float(lw: _Lowerer, a: ir.Value, d: ir.Value) -> ir.Value:
-    b = lw.b
-    r = b.frem(a, d)  # sign of the dividend; numpy's % takes the divisor's sign
-    zero = splat(a.type, 0.0)
-    adjust = b.and_(b.fcmp_ordered("!=", r, zero), b.xor(b.fcmp_ordered("<", r, zero), b.fcmp_ordered("<", d, zero)))
-    fixed = b.select(adjust, b.fadd(r, d), r)
-    return b.select(b.fcmp_ordered("==", r, zero), lw.call("copysign", a.type, zero, d), fixed)
-
-
-def _floordiv_float(lw: _Lowerer, a: ir.Value, d: ir.Value) -> ir.Value:
-    """numpy's npy_divmod: from fmod, corrected toward -inf, rounded; a / d when d is zero."""
-    b = lw.b
-    zero = splat(a.type, 0.0)
-    mod = b.frem(a, d)
-    div = b.fdiv(b.fsub(a, mod), d)
-    adjust = b.and_(b.fcmp_ordered("!=", mod, zero), b.xor(b.fcmp_ordered("<", d, zero), b.fcmp_ordered("<", mod, zero)))
-    div = b.select(adjust, b.fsub(div, splat(a.type, 1.0)), div)
-    rounded = lw.call("floor", a.type, div)
-    rounded = b.select(b.fcmp_ordered(">", b.fsub(div, rounded), splat(a.type, 0.5)), b.fadd(rounded, splat(a.type, 1.0)), rounded)
-    quotient = b.fdiv(a, d)
-    result = b.select(b.fcmp_unordered("!=", div, zero), rounded, lw.call("copysign", a.type, zero, quotient))
-    return b.select(b.fcmp_ordered("==", d, zero), quotient, result)
-
-
-def _cmp(pred: str) -> Callable[[_Lowerer, KNode, list[ir.Value]], ir.Value]:
-    def rule(lw: _Lowerer, node: KNode, args: list[ir.Value]) -> ir.Value:
-        a, c = args
-        if node.srcs[0].dtype.is_float:
-            # NaN compares false except for != (numpy semantics)
-            return lw.b.fcmp_unordered(pred, a, c) if pred == "!=" else lw.b.fcmp_ordered(pred, a, c)
-        if node.srcs[0].dtype.kind in "bu":
-            return lw.b.icmp_unsigned(pred, a, c)
-        return lw.b.icmp_signed(pred, a, c)
-    return rule
-
-
-def _minmax(which: str) -> Callable[[_Lowerer, KNode, list[ir.Value]], ir.Value]:
-    def rule(lw: _Lowerer, node: KNode, args: list[ir.Value]) -> ir.Value:
-        a, c = args
-        dtype = node.srcs[0].dtype
-        if dtype.is_float:  # NaN-propagating, like numpy.maximum / minimum
-            return lw.call("maximum" if which == "max" else "minimum", a.type, a, c)
-        if dtype.is_bool:
-            return lw.b.or_(a, c) if which == "max" else lw.b.and_(a, c)
-        if dtype.is_unsigned:
-            return lw.call("umax" if which == "max" else "umin", a.type, a, c)
-        return lw.call("smax" if which == "max" else "smin", a.type, a, c)
-    return rule
-
-
-def _transcendental(name: str) -> Callable[[_Lowerer, KNode, list[ir.Value]], ir.Value]:
-    def rule(lw: _Lowerer, node: KNode, args: list[ir.Value]) -> ir.Value:
-        return getattr(transcendental, name)(lw.b, *args)
-    return rule
-
-
-ALU_RULES: dict[str, Callable[[_Lowerer, KNode, list[ir.Value]], ir.Value]] = {
-    "add": _float_or_int(lambda lw, a, c: lw.b.fadd(a, c, flags=CONTRACT), lambda lw, a, c: lw.b.add(a, c)),
-    "sub": _float_or_int(lambda lw, a, c: lw.b.fsub(a, c, flags=CONTRACT), lambda lw, a, c: lw.b.sub(a, c)),
-    "mul": _float_or_int(lambda lw, a, c: lw.b.fmul(a, c, flags=CONTRACT), lambda lw, a, c: lw.b.mul(a, c)),
-    "div": lambda lw, node, args: lw.b.fdiv(*args, flags=CONTRACT),
-    "idiv": _float_or_int(_floordiv_float, _floordiv_int, _floordiv_uint),
-    "mod": _float_or_int(_mod_float, _mod_int, _mod_uint),
-    "pow": _transcendental("pow"),
-    "max": _minmax("max"),
-    "min": _minmax("min"),
-    "and": lambda lw, node, args: lw.b.and_(*args),
-    "or": lambda lw, node, args: lw.b.or_(*args),
-    "xor": lambda lw, node, args: lw.b.xor(*args),
-    "shl": _shift(left=True), "shr": _shift(left=False),
-    "cmplt": _cmp("<"), "cmple": _cmp("<="), "cmpeq": _cmp("=="), "cmpne": _cmp("!="),
-    "where": lambda lw, node, args: lw.b.select(*args),
-    "neg": _float_or_int(lambda lw, a: lw.b.fneg(a), lambda lw, a: lw.b.neg(a)),
-    "not": lambda lw, node, args: lw.b.not_(args[0]),
-    "abs": _float_or_int(lambda lw, a: lw.call("fabs", a.type, a), lambda lw, a: lw.call("abs", a.type, a, ir.Constant(I1, 0)),
-                         lambda lw, a: a),
-    "floor": lambda lw, node, args: lw.call("floor", args[0].type, args[0]),
-    "sqrt": lambda lw, node, args: lw.call("sqrt", args[0].type, args[0]),
-    "exp": _transcendental("exp"), "exp2": _transcendental("exp2"),
-    "log": _transcendental("log"), "log2": _transcendental("log2"),
-    "sin": _transcendental("sin"), "cos": _transcendental("cos"),
-    "cast": _cast,
-    "bitcast": lambda lw, node, args: _bitcast(lw, node.srcs[0].dtype, node.dtype, args[0]),
-}
 
 
 def lower(ast: KernelAST, publish_progress: bool = True) -> tuple[str, str]:

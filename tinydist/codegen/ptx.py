@@ -1,7 +1,7 @@
 """Kernel IR → NVPTX LLVM IR → PTX text, with llvmlite's NVPTX back end.
 
 The elementwise part is the CPU lowering's: `_PTXLowerer` subclasses `lowering._Lowerer`, so
-loads (ShapeTracker indexing, masks, padding), constants, `ALU_RULES` and the polynomial
+loads (ShapeTracker indexing, masks, padding), constants, `alu.ALU_RULES` and the polynomial
 transcendentals (`transcendental.py`: plain arithmetic, no libm, no libdevice) are the same code
 on both targets. What differs is the loop structure around them:
 
@@ -38,8 +38,9 @@ from llvmlite import ir
 
 from tinydist.base.errors import CompileError
 from tinydist.codegen.kernel import KernelAST
-from tinydist.codegen.lowering import (
-    I32, I64, F32, F64, _Lowerer, _entry_alloca, combine, from_memory, identity, llvm_type, to_memory)
+from tinydist.codegen.alu import combine
+from tinydist.codegen.llvm_types import F32, F64, I32, I64, from_memory, identity, llvm_type, to_memory
+from tinydist.codegen.lowering import _entry_alloca, _Lowerer
 from tinydist.graph.shape import prod
 
 TRIPLE = "nvptx64-nvidia-cuda"

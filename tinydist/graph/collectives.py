@@ -56,6 +56,7 @@ LEGAL: dict[Medium, tuple[Algorithm, ...]] = {
     Medium.SHM: (Algorithm.NAIVE, Algorithm.RING, Algorithm.ALL2ALL),
     Medium.NETWORK: (Algorithm.NAIVE, Algorithm.RING, Algorithm.ALL2ALL),
 }
+_LEGAL_BY_NAME: dict[Medium, dict[str, Algorithm]] = {m: {a.value: a for a in legal} for m, legal in LEGAL.items()}
 
 # ---- thresholds of the rule (bytes of the whole tensor), measured -------------------------------
 # devices: below this the extra graph of all2all (N chunks, N gathers: milliseconds of Python at 4
@@ -90,6 +91,9 @@ def check(requested: str, medium: Medium, *, what: str = "allreduce algorithm") 
     """`requested` as an Algorithm legal on `medium` (None for auto), or a ValueError naming the choices."""
     if requested == AUTO:
         return None
+    algorithm = _LEGAL_BY_NAME[medium].get(requested) if isinstance(requested, str) else None
+    if algorithm is not None:    # every collective's case: a dict lookup, not enum's Python __call__
+        return algorithm
     legal = LEGAL[medium]
     try:
         algorithm = Algorithm(requested)

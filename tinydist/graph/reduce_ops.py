@@ -64,19 +64,23 @@ MEAN = "mean"
 COLLECTIVE_OPS: tuple[str, ...] = (*REDUCE_OPS, MEAN)
 
 
+# By name, for the collectives' per-call parse: a dict lookup, where `ReduceOp(name)` runs enum's
+# __call__ and __new__ in Python (measured: 2 Python calls, 66 bytecodes of a 4 KiB allreduce's ~1,600).
+_BY_NAME: dict[str, ReduceOp] = {op.value: op for op in ReduceOp}
+_COLLECTIVE: dict[str, ReduceOp] = {**_BY_NAME, MEAN: ReduceOp.SUM}
+
+
 def reduce_op(name: str) -> ReduceOp:
     """`name` as a ReduceOp; a ValueError naming the choices for anything else."""
-    try:
-        return ReduceOp(name)
-    except ValueError:
-        raise ValueError(f"unknown reduce op {name!r}; choose one of {', '.join(REDUCE_OPS)}") from None
+    op = _BY_NAME.get(name) if isinstance(name, str) else None
+    if op is None:
+        raise ValueError(f"unknown reduce op {name!r}; choose one of {', '.join(REDUCE_OPS)}")
+    return op
 
 
 def collective_op(name: str) -> ReduceOp:
     """The reduce op a collective `name` combines with: `mean` sums (its caller divides)."""
-    if name == MEAN:
-        return ReduceOp.SUM
-    try:
-        return ReduceOp(name)
-    except ValueError:
-        raise ValueError(f"unknown op {name!r}; expected one of {', '.join(COLLECTIVE_OPS)}") from None
+    op = _COLLECTIVE.get(name) if isinstance(name, str) else None
+    if op is None:
+        raise ValueError(f"unknown op {name!r}; expected one of {', '.join(COLLECTIVE_OPS)}")
+    return op

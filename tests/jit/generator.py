@@ -1,29 +1,26 @@
-"""Random tensor programs for the differential JIT test, and the two interpreters that run them.
+"""Random tensor programs for the differential JIT test: the hypothesis strategy `programs`.
 
-A `Program` is data: parameters, a list of steps over numbered values, and the values returned.
-`as_function` turns it into the Python function a user would write (tinydist ops on Tensors), which
-the test runs eagerly and through `td.jit`. `run_numpy` interprets the same steps with numpy in
-float64, independently of tinydist, so a bug shared by the eager path and the JIT still shows.
-
-Floats are compared against the numpy reference within an error bound the generator carries for
-every value (`Meta.err`), derived op by op from the dtype's unit roundoff and the value's magnitude
-bound (`Meta.hi`). Rounding can still flip a comparison whose operands are closer than their error
-bounds: the reference raises `NearTie` for such inputs and the test draws others, so a flipped
-comparison is never mistaken for an engine bug and a real mismatch is never excused by a tolerance.
+A program grows step by step from families of ops (elementwise, views, comparisons, reductions,
+unary ops, where, matmul, assign, device moves), each applied only where its operands are valid,
+while every value's `Meta` tracks a magnitude bound and an error bound, op by op, from the dtype's
+unit roundoff (the first-order rules of floating-point error analysis). Values stay within limits
+that keep those bounds meaningful (`FLOAT_LIMIT`, `INT_LIMIT`, `MAX_ELEMENTS`). Shapes of program
+the engine is known to get wrong are left out unless a test allows or forces them.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 from hypothesis import assume
 from hypothesis import strategies as st
 
-import tinydist as td
+from .program import Meta, Program, Step, common_dtype
+from .reference import numpy_step
 
 DTYPES = ("float32", "float64", "int64", "bool")
 DEVICES = ("CPU:0", "CPU:1")
@@ -34,255 +31,7 @@ TRANSCENDENTAL_ULPS = 8
 FLOAT_LIMIT = 1e5       # no value may grow past this: float32 keeps ~2 significant digits of headroom in sums
 INT_LIMIT = 2.0 ** 40   # int64 products stay exact and far from wrapping
 MAX_ELEMENTS = 96
-# tinydist and the reference may each be off by a value's error bound: results are compared, and
-# comparisons called near ties, within this many bounds
-TOLERANCE = 4.0
-NUMPY_OF = {"float32": np.float64, "float64": np.float64, "int64": np.int64, "bool": np.bool_}  # reference storage
 
-
-class NearTie(Exception):
-    """A comparison in the numpy reference whose operands are within rounding error of each other."""
-
-
-@dataclass(frozen=True)
-class Meta:
-    """What the generator knows about a value: enough to pick valid operands and to bound its error."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    device: str
-    hi: float          # |value| <= hi
-    err: float = 0.0   # |tinydist's value - the exact value| <= err (floats only; 0: computed exactly)
-    low: float = 0.0   # > 0: value >= low everywhere (positive, so it may be divided by or logged)
-
-    @property
-    def is_float(self) -> bool:
-        return self.dtype in ("float32", "float64")
-
-    def describe(self) -> str:
-        return f"{self.dtype}{list(self.shape)} on {self.device}"
-
-
-@dataclass(frozen=True)
-class Step:
-    """`values.append(op(*(values[i] for i in args), attr))`; an assign's new value is its target Tensor."""
-
-    op: str
-    args: tuple[int, ...]
-    attr: Any = None
-
-
-@dataclass(frozen=True)
-class Program:
-    """A generated tensor function. Values are numbered: the parameters first, then one per step."""
-
-    metas: tuple[Meta, ...]
-    n_params: int
-    shared: tuple[int, ...]   # parameter i is given the argument of parameter shared[i] (the same Tensor, or ndarray)
-    boxes: tuple[int, ...]    # parameter i's memory: the same box for one Tensor passed twice, else its own
-    steps: tuple[Step, ...]
-    outputs: tuple[int, ...]
-    container: str            # how the outputs are returned: "tensor", "tuple", "list" or "dict"
-
-    @property
-    def params(self) -> tuple[Meta, ...]:
-        return self.metas[:self.n_params]
-
-    def final_value(self, param: int) -> int:
-        """The value number parameter `param`'s argument holds after the call (its last assign's)."""
-        final = param
-        for number, step in enumerate(self.steps, start=self.n_params):
-            if step.op == "assign" and self.boxes[self._param_of(step.args[0])] == self.boxes[param]:
-                final = number
-        return final
-
-    def _param_of(self, value: int) -> int:
-        """The parameter whose argument `value` is (a parameter, or an assign's result)."""
-        while value >= self.n_params:
-            value = self.steps[value - self.n_params].args[0]
-        return value
-
-    def source(self) -> str:
-        """The program as the Python a user would write: shown when a check fails."""
-        names = [f"p{i}" for i in range(self.n_params)] + [f"v{i}" for i in range(self.n_params, len(self.metas))]
-        lines = [f"def f({', '.join(names[:self.n_params])}):"]
-        for i, meta in enumerate(self.params):
-            given = f" (the same argument as p{self.shared[i]})" if self.shared[i] != i else ""
-            lines.append(f"    # p{i}: {meta.describe()}{given}")
-        for number, step in enumerate(self.steps, start=self.n_params):
-            lines.append(f"    {names[number]} = {_SOURCE[step.op](*(names[i] for i in step.args), step.attr)}"
-                         f"  # {self.metas[number].describe()}")
-        outs = [names[i] for i in self.outputs]
-        returned = {"tensor": outs[0], "tuple": f"({', '.join(outs)},)", "list": f"[{', '.join(outs)}]",
-                    "dict": "{" + ", ".join(f"'o{k}': {o}" for k, o in enumerate(outs)) + "}"}[self.container]
-        lines.append(f"    return {returned}")
-        return "\n".join(lines)
-
-
-# ---- the two interpreters -------------------------------------------------------------------------
-
-def _cast_numpy(x: np.ndarray, dtype: str) -> np.ndarray:
-    """numpy's (and tinydist's) cast into the reference's storage: floats in float64, float→int truncates."""
-    if dtype == "bool":
-        return x != 0
-    return x.astype(NUMPY_OF[dtype])
-
-
-def _common(*metas: Meta) -> str:
-    """numpy's promotion (NEP 50) of the operands' dtypes."""
-    return np.result_type(*(np.dtype(m.dtype) for m in metas)).name
-
-
-# tinydist: (operand Tensors..., attr) -> Tensor
-_TINYDIST: dict[str, Callable[..., td.Tensor]] = {
-    "add": lambda a, b, _: a + b,
-    "sub": lambda a, b, _: a - b,
-    "mul": lambda a, b, _: a * b,
-    "div": lambda a, b, _: a / b,
-    "maximum": lambda a, b, _: a.maximum(b),
-    "lt": lambda a, b, _: a < b,
-    "eq": lambda a, b, _: a == b,
-    "ge": lambda a, b, _: a >= b,
-    "where": lambda c, a, b, _: c.where(a, b),
-    "cast": lambda x, dtype: x.cast(dtype),
-    "exp": lambda x, _: x.exp(),
-    "log": lambda x, _: x.log(),
-    "sum": lambda x, attr: x.sum(attr[0], keepdim=attr[1]),
-    "max": lambda x, attr: x.max(attr[0], keepdim=attr[1]),
-    "matmul": lambda a, b, transpose: a @ (b.T if transpose else b),
-    "reshape": lambda x, shape: x.reshape(shape),
-    "permute": lambda x, order: x.permute(order),
-    "slice": lambda x, bounds: x[tuple(slice(*b) for b in bounds)],
-    "expand": lambda x, shape: x.expand(shape),
-    "to": lambda x, device: x.to(device),
-    "assign": lambda target, value, _: target.assign(value),
-}
-
-_SOURCE: dict[str, Callable[..., str]] = {
-    "add": lambda a, b, _: f"{a} + {b}",
-    "sub": lambda a, b, _: f"{a} - {b}",
-    "mul": lambda a, b, _: f"{a} * {b}",
-    "div": lambda a, b, _: f"{a} / {b}",
-    "maximum": lambda a, b, _: f"{a}.maximum({b})",
-    "lt": lambda a, b, _: f"{a} < {b}",
-    "eq": lambda a, b, _: f"{a} == {b}",
-    "ge": lambda a, b, _: f"{a} >= {b}",
-    "where": lambda c, a, b, _: f"{c}.where({a}, {b})",
-    "cast": lambda x, dtype: f"{x}.cast({dtype!r})",
-    "exp": lambda x, _: f"{x}.exp()",
-    "log": lambda x, _: f"{x}.log()",
-    "sum": lambda x, attr: f"{x}.sum({attr[0]}, keepdim={attr[1]})",
-    "max": lambda x, attr: f"{x}.max({attr[0]}, keepdim={attr[1]})",
-    "matmul": lambda a, b, transpose: f"{a} @ {b}{'.T' if transpose else ''}",
-    "reshape": lambda x, shape: f"{x}.reshape({shape})",
-    "permute": lambda x, order: f"{x}.permute({order})",
-    "slice": lambda x, bounds: f"{x}[{', '.join(f'{lo}:{hi}:{step}' for lo, hi, step in bounds)}]",
-    "expand": lambda x, shape: f"{x}.expand({shape})",
-    "to": lambda x, device: f"{x}.to({device!r})",
-    "assign": lambda target, value, _: f"{target}.assign({value})",
-}
-
-
-def as_function(program: Program) -> Callable[..., Any]:
-    """The program as a Python function of Tensors, as a user would write it (and `td.jit` it)."""
-    def f(*args: td.Tensor) -> Any:
-        values: list[td.Tensor] = list(args)
-        for step in program.steps:
-            values.append(_TINYDIST[step.op](*(values[i] for i in step.args), step.attr))
-        outs = [values[i] for i in program.outputs]
-        if program.container == "tensor":
-            return outs[0]
-        if program.container == "dict":
-            return {f"o{k}": out for k, out in enumerate(outs)}
-        return tuple(outs) if program.container == "tuple" else list(outs)
-    return f
-
-
-def outputs_of(result: Any) -> list[Any]:
-    """A function's result (a Tensor or array, or a tuple/list/dict of them) as a list of outputs."""
-    if isinstance(result, dict):
-        return list(result.values())
-    return list(result) if isinstance(result, (tuple, list)) else [result]
-
-
-@dataclass(frozen=True)
-class Reference:
-    outputs: list[np.ndarray]
-    arguments: list[np.ndarray]   # each parameter's argument after the call (assigns applied), in the reference's storage
-
-
-def run_numpy(program: Program, arrays: Sequence[np.ndarray]) -> Reference:
-    """The program interpreted by numpy in float64 (ints in int64, bools as bool). Value semantics
-    throughout: an assign makes a new array, so readers of the old value keep it, as in tinydist."""
-    metas = program.metas
-    values: list[np.ndarray] = [_cast_numpy(np.asarray(a), m.dtype) for a, m in zip(arrays, program.params)]
-    for number, step in enumerate(program.steps, start=program.n_params):
-        xs = [values[i] for i in step.args]
-        ms = [metas[i] for i in step.args]
-        values.append(_numpy_step(step, xs, ms, metas[number]))
-    return Reference([values[i] for i in program.outputs],
-                     [values[program.final_value(p)] for p in range(program.n_params)])
-
-
-def _numpy_step(step: Step, xs: list[np.ndarray], ms: list[Meta], out: Meta) -> np.ndarray:
-    op, attr = step.op, step.attr
-    if op in ("add", "sub", "mul", "div", "maximum"):
-        a, b = (_cast_numpy(x, out.dtype) for x in xs)
-        ufunc = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.true_divide, "maximum": np.maximum}[op]
-        return ufunc(a, b)
-    if op in ("lt", "eq", "ge"):
-        common = _common(*ms)
-        a, b = (_cast_numpy(x, common) for x in xs)
-        margin = TOLERANCE * (ms[0].err + ms[1].err)
-        # the same value on both sides compares exactly in tinydist too: only distinct values can flip
-        if margin and step.args[0] != step.args[1] and np.any(np.abs(a - b) <= margin):
-            raise NearTie(f"{op} of operands within {margin:.3g} of each other")
-        return {"lt": np.less, "eq": np.equal, "ge": np.greater_equal}[op](a, b)
-    if op == "where":
-        return np.where(xs[0], _cast_numpy(xs[1], out.dtype), _cast_numpy(xs[2], out.dtype))
-    if op == "cast":
-        return _cast_numpy(xs[0], attr)
-    if op in ("exp", "log"):
-        return np.exp(xs[0]) if op == "exp" else np.log(xs[0])
-    if op in ("sum", "max"):
-        axis, keepdim = attr
-        x = _cast_numpy(xs[0], out.dtype) if op == "sum" else xs[0]
-        return np.asarray(np.sum(x, axis=axis, keepdims=keepdim) if op == "sum" else np.max(x, axis=axis, keepdims=keepdim))
-    if op == "matmul":
-        return xs[0] @ (xs[1].T if attr else xs[1])
-    if op == "reshape":
-        return xs[0].reshape(attr)
-    if op == "permute":
-        return np.transpose(xs[0], attr)
-    if op == "slice":
-        return xs[0][tuple(slice(*b) for b in attr)]
-    if op == "expand":
-        return np.broadcast_to(xs[0], attr)
-    if op == "to":
-        return xs[0]
-    assert op == "assign", op
-    return np.broadcast_to(_cast_numpy(xs[1], out.dtype), out.shape).copy()
-
-
-def draw_arguments(program: Program, rng: np.random.Generator) -> list[np.ndarray]:
-    """Fresh arguments for one call: parameters given the same argument get the same ndarray."""
-    arrays: list[np.ndarray] = []
-    for i, meta in enumerate(program.params):
-        if program.shared[i] != i:
-            arrays.append(arrays[program.shared[i]])
-            continue
-        value: np.ndarray
-        if meta.dtype == "bool":
-            value = rng.random(meta.shape) < 0.5
-        elif meta.dtype == "int64":
-            value = rng.integers(-int(meta.hi), int(meta.hi) + 1, size=meta.shape, dtype=np.int64)
-        else:
-            value = rng.uniform(meta.low or -meta.hi, meta.hi, size=meta.shape).astype(meta.dtype)
-        arrays.append(np.asarray(value))  # a 0-d draw is a numpy scalar: an argument must be an array
-    return arrays
-
-
-# ---- the generator --------------------------------------------------------------------------------
 
 def _rounded(dtype: str, hi: float) -> float:
     """The error one rounding to `dtype` may add to a value of magnitude <= hi."""
@@ -321,7 +70,7 @@ def _broadcast(*shapes: tuple[int, ...]) -> tuple[int, ...] | None:
 
 def _arithmetic(op: str, a: Meta, b: Meta, shape: tuple[int, ...]) -> Meta | None:
     """Result bound and error of a broadcasting binary op, by the standard first-order rules."""
-    dtype = _common(a, b)
+    dtype = common_dtype(a, b)
     if op == "div":
         dtype = dtype if dtype in ("float32", "float64") else "float64"
     if op == "sub" and dtype == "bool":
@@ -469,7 +218,7 @@ def _where(draw: _Draw, b: _Builder) -> None:
     my = b.metas[y]
     shape = _broadcast(mc.shape, mx.shape, my.shape)
     assert shape is not None
-    dtype = _common(mx, my)
+    dtype = common_dtype(mx, my)
     branches = [_cast_meta(m, dtype) for m in (mx, my)]
     if None in branches:
         return
@@ -536,7 +285,7 @@ def _matmul(draw: _Draw, b: _Builder) -> None:
              if b.metas[v].device == ma.device and b.metas[v].shape[1 if t else 0] == k]
     y, transpose = draw(st.sampled_from(pairs))
     mb = b.metas[y]
-    dtype = _common(ma, mb)
+    dtype = common_dtype(ma, mb)
     hi = k * ma.hi * mb.hi
     err = k * (ma.err * mb.hi + mb.err * ma.hi + ma.err * mb.err) + k * _rounded(dtype, hi)
     n = mb.shape[0 if transpose else 1]
@@ -579,11 +328,11 @@ def _view(draw: _Draw, b: _Builder) -> None:
         return
     step = Step(op, (x,), attr)
     # which element of the argument each element shows, for views of an argument
-    layout = _numpy_step(step, [b.layouts[x]], [m], m) if x in b.layouts else None
+    layout = numpy_step(step, [b.layouts[x]], [m], m) if x in b.layouts else None
     if layout is not None and layout.shape == b.metas[b.layout_of[x]].shape and \
             np.array_equal(layout, b.layouts[b.layout_of[x]]):
         return
-    number = b.add(step, replace(m, shape=_numpy_step(step, [np.empty(m.shape)], [m], m).shape))
+    number = b.add(step, replace(m, shape=numpy_step(step, [np.empty(m.shape)], [m], m).shape))
     if number is not None and layout is not None:
         b.layouts[number], b.layout_of[number] = layout, b.layout_of[x]
 
@@ -718,21 +467,3 @@ def _witness(draw: _Draw, b: _Builder, shape: str) -> list[int]:
         return [view]
     new = assign_double(t)  # READ_ASSIGNED: t.assign(t + t); return t + t, not t
     return [double(new)]
-
-
-def describe_mismatch(got: np.ndarray, want: np.ndarray, err: float) -> str:
-    """The first few elements that differ, for an assertion message."""
-    bad = np.argwhere(~_close(got, want, err))
-    shown = ", ".join(f"[{', '.join(map(str, i))}] got {got[tuple(i)]!r} want {want[tuple(i)]!r}" for i in bad[:4])
-    return f"{len(bad)} of {want.size} elements differ (allowed error {err:.3g}): {shown}"
-
-
-def _close(got: np.ndarray, want: np.ndarray, err: float) -> np.ndarray:
-    if want.dtype.kind == "f":
-        return np.abs(got.astype(np.float64) - want) <= err
-    return got == want
-
-
-def matches(got: np.ndarray, want: np.ndarray, err: float) -> bool:
-    return got.shape == want.shape and bool(np.all(_close(got, want, err)))
-
