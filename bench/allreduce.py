@@ -17,7 +17,8 @@ they poll), `--bind-to none` as ours and gloo's ranks are not bound either.
 Ratios: `ours/MPI` is tinydist time / Open MPI time (at most 1 is the target on the `auto` rows:
 issue 24), `gloo/ours` is gloo time / tinydist time (above 1: tinydist is faster). nccl-tests
 definitions: algbw = message bytes / time, busbw = algbw · 2(N−1)/N. The gloo targets on the `auto`
-rows: busbw ≥ 5× gloo's at ≥ 1 MiB, and time ≤ 0.2× gloo's at 4 KiB.
+rows: busbw ≥ 5× gloo's at ≥ 1 MiB, and time ≤ 0.2× gloo's at 4 KiB. A row marked `(native)` ran
+every call through `tinydist.dist.shm_fast` (one native call, no header exchange).
 
 The `memory floor` rows time what no in-place allreduce can avoid: every rank, at once (after a
 barrier), reads its tensor once and writes it once (`np.add(x, 0, out=x)`); at 16 MiB and more that
@@ -76,9 +77,11 @@ def worker_tinydist(sizes: list[int], out: str) -> None:
         print(f"tinydist from {Path(dist.__file__).parent}; group segment: {group.shm is not None}; "
               f"all2all single copy: {single}", flush=True)
     results: dict[str, list[float]] = {}
+    native: dict[str, bool] = {}
     for nbytes in sizes:
         x = np.ones(nbytes // 4, np.float32)
         for algorithm in ALGORITHMS:
+            before = -1 if group.fast is None else group.fast.completed
             times = []
             for i in range(repeats_for(nbytes) + 1):
                 group.blocking("barrier", run_async=dist.run_on_loop)
@@ -91,6 +94,8 @@ def worker_tinydist(sizes: list[int], out: str) -> None:
                     raise AssertionError(f"all_reduce {algorithm} of {nbytes} B: {x[0]}, {x[-1]} != {dist.world_size()}")
                 x.fill(1.0)
             results[f"{nbytes}/{algorithm}"] = times
+            # every call (and the warm-up) went through the native path (tinydist.dist.shm_fast)
+            native[f"{nbytes}/{algorithm}"] = group.fast is not None and group.fast.completed - before == len(times) + 1
         times = []
         for i in range(repeats_for(nbytes) + 1):
             group.blocking("barrier", run_async=dist.run_on_loop)
@@ -100,7 +105,7 @@ def worker_tinydist(sizes: list[int], out: str) -> None:
                 times.append(time.perf_counter() - start)
         results[f"{nbytes}/floor"] = times
     if dist.rank() == 0:
-        Path(out).write_text(json.dumps({"results": results, "auto": {
+        Path(out).write_text(json.dumps({"results": results, "native": native, "auto": {
             str(n): choose(group.medium, dist.world_size(), n)[0].value for n in sizes}}))
     dist.destroy()
 
@@ -271,6 +276,8 @@ def main() -> None:
             for algorithm in ALGORITHMS:
                 t = ours[f"{nbytes}/{algorithm}"]
                 shown = f"auto={facts['tinydist']['auto'][str(nbytes)]}" if algorithm == "auto" else algorithm
+                if facts["tinydist"]["native"][f"{nbytes}/{algorithm}"]:
+                    shown += " (native)"
                 algbw = nbytes / t / 1e9
                 busbw = algbw * 2 * (world - 1) / world
                 detail = f"algbw {algbw:.2f} GB/s, busbw {busbw:.2f} GB/s"

@@ -70,7 +70,14 @@ FAST_BIT = 1 << 62
 DIGEST_WORD = 6          # control page words 6 and 7: the digest of the round of parity 0 / 1
 # Up to here one native naive step beats the segment path's all2all (2 ranks, 2 vCPUs).
 FAST_MAX_BYTES = 4 << 20
-# The native wait spins this long (when every rank has a CPU), then sleeps on the futex in
+# The native wait spins SPIN_BASE_SECONDS plus the time to move the message at SPIN_BYTES_PER_SECOND,
+# at most the group's spin (none when the ranks outnumber the CPUs), then sleeps on the futex in
+# slices; a peer due within a few microseconds is caught spinning, while a peer that shares our CPU
+# (a loaded machine) costs at most the spin. Measured, 2 ranks 4 KiB on 2 loaded vCPUs: spinning
+# the group's full 1 ms made the median call 220 us in phases where both ranks shared a CPU.
+SPIN_BASE_SECONDS = 30e-6
+SPIN_BYTES_PER_SECOND = 2e9
+# The native wait
 # slices, and after NATIVE_WAIT_SECONDS hands over to ShmGroup.wait, which checks for failures.
 NATIVE_WAIT_SECONDS = 0.02
 SLEEP_SLICE_NS = 2_000_000
@@ -90,15 +97,16 @@ def _libc_address(name: str) -> int:
     return ctypes.cast(getattr(ctypes.CDLL(None), name), ctypes.c_void_p).value or 0
 
 
-def allreduce_ir(name: str, grp: ShmGroup, detail: int, spin_ns: int, futex: int) -> str:
+def allreduce_ir(name: str, grp: ShmGroup, detail: int, futex: int) -> str:
     """The group's native allreduce, and `<name>_data(ptr x) -> i64`, the data pointer of a numpy object:
 
-        i64 <name>(ptr entry, ptr x, ptr out, i64 step, i64 parity, i64 seq, i64 resume)
+        i64 <name>(ptr entry, ptr x, ptr out, i64 call)
 
-    `entry`: uint64 [reduce kernel, nbytes, count, digest base]; `x`, `out`: numpy objects; `step`: this
-    rank's step before the call; `resume` 1: the post and the wait are done (ShmGroup.wait waited), only
-    check the digests and reduce. Returns one of the codes above; POST_FAILED leaves the step word it
-    found at `detail`."""
+    `entry`: uint64 [reduce kernel, nbytes, count, digest base, spin ns]; `x`, `out`: numpy objects; `call`: the
+    call number << 2 | resume << 1 | the round's parity, one argument because each costs ctypes ~60 ns;
+    resume 1: the post and the wait are done (ShmGroup.wait waited), only check the digests and reduce.
+    The step posted is the one after what this rank's step word holds (only this rank moves it on).
+    Returns one of the codes above; POST_FAILED leaves the step word it found at `detail`."""
     base = grp.raw.ctypes.data if grp.raw is not None else 0
     world, rank, slot = grp.world, grp.rank, grp.slot_bytes
     syscall, clock, memcpy = _libc_address("syscall"), _libc_address("clock_gettime"), _libc_address("memcpy")
@@ -117,7 +125,7 @@ def allreduce_ir(name: str, grp: ShmGroup, detail: int, spin_ns: int, futex: int
         "  %ns = mul i64 %s, 1000000000", "  %t = add i64 %ns, %n", "  ret i64 %t", "}",
         # 0: the peer reached `target` (or went past it); POISONED: its word holds a poison; NOT_YET:
         # the budget ran out, or a futex wake brought no step (someone saw the group fail)
-        "define internal i64 @wait_peer(ptr %word, i64 %target) {", "entry:",
+        "define internal i64 @wait_peer(ptr %word, i64 %target, i64 %spin_ns) {", "entry:",
         "  %ts = alloca [2 x i64], align 8", "  %sl = alloca [2 x i64], align 8",
         "  %t0 = call i64 @now(ptr %ts)", "  br label %spin",
         "spin:", "  %i = phi i64 [0, %entry], [%i1, %more], [%i1, %clock]",
@@ -127,7 +135,7 @@ def allreduce_ir(name: str, grp: ShmGroup, detail: int, spin_ns: int, futex: int
         "  %k = and i64 %i1, 127", "  %tick = icmp eq i64 %k, 0", "  br i1 %tick, label %clock, label %more",
         "more:", "  br label %spin",
         "clock:", "  %t1 = call i64 @now(ptr %ts)", "  %e1 = sub i64 %t1, %t0",
-        f"  %spun = icmp uge i64 %e1, {spin_ns}", "  br i1 %spun, label %sleep, label %spin",
+        "  %spun = icmp uge i64 %e1, %spin_ns", "  br i1 %spun, label %sleep, label %spin",
         "sleep:", "  %v2 = load atomic i64, ptr %word acquire, align 8",
         "  %got2 = icmp uge i64 %v2, %target", "  br i1 %got2, label %done, label %late",
         "late:", "  %t2 = call i64 @now(ptr %ts)", "  %e2 = sub i64 %t2, %t0",
@@ -145,8 +153,9 @@ def allreduce_ir(name: str, grp: ShmGroup, detail: int, spin_ns: int, futex: int
         "  %bad = icmp slt i64 %vd, 0", f"  %code = select i1 %bad, i64 {POISONED}, i64 0", "  ret i64 %code",
         "notyet:", f"  ret i64 {NOT_YET}", "}",
         "declare void @llvm.x86.sse2.pause()",
-        f"define i64 @{name}(ptr %entry, ptr %x, ptr %out, i64 %step, i64 %parity, i64 %seq, i64 %resume) {{",
-        "start:",
+        f"define i64 @{name}(ptr %entry, ptr %x, ptr %out, i64 %call) {{",
+        "start:", "  %parity = and i64 %call, 1", "  %seq = lshr i64 %call, 2",
+        "  %rbit = and i64 %call, 2", "  %resume = lshr i64 %rbit, 1",
         f"  %xdp = getelementptr inbounds i8, ptr %x, i64 {_PY_DATA}", "  %xd = load ptr, ptr %xdp",
         f"  %xfp = getelementptr inbounds i8, ptr %x, i64 {_PY_FLAGS}", "  %xf = load i32, ptr %xfp",
         f"  %odp = getelementptr inbounds i8, ptr %out, i64 {_PY_DATA}", "  %od = load ptr, ptr %odp",
@@ -160,9 +169,11 @@ def allreduce_ir(name: str, grp: ShmGroup, detail: int, spin_ns: int, futex: int
         "  %nbp = getelementptr inbounds i64, ptr %entry, i64 1", "  %nbytes = load i64, ptr %nbp",
         "  %cnp = getelementptr inbounds i64, ptr %entry, i64 2", "  %count = load i64, ptr %cnp",
         "  %dgp = getelementptr inbounds i64, ptr %entry, i64 3", "  %dbase = load i64, ptr %dgp",
+        "  %snp = getelementptr inbounds i64, ptr %entry, i64 4", "  %spin = load i64, ptr %snp",
         f"  %mixed = mul i64 %seq, {_MIX - (1 << 64)}", "  %d0 = xor i64 %dbase, %mixed",
         f"  %d1 = and i64 %d0, {_MASK}", f"  %digest = or i64 %d1, {FAST_BIT}",
         "  %dword = mul i64 %parity, 8",
+        f"  %step = load atomic i64, ptr {word(rank, 0)} acquire, align 8",
         "  %target = add i64 %step, 1",
         "  %again = icmp ne i64 %resume, 0", "  br i1 %again, label %check, label %post",
         "post:",
@@ -171,9 +182,11 @@ def allreduce_ir(name: str, grp: ShmGroup, detail: int, spin_ns: int, futex: int
         f"  %cpy = inttoptr i64 {memcpy} to ptr", "  %c = call ptr %cpy(ptr %minep, ptr %xd, i64 %nbytes)",
         f"  %mdw = add i64 %dword, {base + rank * CONTROL_BYTES + 8 * DIGEST_WORD}",
         "  %mdp = inttoptr i64 %mdw to ptr", "  store i64 %digest, ptr %mdp, align 8",
+        "  %poisoned = icmp slt i64 %step, 0", "  br i1 %poisoned, label %lost, label %swap",
+        "swap:",
         f"  %cas = cmpxchg ptr {word(rank, 0)}, i64 %step, i64 %target seq_cst seq_cst",
         "  %swapped = extractvalue { i64, i1 } %cas, 1", "  br i1 %swapped, label %wake, label %lost",
-        "lost:", "  %old = extractvalue { i64, i1 } %cas, 0",
+        "lost:", f"  %old = load atomic i64, ptr {word(rank, 0)} acquire, align 8",
         f"  store i64 %old, ptr inttoptr (i64 {detail} to ptr), align 8", f"  ret i64 {POST_FAILED}",
         "wake:",
         f"  %sys = inttoptr i64 {syscall} to ptr",
@@ -183,7 +196,7 @@ def allreduce_ir(name: str, grp: ShmGroup, detail: int, spin_ns: int, futex: int
     peers = [r for r in range(world) if r != rank]
     for k, r in enumerate(peers):
         after = f"wait{k + 1}" if k + 1 < len(peers) else "check"
-        lines += [f"wait{k}:", f"  %w{k} = call i64 @wait_peer(ptr {word(r, 0)}, i64 %target)",
+        lines += [f"wait{k}:", f"  %w{k} = call i64 @wait_peer(ptr {word(r, 0)}, i64 %target, i64 %spin)",
                   f"  %wok{k} = icmp eq i64 %w{k}, 0", f"  br i1 %wok{k}, label %{after}, label %waitfail{k}",
                   f"waitfail{k}:", f"  ret i64 %w{k}"]
     lines.append("check:")
@@ -217,9 +230,9 @@ class _Entry:
 
     __slots__ = ("kernel", "words", "address", "header")
 
-    def __init__(self, kernel: Program, nbytes: int, count: int, header: dict[str, Any]) -> None:
+    def __init__(self, kernel: Program, nbytes: int, count: int, header: dict[str, Any], spin: float) -> None:
         self.kernel, self.header = kernel, header
-        self.words = np.array([kernel.address, nbytes, count, _digest(header)], np.uint64)
+        self.words = np.array([kernel.address, nbytes, count, _digest(header), int(spin * 1e9)], np.uint64)
         self.address = self.words.ctypes.data
 
 
@@ -229,8 +242,8 @@ class FastAllreduce:
 
     def __init__(self, group: ProcessGroup, grp: ShmGroup, program: Program, detail: np.ndarray) -> None:
         self.group, self.grp, self.program, self.detail = group, grp, program, detail
-        self.call = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_void_p, ctypes.py_object, ctypes.py_object, ctypes.c_uint64,
-                                     ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64)(program.address)
+        self.call = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_void_p, ctypes.py_object, ctypes.py_object,
+                                     ctypes.c_uint64)(program.address)
         self.entries: dict[tuple[Any, ...], _Entry | None] = {}
         self.completed = 0      # calls this path completed (tests read it; a counter costs ~40 ns)
         self.lock: threading.Lock = group._thread_lock
@@ -244,8 +257,8 @@ class FastAllreduce:
             return None
         detail = np.zeros(1, np.uint64)
         name = f"{_NAME}_{next(_names)}"
-        code = compile_glue(allreduce_ir(name, grp, detail.ctypes.data, int(grp.spin * 1e9), futex))
-        program = native_loader.load(code, name, ["i64"] * 7)
+        code = compile_glue(allreduce_ir(name, grp, detail.ctypes.data, futex))
+        program = native_loader.load(code, name, ["i64"] * 4)
         probe_data = native_loader.load(code, f"{name}_data", ["i64"])
         data = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.py_object)(probe_data.address)
         probe = np.arange(3, dtype=np.float32)
@@ -271,7 +284,8 @@ class FastAllreduce:
             return None
         header = {"coll": "all_reduce", "op": op, "dtype": x.dtype.str, "shape": list(x.shape), "algorithm": chosen.value}
         kernel = host_reduce(op, x.dtype, group.world, 1)
-        return _Entry(kernel, x.nbytes, x.size, header)
+        spin = min(grp.spin, SPIN_BASE_SECONDS + x.nbytes / SPIN_BYTES_PER_SECOND) if grp.spin else 0.0
+        return _Entry(kernel, x.nbytes, x.size, header, spin)
 
     def all_reduce(self, x: Any, op: str = "sum", algorithm: str = "auto", out: Any = None) -> np.ndarray | None:
         if type(x) is not np.ndarray or (out is not None and out is not x):
@@ -291,19 +305,19 @@ class FastAllreduce:
         with self.lock:
             if grp.raw is None:
                 return None
-            step, seq = grp.step, group._seq + 1
-            code = self.call(entry.address, x, result, step, (grp.rounds + 1) & 1, seq, 0)
+            seq = group._seq + 1
+            code = self.call(entry.address, x, result, seq << 2 | (grp.rounds + 1) & 1)
             if code == REFUSED:        # nothing happened: the segment path refuses or runs it
                 return None
             group._seq = seq
             grp.rounds += 1
             if code == OK:
-                grp.step = step + 1
+                grp.step += 1
                 self.completed += 1
                 return result
-            return self._finish(code, entry, x, result, step, seq, op, algorithm, out)
+            return self._finish(code, entry, x, result, seq, op, algorithm, out)
 
-    def _finish(self, code: int, entry: _Entry, x: np.ndarray, result: np.ndarray, step: int, seq: int,
+    def _finish(self, code: int, entry: _Entry, x: np.ndarray, result: np.ndarray, seq: int,
                 op: str, algorithm: str, out: Any) -> np.ndarray:
         """A call the native function did not complete: a lost post, a wait handed over, a mismatch."""
         group, grp = self.group, self.grp
@@ -311,10 +325,10 @@ class FastAllreduce:
         deadline = time.monotonic() + settings.COLLECTIVE_TIMEOUT
         if code == POST_FAILED:
             raise group._abandoned(name, grp._abandoned(int(self.detail[0])), True) from None
-        grp.step = step + 1
+        grp.step += 1
         if code in (NOT_YET, POISONED):
             self._wait(name, grp.step, deadline)
-            code = self.call(entry.address, x, result, step, grp.rounds & 1, seq, 1)
+            code = self.call(entry.address, x, result, seq << 2 | 2 | grp.rounds & 1)
             if code == OK:
                 self.completed += 1
                 return result
