@@ -180,6 +180,10 @@ for _setting in (
             "Whether all2all allreduce on one host (tinydist.dist) copies straight between the ranks' memory with "
             "process_vm_readv/writev, where every rank may: auto from 8 MiB on, on at every size, off never (through "
             "the group segment's slots). One rank's off turns it off for the whole job; on and auto agree on 8 MiB."),
+    Setting("SHM_FAST", _choice("on", "off"), lambda: "on",
+            "Whether small allreduces on one host (tinydist.dist) run as one native call on the group segment "
+            "(tinydist.dist.shm_fast: no header exchange, a call digest instead): on, or off for the segment path. "
+            "Every rank of a job must use the same value."),
     Setting("TRANSPORT", _choice("auto", "shm", "tcp", "rdma"), lambda: "auto",
             "Links between ranks. auto: shared memory on one host; between hosts BNXT RDMA when both ranks "
             "have a NIC, else TCP. shm / tcp / rdma force one (rdma falls back to TCP, with the reason logged)."),

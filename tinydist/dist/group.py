@@ -54,6 +54,7 @@ from tinydist.base.logs import get_logger
 from tinydist.dist import algorithms as algo
 from tinydist.dist import shm_algorithms as shm
 from tinydist.dist.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, RankFailed
+from tinydist.dist.shm_fast import FastAllreduce
 from tinydist.dist.rendezvous import connect_mesh, coordinator_listener, register, serve_coordinator
 from tinydist.graph.collectives import AUTO, Algorithm, Medium, check, choose_partitioned, resolve, resolve_partitioned, shard_bounds
 from tinydist.graph.reduce_ops import MEAN, ReduceOp, collective_op
@@ -100,6 +101,7 @@ class ProcessGroup:
         self._lock = anyio.Lock()                 # collectives over links, on the event loop
         self._thread_lock = threading.Lock()      # collectives on the segment, on the callers' threads
         self.shm: ShmGroup | None = None
+        self.fast: FastAllreduce | None = None      # small allreduces as one native call (`shm_fast`)
         self._seq = 0
         self._failure: CollectiveError | None = None
         self._failure_code = 0                    # the story of `_failure` when a rank failed (`_STORY`)
@@ -157,6 +159,7 @@ class ProcessGroup:
                 if world > 1 and group.same_host and transport in ("auto", "shm") and ShmGroup.supported():
                     group.shm = await open_group(rank, world, table["job"], group.links, settings.SHM_SLOT_BYTES, timeout)
                     await group._negotiate_single_copy(timeout)
+                    group.fast = FastAllreduce.create(group, group.shm)
                 group.log.debug("dist.init", links={p: link.kind for p, link in group.links.items()},
                                 segment=group.shm is not None, single_copy_bytes=group.shm and group.shm.single_copy_bytes)
                 yield group
@@ -248,6 +251,10 @@ class ProcessGroup:
         """Run `collective` (all_reduce, all_gather, reduce_scatter, broadcast, barrier) from a thread
         that is not the group's event loop; `run_async(fn, *args)` runs a coroutine function there
         (a blocking portal's `call`). On the group segment the collective runs on this thread."""
+        if collective == "all_reduce" and self.fast is not None:
+            done = self.fast.all_reduce(*args)
+            if done is not None:
+                return done
         call = getattr(self, f"_{collective}")(*args)
         if self.shm is None:
             return run_async(self._collective, call)

@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 
 from tinydist.codegen.reduce import supported
-from tinydist.dist.errors import RankFailed
+from tinydist.dist.errors import CollectiveMismatch, RankFailed
+from tinydist.dist.shm_fast import clear_digest, fast_peer
 from tinydist.graph.collectives import shard_bounds
 from tinydist.graph.reduce_ops import ReduceOp
 from tinydist.observability import tracing
@@ -66,6 +67,7 @@ class Session:
         self.parity = self.grp.next_round()
         if self.headers is None:
             self.grp.write_header(self.parity, self.header)
+            clear_digest(self.grp, self.parity)
         return self.parity
 
     def sync(self, meanwhile: Callable[[], None] | None = None) -> dict[int, dict[str, Any]]:
@@ -77,6 +79,8 @@ class Session:
         if meanwhile is not None:
             meanwhile()
         grp.wait(step, self.deadline, self.check)
+        if self.headers is None and fast_peer(grp, self.parity):
+            self._explain()
         if self.headers is None:
             blobs = {r: self.header if r == grp.rank else grp.read_header(r, self.parity) for r in range(grp.world)}
             self.headers = self.verdict(blobs)
@@ -84,6 +88,18 @@ class Session:
             tracing.record(f"step {step}", started, process=self.trace, lane="collective steps", cat="collective",
                            round=self.rounds, step=step, overlapped=meanwhile is not None)
         return self.headers
+
+    def _explain(self) -> None:
+        """A peer took the native path (`tinydist.dist.shm_fast`), which writes no header: one more step
+        in which every rank writes its header, then the verdict every rank reaches (the calls differ)."""
+        grp = self.grp
+        parity = grp.next_round()
+        grp.write_header(parity, self.header)
+        grp.wait(grp.post(), self.deadline, self.check)
+        blobs = {r: self.header if r == grp.rank else grp.read_header(r, parity) for r in range(grp.world)}
+        self.verdict(blobs)
+        raise CollectiveMismatch("the ranks' calls differ (a peer's call digest does), though their headers agree: "
+                                 + "; ".join(f"rank {r} {b.decode(errors='replace')}" for r, b in sorted(blobs.items())))
 
     def reduce(self, op: ReduceOp, dsts: Sequence[np.ndarray], sources: Sequence[np.ndarray]) -> None:
         """`_reduce_into`, a span on the steps lane while tracing."""
