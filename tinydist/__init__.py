@@ -26,7 +26,7 @@ from tinydist.observability import trace
 from tinydist.runtime import Buffer, Device, discover, get_engine, open_device
 from tinydist.runtime.registry import register_scheme
 from tinydist.schedule import ScheduleCycleError
-from tinydist.train import nn, optim
+from tinydist.train import data, nn, optim
 from tinydist.train.serialization import load, save
 
 # remote://host:port/KIND:N devices; the module (and gRPC) is imported only when one is opened
@@ -51,7 +51,7 @@ def __getattr__(name: str) -> Any:
 __all__ = ["AllocationError", "Buffer", "BufferInUse", "ClosedResourceError", "CompileError", "DType", "Device",
            "DeviceError", "DeviceFailed", "DeviceHang", "WorkTooLarge", "DeviceNotFound", "DeviceUnavailable", "JitError",
            "OutOfBounds", "ScheduleCycleError", "Tensor", "TinyJit", "TinydistError", "UseAfterFree", "arange", "autograd",
-           "bool_", "cat", "discover", "dist", "empty", "empty_like", "enable_grad", "eye", "float16", "float32", "float64",
+           "bool_", "cat", "data", "discover", "dist", "empty", "empty_like", "enable_grad", "eye", "float16", "float32", "float64",
            "full", "full_like", "get_engine", "int8", "int16", "int32", "int64", "jit", "load", "manual_seed", "multi", "nn",
            "no_grad", "ones", "ones_like", "onnx", "open_device", "optim", "parallel", "rand", "randn", "save", "stack",
            "synchronize", "trace", "uint8", "uint16", "uint32", "uint64", "where", "zeros", "zeros_like"]
