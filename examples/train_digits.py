@@ -6,8 +6,9 @@
     torchrun --nproc-per-node 2 examples/train_digits.py          # the same job under torchrun
     sbatch --ntasks=2 deploy/slurm/train.sbatch examples/train_digits.py   # ... as a Slurm job (srun steps)
 
-Needs the `examples` extra (scikit-learn). Prints a progress bar per epoch (loss, test accuracy,
-samples/s) and exits non-zero if the final test accuracy is below --target.
+Needs the `examples` extra (scikit-learn). Shows each epoch's progress (loss, samples/s) as a bar on
+a terminal and as a few plain lines into a pipe or under `tinydist launch` (tinydist.base.progress),
+then the epoch's test accuracy; exits non-zero if the final test accuracy is below --target.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 import numpy as np
 
 import tinydist as td
+from tinydist.base.progress import progress
 
 F = td.nn.functional
 
@@ -33,11 +35,6 @@ def load(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     x, y = x[order], y[order]
     split = int(len(x) * 0.8)
     return x[:split], y[:split], x[split:], y[split:]
-
-
-def bar(done: int, total: int, text: str, width: int = 24) -> str:
-    filled = width * done // max(total, 1)
-    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {text}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         order = rng.permutation(len(xtr))
         start, seen, loss_sum = time.perf_counter(), 0, 0.0
         model.train()
-        for step in range(steps):
+        bar = progress(range(steps), desc=f"epoch {epoch + 1:2d}/{args.epochs}", file=out, unit="step", lines=4)
+        for step in bar:
             index = order[step * batch:(step + 1) * batch][rank * local:(rank + 1) * local]
             xb, yb = td.Tensor(xtr[index]), td.Tensor(ytr[index])
             loss = F.cross_entropy(ddp(xb), yb)
@@ -86,14 +84,12 @@ def main(argv: list[str] | None = None) -> int:
             opt.step()
             loss_sum += loss.item()
             seen += batch
-            if step % 5 == 4 or step == steps - 1:
-                rate = seen / (time.perf_counter() - start)
-                print(f"\repoch {epoch + 1:2d}/{args.epochs} " + bar(step + 1, steps, f"loss {loss_sum / (step + 1):.4f} "
-                      f"{rate:,.0f} samples/s"), end="", file=out, flush=True)
+            bar.set_postfix_str(f"loss {loss_sum / (step + 1):.4f} {seen / (time.perf_counter() - start):,.0f} samples/s")
         model.eval()
         with td.no_grad():
             accuracy = float((model(td.Tensor(xte)).numpy().argmax(1) == yte).mean())
-        print(f" acc {accuracy:.2%}", file=out, flush=True)
+        print(f"epoch {epoch + 1:2d}/{args.epochs} loss {loss_sum / max(steps, 1):.4f} test accuracy {accuracy:.2%}",
+              file=out, flush=True)
     print(f"final test accuracy {accuracy:.2%} (target {args.target:.0%})", file=out)
     if args.checkpoint and rank == 0:
         td.save({"model": model.state_dict(), "optim": opt.state_dict()}, args.checkpoint)

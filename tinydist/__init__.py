@@ -15,6 +15,8 @@ from tinydist.base.errors import (AllocationError, BufferInUse, ClosedResourceEr
                                   WorkTooLarge)
 from tinydist.frontend import autograd
 from tinydist.frontend.autograd import enable_grad, no_grad
+from tinydist.frontend.factories import (arange, empty, empty_like, eye, full, full_like, ones, ones_like, rand, randn,
+                                         zeros, zeros_like)
 from tinydist.frontend.jit import JitError, TinyJit, jit
 from tinydist.frontend.tensor import Tensor, cat, manual_seed, stack, synchronize, where
 from tinydist.graph import dtypes
@@ -24,7 +26,7 @@ from tinydist.observability import trace
 from tinydist.runtime import Buffer, Device, discover, get_engine, open_device
 from tinydist.runtime.registry import register_scheme
 from tinydist.schedule import ScheduleCycleError
-from tinydist.train import nn, optim
+from tinydist.train import data, nn, optim
 from tinydist.train.serialization import load, save
 
 # remote://host:port/KIND:N devices; the module (and gRPC) is imported only when one is opened
@@ -48,7 +50,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = ["AllocationError", "Buffer", "BufferInUse", "ClosedResourceError", "CompileError", "DType", "Device",
            "DeviceError", "DeviceFailed", "DeviceHang", "WorkTooLarge", "DeviceNotFound", "DeviceUnavailable", "JitError",
-           "OutOfBounds", "ScheduleCycleError", "Tensor", "TinyJit", "TinydistError", "UseAfterFree", "autograd",
-           "bool_", "cat", "discover", "dist", "enable_grad", "float16", "float32", "float64", "get_engine", "int8",
-           "int16", "int32", "int64", "jit", "load", "manual_seed", "multi", "nn", "no_grad", "onnx", "open_device", "optim", "parallel", "remote", "save",
-           "stack", "synchronize", "trace", "uint8", "uint16", "uint32", "uint64", "where"]
+           "OutOfBounds", "ScheduleCycleError", "Tensor", "TinyJit", "TinydistError", "UseAfterFree", "arange", "autograd",
+           "bool_", "cat", "data", "discover", "dist", "empty", "empty_like", "enable_grad", "eye", "float16", "float32", "float64",
+           "full", "full_like", "get_engine", "int8", "int16", "int32", "int64", "jit", "load", "manual_seed", "multi", "nn",
+           "no_grad", "ones", "ones_like", "onnx", "open_device", "optim", "parallel", "rand", "randn", "remote", "save", "stack",
+           "synchronize", "trace", "uint8", "uint16", "uint32", "uint64", "where", "zeros", "zeros_like"]

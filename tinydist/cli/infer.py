@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 import time
 import zipfile
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from tinydist.base.arguments import integer
+from tinydist.base.progress import progress
 
 
 def _parse_input(text: str) -> tuple[str, str]:
@@ -123,7 +125,7 @@ def _infer(args: argparse.Namespace) -> int:
         for _ in range(args.warmup):
             model(feed)
         times = np.empty(args.bench)
-        for i in range(args.bench):
+        for i in progress(range(args.bench), desc="bench", file=sys.stderr, unit="frame"):
             start = time.perf_counter()
             model(feed)
             times[i] = time.perf_counter() - start

@@ -10,7 +10,8 @@ TINYDIST_JOB_ID, and torchrun's RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, 
 node rank), MASTER_ADDR and MASTER_PORT. Node 0's launcher binds the coordinator's socket itself
 (a free port on 127.0.0.1 for a one-node job) and hands it to rank 0 (TINYDIST_COORDINATOR_FD), so
 there is no race for the port. Every line a rank prints comes out as `[rank N] line` (stdout to
-stdout, stderr to stderr); a line that is a JSON object (`--log-format json`) gets `"rank": N` as
+stdout, stderr to stderr), as soon as it is whole; a progress bar's `\r` redraw counts as a line,
+forwarded as it is drawn (tinydist.base.progress writes plain lines into the pipe anyway); a line that is a JSON object (`--log-format json`) gets `"rank": N` as
 its first field instead, so the output stays JSON lines. `--log-dir DIR` also writes each rank's
 output, unprefixed, to DIR/<rank>/stdout.log and stderr.log; `--tee` says which streams still go
 to the console then (0 none, 1 stdout, 2 stderr, 3 both: the default).
@@ -29,6 +30,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -86,27 +88,74 @@ def _with_rank(line: bytes, rank: int, prefix: bytes) -> bytes:
     return prefix + line
 
 
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+class _Lines:
+    """A rank's byte stream cut into the lines a terminal would show, each as soon as it is whole.
+
+    A line ends at `\n`, `\r\n` or a lone `\r`. A progress bar redraws itself as `\r` + text with
+    no newline (tqdm into a pipe): the text after a `\r` is forwarded at the end of the read that
+    brought it, not when the next redraw comes, so the latest state shows while the rank runs, and
+    a redraw is not forwarded twice when a `\r` or `\n` then ends it. Empty `\r` segments are
+    dropped; blank lines stay. A `\r` at the end of a read waits for the next, which may start
+    with its `\n`."""
+
+    def __init__(self) -> None:
+        self.pending = b""    # the unfinished line so far
+        self.redraw = False   # it began after a lone \r
+        self.shown = False    # it was forwarded already, as it stands
+        self.carry = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        data, self.carry = self.carry + data, b""
+        if data.endswith(b"\r"):
+            data, self.carry = data[:-1], b"\r"
+        lines, start = [], 0
+        for match in _LINE_END.finditer(data):
+            piece = data[start:match.start()]
+            line = self.pending + piece
+            if not (self.shown and not piece) and (line or match.group() != b"\r"):
+                lines.append(line + b"\n")
+            self.pending, self.shown, self.redraw = b"", False, match.group() == b"\r"
+            start = match.end()
+        if start < len(data):
+            self.pending += data[start:]
+            self.shown = False
+        if self.redraw and self.pending and not self.shown:
+            lines.append(self.pending + b"\n")
+            self.shown = True
+        return lines
+
+    def end(self) -> list[bytes]:
+        """The last line, newline or not."""
+        last = [self.pending + b"\n"] if self.pending and not self.shown else []
+        self.pending, self.carry = b"", b""
+        return last
+
+
 async def _pump(stream: asyncio.StreamReader, rank: int, out: Any, log: BinaryIO | None = None) -> None:
-    """Forward each line of one rank's stream to `out` (None: not to the console) and `log`."""
+    """Forward each line of one rank's stream to `out` (None: not to the console) and `log` (its
+    bytes as written). Read in chunks, not by `readline`: a `\r`-redrawn bar is forwarded as it
+    is drawn (`_Lines`), and no line is too long to forward (readline stops at 64 KiB)."""
     prefix = f"[rank {rank}] ".encode()
     buffer = out.buffer if hasattr(out, "buffer") else None
+    splitter = _Lines()
     while True:
-        line = await stream.readline()
-        if not line:
-            return
-        if log is not None:
-            log.write(line)
+        chunk = await stream.read(1 << 16)
+        if log is not None and chunk:
+            log.write(chunk)
             log.flush()
-        if out is None:
-            continue
-        if not line.endswith(b"\n"):
-            line += b"\n"
-        line = _with_rank(line, rank, prefix)
-        if buffer is not None:
-            buffer.write(line)
-            buffer.flush()
-        else:
-            out.write(line.decode(errors="replace"))
+        lines = splitter.feed(chunk) if chunk else splitter.end()
+        if out is not None and lines:
+            text = b"".join(_with_rank(line, rank, prefix) for line in lines)
+            if buffer is not None:
+                buffer.write(text)
+                buffer.flush()
+            else:
+                out.write(text.decode(errors="replace"))
+        if not chunk:
+            return
 
 
 class _Reaper:

@@ -161,6 +161,10 @@ class Tensor:
 
     def requires_grad_(self, value: bool = True) -> Tensor:
         from tinydist.frontend.autograd import set_requires_grad
+        if value and self.node.op is Op.VIEW and self.node.buffer is None and not self.node.requires_grad:
+            # a leaf must be a node of its own: a view of an unrealized view is a view of its base
+            # (views never stack), which would drop the leaf (td.zeros(3, 2).requires_grad_() @ x)
+            self.node = self._buffered().node
         set_requires_grad(self, value)
         return self
 
@@ -201,6 +205,15 @@ class Tensor:
         return self.node.numel
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of the value, numel × itemsize (numpy's `ndarray.nbytes`; torch's `Tensor.nbytes`)."""
+        return self.node.numel * self.node.dtype.itemsize
+
+    @property
+    def itemsize(self) -> int:
+        return self.node.dtype.itemsize
+
+    @property
     def size(self) -> int:
         return self.node.numel
 
@@ -215,8 +228,23 @@ class Tensor:
 
     def __bool__(self) -> bool:
         if self.numel() != 1:
-            raise ValueError(f"the truth value of a tensor with {self.numel()} elements is ambiguous; use .any() or .all()")
+            raise ValueError(f"the truth value of a tensor of shape {self.shape} ({self.numel()} elements) is "
+                             "ambiguous: use .any() or .all()")
         return bool(self.item())
+
+    def __float__(self) -> float:
+        return float(self._scalar("float"))
+
+    def __int__(self) -> int:
+        return int(self._scalar("int"))
+
+    def _scalar(self, what: str) -> Scalar:
+        """The one element of a one-element tensor of any shape (as numpy and torch take it for
+        `float(t)`, `int(t)`); a ValueError naming the shape otherwise."""
+        if self.numel() != 1:
+            raise ValueError(f"{what}() needs a tensor with exactly one element, this tensor has shape {self.shape} "
+                             f"({self.numel()} elements): reduce it first (.sum(), .mean()) or index one element")
+        return self.numpy().reshape(()).item()
 
     # ---- realizing and reading ---------------------------------------------------------------
 
@@ -249,12 +277,14 @@ class Tensor:
         return out
 
     def item(self) -> Scalar:
-        if self.numel() != 1:
-            raise ValueError(f"item() needs exactly one element, this tensor has shape {self.shape}")
-        return self.numpy().reshape(()).item()
+        return self._scalar("item")
 
     def tolist(self) -> Any:
         return self.numpy().tolist()
+
+    def cpu(self) -> Tensor:
+        """This tensor on the host's first CPU device (torch's `.cpu()`): itself when it is there already."""
+        return self.to(_DEFAULT_DEVICE)
 
     def to(self, device: str) -> Tensor:
         device = canonical_name(device)
@@ -304,7 +334,9 @@ class Tensor:
 
         Readers of the old value that were built before the assign still see the old value."""
         if self.node.op is Op.VIEW and not self.node.realized:
-            raise ValueError("assign() needs a whole tensor, not a view of one; assign to the base tensor")
+            if self.node.base.op is not Op.CONST or self.node.base.realized:
+                raise ValueError("assign() needs a whole tensor, not a view of one; assign to the base tensor")
+            self.realize()  # a factory's broadcast constant (td.zeros(3)) owns no memory yet: now it does
         value = self._operand(value)
         if value.device != self.device:
             raise ValueError(f"assign across devices: target on {self.device}, value on {value.device}; use value.to({self.device!r})")
@@ -603,7 +635,22 @@ class Tensor:
         total = self.cast(dtype)._reduce("sum", axis, keepdim)
         return total / count if count else total * float("nan")
 
-    def var(self, axis: int | Sequence[int] | None = None, keepdim: bool = False, correction: int = 0) -> Tensor:
+    def var(self, axis: int | Sequence[int] | None = None, keepdim: bool = False, correction: float | None = None,
+            *, ddof: float | None = None) -> Tensor:
+        """The variance, sum((x - mean)²) / (N - correction), in numpy's float result type.
+
+        `correction` is torch's name and `ddof` numpy's for the same number; the default is
+        numpy's, 0 (the population variance), where torch's is 1: pass `correction=1` for
+        torch's `x.var()`. Where N - correction <= 0 the result is inf (nan for an all-equal
+        or empty input), as in both."""
+        return self._centered_square_mean(axis, keepdim, _correction(correction, ddof, "var"))
+
+    def std(self, axis: int | Sequence[int] | None = None, keepdim: bool = False, correction: float | None = None,
+            *, ddof: float | None = None) -> Tensor:
+        """The standard deviation, sqrt of `var` with the same arguments (numpy's default correction 0)."""
+        return self._centered_square_mean(axis, keepdim, _correction(correction, ddof, "std")).sqrt()
+
+    def _centered_square_mean(self, axis: int | Sequence[int] | None, keepdim: bool, correction: float) -> Tensor:
         axes = _normalize_axes(axis, self.ndim)
         count = math.prod(self.shape[a] for a in axes)
         centered = self - self.mean(axis, keepdim=True)
@@ -669,6 +716,18 @@ class Tensor:
         if math.prod(new) != self.numel():
             raise ValueError(f"cannot reshape tensor of shape {self.shape} into shape {tuple(new)}")
         return self if tuple(new) == self.shape else self._view("reshape", tuple(new))
+
+    def view(self, *shape: Any) -> Tensor:
+        """torch's `view`: `view(2, -1)` is `reshape(2, -1)`, `view(dtype)` is `bitcast(dtype)`.
+
+        torch refuses a view whose strides cannot express the new shape (a transposed tensor's
+        `view(-1)`) because the view must share the input's memory. No Tensor here aliases
+        memory a caller can write through (`assign()` refuses views; ops never write their
+        inputs), so sharing is never observable and every reshape is a valid view: the graph
+        moves data only where a kernel needs it contiguous."""
+        if len(shape) == 1 and not isinstance(shape[0], (int, np.integer, tuple, list)):
+            return self.bitcast(shape[0])
+        return self.reshape(*shape)
 
     def permute(self, *order: Any) -> Tensor:
         if len(order) == 1 and isinstance(order[0], (tuple, list)):
@@ -790,6 +849,17 @@ class Tensor:
     def avg_pool2d(self, kernel_size: Any, stride: Any = None, padding: Any = 0) -> Tensor:
         from tinydist.frontend.functional import avg_pool2d
         return avg_pool2d(self, kernel_size, stride, padding)
+
+
+def _correction(correction: float | None, ddof: float | None, what: str) -> float:
+    """One number from torch's `correction` or numpy's `ddof` (0 when neither is given)."""
+    if correction is not None and ddof is not None:
+        raise TypeError(f"{what}() got both correction={correction!r} and ddof={ddof!r}: they are the same "
+                        "number (torch's and numpy's name); pass one")
+    value = correction if correction is not None else ddof if ddof is not None else 0
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{what}() correction must be a number, got {value!r} ({type(value).__name__})")
+    return value
 
 
 def _promote(a: Tensor, b: Tensor) -> DType:

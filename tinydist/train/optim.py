@@ -32,6 +32,7 @@ from tinydist.frontend.autograd import no_grad
 from tinydist.frontend.tensor import Tensor
 from tinydist.graph.lazy import buffer_node
 from tinydist.schedule import Schedule
+from tinydist.train import lr_scheduler
 
 log = get_logger(layer="optim")
 
@@ -45,7 +46,7 @@ class _UpdateReplay(NamedTuple):
     inputs: tuple[Role, ...]
     targets: tuple[Role, ...]
 
-__all__ = ["SGD", "Adam", "AdamW", "Optimizer"]
+__all__ = ["SGD", "Adam", "AdamW", "Optimizer", "lr_scheduler"]
 
 
 class Optimizer:
@@ -59,6 +60,7 @@ class Optimizer:
             if not p.requires_grad:
                 raise ValueError(f"optimizer parameters must require grad: {p!r}")
         self.defaults = dict(defaults)
+        self._groups = [self.defaults]
         self.state: list[dict[str, Tensor]] = [{} for _ in self.params]
         self._replays: dict[Hashable, _UpdateReplay] = {}
 
@@ -67,6 +69,13 @@ class Optimizer:
         if name in defaults:
             return defaults[name]
         raise AttributeError(name)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """torch's view of the hyper-parameters: one group over every parameter (this optimizer has
+        one set of them), the same dict as `defaults`; `param_groups[0]["lr"] = x` is how a
+        scheduler (tinydist.train.lr_scheduler) or a user sets the rate."""
+        return self._groups
 
     @property
     def lr(self) -> float:
