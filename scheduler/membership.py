@@ -13,8 +13,8 @@ simulated cluster (scheduler.sim) drives the same class with a virtual clock, 1,
   incarnation it had, without an epoch bump when the coordinator still knows it (recovered from its
   journal), or enters the membership under them when it does not (a coordinator without state).
 
-With a `journal` (scheduler.journal), every change is appended (membership changes fsynced) before
-the method returns, and `recover()` rebuilds members, ranks, incarnations, epoch, world size and
+With a `store` (scheduler.store: the journal of scheduler.journal, or etcd), every change is
+appended (membership changes fsynced) before the method returns, and `recover()` rebuilds members, ranks, incarnations, epoch, world size and
 links from the snapshot and the records after it. Recovered live members count as seen at recovery
 plus one extra `dead_after`: they get twice the usual window to re-register, since their nodes are
 backing off while the coordinator was away (scheduler.node).
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tinydist.scheduler.errors import MembershipError
-from tinydist.scheduler.journal import Journal
+from tinydist.scheduler.store import MembershipStore
 from tinydist.scheduler.topology import LinkModel, NodeSpec, Topology
 
 
@@ -65,7 +65,7 @@ class Membership:
     links: dict[tuple[str, str], LinkRecord] = field(default_factory=dict)
     epoch: int = 0
     world_size: int = 0
-    journal: Journal | None = None
+    store: MembershipStore | None = None
     _by_rank: dict[int, str] = field(default_factory=dict)
 
     @property
@@ -167,13 +167,13 @@ class Membership:
 
     def _persist(self, *, members: list[MemberRecord] = (), removed: list[str] = (),  # type: ignore[assignment]
                  links: list[LinkRecord] = (), sync: bool = True) -> None:  # type: ignore[assignment]
-        if self.journal is None:
+        if self.store is None:
             return
-        self.journal.append({"epoch": self.epoch, "world_size": self.world_size,
+        self.store.append({"epoch": self.epoch, "world_size": self.world_size,
                              "members": [_member_state(r) for r in members], "removed": list(removed),
                              "links": [vars(x) for x in links]}, sync=sync)
-        if self.journal.due():
-            self.journal.compact(self.state())
+        if self.store.due():
+            self.store.compact(self.state())
 
     def state(self) -> dict[str, Any]:
         """Everything recovery needs, as JSON-ready data (the journal's snapshot)."""
@@ -181,11 +181,11 @@ class Membership:
                 "members": [_member_state(r) for r in self.ordered()], "links": [vars(x) for x in self.links.values()]}
 
     def recover(self) -> int:
-        """Load the journal (snapshot + records) into this empty membership, then compact it.
+        """Load the store (snapshot + records) into this empty membership, then compact it.
         Returns how many records were replayed after the snapshot."""
-        if self.journal is None:
+        if self.store is None:
             return 0
-        snapshot, records = self.journal.load()
+        snapshot, records = self.store.load()
         seen = self.clock() + self.dead_after              # twice the window to re-register (module docstring)
         for change in ([snapshot] if snapshot else []) + records:
             self.epoch, self.world_size = int(change["epoch"]), int(change["world_size"])
@@ -203,7 +203,7 @@ class Membership:
                 self._by_rank[int(m["rank"])] = m["node_id"]
             for x in change.get("links", []):
                 self.links[(x["src"], x["dst"])] = LinkRecord(**x)
-        self.journal.compact(self.state())
+        self.store.compact(self.state())
         return len(records)
 
     def dead(self) -> list[MemberRecord]:

@@ -17,6 +17,11 @@ coordinator hears from it before it would declare it dead; `CoordinatorWatch`), 
 coordinator answers again re-registers (`Join` with the rank and incarnation it holds; logged as
 `node.coordinator_back`). Only a coordinator away longer than TINYDIST_SCHEDULER_LOST_AFTER seconds
 (default 60) fails the job, with `CoordinatorLost` naming the coordinator and how long it was gone.
+
+Several coordinators (`coordinator="10.0.0.1:29500,10.0.0.2:29500"`, coordinators sharing one etcd,
+scheduler.store): the agent talks to one at a time and moves to the next address of the list
+whenever the one it has is unreachable or a standby (a standby answers UNAVAILABLE), so after the
+leader dies it finds the new leader on its next retry and re-registers there.
 """
 
 from __future__ import annotations
@@ -49,9 +54,26 @@ def open_channel(target: str, credentials: Credentials | None) -> grpc.Channel:
     return grpc.secure_channel(target, credentials.channel_credentials())
 
 
+def coordinator_list(targets: str) -> list[str]:
+    """`A,B,...` → the addresses of the coordinators that may lead (one address: a list of one)."""
+    out = [t.strip() for t in targets.split(",") if t.strip()]
+    if not out:
+        raise ClusterError(f"no coordinator address in {targets!r}: give HOST:PORT[,HOST:PORT...]")
+    return out
+
+
 def status(target: str, credentials: Credentials | None, timeout: float = 10.0) -> pb.ClusterStatus:
-    with open_channel(target, credentials) as channel:
-        return pb_grpc.ClusterStub(channel).Status(pb.StatusRequest(), timeout=timeout)
+    """The cluster status from the first coordinator of `target` (`A,B,...`) that serves it (a
+    standby or a dead one answers UNAVAILABLE: the next is asked)."""
+    targets = coordinator_list(target)
+    for i, one in enumerate(targets):
+        with open_channel(one, credentials) as channel:
+            try:
+                return pb_grpc.ClusterStub(channel).Status(pb.StatusRequest(), timeout=timeout)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or i == len(targets) - 1:
+                    raise
+    raise AssertionError("unreachable: the loop returns or raises")
 
 
 def topology_from_status(st: pb.ClusterStatus) -> Topology:
@@ -117,7 +139,8 @@ class NodeAgent:
                  host_key: str | None = None, credentials: Credentials | None = None, address: str = "127.0.0.1",
                  transports: Sequence[str] = ("mem", "shm", "tcp")) -> None:
         from tinydist.dist.rendezvous import host_key as default_host_key
-        self.coordinator = coordinator
+        self.coordinators = coordinator_list(coordinator)
+        self.coordinator = self.coordinators[0]        # the one this agent talks to now
         self.node_id = node_id
         self.devices = list(devices)
         self.requested_rank = rank
@@ -126,7 +149,7 @@ class NodeAgent:
         self.address = address
         self.transports = tuple(transports)
         self.credentials = credentials
-        self.channel = open_channel(coordinator, credentials)
+        self.channel = open_channel(self.coordinator, credentials)
         self.stub = pb_grpc.ClusterStub(self.channel)
         self.rejoins = 0                                # re-registrations after losing the coordinator
         self.rejoined = threading.Event()               # set at each one
@@ -170,6 +193,8 @@ class NodeAgent:
                     self.close()
                     raise MembershipError(f"node {self.node_id}: join at {self.coordinator} failed: "
                                           f"{exc.code().name}: {exc.details()}") from exc
+                if len(self.coordinators) > 1:
+                    self._reopen()                         # a standby or a dead one: ask the next
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
         self.rank, self.incarnation = reply.rank, reply.epoch
@@ -231,7 +256,7 @@ class NodeAgent:
 
     def _heartbeats(self) -> None:
         dead_after = self.interval * self.miss_limit
-        watch = self.watch = CoordinatorWatch(self.coordinator, self.interval, dead_after / 2,
+        watch = self.watch = CoordinatorWatch(",".join(self.coordinators), self.interval, dead_after / 2,
                                               settings.SCHEDULER_LOST_AFTER)
         delay = self.interval
         while not self._stop.wait(delay):
@@ -303,7 +328,9 @@ class NodeAgent:
         self.log.info("node.rejoined", rank=self.rank, incarnation=self.incarnation, coordinator=self.coordinator)
 
     def _reopen(self) -> None:
+        """A fresh channel (no gRPC reconnect backoff of its own) to the next coordinator of the list."""
         old = self.channel
+        self.coordinator = self.coordinators[(self.coordinators.index(self.coordinator) + 1) % len(self.coordinators)]
         self.channel = open_channel(self.coordinator, self.credentials)
         self.stub = pb_grpc.ClusterStub(self.channel)
         old.close()

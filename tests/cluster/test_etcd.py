@@ -1,0 +1,146 @@
+"""etcd as the coordinator's membership store (scheduler.store.EtcdStore), against a real etcd server
+(Debian's etcd-server, /usr/bin/etcd) on loopback: the same records as the journal, recovered by
+another coordinator; one leader at a time, fenced; and a job whose leader coordinator is SIGKILLed
+mid-job, finished correctly with the members and epoch recovered by the standby."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from tests.cluster.helpers import ETCD, Coordinator, Etcd, Output, start_nodes
+from tests.cluster.test_journal import _populate, _view
+from tests.cluster.workers.job import expected
+from tinydist.scheduler.errors import LeadershipLost, MembershipStoreError
+from tinydist.scheduler.membership import Membership
+from tinydist.scheduler.store import EtcdStore
+
+pytestmark = pytest.mark.skipif(not ETCD.exists(), reason=f"{ETCD} absent: install Debian's etcd-server "
+                                                          f"(deploy/ci/apt-packages.txt)")
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    server = Etcd(tmp_path_factory.mktemp("etcd"))
+    yield server
+    server.stop()
+
+
+def _won(store: EtcdStore, address: str, within: float) -> bool:
+    deadline = time.monotonic() + within
+    return store.campaign(address, lambda: time.monotonic() > deadline)
+
+
+def test_membership_written_by_one_coordinator_is_recovered_by_the_next(etcd, request):
+    prefix = f"/test/{request.node.name}/"
+    now = [0.0]
+    first = EtcdStore(etcd.url, "a", prefix=prefix, ttl=2, compact_every=4)   # compacts mid-populate
+    assert _won(first, "127.0.0.1:1", 5)
+    m = Membership(0.1, 3, clock=lambda: now[0], store=first)
+    m.recover()
+    _populate(m, now)
+    before = _view(m)
+    first.close()                                  # revokes the lease: the next wins at once
+    second = EtcdStore(etcd.url, "b", prefix=prefix, ttl=2)
+    assert _won(second, "127.0.0.1:2", 5)
+    assert second.leader() == {"name": "b", "address": "127.0.0.1:2"}
+    r = Membership(0.1, 3, clock=lambda: now[0], store=second)
+    replayed = r.recover()
+    assert _view(r) == before and before[0] == 5 and [x[3] for x in before[2]] == ["alive", "left", "dead"]
+    assert 0 < replayed < 7                        # some records replayed after a snapshot, not all of them
+    second.close()
+
+
+def test_one_leader_at_a_time_and_a_deposed_leader_cannot_write(etcd, request):
+    prefix = f"/test/{request.node.name}/"
+    a = EtcdStore(etcd.url, "a", prefix=prefix, ttl=2)
+    b = EtcdStore(etcd.url, "b", prefix=prefix, ttl=2)
+    try:
+        assert _won(a, "A", 5)
+        a.load()
+        a.append({"epoch": 1})
+        assert not _won(b, "B", 3.0)               # outlives a's TTL: its lease is renewed
+        won = threading.Event()
+        t = threading.Thread(target=lambda: _won(b, "B", 10) and won.set())
+        t.start()
+        a.client.revoke(a.lease)                   # what etcd does to the lease of a leader that stalled past TTL
+        t.join()
+        assert won.is_set() and b.leader() == {"name": "b", "address": "B"}
+        with pytest.raises(LeadershipLost, match=r"coordinator 'a' .*(lost the leadership|does not lead)"):
+            a.append({"epoch": 2})
+        state, records = b.load()
+        assert state is None and [(x["seq"], x["epoch"]) for x in records] == [(1, 1)]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_unreachable_etcd_is_a_store_error_naming_it():
+    store = EtcdStore("http://127.0.0.1:9", "a", ttl=2)          # discard port: nothing listens
+    with pytest.raises(MembershipStoreError, match=r"etcd unreachable for /v3/lease/grant: http://127.0.0.1:9"):
+        store.campaign("A")
+    with pytest.raises(MembershipStoreError, match="expected http://HOST:PORT"):
+        EtcdStore("127.0.0.1:2379", "a")
+
+
+def _members(st):
+    return [(m.node.node_id, m.node.rank, m.node.pid, m.state) for m in st.members]
+
+
+def _wait_for_lead(c: Coordinator, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while " leads (etcd " not in c.log.read_text():
+        assert time.monotonic() < deadline, c.log.read_text()
+        time.sleep(0.05)
+
+
+def test_leader_coordinator_sigkill_mid_job_the_standby_recovers_members_and_epoch(etcd, tmp_path, request):
+    from tinydist.scheduler.node import status
+    args = ["--insecure-loopback-only", "--etcd", etcd.url, "--etcd-prefix", f"/test/{request.node.name}/",
+            "--leader-ttl", "2"]
+    leader = Coordinator(tmp_path, *args, "--name", "first", misses=20)
+    _wait_for_lead(leader)
+    standby = Coordinator(tmp_path, *args, "--name", "second", misses=20)
+    both = f"{standby.address},{leader.address}"   # the standby first: joins must move on to the leader
+    out, steps, size = tmp_path / "w.npy", 32, 3001
+    outs = [Output(p) for p in start_nodes(both, 2, "--steps", str(steps), "--size", str(size), "--out", str(out),
+                                            "--step-sleep", "0.25", "--wait-rejoin", "60",
+                                            extra_env={"TINYDIST_SCHEDULER_LOST_AFTER": "60"})]
+    try:
+        for o in outs:
+            o.wait_for("STEP 1 done", 90)
+        with pytest.raises(grpc.RpcError) as refused:
+            status(standby.address, None)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "standby" in refused.value.details()
+        before = status(both, None)
+        leader.kill()
+        killed = time.monotonic()
+        _wait_for_lead(standby)
+        took_over = time.monotonic() - killed
+        done = [sum(x.startswith("STEP ") for x in list(o.lines)) for o in outs]
+        recovered = status(standby.address, None)   # before any node can have finished and left
+        log = standby.log.read_text()
+        for o in outs:
+            assert "REJOINED" in o.wait_for("REJOIN", 90), o.text
+        print(f"the standby led {took_over:.2f} s after the leader's SIGKILL (lease TTL 2 s); steps done by then: "
+              f"{done} of {steps}")
+        for o in outs:
+            assert o.finish(90) == 0, o.text
+            assert "coordinator_back" in o.text and "ALLREDUCE ok" in o.text, o.text
+        after = status(standby.address, None)
+    finally:
+        for o in outs:
+            o.close()
+        leader.stop()
+        standby.stop()
+    np.testing.assert_array_equal(np.load(out), expected(steps, 4, size))
+    assert _members(before) == [("node-0", 0, before.members[0].node.pid, "alive"),
+                                ("node-1", 1, before.members[1].node.pid, "alive")]
+    assert f"leads (etcd {etcd.url}): recovered epoch {before.epoch}, 2 members" in log, log
+    assert _members(recovered) == _members(before) and recovered.epoch == before.epoch > 0
+    assert {(x.src, x.dst) for x in recovered.links} == {(x.src, x.dst) for x in before.links} != set()
+    assert [m.state for m in after.members] == ["left", "left"] and after.epoch == before.epoch + 2
