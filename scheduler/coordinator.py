@@ -271,6 +271,48 @@ class ClusterService(pb_grpc.ClusterServicer):
         return pb.LeaveReply(epoch=self.m.epoch)
 
 
+    @observed
+    @leader_only
+    async def Rendezvous(self, request: pb.RendezvousRequest, context: grpc.aio.ServicerContext) -> pb.RoundReply:
+        await self._check_node(context, request.node_id)
+        info = {"rendezvous": request.rendezvous} if request.rendezvous else None
+        try:
+            r = self.m.rendezvous(request.node_id, request.incarnation, request.min_size, request.max_size,
+                                  request.last_call_s, info)
+        except MembershipError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        self.log.info("scheduler.rendezvous", node=request.node_id, round=r.number, waiting=len(r.participants),
+                      min=r.min_size, max=r.max_size)
+        await self._notify()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(max(request.timeout_s, 0.0), MAX_WAIT_S)
+        while not r.closed:
+            if self.m.round is r and self.m.close_round():
+                self.log.info("scheduler.round_closed", round=r.number, world_size=len(r.ranks or {}))
+                await self._notify()
+                break
+            left = deadline - loop.time()
+            if left <= 0:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"round {r.number} did not close within {request.timeout_s:g} s: "
+                                    f"{len(r.participants)} of min {r.min_size} members in ({sorted(r.participants)})")
+            async with self.changed:        # an arrival or a death wakes us; last call is checked each 50 ms
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.changed.wait(), min(left, 0.05))
+        assert r.ranks is not None
+        if r.ranks.get(request.node_id) is None or r.participants.get(request.node_id) != request.incarnation:
+            await context.abort(grpc.StatusCode.ABORTED, f"node {request.node_id} incarnation {request.incarnation} "
+                                                         f"dropped out of round {r.number} before it closed; ask again")
+        now = self.m.clock()
+        members = []
+        for record in self.m.round_members(r):
+            member = member_message(record, now)
+            member.node.rank = r.ranks[record.node_id]
+            members.append(member)
+        return pb.RoundReply(round=r.number, rank=r.ranks[request.node_id], world_size=len(members), members=members,
+                             epoch=self.m.epoch)
+
+
 class Coordinator:
     """A running coordinator: `await Coordinator.start(...)`, `.port`, `await .stop()`."""
 

@@ -160,7 +160,8 @@ class NodeAgent:
         self.incarnation = 0
         self.interval = 1.0
         self.miss_limit = 5
-        self.table: dict[str, pb.Member] = {}          # the job's members (from wait())
+        self.table: dict[str, pb.Member] = {}          # the job's members (from wait() or rendezvous())
+        self.round = 0                                 # the last elastic round this node was in
         self.last_status: pb.ClusterStatus | None = None
         self.failure: ClusterError | NodeFailed | None = None
         self._callbacks: list[Callable[[ClusterError | NodeFailed], None]] = []
@@ -217,6 +218,29 @@ class NodeAgent:
         self.table = {m.node.node_id: m for m in members}
         self.world_size = world
         return members
+
+    def rendezvous(self, min_size: int, max_size: int, last_call: float = 1.0,
+                   timeout: float = 60.0) -> list[pb.Member]:
+        """Elastic: block until this node's rendezvous round closes (scheduler.membership: it counts only
+        incarnations that asked since it opened; closes at `max_size`, or at `min_size` once
+        `last_call` s pass without another arrival). Returns the round's members in rank order
+        (node.rank is the round rank); init_dist() then forms a group of that size."""
+        from tinydist.dist.rendezvous import coordinator_listener
+        if self._rendezvous is None:                # the last round's socket went to its group
+            self._rendezvous = coordinator_listener((self.address, 0))
+        host, port = self._rendezvous.getsockname()[:2]
+        try:
+            reply = self.stub.Rendezvous(pb.RendezvousRequest(
+                node_id=self.node_id, incarnation=self.incarnation, min_size=min_size, max_size=max_size,
+                last_call_s=last_call, timeout_s=timeout, rendezvous=format_address(host, port)), timeout=timeout + 5)
+        except grpc.RpcError as exc:
+            raise MembershipError(f"node {self.node_id}: rendezvous ({min_size}..{max_size} members) at "
+                                  f"{self.coordinator} failed: {exc.code().name}: {exc.details()}") from exc
+        self.round = reply.round
+        self.table = {m.node.node_id: m for m in reply.members}
+        self.world_size = reply.world_size
+        self.log.info("node.round", round=reply.round, rank=reply.rank, world_size=reply.world_size)
+        return list(reply.members)
 
     def status(self, timeout: float = 10.0) -> pb.ClusterStatus:
         self.last_status = self.stub.Status(pb.StatusRequest(), timeout=timeout)
