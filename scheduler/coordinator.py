@@ -328,6 +328,7 @@ class Coordinator:
         self._tasks: list[asyncio.Task[None]] = []
         self._collector: MembershipCollector | None = None
         self._stopping = False
+        self._stopped = asyncio.Event()
 
     @classmethod
     async def start(cls, listen: str = "127.0.0.1:0", *, pki: Path | None = None, insecure_loopback_only: bool = False,
@@ -438,6 +439,10 @@ class Coordinator:
             self.leading.clear()
             service.stand_down("the etcd lease was lost or another coordinator leads; campaigning again")
             await asyncio.to_thread(store.resign)
+            # a coordinator that just lost its lease is the likely unhealthy one (it stalled): leave the
+            # key to the standbys (they poll every TTL/4) for one TTL before campaigning again
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopped.wait(), store.ttl)
 
     @property
     def address(self) -> str:
@@ -445,6 +450,7 @@ class Coordinator:
 
     async def stop(self, grace: float = 0.5) -> None:
         self._stopping = True
+        self._stopped.set()
         if self._collector is not None:
             metrics.REGISTRY.unregister(self._collector)
             self._collector = None

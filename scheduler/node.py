@@ -229,13 +229,21 @@ class NodeAgent:
         if self._rendezvous is None:                # the last round's socket went to its group
             self._rendezvous = coordinator_listener((self.address, 0))
         host, port = self._rendezvous.getsockname()[:2]
-        try:
-            reply = self.stub.Rendezvous(pb.RendezvousRequest(
-                node_id=self.node_id, incarnation=self.incarnation, min_size=min_size, max_size=max_size,
-                last_call_s=last_call, timeout_s=timeout, rendezvous=format_address(host, port)), timeout=timeout + 5)
-        except grpc.RpcError as exc:
-            raise MembershipError(f"node {self.node_id}: rendezvous ({min_size}..{max_size} members) at "
-                                  f"{self.coordinator} failed: {exc.code().name}: {exc.details()}") from exc
+        deadline = time.monotonic() + timeout
+        while True:     # a standby or a coordinator that is down answers UNAVAILABLE: ask the next until the deadline
+            left = deadline - time.monotonic()
+            try:
+                reply = self.stub.Rendezvous(pb.RendezvousRequest(
+                    node_id=self.node_id, incarnation=self.incarnation, min_size=min_size, max_size=max_size,
+                    last_call_s=last_call, timeout_s=max(left, 0.0), rendezvous=format_address(host, port)),
+                    timeout=max(left, 0.0) + 5)
+                break
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or left <= self.interval:
+                    raise MembershipError(f"node {self.node_id}: rendezvous ({min_size}..{max_size} members) at "
+                                          f"{self.coordinator} failed: {exc.code().name}: {exc.details()}") from exc
+                self._reopen()
+                time.sleep(self.interval)
         self.round = reply.round
         self.table = {m.node.node_id: m for m in reply.members}
         self.world_size = reply.world_size

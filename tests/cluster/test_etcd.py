@@ -144,3 +144,56 @@ def test_leader_coordinator_sigkill_mid_job_the_standby_recovers_members_and_epo
     assert _members(recovered) == _members(before) and recovered.epoch == before.epoch > 0
     assert {(x.src, x.dst) for x in recovered.links} == {(x.src, x.dst) for x in before.links} != set()
     assert [m.state for m in after.members] == ["left", "left"] and after.epoch == before.epoch + 2
+
+
+async def _stand_down(url: str, prefix: str, tmp_path) -> tuple[str, str, int, int, list[str], bool]:
+    """Coordinator a in this process (so the test can revoke its lease), b a process (one metrics
+    registry per process)."""
+    import asyncio
+
+    from tinydist.scheduler._generated import cluster_pb2 as pb
+    from tinydist.scheduler._generated import cluster_pb2_grpc as pb_grpc
+    from tinydist.scheduler.coordinator import Coordinator as InProcess
+    a = await InProcess.start("127.0.0.1:0", insecure_loopback_only=True, heartbeat_interval=0.1, miss_limit=50,
+                              etcd=url, etcd_prefix=prefix, leader_ttl=2, name="a")
+    b = None
+
+    async def call(address: str, method: str, request: object) -> object:
+        async with grpc.aio.insecure_channel(address) as channel:
+            return await getattr(pb_grpc.ClusterStub(channel), method)(request, timeout=10)
+
+    try:
+        await asyncio.wait_for(a.leading.wait(), 20)
+        b = Coordinator(tmp_path, "--insecure-loopback-only", "--etcd", url, "--etcd-prefix", prefix,
+                        "--leader-ttl", "2", "--name", "b", misses=50)
+        joined = await call(a.address, "Join", pb.JoinRequest(node=pb.NodeInfo(node_id="n0", rank=0), world_size=1))
+        epoch = (await call(a.address, "Status", pb.StatusRequest())).epoch
+        assert a.etcd is not None
+        a.etcd.client.revoke(a.etcd.lease)        # a's lease gone, as after a stall past its TTL
+        await asyncio.to_thread(_wait_for_lead, b)
+        refusal = ""
+        for _ in range(200):                       # a notices within TTL/3 and stands down
+            try:
+                await call(a.address, "Status", pb.StatusRequest())
+            except grpc.aio.AioRpcError as exc:
+                refusal = f"{exc.code().name}: {exc.details()}"
+                break
+            await asyncio.sleep(0.05)
+        st = await call(b.address, "Status", pb.StatusRequest())
+        again = await call(b.address, "Join", pb.JoinRequest(node=pb.NodeInfo(node_id="n0", rank=0), world_size=1,
+                                                             incarnation=joined.epoch))
+        return (refusal, a.etcd.leader()["name"], epoch, st.epoch, [m.node.node_id for m in st.members],
+                again.epoch == joined.epoch)
+    finally:
+        await a.stop()
+        if b is not None:
+            b.stop()
+
+
+def test_a_leader_that_loses_its_lease_stands_down_and_the_standby_serves_its_members(etcd, request, tmp_path):
+    import asyncio
+    refusal, holder, epoch, recovered_epoch, members, same = asyncio.run(
+        _stand_down(etcd.url, f"/test/{request.node.name}/", tmp_path))
+    assert refusal.startswith("UNAVAILABLE: standby coordinator"), refusal
+    assert holder == "b" and recovered_epoch == epoch == 1 and members == ["n0"]
+    assert same                                    # n0 re-registers with b under the incarnation a gave it
