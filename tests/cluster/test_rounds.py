@@ -131,3 +131,46 @@ def test_load_resharded_reads_only_the_old_files_its_rows_overlap(tmp_path):
         ck.load_resharded(tmp_path, 0, 1, 2, replicated=("lr",))     # rows 6-11 need the missing file
     with pytest.raises(ValueError, match="'lr' is a scalar"):
         ck.load_resharded(tmp_path, 0, 0, 2)
+
+
+async def _rpc_rounds() -> tuple[list, str]:
+    import asyncio
+
+    import grpc
+
+    from tinydist.scheduler._generated import cluster_pb2 as pb
+    from tinydist.scheduler._generated import cluster_pb2_grpc as pb_grpc
+    from tinydist.scheduler.coordinator import Coordinator
+    c = await Coordinator.start("127.0.0.1:0", insecure_loopback_only=True, heartbeat_interval=0.1, miss_limit=50)
+    try:
+        async with grpc.aio.insecure_channel(c.address) as channel:
+            stub = pb_grpc.ClusterStub(channel)
+            inc = {}
+            for i in (1, 0, 2):
+                reply = await stub.Join(pb.JoinRequest(node=pb.NodeInfo(node_id=f"n{i}", rank=i)), timeout=10)
+                inc[f"n{i}"] = reply.epoch
+
+            def ask(node: str, timeout: float = 10.0, lo: int = 2, hi: int = 3) -> object:
+                return stub.Rendezvous(pb.RendezvousRequest(node_id=node, incarnation=inc[node], min_size=lo,
+                                                            max_size=hi, last_call_s=0.3, timeout_s=timeout,
+                                                            rendezvous=f"127.0.0.1:{1000 + int(node[1])}"), timeout=20)
+            # n2 and n1 make a round of 2 (last call), n0 arrives after it closed and waits alone in the next
+            replies = await asyncio.gather(ask("n2"), ask("n1"))
+            try:
+                await ask("n0", timeout=0.5)
+            except grpc.aio.AioRpcError as exc:
+                refused = f"{exc.code().name}: {exc.details()}"
+            else:
+                refused = "OK"
+        return [(r.round, r.rank, r.world_size, [(m.node.node_id, m.node.rank, m.node.rendezvous) for m in r.members])
+                for r in replies], refused
+    finally:
+        await c.stop()
+
+
+def test_the_rendezvous_rpc_hands_every_member_the_same_closed_round():
+    import asyncio
+    replies, refused = asyncio.run(_rpc_rounds())
+    table = [("n1", 0, "127.0.0.1:1001"), ("n2", 1, "127.0.0.1:1002")]
+    assert replies == [(1, 1, 2, table), (1, 0, 2, table)]
+    assert refused.startswith("DEADLINE_EXCEEDED: round 2 did not close within 0.5 s: 1 of min 2 members in (['n0'])"), refused
