@@ -47,7 +47,7 @@ from prometheus_client.registry import Collector
 
 from tinydist.scheduler._generated import cluster_pb2 as pb
 from tinydist.scheduler._generated import cluster_pb2_grpc as pb_grpc
-from tinydist.scheduler.errors import LeadershipLost, MembershipError
+from tinydist.scheduler.errors import MembershipError, MembershipStoreError
 from tinydist.scheduler.membership import LinkRecord, MemberRecord, Membership
 from tinydist.scheduler.store import EtcdStore, MembershipStore
 from tinydist.base.logs import get_logger
@@ -96,8 +96,9 @@ def observed(handler: Handler[R]) -> Handler[R]:
 
 
 def leader_only(handler: Handler[R]) -> Handler[R]:
-    """A standby coordinator answers UNAVAILABLE (the nodes' cue to try the next address); a leader
-    whose store refuses a write (LeadershipLost) stands down and answers the same."""
+    """A standby coordinator answers UNAVAILABLE (the nodes' cue to try the next address); an elected
+    leader whose store fails a write (LeadershipLost, an unreachable etcd) stands down and answers
+    the same: it cannot vouch for a change it could not write."""
 
     @functools.wraps(handler)
     async def wrapper(self: ClusterService, request: Any, context: grpc.aio.ServicerContext) -> R:
@@ -105,7 +106,9 @@ def leader_only(handler: Handler[R]) -> Handler[R]:
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.standby)
         try:
             return await handler(self, request, context)
-        except LeadershipLost as exc:
+        except MembershipStoreError as exc:
+            if not self.elected:
+                raise
             self.stand_down(str(exc))
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
     return wrapper
@@ -163,6 +166,7 @@ class ClusterService(pb_grpc.ClusterServicer):
         self.m = membership
         self.trust_domain = trust_domain            # None: insecure loopback mode
         self.standby: str | None = None             # why this coordinator does not serve (etcd: not the leader)
+        self.elected = False                        # etcd mode: a leader among coordinators, which may stand down
         self.on_stand_down: Callable[[str], None] = lambda why: None
         self.changed = asyncio.Condition()
         self.log = get_logger(component="scheduler")
@@ -353,6 +357,12 @@ class Coordinator:
         if state_dir is not None:
             from tinydist.scheduler.journal import Journal
             store = Journal(state_dir)
+        if etcd is not None:
+            import os
+            import socket
+            self.etcd = EtcdStore(etcd, name or f"{socket.gethostname()}:{os.getpid()}", prefix=etcd_prefix,
+                                  ttl=leader_ttl)
+            self.etcd.client.get(self.etcd.leader_key)     # an etcd it cannot reach fails the start, not a task
         self.membership = Membership(heartbeat_interval, miss_limit, store=store)
         try:
             self.recovered = self.membership.recover()
@@ -376,12 +386,9 @@ class Coordinator:
         pb_grpc.add_ClusterServicer_to_server(service, self.server)
         self.port = add_port(self.server, bind, credentials)
         loop = asyncio.get_running_loop()
-        if etcd is not None:
-            import os
-            import socket
-            self.etcd = EtcdStore(etcd, name or f"{socket.gethostname()}:{os.getpid()}", prefix=etcd_prefix,
-                                  ttl=leader_ttl)
+        if self.etcd is not None:
             service.standby = "standby coordinator: campaigning for the etcd leader key"
+            service.elected = True
             self._tasks.append(loop.create_task(self._lead(self.etcd)))
         else:
             self.leading.set()
@@ -397,7 +404,9 @@ class Coordinator:
                 m = service.m
                 try:
                     dead = m.sweep()
-                except LeadershipLost as exc:
+                except MembershipStoreError as exc:
+                    if not service.elected:
+                        raise
                     service.stand_down(str(exc))
                     continue
                 for record in dead:
@@ -417,12 +426,20 @@ class Coordinator:
         lost = asyncio.Event()
         service.on_stand_down = lambda why: lost.set()
         while not self._stopping:
-            won = await asyncio.to_thread(store.campaign, self.address, lambda: self._stopping)
-            if not won:
-                return
             old = service.m
             m = Membership(old.heartbeat_interval, old.miss_limit, store=store)
-            self.recovered = await asyncio.to_thread(m.recover)
+            try:
+                won = await asyncio.to_thread(store.campaign, self.address, lambda: self._stopping)
+                if not won:
+                    return
+                self.recovered = await asyncio.to_thread(m.recover)
+            except MembershipStoreError as exc:     # etcd away, or a membership it cannot vouch for: retry
+                log.error("scheduler.campaign_failed", error=str(exc), retry_s=store.ttl)
+                service.standby = f"standby coordinator: {exc}"
+                await asyncio.to_thread(store.resign)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopped.wait(), store.ttl)
+                continue
             self.membership = service.m = m
             if self._collector is not None:
                 self._collector.m = m

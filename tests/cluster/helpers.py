@@ -150,16 +150,20 @@ class Etcd:
     """A one-member etcd on loopback: a fresh data dir under `tmp`, free client and peer ports."""
 
     def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.url = f"http://127.0.0.1:{_free_port()}"
+        self.peer_url = f"http://127.0.0.1:{_free_port()}"
+        self.start()
+
+    def start(self) -> None:
+        """Start (or start again: same ports, same data dir) and wait until it reports healthy."""
         import urllib.request
-        client, peer = _free_port(), _free_port()
-        self.url = f"http://127.0.0.1:{client}"
-        peer_url = f"http://127.0.0.1:{peer}"
-        self.log = tmp / f"etcd-{time.monotonic_ns()}.log"
+        self.log = self.tmp / f"etcd-{time.monotonic_ns()}.log"
         self._log_file = self.log.open("w")
-        self.proc = subprocess.Popen([str(ETCD), "--name", "test", "--data-dir", str(tmp / "etcd-data"),
+        self.proc = subprocess.Popen([str(ETCD), "--name", "test", "--data-dir", str(self.tmp / "etcd-data"),
                                       "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
-                                      "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-                                      "--initial-cluster", f"test={peer_url}"],
+                                      "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls",
+                                      self.peer_url, "--initial-cluster", f"test={self.peer_url}"],
                                      stdout=self._log_file, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while True:

@@ -19,12 +19,10 @@ from tinydist.scheduler.errors import LeadershipLost, MembershipStoreError
 from tinydist.scheduler.membership import Membership
 from tinydist.scheduler.store import EtcdStore
 
-pytestmark = pytest.mark.skipif(not ETCD.exists(), reason=f"{ETCD} absent: install Debian's etcd-server "
-                                                          f"(deploy/ci/apt-packages.txt)")
-
-
 @pytest.fixture(scope="module")
 def etcd(tmp_path_factory):
+    if not ETCD.exists():
+        pytest.skip(f"{ETCD} absent: install Debian's etcd-server (deploy/ci/apt-packages.txt)")
     server = Etcd(tmp_path_factory.mktemp("etcd"))
     yield server
     server.stop()
@@ -85,6 +83,20 @@ def test_an_unreachable_etcd_is_a_store_error_naming_it():
         store.campaign("A")
     with pytest.raises(MembershipStoreError, match="expected http://HOST:PORT"):
         EtcdStore("127.0.0.1:2379", "a")
+
+
+def test_scheduler_serve_refuses_an_etcd_it_cannot_reach_and_a_second_store(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.cluster.helpers import ROOT, env
+    serve = [sys.executable, "-m", "tinydist.cli", "scheduler", "serve", "--listen", "127.0.0.1:0",
+             "--insecure-loopback-only", "--etcd", "http://127.0.0.1:9"]
+    run = subprocess.run(serve, capture_output=True, text=True, env=env(), cwd=ROOT, timeout=60)
+    assert run.returncode == 1 and "error: etcd unreachable for /v3/kv/range: http://127.0.0.1:9" in run.stderr, run
+    run = subprocess.run([*serve, "--state-dir", str(tmp_path)], capture_output=True, text=True, env=env(), cwd=ROOT,
+                         timeout=60)
+    assert run.returncode == 2 and "give --state-dir" in run.stderr and "not both" in run.stderr, run
 
 
 def _members(st):
@@ -197,3 +209,55 @@ def test_a_leader_that_loses_its_lease_stands_down_and_the_standby_serves_its_me
     assert refusal.startswith("UNAVAILABLE: standby coordinator"), refusal
     assert holder == "b" and recovered_epoch == epoch == 1 and members == ["n0"]
     assert same                                    # n0 re-registers with b under the incarnation a gave it
+
+
+async def _etcd_outage(server: Etcd) -> tuple[str, int, int, list[str]]:
+    import asyncio
+
+    from tinydist.scheduler._generated import cluster_pb2 as pb
+    from tinydist.scheduler._generated import cluster_pb2_grpc as pb_grpc
+    from tinydist.scheduler.coordinator import Coordinator as InProcess
+    a = await InProcess.start("127.0.0.1:0", insecure_loopback_only=True, heartbeat_interval=0.1, miss_limit=50,
+                              etcd=server.url, leader_ttl=2, name="a")
+
+    async def status() -> tuple[str, object]:
+        async with grpc.aio.insecure_channel(a.address) as channel:
+            try:
+                return "OK", await pb_grpc.ClusterStub(channel).Status(pb.StatusRequest(), timeout=10)
+            except grpc.aio.AioRpcError as exc:
+                return f"{exc.code().name}: {exc.details()}", None
+
+    async def until(ok: bool) -> str:
+        for _ in range(600):
+            code, _st = await status()
+            if (code == "OK") == ok:
+                return code
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"coordinator still answers {code}")
+
+    try:
+        await asyncio.wait_for(a.leading.wait(), 20)
+        async with grpc.aio.insecure_channel(a.address) as channel:
+            await pb_grpc.ClusterStub(channel).Join(pb.JoinRequest(node=pb.NodeInfo(node_id="n0", rank=0)), timeout=10)
+        epoch = (await status())[1].epoch                       # type: ignore[union-attr]
+        await asyncio.to_thread(server.stop)
+        refused = await until(False)                            # its lease cannot be renewed: it stands down
+        await asyncio.to_thread(server.start)
+        await until(True)                                       # it wins again once its old lease expired
+        back = (await status())[1]
+        return refused, epoch, back.epoch, [m.node.node_id for m in back.members]  # type: ignore[union-attr]
+    finally:
+        await a.stop()
+
+
+def test_the_leader_stands_down_while_etcd_is_away_and_leads_again_with_its_members(tmp_path):
+    import asyncio
+    if not ETCD.exists():
+        pytest.skip(f"{ETCD} absent: install Debian's etcd-server (deploy/ci/apt-packages.txt)")
+    server = Etcd(tmp_path)
+    try:
+        refused, epoch, back, members = asyncio.run(_etcd_outage(server))
+    finally:
+        server.stop()
+    assert refused.startswith("UNAVAILABLE: standby coordinator"), refused
+    assert back == epoch == 1 and members == ["n0"]
