@@ -18,6 +18,18 @@ start, so a coordinator SIGKILLed and restarted on the same port reports the sam
 and epoch, and its nodes (which kept running their collectives meanwhile) re-register under the
 incarnations they hold. Without it the state lives in memory only; nodes still re-register, into an
 empty membership (a Heartbeat from a node the coordinator does not know is NOT_FOUND, the node's cue).
+
+Several coordinators: with `--etcd http://HOST:PORT` the membership lives in etcd instead
+(scheduler.store.EtcdStore) and any number of coordinators may run against it, each on its own
+address. They campaign for one lease-backed leader key; the leader recovers the membership from
+etcd and serves, the others answer every call with UNAVAILABLE ("standby; the leader is ..."),
+which a node treats like a coordinator that is down: it retries on the next address of its list
+(`--coordinator A,B`). When the leader dies its lease expires (`--leader-ttl`, default 5 s), a
+standby wins the election, recovers the members, ranks, incarnations and epoch the leader wrote,
+and the nodes re-register with it. A leader that loses its lease (stalled past the TTL) finds its
+next write refused by etcd (every write is fenced on its leader key) and stands down.
+The store's writes are blocking calls on the event loop, as the journal's fsyncs are: one small
+request per membership change, none per heartbeat.
 """
 
 from __future__ import annotations
@@ -35,8 +47,9 @@ from prometheus_client.registry import Collector
 
 from tinydist.scheduler._generated import cluster_pb2 as pb
 from tinydist.scheduler._generated import cluster_pb2_grpc as pb_grpc
-from tinydist.scheduler.errors import MembershipError
+from tinydist.scheduler.errors import MembershipError, MembershipStoreError
 from tinydist.scheduler.membership import LinkRecord, MemberRecord, Membership
+from tinydist.scheduler.store import EtcdStore, MembershipStore
 from tinydist.base.logs import get_logger
 from tinydist.observability import metrics, tracing
 from tinydist.security.bind import add_port, bind_address, is_loopback, parse_host_port, split_bind
@@ -79,6 +92,25 @@ def observed(handler: Handler[R]) -> Handler[R]:
             tracing.record(f"rpc {method}", started, process="scheduler", lane="rpc", cat="rpc", method=method,
                            node=getattr(request, "node_id", "") or getattr(getattr(request, "node", None), "node_id", ""),
                            status=code)
+    return wrapper
+
+
+def leader_only(handler: Handler[R]) -> Handler[R]:
+    """A standby coordinator answers UNAVAILABLE (the nodes' cue to try the next address); an elected
+    leader whose store fails a write (LeadershipLost, an unreachable etcd) stands down and answers
+    the same: it cannot vouch for a change it could not write."""
+
+    @functools.wraps(handler)
+    async def wrapper(self: ClusterService, request: Any, context: grpc.aio.ServicerContext) -> R:
+        if self.standby is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.standby)
+        try:
+            return await handler(self, request, context)
+        except MembershipStoreError as exc:
+            if not self.elected:
+                raise
+            self.stand_down(str(exc))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
     return wrapper
 
 
@@ -133,6 +165,9 @@ class ClusterService(pb_grpc.ClusterServicer):
     def __init__(self, membership: Membership, trust_domain: str | None) -> None:
         self.m = membership
         self.trust_domain = trust_domain            # None: insecure loopback mode
+        self.standby: str | None = None             # why this coordinator does not serve (etcd: not the leader)
+        self.elected = False                        # etcd mode: a leader among coordinators, which may stand down
+        self.on_stand_down: Callable[[str], None] = lambda why: None
         self.changed = asyncio.Condition()
         self.log = get_logger(component="scheduler")
         if trust_domain is not None:
@@ -158,11 +193,18 @@ class ClusterService(pb_grpc.ClusterServicer):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 f"certificate names {who!r}; it may not speak for node {node_id!r}")
 
+    def stand_down(self, why: str) -> None:
+        if self.standby is None:
+            self.log.warning("scheduler.stand_down", reason=why)
+            self.standby = f"standby coordinator: {why}"
+            self.on_stand_down(why)
+
     async def _notify(self) -> None:
         async with self.changed:
             self.changed.notify_all()
 
     @observed
+    @leader_only
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
         node = request.node
         await self._check_node(context, node.node_id)
@@ -180,6 +222,7 @@ class ClusterService(pb_grpc.ClusterServicer):
                             miss_limit=self.m.miss_limit)
 
     @observed
+    @leader_only
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatReply:
         await self._check_node(context, request.node_id)
         if request.node_id not in self.m.members:
@@ -195,6 +238,7 @@ class ClusterService(pb_grpc.ClusterServicer):
         return pb.HeartbeatReply(epoch=self.m.epoch, dead=[member_message(r, now) for r in dead])
 
     @observed
+    @leader_only
     async def WaitForMembers(self, request: pb.WaitRequest, context: grpc.aio.ServicerContext) -> pb.ClusterStatus:
         await self._who(context)
         timeout = min(max(request.timeout_s, 0.0), MAX_WAIT_S)
@@ -216,17 +260,61 @@ class ClusterService(pb_grpc.ClusterServicer):
         return status_message(self.m)
 
     @observed
+    @leader_only
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.ClusterStatus:
         await self._who(context)
         return status_message(self.m)
 
     @observed
+    @leader_only
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveReply:
         await self._check_node(context, request.node_id)
         self.m.leave(request.node_id)
         self.log.info("scheduler.leave", node=request.node_id, epoch=self.m.epoch)
         await self._notify()
         return pb.LeaveReply(epoch=self.m.epoch)
+
+
+    @observed
+    @leader_only
+    async def Rendezvous(self, request: pb.RendezvousRequest, context: grpc.aio.ServicerContext) -> pb.RoundReply:
+        await self._check_node(context, request.node_id)
+        info = {"rendezvous": request.rendezvous} if request.rendezvous else None
+        try:
+            r = self.m.rendezvous(request.node_id, request.incarnation, request.min_size, request.max_size,
+                                  request.last_call_s, info)
+        except MembershipError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        self.log.info("scheduler.rendezvous", node=request.node_id, round=r.number, waiting=len(r.participants),
+                      min=r.min_size, max=r.max_size)
+        await self._notify()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(max(request.timeout_s, 0.0), MAX_WAIT_S)
+        while not r.closed:
+            if self.m.round is r and self.m.close_round():
+                self.log.info("scheduler.round_closed", round=r.number, world_size=len(r.ranks or {}))
+                await self._notify()
+                break
+            left = deadline - loop.time()
+            if left <= 0:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"round {r.number} did not close within {request.timeout_s:g} s: "
+                                    f"{len(r.participants)} of min {r.min_size} members in ({sorted(r.participants)})")
+            async with self.changed:        # an arrival or a death wakes us; last call is checked each 50 ms
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.changed.wait(), min(left, 0.05))
+        assert r.ranks is not None
+        if r.ranks.get(request.node_id) is None or r.participants.get(request.node_id) != request.incarnation:
+            await context.abort(grpc.StatusCode.ABORTED, f"node {request.node_id} incarnation {request.incarnation} "
+                                                         f"dropped out of round {r.number} before it closed; ask again")
+        now = self.m.clock()
+        members = []
+        for record in self.m.round_members(r):
+            member = member_message(record, now)
+            member.node.rank = r.ranks[record.node_id]
+            members.append(member)
+        return pb.RoundReply(round=r.number, rank=r.ranks[request.node_id], world_size=len(members), members=members,
+                             epoch=self.m.epoch)
 
 
 class Coordinator:
@@ -237,31 +325,50 @@ class Coordinator:
         self.port = 0
         self.host = ""
         self.membership: Membership | None = None
-        self.recovered = 0                          # journal records replayed at start (after the snapshot)
-        self._sweeper: asyncio.Task[None] | None = None
+        self.recovered = 0                          # store records replayed at start (after the snapshot)
+        self.etcd: EtcdStore | None = None
+        self.service: ClusterService | None = None
+        self.leading = asyncio.Event()              # set while this coordinator serves (always, without etcd)
+        self._tasks: list[asyncio.Task[None]] = []
         self._collector: MembershipCollector | None = None
+        self._stopping = False
+        self._stopped = asyncio.Event()
 
     @classmethod
     async def start(cls, listen: str = "127.0.0.1:0", *, pki: Path | None = None, insecure_loopback_only: bool = False,
-                    heartbeat_interval: float = 1.0, miss_limit: int = 5,
-                    state_dir: Path | None = None) -> Coordinator:
+                    heartbeat_interval: float = 1.0, miss_limit: int = 5, state_dir: Path | None = None,
+                    etcd: str | None = None, etcd_prefix: str = "/tinydist/scheduler/", leader_ttl: int = 5,
+                    name: str | None = None) -> Coordinator:
+        """`state_dir`: the journal (scheduler.journal); `etcd`: client URLs of the etcd cluster that
+        holds the membership and elects one leader among the coordinators sharing `etcd_prefix`;
+        neither: in memory only. With etcd, start returns once serving, leader or standby
+        (`leading` tells which)."""
         if pki is None and not insecure_loopback_only:
             raise ValueError("the coordinator needs --pki DIR (mutual TLS) or --insecure-loopback-only")
         if heartbeat_interval <= 0 or miss_limit < 1:
             raise ValueError("heartbeat interval must be > 0 and miss limit >= 1")
+        if state_dir is not None and etcd is not None:
+            raise ValueError("give --state-dir (one coordinator, journal on disk) or --etcd (several coordinators, "
+                             "membership in etcd), not both")
         bind = bind_address(listen, loopback_only=pki is None, wildcard_hint="bind the interface the nodes reach")
         self = cls()
         self.host = split_bind(bind)[0]
-        journal = None
+        store: MembershipStore | None = None
         if state_dir is not None:
             from tinydist.scheduler.journal import Journal
-            journal = Journal(state_dir)
-        self.membership = Membership(heartbeat_interval, miss_limit, journal=journal)
+            store = Journal(state_dir)
+        if etcd is not None:
+            import os
+            import socket
+            self.etcd = EtcdStore(etcd, name or f"{socket.gethostname()}:{os.getpid()}", prefix=etcd_prefix,
+                                  ttl=leader_ttl)
+            self.etcd.client.get(self.etcd.leader_key)     # an etcd it cannot reach fails the start, not a task
+        self.membership = Membership(heartbeat_interval, miss_limit, store=store)
         try:
             self.recovered = self.membership.recover()
         except BaseException:
-            if journal is not None:
-                journal.close()
+            if store is not None:
+                store.close()
             raise
         self._collector = MembershipCollector(self.membership)
         metrics.REGISTRY.register(self._collector)
@@ -274,60 +381,129 @@ class Coordinator:
             trust_domain = trust_domain_of(Path(pki))
             credentials = grpc.ssl_server_credentials([(keys.key, keys.cert)], root_certificates=keys.ca,
                                                       require_client_auth=True)
-        service = ClusterService(self.membership, trust_domain)
+        service = self.service = ClusterService(self.membership, trust_domain)
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_ClusterServicer_to_server(service, self.server)
         self.port = add_port(self.server, bind, credentials)
+        loop = asyncio.get_running_loop()
+        if self.etcd is not None:
+            service.standby = "standby coordinator: campaigning for the etcd leader key"
+            service.elected = True
+            self._tasks.append(loop.create_task(self._lead(self.etcd)))
+        else:
+            self.leading.set()
         await self.server.start()
 
         async def sweep() -> None:
             log = get_logger(component="scheduler")
             while True:
                 await asyncio.sleep(heartbeat_interval / 2)
+                if service.standby is not None:
+                    continue
                 started = tracing.clock()
-                dead = self.membership.sweep()     # type: ignore[union-attr]
+                m = service.m
+                try:
+                    dead = m.sweep()
+                except MembershipStoreError as exc:
+                    if not service.elected:
+                        raise
+                    service.stand_down(str(exc))
+                    continue
                 for record in dead:
                     log.warning("scheduler.node_dead", node=record.node_id, rank=record.rank, reason=record.reason)
                 await service._notify()
                 tracing.record("sweep", started, process="scheduler", lane="rounds", cat="scheduler",
-                               epoch=self.membership.epoch, alive=self.membership.alive_count(),  # type: ignore[union-attr]
-                               declared_dead=len(dead))
+                               epoch=m.epoch, alive=m.alive_count(), declared_dead=len(dead))
 
-        self._sweeper = asyncio.get_running_loop().create_task(sweep())
+        self._tasks.append(loop.create_task(sweep()))
         return self
+
+    async def _lead(self, store: EtcdStore) -> None:
+        """Campaign; once leader, recover the membership from etcd and serve; stand by again when the
+        lease is lost (or a write is refused), with a fresh membership from etcd at the next win."""
+        assert self.service is not None
+        service, log = self.service, get_logger(component="scheduler")
+        lost = asyncio.Event()
+        service.on_stand_down = lambda why: lost.set()
+        while not self._stopping:
+            old = service.m
+            m = Membership(old.heartbeat_interval, old.miss_limit, store=store)
+            try:
+                won = await asyncio.to_thread(store.campaign, self.address, lambda: self._stopping)
+                if not won:
+                    return
+                self.recovered = await asyncio.to_thread(m.recover)
+            except MembershipStoreError as exc:     # etcd away, or a membership it cannot vouch for: retry
+                log.error("scheduler.campaign_failed", error=str(exc), retry_s=store.ttl)
+                service.standby = f"standby coordinator: {exc}"
+                await asyncio.to_thread(store.resign)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopped.wait(), store.ttl)
+                continue
+            self.membership = service.m = m
+            if self._collector is not None:
+                self._collector.m = m
+            lost.clear()
+            service.standby = None
+            self.leading.set()
+            log.info("scheduler.leading", etcd=store.client.endpoints, epoch=m.epoch, members=len(m.members),
+                     replayed=self.recovered)
+            print(f"tinydist scheduler {self.address} leads (etcd {','.join(store.client.endpoints)}): recovered "
+                  f"epoch {m.epoch}, {len(m.members)} members, {self.recovered} records replayed", flush=True)
+            while not lost.is_set() and not store.lost.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(lost.wait(), store.ttl / 4)
+            self.leading.clear()
+            service.stand_down("the etcd lease was lost or another coordinator leads; campaigning again")
+            await asyncio.to_thread(store.resign)
+            # a coordinator that just lost its lease is the likely unhealthy one (it stalled): leave the
+            # key to the standbys (they poll every TTL/4) for one TTL before campaigning again
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopped.wait(), store.ttl)
 
     @property
     def address(self) -> str:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
     async def stop(self, grace: float = 0.5) -> None:
+        self._stopping = True
+        self._stopped.set()
         if self._collector is not None:
             metrics.REGISTRY.unregister(self._collector)
             self._collector = None
-        if self._sweeper is not None:
-            self._sweeper.cancel()
+        if self.etcd is not None:                   # ends a campaign within one poll; revokes a leader's lease
+            await asyncio.to_thread(self.etcd.close)
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+                await task
         if self.server is not None:
             await self.server.stop(grace)
-        if self.membership is not None and self.membership.journal is not None:
-            self.membership.journal.close()
+        if self.membership is not None and self.membership.store is not None and self.etcd is None:
+            self.membership.store.close()
 
 
 async def serve(listen: str, pki: Path | None, insecure_loopback_only: bool, heartbeat_interval: float, miss_limit: int,
-                port_file: Path | None = None, state_dir: Path | None = None) -> None:
+                port_file: Path | None = None, state_dir: Path | None = None, etcd: str | None = None,
+                etcd_prefix: str = "/tinydist/scheduler/", leader_ttl: int = 5, name: str | None = None) -> None:
     """`tinydist scheduler serve`: run until SIGINT/SIGTERM."""
     import signal
     metrics.set_component("scheduler")
     coordinator = await Coordinator.start(listen, pki=pki, insecure_loopback_only=insecure_loopback_only,
                                           heartbeat_interval=heartbeat_interval, miss_limit=miss_limit,
-                                          state_dir=state_dir)
+                                          state_dir=state_dir, etcd=etcd, etcd_prefix=etcd_prefix,
+                                          leader_ttl=leader_ttl, name=name)
     mode = "mTLS" if pki is not None else "INSECURE loopback-only"
     m = coordinator.membership
     assert m is not None
-    state = (f"state in {state_dir}: recovered epoch {m.epoch}, {len(m.members)} members, "
-             f"{coordinator.recovered} journal records replayed" if state_dir is not None
-             else "state in memory only (no --state-dir)")
+    if etcd is not None:
+        state = (f"state in etcd {etcd} under {etcd_prefix!r}, one leader among the coordinators sharing it "
+                 f"(lease TTL {leader_ttl} s): campaigning")
+    elif state_dir is not None:
+        state = (f"state in {state_dir}: recovered epoch {m.epoch}, {len(m.members)} members, "
+                 f"{coordinator.recovered} journal records replayed")
+    else:
+        state = "state in memory only (no --state-dir)"
     print(f"tinydist scheduler serving {coordinator.address} ({mode}, heartbeat {heartbeat_interval:g} s, "
           f"dead after {miss_limit} misses; {state})", flush=True)
     if port_file is not None:

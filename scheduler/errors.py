@@ -20,8 +20,16 @@ class CoordinatorLost(ClusterError):
     """The coordinator stayed unreachable past TINYDIST_SCHEDULER_LOST_AFTER seconds (the node retried with backoff)."""
 
 
-class JournalError(ClusterError):
+class MembershipStoreError(ClusterError):
+    """The coordinator's membership store (scheduler.store: the journal, or etcd) cannot be used."""
+
+
+class JournalError(MembershipStoreError):
     """The coordinator's state directory cannot be used: corrupt journal or snapshot, locked, unwritable."""
+
+
+class LeadershipLost(MembershipStoreError):
+    """This coordinator no longer holds the etcd leader key (its lease expired, another won): it stands down."""
 
 
 class PlanError(ClusterError):

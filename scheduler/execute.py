@@ -42,15 +42,22 @@ class ClusterJob:
     @classmethod
     def start(cls, coordinator: str, node_id: str, devices: Sequence[str], *, world_size: int, rank: int = -1,
               credentials: Credentials | None = None, host_key: str | None = None, wait_timeout: float = 60.0,
-              dist_timeout: float | None = None, probe: bool = True, address: str = "127.0.0.1") -> ClusterJob:
+              dist_timeout: float | None = None, probe: bool = True, address: str = "127.0.0.1",
+              min_size: int | None = None, last_call: float = 1.0) -> ClusterJob:
         """Join, wait for `world_size` members, td.dist.init. `address`: the interface this node's
         rendezvous and mesh listen on, the one the other nodes reach (loopback by default; another
-        address needs TINYDIST_COORDINATOR_ALLOW_REMOTE=1, the bind policy of tinydist.dist)."""
-        agent = NodeAgent(coordinator, node_id, devices, rank=rank, world_size=world_size, host_key=host_key,
-                          credentials=credentials, address=address)
+        address needs TINYDIST_COORDINATOR_ALLOW_REMOTE=1, the bind policy of tinydist.dist).
+        `min_size`: elastic, torchrun's `--nnodes MIN:MAX` with MAX = `world_size`: the job is the
+        next rendezvous round (NodeAgent.rendezvous), of `min_size` to `world_size` nodes."""
+        elastic = min_size is not None
+        agent = NodeAgent(coordinator, node_id, devices, rank=rank, world_size=0 if elastic else world_size,
+                          host_key=host_key, credentials=credentials, address=address)
         try:
             agent.join()
-            agent.wait(world_size, wait_timeout)
+            if min_size is not None:
+                agent.rendezvous(min_size, world_size, last_call, wait_timeout)
+            else:
+                agent.wait(world_size, wait_timeout)
             agent.init_dist(dist_timeout)
         except BaseException:
             agent.close()

@@ -13,8 +13,19 @@ simulated cluster (scheduler.sim) drives the same class with a virtual clock, 1,
   incarnation it had, without an epoch bump when the coordinator still knows it (recovered from its
   journal), or enters the membership under them when it does not (a coordinator without state).
 
-With a `journal` (scheduler.journal), every change is appended (membership changes fsynced) before
-the method returns, and `recover()` rebuilds members, ranks, incarnations, epoch, world size and
+Elastic rendezvous (`rendezvous` / `round_result`, torchelastic's rounds): a job whose world size
+may change asks for a round with min/max sizes. A round counts only the incarnations that asked
+for it since it opened, so a restarted job is never handed a table naming the crashed job's
+incarnations (which stay "alive" here until their heartbeats are missed). It closes at max_size,
+or once min_size are in and `last_call` seconds passed without another arrival; a participant that
+dies, leaves or is superseded while it is open drops out. Once closed it is the job's world: its
+members get ranks 0..n-1 in the order of their join ranks. An incarnation not in the closed round
+(a restarted process, a new node) opens the next round; the running members join it when they
+restart. Rounds live in memory only: a coordinator restarted mid-round opens a fresh one when the
+nodes ask again.
+
+With a `store` (scheduler.store: the journal of scheduler.journal, or etcd), every change is
+appended (membership changes fsynced) before the method returns, and `recover()` rebuilds members, ranks, incarnations, epoch, world size and
 links from the snapshot and the records after it. Recovered live members count as seen at recovery
 plus one extra `dead_after`: they get twice the usual window to re-register, since their nodes are
 backing off while the coordinator was away (scheduler.node).
@@ -28,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tinydist.scheduler.errors import MembershipError
-from tinydist.scheduler.journal import Journal
+from tinydist.scheduler.store import MembershipStore
 from tinydist.scheduler.topology import LinkModel, NodeSpec, Topology
 
 
@@ -57,6 +68,22 @@ class LinkRecord:
 
 
 @dataclass
+class Round:
+    number: int
+    opened_at: float
+    min_size: int
+    max_size: int
+    last_call: float
+    participants: dict[str, int] = field(default_factory=dict)    # node id -> incarnation, in arrival order
+    last_arrival: float = 0.0
+    ranks: dict[str, int] | None = None                           # round rank of each member, once closed
+
+    @property
+    def closed(self) -> bool:
+        return self.ranks is not None
+
+
+@dataclass
 class Membership:
     heartbeat_interval: float = 1.0
     miss_limit: int = 5
@@ -65,8 +92,9 @@ class Membership:
     links: dict[tuple[str, str], LinkRecord] = field(default_factory=dict)
     epoch: int = 0
     world_size: int = 0
-    journal: Journal | None = None
+    store: MembershipStore | None = None
     _by_rank: dict[int, str] = field(default_factory=dict)
+    round: Round | None = None
 
     @property
     def dead_after(self) -> float:
@@ -145,6 +173,62 @@ class Membership:
             self.epoch += 1
             self._persist(members=[record])
 
+    # ---- elastic rendezvous ------------------------------------------------------------------
+
+    def rendezvous(self, node_id: str, incarnation: int, min_size: int, max_size: int, last_call: float,
+                   info: dict[str, Any] | None = None) -> Round:
+        """Enter this incarnation into the current round, or the next one (module docstring).
+        Returns the round it is in, closed or still open (`round_result` once closed)."""
+        record = self.members.get(node_id)
+        if record is None or record.incarnation != incarnation or record.state != "alive":
+            held = "not a member" if record is None else f"incarnation {record.incarnation}, {record.state}"
+            raise MembershipError(f"node {node_id} incarnation {incarnation} cannot enter a rendezvous round: the "
+                                  f"coordinator holds it as {held}; join first")
+        if not 1 <= min_size <= max_size:
+            raise MembershipError(f"node {node_id}: rendezvous sizes min {min_size}, max {max_size}: need "
+                                  f"1 <= min <= max")
+        if last_call < 0:
+            raise MembershipError(f"node {node_id}: last call {last_call:g} s must be >= 0")
+        if info:
+            record.info.update(info)
+        r = self.round
+        if r is not None and r.participants.get(node_id) == incarnation:
+            return r                                 # asked again (a retry): the same round
+        now = self.clock()
+        if r is None or r.closed:
+            r = self.round = Round((r.number if r else 0) + 1, now, min_size, max_size, last_call)
+        elif (r.min_size, r.max_size) != (min_size, max_size):
+            raise MembershipError(f"node {node_id} asks for a round of {min_size}..{max_size} members, round "
+                                  f"{r.number} is for {r.min_size}..{r.max_size}: every member must ask for the same")
+        r.participants.pop(node_id, None)            # an older incarnation of the same node gives way
+        r.participants[node_id] = incarnation
+        r.last_arrival = now
+        self.close_round()
+        return r
+
+    def close_round(self) -> bool:
+        """Drop participants no longer alive under their incarnation; close the open round at max
+        size, or at min size once last call has passed. Returns whether it is closed."""
+        r = self.round
+        if r is None:
+            return False
+        if r.closed:
+            return True
+        for node_id, inc in list(r.participants.items()):
+            record = self.members.get(node_id)
+            if record is None or record.incarnation != inc or record.state != "alive":
+                del r.participants[node_id]
+        n = len(r.participants)
+        if n >= r.max_size or (n >= r.min_size and self.clock() - r.last_arrival >= r.last_call):
+            order = sorted(r.participants, key=lambda node: (self.members[node].rank, node))
+            r.ranks = {node: i for i, node in enumerate(order)}
+        return r.closed
+
+    def round_members(self, r: Round) -> list[MemberRecord]:
+        """A closed round's members in round-rank order."""
+        assert r.ranks is not None
+        return [self.members[node] for node in sorted(r.ranks, key=r.ranks.__getitem__)]
+
     # ---- coordinator calls -------------------------------------------------------------------
 
     def sweep(self) -> list[MemberRecord]:
@@ -167,13 +251,13 @@ class Membership:
 
     def _persist(self, *, members: list[MemberRecord] = (), removed: list[str] = (),  # type: ignore[assignment]
                  links: list[LinkRecord] = (), sync: bool = True) -> None:  # type: ignore[assignment]
-        if self.journal is None:
+        if self.store is None:
             return
-        self.journal.append({"epoch": self.epoch, "world_size": self.world_size,
+        self.store.append({"epoch": self.epoch, "world_size": self.world_size,
                              "members": [_member_state(r) for r in members], "removed": list(removed),
                              "links": [vars(x) for x in links]}, sync=sync)
-        if self.journal.due():
-            self.journal.compact(self.state())
+        if self.store.due():
+            self.store.compact(self.state())
 
     def state(self) -> dict[str, Any]:
         """Everything recovery needs, as JSON-ready data (the journal's snapshot)."""
@@ -181,11 +265,11 @@ class Membership:
                 "members": [_member_state(r) for r in self.ordered()], "links": [vars(x) for x in self.links.values()]}
 
     def recover(self) -> int:
-        """Load the journal (snapshot + records) into this empty membership, then compact it.
+        """Load the store (snapshot + records) into this empty membership, then compact it.
         Returns how many records were replayed after the snapshot."""
-        if self.journal is None:
+        if self.store is None:
             return 0
-        snapshot, records = self.journal.load()
+        snapshot, records = self.store.load()
         seen = self.clock() + self.dead_after              # twice the window to re-register (module docstring)
         for change in ([snapshot] if snapshot else []) + records:
             self.epoch, self.world_size = int(change["epoch"]), int(change["world_size"])
@@ -203,7 +287,7 @@ class Membership:
                 self._by_rank[int(m["rank"])] = m["node_id"]
             for x in change.get("links", []):
                 self.links[(x["src"], x["dst"])] = LinkRecord(**x)
-        self.journal.compact(self.state())
+        self.store.compact(self.state())
         return len(records)
 
     def dead(self) -> list[MemberRecord]:

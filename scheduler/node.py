@@ -17,6 +17,11 @@ coordinator hears from it before it would declare it dead; `CoordinatorWatch`), 
 coordinator answers again re-registers (`Join` with the rank and incarnation it holds; logged as
 `node.coordinator_back`). Only a coordinator away longer than TINYDIST_SCHEDULER_LOST_AFTER seconds
 (default 60) fails the job, with `CoordinatorLost` naming the coordinator and how long it was gone.
+
+Several coordinators (`coordinator="10.0.0.1:29500,10.0.0.2:29500"`, coordinators sharing one etcd,
+scheduler.store): the agent talks to one at a time and moves to the next address of the list
+whenever the one it has is unreachable or a standby (a standby answers UNAVAILABLE), so after the
+leader dies it finds the new leader on its next retry and re-registers there.
 """
 
 from __future__ import annotations
@@ -49,9 +54,26 @@ def open_channel(target: str, credentials: Credentials | None) -> grpc.Channel:
     return grpc.secure_channel(target, credentials.channel_credentials())
 
 
+def coordinator_list(targets: str) -> list[str]:
+    """`A,B,...` → the addresses of the coordinators that may lead (one address: a list of one)."""
+    out = [t.strip() for t in targets.split(",") if t.strip()]
+    if not out:
+        raise ClusterError(f"no coordinator address in {targets!r}: give HOST:PORT[,HOST:PORT...]")
+    return out
+
+
 def status(target: str, credentials: Credentials | None, timeout: float = 10.0) -> pb.ClusterStatus:
-    with open_channel(target, credentials) as channel:
-        return pb_grpc.ClusterStub(channel).Status(pb.StatusRequest(), timeout=timeout)
+    """The cluster status from the first coordinator of `target` (`A,B,...`) that serves it (a
+    standby or a dead one answers UNAVAILABLE: the next is asked)."""
+    targets = coordinator_list(target)
+    for i, one in enumerate(targets):
+        with open_channel(one, credentials) as channel:
+            try:
+                return pb_grpc.ClusterStub(channel).Status(pb.StatusRequest(), timeout=timeout)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or i == len(targets) - 1:
+                    raise
+    raise AssertionError("unreachable: the loop returns or raises")
 
 
 def topology_from_status(st: pb.ClusterStatus) -> Topology:
@@ -117,7 +139,8 @@ class NodeAgent:
                  host_key: str | None = None, credentials: Credentials | None = None, address: str = "127.0.0.1",
                  transports: Sequence[str] = ("mem", "shm", "tcp")) -> None:
         from tinydist.dist.rendezvous import host_key as default_host_key
-        self.coordinator = coordinator
+        self.coordinators = coordinator_list(coordinator)
+        self.coordinator = self.coordinators[0]        # the one this agent talks to now
         self.node_id = node_id
         self.devices = list(devices)
         self.requested_rank = rank
@@ -126,7 +149,7 @@ class NodeAgent:
         self.address = address
         self.transports = tuple(transports)
         self.credentials = credentials
-        self.channel = open_channel(coordinator, credentials)
+        self.channel = open_channel(self.coordinator, credentials)
         self.stub = pb_grpc.ClusterStub(self.channel)
         self.rejoins = 0                                # re-registrations after losing the coordinator
         self.rejoined = threading.Event()               # set at each one
@@ -137,7 +160,8 @@ class NodeAgent:
         self.incarnation = 0
         self.interval = 1.0
         self.miss_limit = 5
-        self.table: dict[str, pb.Member] = {}          # the job's members (from wait())
+        self.table: dict[str, pb.Member] = {}          # the job's members (from wait() or rendezvous())
+        self.round = 0                                 # the last elastic round this node was in
         self.last_status: pb.ClusterStatus | None = None
         self.failure: ClusterError | NodeFailed | None = None
         self._callbacks: list[Callable[[ClusterError | NodeFailed], None]] = []
@@ -170,6 +194,8 @@ class NodeAgent:
                     self.close()
                     raise MembershipError(f"node {self.node_id}: join at {self.coordinator} failed: "
                                           f"{exc.code().name}: {exc.details()}") from exc
+                if len(self.coordinators) > 1:
+                    self._reopen()                         # a standby or a dead one: ask the next
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
         self.rank, self.incarnation = reply.rank, reply.epoch
@@ -192,6 +218,37 @@ class NodeAgent:
         self.table = {m.node.node_id: m for m in members}
         self.world_size = world
         return members
+
+    def rendezvous(self, min_size: int, max_size: int, last_call: float = 1.0,
+                   timeout: float = 60.0) -> list[pb.Member]:
+        """Elastic: block until this node's rendezvous round closes (scheduler.membership: it counts only
+        incarnations that asked since it opened; closes at `max_size`, or at `min_size` once
+        `last_call` s pass without another arrival). Returns the round's members in rank order
+        (node.rank is the round rank); init_dist() then forms a group of that size."""
+        from tinydist.dist.rendezvous import coordinator_listener
+        if self._rendezvous is None:                # the last round's socket went to its group
+            self._rendezvous = coordinator_listener((self.address, 0))
+        host, port = self._rendezvous.getsockname()[:2]
+        deadline = time.monotonic() + timeout
+        while True:     # a standby or a coordinator that is down answers UNAVAILABLE: ask the next until the deadline
+            left = deadline - time.monotonic()
+            try:
+                reply = self.stub.Rendezvous(pb.RendezvousRequest(
+                    node_id=self.node_id, incarnation=self.incarnation, min_size=min_size, max_size=max_size,
+                    last_call_s=last_call, timeout_s=max(left, 0.0), rendezvous=format_address(host, port)),
+                    timeout=max(left, 0.0) + 5)
+                break
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or left <= self.interval:
+                    raise MembershipError(f"node {self.node_id}: rendezvous ({min_size}..{max_size} members) at "
+                                          f"{self.coordinator} failed: {exc.code().name}: {exc.details()}") from exc
+                self._reopen()
+                time.sleep(self.interval)
+        self.round = reply.round
+        self.table = {m.node.node_id: m for m in reply.members}
+        self.world_size = reply.world_size
+        self.log.info("node.round", round=reply.round, rank=reply.rank, world_size=reply.world_size)
+        return list(reply.members)
 
     def status(self, timeout: float = 10.0) -> pb.ClusterStatus:
         self.last_status = self.stub.Status(pb.StatusRequest(), timeout=timeout)
@@ -231,7 +288,7 @@ class NodeAgent:
 
     def _heartbeats(self) -> None:
         dead_after = self.interval * self.miss_limit
-        watch = self.watch = CoordinatorWatch(self.coordinator, self.interval, dead_after / 2,
+        watch = self.watch = CoordinatorWatch(",".join(self.coordinators), self.interval, dead_after / 2,
                                               settings.SCHEDULER_LOST_AFTER)
         delay = self.interval
         while not self._stop.wait(delay):
@@ -303,7 +360,9 @@ class NodeAgent:
         self.log.info("node.rejoined", rank=self.rank, incarnation=self.incarnation, coordinator=self.coordinator)
 
     def _reopen(self) -> None:
+        """A fresh channel (no gRPC reconnect backoff of its own) to the next coordinator of the list."""
         old = self.channel
+        self.coordinator = self.coordinators[(self.coordinators.index(self.coordinator) + 1) % len(self.coordinators)]
         self.channel = open_channel(self.coordinator, self.credentials)
         self.stub = pb_grpc.ClusterStub(self.channel)
         old.close()

@@ -140,6 +140,38 @@ class ClusterStatus(_message.Message):
     miss_limit: int
     def __init__(self, epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[PeerGroup, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkReport, _Mapping]]] = ..., heartbeat_interval_s: _Optional[float] = ..., miss_limit: _Optional[int] = ...) -> None: ...
 
+class RendezvousRequest(_message.Message):
+    __slots__ = ("node_id", "incarnation", "min_size", "max_size", "last_call_s", "timeout_s", "rendezvous")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    MIN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAST_CALL_S_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    incarnation: int
+    min_size: int
+    max_size: int
+    last_call_s: float
+    timeout_s: float
+    rendezvous: str
+    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., min_size: _Optional[int] = ..., max_size: _Optional[int] = ..., last_call_s: _Optional[float] = ..., timeout_s: _Optional[float] = ..., rendezvous: _Optional[str] = ...) -> None: ...
+
+class RoundReply(_message.Message):
+    __slots__ = ("round", "rank", "world_size", "members", "epoch")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    rank: int
+    world_size: int
+    members: _containers.RepeatedCompositeFieldContainer[Member]
+    epoch: int
+    def __init__(self, round: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

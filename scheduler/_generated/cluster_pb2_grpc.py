@@ -59,6 +59,11 @@ class ClusterStub:
                 request_serializer=tinydist_dot_v1_dot_cluster__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=tinydist_dot_v1_dot_cluster__pb2.LeaveReply.FromString,
                 _registered_method=True)
+        self.Rendezvous = channel.unary_unary(
+                '/tinydist.v1.Cluster/Rendezvous',
+                request_serializer=tinydist_dot_v1_dot_cluster__pb2.RendezvousRequest.SerializeToString,
+                response_deserializer=tinydist_dot_v1_dot_cluster__pb2.RoundReply.FromString,
+                _registered_method=True)
 
 
 class ClusterServicer:
@@ -95,6 +100,13 @@ class ClusterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rendezvous(self, request, context):
+        """returns once this node's round closed (or errors)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ClusterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -122,6 +134,11 @@ def add_ClusterServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=tinydist_dot_v1_dot_cluster__pb2.LeaveRequest.FromString,
                     response_serializer=tinydist_dot_v1_dot_cluster__pb2.LeaveReply.SerializeToString,
+            ),
+            'Rendezvous': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rendezvous,
+                    request_deserializer=tinydist_dot_v1_dot_cluster__pb2.RendezvousRequest.FromString,
+                    response_serializer=tinydist_dot_v1_dot_cluster__pb2.RoundReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -259,6 +276,33 @@ class Cluster:
             '/tinydist.v1.Cluster/Leave',
             tinydist_dot_v1_dot_cluster__pb2.LeaveRequest.SerializeToString,
             tinydist_dot_v1_dot_cluster__pb2.LeaveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rendezvous(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tinydist.v1.Cluster/Rendezvous',
+            tinydist_dot_v1_dot_cluster__pb2.RendezvousRequest.SerializeToString,
+            tinydist_dot_v1_dot_cluster__pb2.RoundReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -134,3 +134,56 @@ class Output:
     def text(self) -> str:
         return "".join(self.lines)
 
+
+
+ETCD = Path("/usr/bin/etcd")      # Debian's etcd-server (deploy/ci/apt-packages.txt)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Etcd:
+    """A one-member etcd on loopback: a fresh data dir under `tmp`, free client and peer ports."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.url = f"http://127.0.0.1:{_free_port()}"
+        self.peer_url = f"http://127.0.0.1:{_free_port()}"
+        self.start()
+
+    def start(self) -> None:
+        """Start (or start again: same ports, same data dir) and wait until it reports healthy."""
+        import urllib.request
+        self.log = self.tmp / f"etcd-{time.monotonic_ns()}.log"
+        self._log_file = self.log.open("w")
+        self.proc = subprocess.Popen([str(ETCD), "--name", "test", "--data-dir", str(self.tmp / "etcd-data"),
+                                      "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
+                                      "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls",
+                                      self.peer_url, "--initial-cluster", f"test={self.peer_url}"],
+                                     stdout=self._log_file, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=1) as reply:
+                    if b'"true"' in reply.read():
+                        return
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"etcd did not start: {self.log.read_text()}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log_file.close()

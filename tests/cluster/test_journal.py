@@ -18,7 +18,7 @@ from tinydist.scheduler.node import CoordinatorWatch
 
 
 def _cluster(state_dir, now, compact_every=1000) -> Membership:
-    m = Membership(0.1, 3, clock=lambda: now[0], journal=Journal(state_dir, compact_every=compact_every))
+    m = Membership(0.1, 3, clock=lambda: now[0], store=Journal(state_dir, compact_every=compact_every))
     m.recover()
     return m
 
@@ -48,7 +48,7 @@ def test_recover_restores_members_ranks_epoch_and_links(tmp_path):
     m = _cluster(tmp_path, now)
     _populate(m, now)
     before = _view(m)
-    m.journal.close()
+    m.store.close()
     # the records as written, before the restart compacts them
     assert (tmp_path / JOURNAL).stat().st_size > 0
     r = _reopen(tmp_path, now)
@@ -56,7 +56,7 @@ def test_recover_restores_members_ranks_epoch_and_links(tmp_path):
     assert before[0] == 5 and [x[3] for x in before[2]] == ["alive", "left", "dead"]
     # recovery compacted: everything is in the snapshot, the journal is empty
     assert (tmp_path / JOURNAL).stat().st_size == 0 and (tmp_path / SNAPSHOT).exists()
-    r.journal.close()
+    r.store.close()
     again = _reopen(tmp_path, now)
     assert _view(again) == before
     # a rejoin under the held incarnation is accepted with no epoch bump; a stale one is refused
@@ -67,7 +67,7 @@ def test_recover_restores_members_ranks_epoch_and_links(tmp_path):
         again.join("node-0", "host-0", ["CPU:0"], rank=0, world_size=3, incarnation=inc + 100)
     with pytest.raises(MembershipError, match="node-2 was declared dead"):
         again.join("node-2", "host-2", ["CPU:0"], rank=2, world_size=3, incarnation=again.members["node-2"].incarnation)
-    again.journal.close()
+    again.store.close()
 
 
 def test_rejoin_into_empty_membership_keeps_rank_and_incarnation():
@@ -83,7 +83,7 @@ def test_torn_last_record_is_dropped_and_truncated(tmp_path):
     m.join("node-0", "host-0", ["CPU:0"], rank=0, world_size=2)
     size_one = (tmp_path / JOURNAL).stat().st_size
     m.join("node-1", "host-1", ["CPU:0"], rank=1, world_size=2)
-    m.journal.close()
+    m.store.close()
     path = tmp_path / JOURNAL
     data = path.read_bytes()
     cases = [data[:size_one + 3], data[:-5],            # inside the header, inside the payload
@@ -94,13 +94,13 @@ def test_torn_last_record_is_dropped_and_truncated(tmp_path):
         r = _reopen(tmp_path, now)
         want = ["node-0", "node-1"] if torn.startswith(data) else ["node-0"]
         assert [x.node_id for x in r.ordered()] == want and r.epoch == len(want)
-        r.journal.close()
+        r.store.close()
         (tmp_path / SNAPSHOT).unlink()                  # start the next case from the journal alone
     # a full-length last record with stale bytes: its checksum fails and nothing follows: torn too
     path.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
     r = _reopen(tmp_path, now)
     assert [x.node_id for x in r.ordered()] == ["node-0"]
-    r.journal.close()
+    r.store.close()
     # the journal itself: the torn record is cut off the file, so the next append follows a whole one
     (tmp_path / SNAPSHOT).unlink()
     path.write_bytes(data[:-5])
@@ -115,7 +115,7 @@ def test_bad_checksum_before_the_last_record_is_refused_naming_file_and_record(t
     m = _cluster(tmp_path, now)
     for i in range(3):
         m.join(f"node-{i}", f"host-{i}", ["CPU:0"], rank=i, world_size=3)
-    m.journal.close()
+    m.store.close()
     path = tmp_path / JOURNAL
     data = bytearray(path.read_bytes())
     first_len = struct.unpack_from(">I", data, 0)[0]
@@ -139,8 +139,8 @@ def test_corrupt_snapshot_is_refused(tmp_path):
     now = [0.0]
     m = _cluster(tmp_path, now)
     m.join("node-0", "host-0", ["CPU:0"], rank=0, world_size=1)
-    m.journal.close()
-    _reopen(tmp_path, now).journal.close()              # compacts into the snapshot
+    m.store.close()
+    _reopen(tmp_path, now).store.close()              # compacts into the snapshot
     snap = tmp_path / SNAPSHOT
     snap.write_text(snap.read_text().replace('"node-0"', '"node-9"'))
     with pytest.raises(JournalError, match=f"{snap}: checksum .* does not match"):
@@ -159,16 +159,16 @@ def test_compaction_round_trip_and_crash_between_snapshot_and_truncate(tmp_path)
     records_on_disk = _count_records(tmp_path / JOURNAL)
     assert records_on_disk < 4 and (tmp_path / SNAPSHOT).exists()
     journal_bytes = (tmp_path / JOURNAL).read_bytes()
-    m.journal.close()
+    m.store.close()
     r = _reopen(tmp_path, now)
     assert _view(r) == before
     # a crash after the snapshot's rename but before the journal's truncation: the old records are
     # still there, with sequence numbers the snapshot covers; replay skips them
-    r.journal.close()
+    r.store.close()
     (tmp_path / JOURNAL).write_bytes(journal_bytes)
     r2 = _reopen(tmp_path, now)
     assert _view(r2) == before
-    r2.journal.close()
+    r2.store.close()
 
 
 def _count_records(path) -> int:
@@ -189,7 +189,7 @@ def test_serve_refuses_a_corrupt_state_dir_naming_file_and_record(tmp_path):
     m = _cluster(tmp_path, now)
     for i in range(2):
         m.join(f"node-{i}", f"host-{i}", ["CPU:0"], rank=i, world_size=2)
-    m.journal.close()
+    m.store.close()
     path = tmp_path / JOURNAL
     data = bytearray(path.read_bytes())
     data[12 + 2] ^= 0x01                                # record 0's payload

@@ -49,7 +49,9 @@ underscore, never seen outside their module) are not drawn, but are TinydistErro
     ├── ClusterError [tinydist.scheduler.errors]             the cluster scheduler refused or could not do something
     │   ├── MembershipError                         a join, heartbeat or wait the coordinator refused
     │   ├── CoordinatorLost                         unreachable past TINYDIST_SCHEDULER_LOST_AFTER (retried with backoff)
-    │   ├── JournalError                            the coordinator's --state-dir is corrupt, locked or unwritable
+    │   ├── MembershipStoreError                    the coordinator's membership store cannot be used (etcd unreachable, ...)
+    │   │   ├── JournalError                        the coordinator's --state-dir is corrupt, locked or unwritable
+    │   │   └── LeadershipLost                      this coordinator's etcd leader key is gone or another's: it stands down
     │   └── PlanError                               no collective plan on this topology
     ├── PKIError [tinydist.security.pki]                     a certificate directory misses or holds something invalid
     ├── IdentityError [tinydist.security.identity]    the peer certificate names no one acceptable identity

@@ -43,12 +43,16 @@ def _serve(args: argparse.Namespace) -> int:
             ServerCredentials.load(args.pki)
     except (OSError, ValueError) as exc:
         args.parser.error(str(exc))
-    from tinydist.scheduler.errors import JournalError
+    if args.state_dir is not None and args.etcd is not None:
+        args.parser.error("give --state-dir (one coordinator, journal on disk) or --etcd (several coordinators, "
+                          "membership in etcd), not both")
+    from tinydist.scheduler.errors import MembershipStoreError
     try:
         with metrics.serving_from_args(args):  # --metrics: Prometheus text on loopback
             asyncio.run(serve(args.listen, args.pki, args.insecure_loopback_only, args.heartbeat_interval,
-                              args.miss_limit, args.port_file, args.state_dir))
-    except JournalError as exc:             # a corrupt or locked --state-dir: refused, never served
+                              args.miss_limit, args.port_file, args.state_dir, args.etcd, args.etcd_prefix,
+                              args.leader_ttl, args.name))
+    except MembershipStoreError as exc:     # a corrupt or locked --state-dir, an etcd it cannot use: never served
         print(f"{args.parser.prog}: error: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -223,6 +227,15 @@ def add_commands(subparsers: Any) -> None:
     serve.add_argument("--state-dir", type=Path,
                        help="journal membership and epochs here (write-ahead, fsynced) and recover them at start, so "
                             "a restarted scheduler keeps its members; default: in memory only")
+    serve.add_argument("--etcd", metavar="URL[,URL...]",
+                       help="keep membership and epochs in this etcd cluster (client URLs, http://HOST:PORT) instead: "
+                            "several coordinators may share it, one leads (etcd lease + election), the others stand by")
+    serve.add_argument("--etcd-prefix", default="/tinydist/scheduler/",
+                       help="etcd key prefix of this cluster's membership and leader key (one per cluster)")
+    serve.add_argument("--leader-ttl", type=integer(2), default=5,
+                       help="seconds the leader's etcd lease outlives its last renewal: how long a killed leader "
+                            "holds the lead before a standby takes over")
+    serve.add_argument("--name", help="this coordinator's name in the etcd leader key (default HOST:PID)")
     serve.set_defaults(run=_serve)
 
     join = _node_commands(subparsers).add_parser(
