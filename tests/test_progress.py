@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import io
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -99,3 +101,35 @@ def test_infer_bench_reports_progress_lines_into_a_pipe(tmp_path):
     assert counts("\n".join(progress_lines)) == [str(n) for n in range(2, 21, 2)]
     assert all("frame/s" in line for line in progress_lines)
     assert "latency over 20 frames" in result.stdout
+
+
+def test_infer_bench_interrupted_prints_what_it_timed(tmp_path):
+    """Ctrl-C during `tinydist infer --bench`: the latency of the frames timed so far, exit 130, no
+    traceback (before: a KeyboardInterrupt traceback and no statistics)."""
+    onnx = pytest.importorskip("onnx")
+    import numpy as np
+    from onnx import TensorProto, helper
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), tmp_path / "relu.onnx")
+    np.save(tmp_path / "x.npy", np.ones((2, 3), np.float32))
+    proc = subprocess.Popen([sys.executable, "-m", "tinydist.cli", "infer", "relu.onnx", "--input", "x=x.npy",
+                             "--bench", "100000000", "--warmup", "1"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": "1"})
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        for _ in range(1000):                       # the outputs' line: the timed loop has begun
+            line = proc.stdout.readline()
+            if not line or line.startswith("y  shape"):
+                break
+        assert line.startswith("y  shape"), line
+        time.sleep(1.0)                             # one warm-up frame, then well inside the timed frames
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err, err
+    assert re.search(r"latency over \d+ of 100000000 frames, interrupted .* p50 [\d.]+ ms", out), out

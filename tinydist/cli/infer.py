@@ -125,14 +125,25 @@ def _infer(args: argparse.Namespace) -> int:
         for _ in range(args.warmup):
             model(feed)
         times = np.empty(args.bench)
-        for i in progress(range(args.bench), desc="bench", file=sys.stderr, unit="frame"):
-            start = time.perf_counter()
-            model(feed)
-            times[i] = time.perf_counter() - start
-        p50, p90, p99 = np.percentile(times, [50, 90, 99]) * 1e3
-        print(f"latency over {args.bench} frames (numpy in -> numpy out, after {args.warmup} warm-up): "
-              f"p50 {p50:.3f} ms  p90 {p90:.3f} ms  p99 {p99:.3f} ms")
+        done = 0
+        try:
+            for i in progress(range(args.bench), desc="bench", file=sys.stderr, unit="frame"):
+                start = time.perf_counter()
+                model(feed)
+                times[i] = time.perf_counter() - start
+                done = i + 1
+        except KeyboardInterrupt:   # Ctrl-C: the frames timed so far still count (then exit 130)
+            if done:
+                _print_latency(times[:done], f"{done} of {args.bench} frames, interrupted", args.warmup)
+            raise
+        _print_latency(times, f"{args.bench} frames", args.warmup)
     return 0
+
+
+def _print_latency(times: np.ndarray, frames: str, warmup: int) -> None:
+    p50, p90, p99 = np.percentile(times, [50, 90, 99]) * 1e3
+    print(f"latency over {frames} (numpy in -> numpy out, after {warmup} warm-up): "
+          f"p50 {p50:.3f} ms  p90 {p90:.3f} ms  p99 {p99:.3f} ms", flush=True)
 
 
 def add_commands(subparsers: Any) -> argparse.ArgumentParser:
