@@ -303,17 +303,17 @@ class ClusterService(pb_grpc.ClusterServicer):
             async with self.changed:        # an arrival or a death wakes us; last call is checked each 50 ms
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.changed.wait(), min(left, 0.05))
-        assert r.ranks is not None
-        if r.ranks.get(request.node_id) is None or r.participants.get(request.node_id) != request.incarnation:
+        ranks = r.ranks or {}                # a closed round has its ranks; none reads as having dropped out
+        if ranks.get(request.node_id) is None or r.participants.get(request.node_id) != request.incarnation:
             await context.abort(grpc.StatusCode.ABORTED, f"node {request.node_id} incarnation {request.incarnation} "
                                                          f"dropped out of round {r.number} before it closed; ask again")
         now = self.m.clock()
         members = []
         for record in self.m.round_members(r):
             member = member_message(record, now)
-            member.node.rank = r.ranks[record.node_id]
+            member.node.rank = ranks[record.node_id]
             members.append(member)
-        return pb.RoundReply(round=r.number, rank=r.ranks[request.node_id], world_size=len(members), members=members,
+        return pb.RoundReply(round=r.number, rank=ranks[request.node_id], world_size=len(members), members=members,
                              epoch=self.m.epoch)
 
 
@@ -389,7 +389,7 @@ class Coordinator:
         if self.etcd is not None:
             service.standby = "standby coordinator: campaigning for the etcd leader key"
             service.elected = True
-            self._tasks.append(loop.create_task(self._lead(self.etcd)))
+            self._tasks.append(loop.create_task(self._lead(self.etcd, service)))
         else:
             self.leading.set()
         await self.server.start()
@@ -418,11 +418,10 @@ class Coordinator:
         self._tasks.append(loop.create_task(sweep()))
         return self
 
-    async def _lead(self, store: EtcdStore) -> None:
+    async def _lead(self, store: EtcdStore, service: ClusterService) -> None:
         """Campaign; once leader, recover the membership from etcd and serve; stand by again when the
         lease is lost (or a write is refused), with a fresh membership from etcd at the next win."""
-        assert self.service is not None
-        service, log = self.service, get_logger(component="scheduler")
+        log = get_logger(component="scheduler")
         lost = asyncio.Event()
         service.on_stand_down = lambda why: lost.set()
         while not self._stopping:
@@ -495,7 +494,7 @@ async def serve(listen: str, pki: Path | None, insecure_loopback_only: bool, hea
                                           leader_ttl=leader_ttl, name=name)
     mode = "mTLS" if pki is not None else "INSECURE loopback-only"
     m = coordinator.membership
-    assert m is not None
+    assert m is not None                 # for mypy: a started coordinator has its membership
     if etcd is not None:
         state = (f"state in etcd {etcd} under {etcd_prefix!r}, one leader among the coordinators sharing it "
                  f"(lease TTL {leader_ttl} s): campaigning")

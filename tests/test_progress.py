@@ -82,16 +82,21 @@ def test_the_example_writes_lines_into_a_pipe():
         assert "test accuracy" in mine[-1] and "loss" in mine[0]
 
 
-def test_infer_bench_reports_progress_lines_into_a_pipe(tmp_path):
-    """`tinydist infer --bench N` into a pipe: the frames' progress as lines on stderr, the latency on stdout."""
+def _relu_model(folder):
+    """relu.onnx (x: float32[2, 3] -> y) and x.npy in `folder`, for `tinydist infer --bench`."""
     onnx = pytest.importorskip("onnx")
     import numpy as np
     from onnx import TensorProto, helper
     graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), tmp_path / "relu.onnx")
-    np.save(tmp_path / "x.npy", np.ones((2, 3), np.float32))
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), folder / "relu.onnx")
+    np.save(folder / "x.npy", np.ones((2, 3), np.float32))
+
+
+def test_infer_bench_reports_progress_lines_into_a_pipe(tmp_path):
+    """`tinydist infer --bench N` into a pipe: the frames' progress as lines on stderr, the latency on stdout."""
+    _relu_model(tmp_path)
     result = subprocess.run([sys.executable, "-m", "tinydist.cli", "infer", "relu.onnx", "--input", "x=x.npy",
                              "--bench", "20", "--warmup", "1"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                             env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
@@ -106,14 +111,7 @@ def test_infer_bench_reports_progress_lines_into_a_pipe(tmp_path):
 def test_infer_bench_interrupted_prints_what_it_timed(tmp_path):
     """Ctrl-C during `tinydist infer --bench`: the latency of the frames timed so far, exit 130, no
     traceback (before: a KeyboardInterrupt traceback and no statistics)."""
-    onnx = pytest.importorskip("onnx")
-    import numpy as np
-    from onnx import TensorProto, helper
-    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), tmp_path / "relu.onnx")
-    np.save(tmp_path / "x.npy", np.ones((2, 3), np.float32))
+    _relu_model(tmp_path)
     proc = subprocess.Popen([sys.executable, "-m", "tinydist.cli", "infer", "relu.onnx", "--input", "x=x.npy",
                              "--bench", "100000000", "--warmup", "1"], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,

@@ -30,8 +30,9 @@ def _merge_rank_traces(path: Path, ranks: range) -> None:
     the whole job in Perfetto; a rank that died before writing is named, not silently missing."""
     from tinydist.observability import chrome
     from tinydist.observability.tracing import rank_path
-    found = [rank_path(path, r) for r in ranks if rank_path(path, r).is_file()]
-    missing = [r for r in ranks if not rank_path(path, r).is_file()]
+    written = {r: rank_path(path, r).is_file() for r in ranks}
+    found = [rank_path(path, r) for r, ok in written.items() if ok]
+    missing = [r for r, ok in written.items() if not ok]
     if not found:
         print(f"tinydist launch: no rank wrote a trace ({rank_path(path, ranks.start)} …); nothing merged",
               file=sys.stderr)
