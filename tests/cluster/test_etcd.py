@@ -1,7 +1,10 @@
 """etcd as the coordinator's membership store (scheduler.store.EtcdStore), against a real etcd server
 (Debian's etcd-server, /usr/bin/etcd) on loopback: the same records as the journal, recovered by
 another coordinator; one leader at a time, fenced; and a job whose leader coordinator is SIGKILLed
-mid-job, finished correctly with the members and epoch recovered by the standby."""
+mid-job, finished correctly with the members and epoch recovered by the standby.
+
+Marked `integration`: `make integration` installs etcd-server first (deploy/ci/apt-packages.txt) and runs
+them; in `make test` on a fresh machine etcd is not there yet and they would only skip."""
 
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ from tests.cluster.workers.job import expected
 from tinydist.scheduler.errors import LeadershipLost, MembershipStoreError
 from tinydist.scheduler.membership import Membership
 from tinydist.scheduler.store import EtcdStore
+
+pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def etcd(tmp_path_factory):
