@@ -39,6 +39,10 @@ from tinydist.transports.pci_remote._generated import device_pb2 as pb
 SERVICE = "tinydist.v1.DeviceService"
 ELEVATION_METADATA = "tinydist-elevation"
 Code = grpc.StatusCode
+# How often the requests still unread past their call's deadline are cancelled: one timer for all the
+# calls awaiting their message instead of one each (a `call_at` and its `cancel`, ~3 us a call); a
+# request that never comes ends at most this much after its deadline.
+READ_SWEEP_S = 0.25
 
 
 def _log():  # not at import: configuring logs then would bind the importer's stderr
@@ -63,7 +67,7 @@ class RpcError(TinydistError):
         return f"{self.reason}: {self.hint}" if self.hint else self.reason
 
 
-@dataclass
+@dataclass(slots=True)
 class Call:
     identity: str
     fingerprint: str
@@ -87,8 +91,12 @@ class Gate:
         self._buckets: dict[str, tuple[float, float]] = {}
         self._tokens: dict[str, list[tuple[bytes, float]]] = {}
         self._peers = PeerCache()
-        self.calls_by_identity: Counter[str] = Counter()    # calls in progress, per identity
-        self.streams_by_identity: Counter[str] = Counter()  # of which streaming calls
+        # calls in progress, per identity (plain dicts: a Counter's missing key and `del` run Python code)
+        self.calls_by_identity: dict[str, int] = {}
+        self.streams_by_identity: dict[str, int] = {}  # of which streaming calls
+        self._reading: dict[asyncio.Task[Any], float] = {}  # handlers awaiting their request -> the call's deadline
+        self._expired: set[asyncio.Task[Any]] = set()        # of which the sweep cancelled
+        self._sweep: asyncio.TimerHandle | None = None
 
     def recheck(self, call: Call) -> None:
         """Between the messages of a stream: still before the call's deadline, the certificate
@@ -153,10 +161,11 @@ class Gate:
             raise _Refused(call, Code.PERMISSION_DENIED, f"role {role} below required {need}",
                            _enrol_hint(peer.identity, need, f"has role {role}, and {method} needs {need}"))
         quota = policy.quota_of(peer.identity)
-        if self.calls_by_identity[peer.identity] >= quota.max_calls:
+        calls = self.calls_by_identity.get(peer.identity, 0)
+        if calls >= quota.max_calls:
             raise _Refused(call, Code.RESOURCE_EXHAUSTED,
                            f"concurrent call quota exceeded ({quota.max_calls} calls in progress for this identity)")
-        if stream and self.streams_by_identity[peer.identity] >= quota.max_streams:
+        if stream and self.streams_by_identity.get(peer.identity, 0) >= quota.max_streams:
             raise _Refused(call, Code.RESOURCE_EXHAUSTED,
                            f"concurrent stream quota exceeded ({quota.max_streams} streams open for this identity)")
         now = time.monotonic()
@@ -172,19 +181,21 @@ class Gate:
         budget = self.op_timeout_s if remaining is None else min(self.op_timeout_s, remaining)
         call.deadline = now + max(budget, 0.0)
         call.stream, call.held = stream, True
-        self.calls_by_identity[peer.identity] += 1
+        self.calls_by_identity[peer.identity] = calls + 1
         if stream:
-            self.streams_by_identity[peer.identity] += 1
+            self.streams_by_identity[peer.identity] = self.streams_by_identity.get(peer.identity, 0) + 1
         return call
 
     def _release(self, call: Call | None) -> None:
         if call is None or not call.held:
             return
         call.held = False
-        for counter in (self.calls_by_identity, self.streams_by_identity) if call.stream else (self.calls_by_identity,):
-            counter[call.identity] -= 1
-            if not counter[call.identity]:
-                del counter[call.identity]
+        for counts in (self.calls_by_identity, self.streams_by_identity) if call.stream else (self.calls_by_identity,):
+            left = counts[call.identity] - 1
+            if left:
+                counts[call.identity] = left
+            else:
+                del counts[call.identity]
 
     def _check_token(self, call: Call, context: grpc.aio.ServicerContext) -> None:
         presented = None
@@ -208,22 +219,36 @@ class Gate:
         parsed here (malformed bytes are INVALID_ARGUMENT, audited like any refusal). Read with
         `context.read()`: the request iterator gRPC also offers is an async generator, a few
         microseconds more on every call."""
-        # bounded: an admitted caller's unsent message holds its slot until then. A timer that cancels
-        # the task, not asyncio.timeout_at (its context manager and rescheduling: 15 Python calls a call)
-        loop, task = asyncio.get_running_loop(), asyncio.current_task()
-        expired: list[bool] = []
-        timer = loop.call_at(loop.time() + call.deadline - time.monotonic(), _expire, task, expired)
+        # bounded: an admitted caller's unsent message holds its slot until the call's deadline, when
+        # the sweep (`_sweep_reads`) cancels the wait; a dict entry a call instead of a timer a call
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("a gated handler runs in a task")
+        self._reading[task] = call.deadline
+        if self._sweep is None:
+            self._sweep = asyncio.get_running_loop().call_later(READ_SWEEP_S, self._sweep_reads)
         try:
             raw = await context.read()
         except asyncio.CancelledError:
-            if not expired or task is None or task.uncancel():
+            if task not in self._expired or task.uncancel():
                 raise   # cancelled by someone else (the client left): not our deadline
             raise RpcError(Code.DEADLINE_EXCEEDED, "the request message did not arrive before the deadline") from None
         finally:
-            timer.cancel()
+            del self._reading[task]
+            self._expired.discard(task)
         if raw is grpc.aio.EOF:
             raise RpcError(Code.INVALID_ARGUMENT, f"{call.method} takes one request message; none was sent")
         return _decode(decode, raw, call.method)
+
+    def _sweep_reads(self) -> None:
+        """Cancel the handlers still awaiting their request past their call's deadline; runs every
+        READ_SWEEP_S while any handler awaits one."""
+        now = time.monotonic()
+        for task, deadline in list(self._reading.items()):
+            if deadline <= now and task not in self._expired:
+                self._expired.add(task)
+                task.cancel()
+        self._sweep = asyncio.get_running_loop().call_later(READ_SWEEP_S, self._sweep_reads) if self._reading else None
 
     async def _decoded(self, call: Call, requests: AsyncIterator[bytes], decode: Callable[[bytes], Any]) -> AsyncIterator[Any]:
         async for raw in self.messages(call, requests):
@@ -292,11 +317,12 @@ class Gate:
     def _decide(self, call: Call | None, method: str, rpc_metrics: metrics.RpcMetrics, code: grpc.StatusCode, reason: str,
                 context: Any, started: int) -> None:
         identity = call.identity if call else None
-        self.audit.decision(identity=identity, method=method, status=code.name, reason=reason,
+        status = code._name_  # the name, without the enum `name` property (two Python calls)
+        self.audit.decision(identity=identity, method=method, status=status, reason=reason,
                             fingerprint=call.fingerprint if call else None, peer=context.peer())
-        rpc_metrics.finish(code.name, (tracing.clock() - started) / 1e9)
+        rpc_metrics.finish(status, (tracing.clock() - started) / 1e9)
         tracing.record(f"rpc {method}", started, process="node", lane="rpc", cat="rpc", method=method,
-                       identity=identity, status=code.name)
+                       identity=identity, status=status)
         if code in (Code.UNAUTHENTICATED, Code.PERMISSION_DENIED):
             metrics.count_auth_denial(reason)
 
@@ -326,12 +352,6 @@ class _Refused(RpcError):
     def __init__(self, call: Call, code: grpc.StatusCode, reason: str, hint: str = "") -> None:
         super().__init__(code, reason, hint)
         self.call = call
-
-
-def _expire(task: asyncio.Task[Any] | None, expired: list[bool]) -> None:
-    expired.append(True)
-    if task is not None:
-        task.cancel()
 
 
 def _enrol_hint(identity: str, need: str | None, what: str) -> str:
