@@ -262,7 +262,7 @@ class Gate:
         read or parsed, and a refused caller holds no slot while its message is outstanding."""
         stream = client_stream or server_stream
         kind = metrics.grpc_type(client_stream, server_stream)
-        rpc_metrics = metrics.RpcMetrics(SERVICE, method, kind)
+        rpc_metrics = metrics.rpc_metrics(SERVICE, method, kind)
 
         async def unary_reply(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
             call, code, reason, started = None, Code.OK, "ok", tracing.clock()

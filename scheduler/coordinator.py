@@ -81,7 +81,7 @@ def observed(handler: Handler[R]) -> Handler[R]:
     @functools.wraps(handler)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> R:
         started, code = tracing.clock(), "OK"
-        metrics.RPCS_STARTED.labels(SERVICE, method, "unary").inc()
+        metrics.rpc_metrics(SERVICE, method, "unary").start()
         try:
             return await handler(self, request, context)
         except BaseException as exc:

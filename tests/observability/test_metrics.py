@@ -133,3 +133,17 @@ def test_standard_collectors_and_build_info(server) -> None:
 def test_grpc_type_names_are_go_grpc_prometheus_ones() -> None:
     assert [metrics.grpc_type(c, s) for c, s in ((False, False), (True, False), (False, True), (True, True))] == \
         ["unary", "client_stream", "server_stream", "bidi_stream"]
+
+
+def test_rpc_histogram_buckets_count_a_duration_at_their_bound() -> None:
+    """grpc_server_handling_seconds as prometheus_client's Histogram had it: `le` includes the bound."""
+    for seconds in (0.001, 0.0010001, 99.0):
+        metrics.record_rpc("BucketProbe", "OK", seconds, "test.Buckets", "unary")
+    samples = {(s.name, s.labels.get("le")): s.value for f in text_string_to_metric_families(metrics.render())
+               for s in f.samples if s.labels.get("grpc_method") == "BucketProbe"}
+    bucket = "grpc_server_handling_seconds_bucket"
+    assert samples[(bucket, "0.0005")] == 0 and samples[(bucket, "0.001")] == 1 and samples[(bucket, "0.005")] == 2
+    assert samples[(bucket, "5.0")] == 2 and samples[(bucket, "+Inf")] == 3
+    assert samples[("grpc_server_handling_seconds_count", None)] == 3
+    assert abs(samples[("grpc_server_handling_seconds_sum", None)] - 99.0020001) < 1e-9
+    assert samples[("grpc_server_started_total", None)] == 3 and samples[("grpc_server_handled_total", None)] == 3

@@ -19,6 +19,7 @@ touches other libraries' metrics.
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import importlib.metadata
 import platform
@@ -29,7 +30,8 @@ from typing import Any
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram, PlatformCollector,
                                ProcessCollector, generate_latest, start_http_server)
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 from prometheus_client.registry import Collector
 
 from tinydist.base.logs import get_logger
@@ -53,13 +55,10 @@ COLLECTIVE_ERRORS = Counter("tinydist_collective_errors", "Collectives that rais
                             ["collective", "error"], registry=REGISTRY)
 # RPC servers' metrics under go-grpc-prometheus's names and labels (grpc_service is the full
 # service name, grpc_type one of unary / client_stream / server_stream / bidi_stream, grpc_code the
-# status code name), so dashboards written for any gRPC server read them unchanged
+# status code name), so dashboards written for any gRPC server read them unchanged; kept by
+# RpcMetrics, read by RpcCollector when scraped (below)
 _GRPC = ["grpc_service", "grpc_method", "grpc_type"]
-RPCS_STARTED = Counter("grpc_server_started", "RPCs started on the server.", _GRPC, registry=REGISTRY)
-RPCS = Counter("grpc_server_handled", "RPCs completed on the server, regardless of success or failure.",
-               [*_GRPC, "grpc_code"], registry=REGISTRY)
-RPC_SECONDS = Histogram("grpc_server_handling_seconds", "Time to handle one RPC, until the server finished it.",
-                        _GRPC, registry=REGISTRY, buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0))
+RPC_BUCKETS = (1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)  # grpc_server_handling_seconds, + +Inf
 AUTH_DENIALS = Counter("tinydist_auth_denials", "Requests refused by authentication or authorisation, by reason.",
                        ["reason"], registry=REGISTRY)
 DEVICE_HANGS_REMOTE = Counter("tinydist_node_device_hangs", "Device hangs a node daemon reported for its devices.",
@@ -92,7 +91,7 @@ def time_rpc(method: str, service: str = "", grpc_type: str = "unary") -> Iterat
     what a gRPC server answers for an exception it does not map)."""
     state = {"status": "OK"}
     start = time.perf_counter()
-    RPCS_STARTED.labels(service, method, grpc_type).inc()
+    rpc_metrics(service, method, grpc_type).start()
     try:
         yield state
     except BaseException as exc:
@@ -110,35 +109,88 @@ def record_rpc(method: str, code: str, seconds: float, service: str = "", grpc_t
                started: bool = True) -> None:
     """Count one handled RPC by its final gRPC status code name and observe how long it took
     (`started`: count it in grpc_server_started_total too, for a caller that did not)."""
+    rpcs = rpc_metrics(service, method, grpc_type)
     if started:
-        RPCS_STARTED.labels(service, method, grpc_type).inc()
-    RPC_SECONDS.labels(service, method, grpc_type).observe(seconds)
-    RPCS.labels(service, method, grpc_type, code).inc()
+        rpcs.start()
+    rpcs.finish(code, seconds)
 
 
 class RpcMetrics:
-    """One method's RPC metrics with their label children looked up once, for a server's hot path:
-    `Counter.labels(...)` takes a lock and builds a key on every call (three a call: 18 of the node's
-    ~550 Python function calls per Ping, `bench/remote.py`). Children live as long as the registry."""
+    """One (service, method, grpc_type)'s grpc_server_* series as plain numbers under one lock, read
+    by RpcCollector at scrape time; get it with `rpc_metrics()`. A server's hot path pays one lock and
+    a few adds a call: through prometheus_client's Counter and Histogram objects `start` and `finish`
+    were 15 Python calls and four locks, ~5 us (the largest part of the node gate's Python work per
+    Ping, `bench/remote_calls.py`)."""
 
-    __slots__ = ("_handled", "_labels", "_seconds", "_started")
+    __slots__ = ("_lock", "buckets", "created", "handled", "labels", "started", "total_seconds")
 
     def __init__(self, service: str, method: str, grpc_type: str) -> None:
-        self._labels = (service, method, grpc_type)
-        self._started = RPCS_STARTED.labels(*self._labels)
-        self._seconds = RPC_SECONDS.labels(*self._labels)
-        self._handled: dict[str, Any] = {}
+        self.labels = (service, method, grpc_type)
+        self._lock = threading.Lock()
+        self.created = time.time()
+        self.started = 0
+        self.handled: dict[str, int] = {}          # by status code name
+        self.buckets = [0] * (len(RPC_BUCKETS) + 1)  # not cumulative; the last is +Inf
+        self.total_seconds = 0.0
 
     def start(self) -> None:
-        self._started.inc()
+        with self._lock:
+            self.started += 1
 
     def finish(self, code: str, seconds: float) -> None:
         """Count one handled RPC by its final status name and observe how long it took."""
-        self._seconds.observe(seconds)
-        handled = self._handled.get(code)
-        if handled is None:
-            handled = self._handled[code] = RPCS.labels(*self._labels, code)
-        handled.inc()
+        bucket = bisect.bisect_left(RPC_BUCKETS, seconds)  # the first bound >= seconds, as `le` means
+        with self._lock:
+            self.handled[code] = self.handled.get(code, 0) + 1
+            self.buckets[bucket] += 1
+            self.total_seconds += seconds
+
+    def read(self) -> tuple[int, dict[str, int], list[int], float]:
+        with self._lock:
+            return self.started, dict(self.handled), list(self.buckets), self.total_seconds
+
+
+_RPC_METRICS: dict[tuple[str, str, str], RpcMetrics] = {}
+_RPC_METRICS_LOCK = threading.Lock()
+
+
+def rpc_metrics(service: str, method: str, grpc_type: str = "unary") -> RpcMetrics:
+    """The one RpcMetrics of these labels in this process (every server and handler shares it)."""
+    key = (service, method, grpc_type)
+    found = _RPC_METRICS.get(key)
+    if found is None:
+        with _RPC_METRICS_LOCK:
+            found = _RPC_METRICS.setdefault(key, RpcMetrics(*key))
+    return found
+
+
+class RpcCollector(Collector):
+    """grpc_server_started_total, grpc_server_handled_total and grpc_server_handling_seconds from
+    every RpcMetrics, as prometheus_client's Counter and Histogram would expose them."""
+
+    def collect(self) -> Iterator[Any]:
+        started = CounterMetricFamily("grpc_server_started", "RPCs started on the server.", labels=_GRPC)
+        handled = CounterMetricFamily("grpc_server_handled", "RPCs completed on the server, regardless of success or failure.",
+                                      labels=[*_GRPC, "grpc_code"])
+        seconds = HistogramMetricFamily("grpc_server_handling_seconds", "Time to handle one RPC, until the server finished it.",
+                                        labels=_GRPC)
+        bounds = [floatToGoString(b) for b in (*RPC_BUCKETS, float("inf"))]
+        for rpcs in sorted(list(_RPC_METRICS.values()), key=lambda m: m.labels):
+            count, by_code, buckets, total = rpcs.read()
+            labels = list(rpcs.labels)
+            started.add_metric(labels, count, created=rpcs.created)
+            for code, n in sorted(by_code.items()):
+                handled.add_metric([*labels, code], n, created=rpcs.created)
+            if count or by_code:
+                cumulative, running = [], 0
+                for bound, n in zip(bounds, buckets):
+                    running += n
+                    cumulative.append((bound, running))
+                seconds.add_metric(labels, cumulative, total)
+        yield from (started, handled, seconds)
+
+
+REGISTRY.register(RpcCollector())
 
 
 def grpc_type(client_stream: bool, server_stream: bool) -> str:
