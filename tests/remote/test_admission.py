@@ -202,3 +202,28 @@ def test_330_health_watchers_from_a_revoked_certificate_do_not_stop_a_ping(make_
     codes, payload = asyncio.run(go())
     assert payload == b"up"
     assert codes == Counter({"RESOURCE_EXHAUSTED": FLOOD - 16}), codes
+
+
+def test_an_admitted_callers_unsent_request_ends_at_the_calls_deadline_and_frees_its_slot(make_server, connect, lab) -> None:
+    """The call's deadline (op_timeout_s here; the client set none) ends a read that never comes:
+    DEADLINE_EXCEEDED, audited, and the identity's slot is free again (bounded: within the 0.25 s
+    sweep of the deadline, checked with a generous margin, not timed)."""
+    server = make_server(op_timeout_s=1.0)
+    bob = connect(server, "bob")
+
+    async def go() -> tuple[str, str]:
+        async with grpc.aio.secure_channel(server.target, lab.creds["bob"].channel_credentials()) as channel:
+            event = asyncio.Event()
+            call = channel.stream_unary(SERVICE + "Ping", request_serializer=None, response_deserializer=None)(_never(event))
+            code = await asyncio.wait_for(call.code(), 15)  # a bound, not a measurement
+            details = await call.details()
+            event.set()
+            return code.name, details or ""
+
+    code, details = asyncio.run(go())
+    assert code == "DEADLINE_EXCEEDED" and "did not arrive before the deadline" in details
+    record = [r for r in server.audit_records() if r.get("method") == "Ping"][-1]
+    assert record["status"] == "DEADLINE_EXCEEDED" and record["identity"].endswith("/bob")
+    assert server.service.gate.calls_by_identity == {}
+    assert bob.Ping(pb.PingRequest(payload=b"y")).payload == b"y"
+    assert server.service.handler_calls["Ping"] == 1  # bob's sent one; the unsent one never ran the handler
