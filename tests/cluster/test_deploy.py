@@ -1,82 +1,89 @@
-"""Deployment recipes: Kubernetes manifests, the Slurm batch script, systemd units (structure only)."""
+"""Deployment recipes: the Kubernetes manifests (against the Kubernetes API schemas, offline, and their
+structure), the container image they name, the Slurm batch script, systemd units (structure)."""
 
 from __future__ import annotations
 
 import configparser
-import json
+import copy
 import re
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 
-def _scalar(text: str) -> Any:
-    text = text.strip()
-    if text.startswith("[") or text.startswith("{"):
-        return json.loads(text)
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
-        return text[1:-1]
-    if re.fullmatch(r"-?\d+", text):
-        return int(text[1:], 8) if text.startswith("0") and len(text) > 1 else int(text)
-    return {"true": True, "false": False, "null": None, "": None}.get(text, text)
+MANIFESTS = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
+DOCKERFILE = DEPLOY / "container" / "Dockerfile"
+# the oldest and the newest Kubernetes whose API schemas kubernetes-validate bundles (the test extra)
+KUBERNETES_VERSIONS = ("1.25", "1.37")
 
 
 def load_yaml(text: str) -> list[Any]:
-    """A tiny YAML subset loader (block mappings/sequences, flow lists in JSON style, scalars, comments,
-    multiple documents) — PyYAML is not a dependency. Uses PyYAML when it is installed."""
-    try:
-        import yaml
-        return [d for d in yaml.safe_load_all(text) if d is not None]
-    except ImportError:
-        pass
-    docs = []
-    for chunk in re.split(r"^---\s*$", text, flags=re.M):
-        lines = [(len(s) - len(s.lstrip()), s.strip()) for s in chunk.splitlines()
-                 if s.strip() and not s.strip().startswith("#")]
-        if lines:
-            value, _ = _block(lines, 0, lines[0][0])
-            docs.append(value)
-    return docs
+    return [d for d in yaml.safe_load_all(text) if d is not None]
 
 
-def _block(lines: list[tuple[int, str]], i: int, indent: int) -> tuple[Any, int]:
-    if lines[i][1].startswith("- "):
-        out: list[Any] = []
-        while i < len(lines) and lines[i][0] == indent and lines[i][1].startswith("- "):
-            item = lines[i][1][2:]
-            if re.match(r"^[\w.-]+:( |$)", item):      # a mapping inside the sequence
-                sub = [(indent + 2, item)]
-                j = i + 1
-                while j < len(lines) and lines[j][0] > indent:
-                    sub.append(lines[j])
-                    j += 1
-                value, _ = _block(sub, 0, indent + 2)
-                out.append(value)
-                i = j
-            else:
-                out.append(_scalar(item))
-                i += 1
-        return out, i
-    mapping: dict[str, Any] = {}
-    while i < len(lines) and lines[i][0] == indent:
-        key, _, rest = lines[i][1].partition(":")
-        if rest.strip():
-            mapping[key] = _scalar(rest)
-            i += 1
-        elif i + 1 < len(lines) and lines[i + 1][0] > indent:
-            mapping[key], i = _block(lines, i + 1, lines[i + 1][0])
-        elif i + 1 < len(lines) and lines[i + 1][0] == indent and lines[i + 1][1].startswith("- "):
-            mapping[key], i = _block(lines, i + 1, indent)
-        else:
-            mapping[key] = None
-            i += 1
-    return mapping, i
+def _schema_errors(doc: dict[str, Any]) -> list[str]:
+    """What the Kubernetes API schemas of each of KUBERNETES_VERSIONS refuse in one resource, strictly
+    (an unknown field is an error, as `kubectl apply --validate=strict` makes it); [] when it passes."""
+    import kubernetes_validate
+    errors = []
+    for version in KUBERNETES_VERSIONS:
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            errors.append(f"{doc.get('kind')}/{doc.get('metadata', {}).get('name')} (Kubernetes {version}): "
+                          f"{'.'.join(map(str, e.path))}: {e.message}")
+    return errors
 
 
-def test_tiny_yaml_loader():
-    docs = load_yaml("a: 1\nb:\n  - x\n  - name: y\n    v: \"2\"\nc: [\"p\", \"q\"]\n---\nd: true\n")
-    assert docs == [{"a": 1, "b": ["x", {"name": "y", "v": "2"}], "c": ["p", "q"]}, {"d": True}]
+def test_every_manifest_passes_the_kubernetes_api_schemas():
+    assert MANIFESTS, "no manifests under deploy/kubernetes/"
+    for path in MANIFESTS:
+        docs = load_yaml(path.read_text())
+        assert docs, path
+        for doc in docs:
+            errors = _schema_errors(doc)
+            assert not errors, f"{path}: {errors}"
+
+
+def test_schema_validation_refuses_a_broken_manifest():
+    """The check above can fail: the Job with a misspelt field, and with a string where a count goes."""
+    job = next(d for d in load_yaml((DEPLOY / "kubernetes" / "tinydist-job.yaml").read_text()) if d["kind"] == "Job")
+    misspelt = copy.deepcopy(job)
+    misspelt["spec"]["template"]["spec"]["restartPolcy"] = misspelt["spec"]["template"]["spec"].pop("restartPolicy")
+    errors = _schema_errors(misspelt)
+    assert len(errors) == len(KUBERNETES_VERSIONS) and all("'restartPolcy' was unexpected" in e for e in errors), errors
+    wrong_type = copy.deepcopy(job)
+    wrong_type["spec"]["completions"] = "four"
+    errors = _schema_errors(wrong_type)
+    assert len(errors) == len(KUBERNETES_VERSIONS) and all(e.startswith("Job/train") and "spec.completions: 'four'" in e
+                                                           for e in errors), errors
+
+
+def _containers() -> list[dict[str, Any]]:
+    return [c for path in MANIFESTS for d in load_yaml(path.read_text()) if d["kind"] in ("Deployment", "Job")
+            for c in d["spec"]["template"]["spec"]["containers"]]
+
+
+def test_manifests_run_the_image_the_dockerfile_builds():
+    """One image, `tinydist:latest`, in every manifest, in the build command the Dockerfile and
+    deploy/README.md give, and the commands the manifests run are what the Dockerfile installs:
+    `tinydist` (the package's script, on PATH from the image's venv) and /app/train.py (tests/cluster/
+    test_image.py runs both inside the built image)."""
+    images = {(c["image"], c["imagePullPolicy"]) for c in _containers()}
+    assert images == {("tinydist:latest", "IfNotPresent")}, images       # a loaded image is used, not pulled
+    build = "docker build -f deploy/container/Dockerfile -t tinydist:latest ."
+    assert build in DOCKERFILE.read_text() and build in (DEPLOY / "README.md").read_text()
+    dockerfile = DOCKERFILE.read_text()
+    assert "PATH=/opt/tinydist/bin:$PATH" in dockerfile and re.search(r"^COPY examples/train_digits.py /app/train.py$",
+                                                                     dockerfile, re.M)
+    for container in _containers():
+        command = container["command"]
+        assert command[0] in ("tinydist", "python"), command
+        if command[0] == "python":
+            assert command[1] == "/app/train.py", command
 
 
 def _kinds() -> dict[str, list[dict[str, Any]]]:
