@@ -306,7 +306,9 @@ class FastAllreduce:
         self.group, self.grp, self.program, self.detail = group, grp, program, detail
         self.call, self._definition = builtin(program.address, program.name)
         self.entries: dict[tuple[Any, ...], _Entry | None] = {}
-        self.completed = 0      # calls this path completed (tests read it; a counter costs ~40 ns)
+        self.completed = 0      # calls this path completed, barriers included (tests read it; a counter costs ~40 ns)
+        self._nothing = np.empty(0, np.float32)      # the barrier's data: none
+        self._barrier = self._barrier_entry()
         self.lock: threading.Lock = group._thread_lock
 
     @classmethod
@@ -326,6 +328,14 @@ class FastAllreduce:
         if data(probe) != probe.ctypes.data:
             return None
         return cls(group, grp, program, detail)
+
+    def _barrier_entry(self) -> _Entry | None:
+        """A barrier's call: no bytes, the sum kernel over none, `{"coll": "barrier"}` (the segment path's header)."""
+        grp = self.grp
+        if self.group.world < 2 or not supported("sum", self._nothing.dtype):
+            return None
+        spin = min(grp.spin, SPIN_BASE_SECONDS) if grp.spin else 0.0
+        return _Entry(host_reduce("sum", self._nothing.dtype, self.group.world, 1), 0, 0, {"coll": "barrier"}, spin)
 
     def _entry(self, x: np.ndarray, op: str, algorithm: str) -> _Entry | None:
         """The prepared call for x's shape and dtype, op and algorithm; None: the segment path takes it."""
@@ -358,31 +368,47 @@ class FastAllreduce:
             if len(self.entries) > 256:
                 self.entries.clear()
             entry = self.entries[key] = self._entry(x, op, algorithm)
-        group = self.group
-        if entry is None or group._failure is not None or tracing.active_tracer() is not None:
+        if entry is None or tracing.active_tracer() is not None:
             return None
         result = x if out is not None else np.empty(x.shape, x.dtype)
-        grp = self.grp
+        return result if self._run(entry, x, result, (x, op, algorithm, out)) else None
+
+    def barrier(self) -> bool:
+        """The barrier as one native call that moves no data (its digest is the barrier's), so a rank
+        waiting in it spins as an allreduce does instead of sleeping in `ShmGroup.wait` whenever the
+        host looks crowded; False: the segment path runs it. Why it matters: bench/allreduce.py times
+        each allreduce after a barrier, and a rank woken late from the barrier's futex sleep (0.1-0.2 ms)
+        made its partner's next allreduce wait as long."""
+        entry = self._barrier
+        if entry is None or tracing.active_tracer() is not None:
+            return False
+        return self._run(entry, self._nothing, self._nothing, ())
+
+    def _run(self, entry: _Entry, x: np.ndarray, result: np.ndarray, args: tuple[Any, ...]) -> bool:
+        """One native call of `entry` under the group's lock; False where nothing ran (the segment path
+        runs the call). `args`: the collective's arguments, for the header should the ranks disagree."""
+        group, grp = self.group, self.grp
         with self.lock:
-            if grp.raw is None:
-                return None
+            if grp.raw is None or group._failure is not None:
+                return False
             seq = group._seq + 1
             code = self.call(entry.address, x, result, seq << 2 | (grp.rounds + 1) & 1)
             if code == REFUSED:        # nothing happened: the segment path refuses or runs it
-                return None
+                return False
             group._seq = seq
             grp.rounds += 1
             if code == OK:
                 grp.step += 1
                 self.completed += 1
-                return result
-            return self._finish(code, entry, x, result, seq, op, algorithm, out)
+                return True
+            return self._finish(code, entry, x, result, seq, args)
 
     def _finish(self, code: int, entry: _Entry, x: np.ndarray, result: np.ndarray, seq: int,
-                op: str, algorithm: str, out: Any) -> np.ndarray:
+                args: tuple[Any, ...]) -> bool:
         """A call the native function did not complete: a lost post, a wait handed over, a mismatch."""
         group, grp = self.group, self.grp
-        name = f"all_reduce (call #{seq})"
+        collective = entry.header["coll"]
+        name = f"{collective} (call #{seq})"
         deadline = time.monotonic() + settings.COLLECTIVE_TIMEOUT
         if code == POST_FAILED:
             raise group._abandoned(name, grp._abandoned(int(self.detail[0])), True) from None
@@ -392,10 +418,10 @@ class FastAllreduce:
             code = self.call(entry.address, x, result, seq << 2 | 2 | grp.rounds & 1)
             if code == OK:
                 self.completed += 1
-                return result
+                return True
         if code != MISMATCH:   # pragma: no cover - the native function returns no other code once posted
             raise CollectiveError(f"{name}: the native allreduce returned {code}")
-        header = {"seq": seq, **group._all_reduce(x, op, algorithm, out).header}
+        header = {"seq": seq, **getattr(group, f"_{collective}")(*args).header}
         explain(group, name, header, deadline)
         raise AssertionError("unreachable")  # pragma: no cover
 
