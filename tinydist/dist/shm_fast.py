@@ -84,6 +84,11 @@ SPIN_BYTES_PER_SECOND = 2e9
 # The native wait
 # slices, and after NATIVE_WAIT_SECONDS hands over to ShmGroup.wait, which checks for failures.
 NATIVE_WAIT_SECONDS = 0.02
+# Where the ranks outnumber the CPUs (the group does not spin) the native wait calls sched_yield for
+# this long before it sleeps on the futex. Measured, 4 ranks on 2 vCPUs: sleeping at once made a
+# 4 KiB allreduce 1.46x and 8 KiB 1.26x Open MPI's (whose oversubscribed ranks yield while they poll).
+YIELD_SECONDS = 200e-6
+SYS_SCHED_YIELD = 24     # x86-64
 SLEEP_SLICE_NS = 2_000_000
 _OPS = ("sum", "prod", "max", "min")
 _MIX = 0x9E37_79B9_7F4A_7C15   # the call number's multiplier in the digest (Fibonacci hashing)
@@ -144,6 +149,11 @@ def allreduce_ir(name: str, grp: ShmGroup, detail: int, futex: int) -> str:
     data0 = base + world * CONTROL_BYTES
     budget = int(NATIVE_WAIT_SECONDS * 1e9)
 
+    # ranks that outnumber the CPUs yield between their looks at a peer's word (the peer may be queued
+    # for this very CPU), as Open MPI's oversubscribed ranks do; otherwise a pause instruction
+    relax = (f"  %yielded = call i64 (i64, ...) inttoptr (i64 {syscall} to ptr)(i64 {SYS_SCHED_YIELD})" if not grp.spin
+             else "  call void @llvm.x86.sse2.pause()")
+
     def word(r: int, index: int) -> str:
         return f"inttoptr (i64 {base + r * CONTROL_BYTES + 8 * index} to ptr)"
 
@@ -162,8 +172,8 @@ def allreduce_ir(name: str, grp: ShmGroup, detail: int, futex: int) -> str:
         "spin:", "  %i = phi i64 [0, %entry], [%i1, %more], [%i1, %clock]",
         "  %v = load atomic i64, ptr %word acquire, align 8",
         "  %got = icmp uge i64 %v, %target", "  br i1 %got, label %done, label %pause",
-        "pause:", "  call void @llvm.x86.sse2.pause()", "  %i1 = add i64 %i, 1",
-        "  %k = and i64 %i1, 127", "  %tick = icmp eq i64 %k, 0", "  br i1 %tick, label %clock, label %more",
+        "pause:", relax, "  %i1 = add i64 %i, 1",
+        f"  %k = and i64 %i1, {127 if grp.spin else 0}", "  %tick = icmp eq i64 %k, 0", "  br i1 %tick, label %clock, label %more",
         "more:", "  br label %spin",
         "clock:", "  %t1 = call i64 @now(ptr %ts)", "  %e1 = sub i64 %t1, %t0",
         "  %spun = icmp uge i64 %e1, %spin_ns", "  br i1 %spun, label %sleep, label %spin",
@@ -335,7 +345,7 @@ class FastAllreduce:
         grp = self.grp
         if self.group.world < 2 or not supported("sum", self._nothing.dtype):
             return None
-        spin = min(grp.spin, SPIN_BASE_SECONDS) if grp.spin else 0.0
+        spin = min(grp.spin, SPIN_BASE_SECONDS) if grp.spin else YIELD_SECONDS
         return _Entry(host_reduce("sum", self._nothing.dtype, self.group.world, 1), 0, 0, {"coll": "barrier"}, spin)
 
     def _entry(self, x: np.ndarray, op: str, algorithm: str) -> _Entry | None:
@@ -356,7 +366,7 @@ class FastAllreduce:
             return None
         header = {"coll": "all_reduce", "op": op, "dtype": x.dtype.str, "shape": list(x.shape), "algorithm": chosen.value}
         kernel = host_reduce(op, x.dtype, group.world, 1)
-        spin = min(grp.spin, SPIN_BASE_SECONDS + x.nbytes / SPIN_BYTES_PER_SECOND) if grp.spin else 0.0
+        spin = min(grp.spin, SPIN_BASE_SECONDS + x.nbytes / SPIN_BYTES_PER_SECOND) if grp.spin else YIELD_SECONDS
         return _Entry(kernel, x.nbytes, x.size, header, spin)
 
     def all_reduce(self, x: Any, op: str = "sum", algorithm: str = "auto", out: Any = None) -> np.ndarray | None:
