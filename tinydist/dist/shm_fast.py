@@ -84,9 +84,11 @@ SPIN_BYTES_PER_SECOND = 2e9
 # The native wait
 # slices, and after NATIVE_WAIT_SECONDS hands over to ShmGroup.wait, which checks for failures.
 NATIVE_WAIT_SECONDS = 0.02
-# Where the ranks outnumber the CPUs (the group does not spin) the native wait calls sched_yield for
-# this long before it sleeps on the futex. Measured, 4 ranks on 2 vCPUs: sleeping at once made a
-# 4 KiB allreduce 1.46x and 8 KiB 1.26x Open MPI's (whose oversubscribed ranks yield while they poll).
+# After its spin (none where the ranks outnumber the CPUs) the native wait calls sched_yield between
+# looks for this long before it sleeps on the futex: a peer queued for our CPU gets it at once, and a
+# futex sleep costs ~0.1 ms to wake from on this VM (an idle vCPU). Measured, 4 ranks on 2 vCPUs:
+# sleeping at once made a 4 KiB allreduce 1.46x and 8 KiB 1.26x Open MPI's (whose oversubscribed
+# ranks yield while they poll); with the yields 0.36x and 0.23x.
 YIELD_SECONDS = 200e-6
 SYS_SCHED_YIELD = 24     # x86-64
 SLEEP_SLICE_NS = 2_000_000
@@ -149,11 +151,6 @@ def allreduce_ir(name: str, grp: ShmGroup, detail: int, futex: int) -> str:
     data0 = base + world * CONTROL_BYTES
     budget = int(NATIVE_WAIT_SECONDS * 1e9)
 
-    # ranks that outnumber the CPUs yield between their looks at a peer's word (the peer may be queued
-    # for this very CPU), as Open MPI's oversubscribed ranks do; otherwise a pause instruction
-    relax = (f"  %yielded = call i64 (i64, ...) inttoptr (i64 {syscall} to ptr)(i64 {SYS_SCHED_YIELD})" if not grp.spin
-             else "  call void @llvm.x86.sse2.pause()")
-
     def word(r: int, index: int) -> str:
         return f"inttoptr (i64 {base + r * CONTROL_BYTES + 8 * index} to ptr)"
 
@@ -168,15 +165,24 @@ def allreduce_ir(name: str, grp: ShmGroup, detail: int, futex: int) -> str:
         # the budget ran out, or a futex wake brought no step (someone saw the group fail)
         "define internal i64 @wait_peer(ptr %word, i64 %target, i64 %spin_ns) {", "entry:",
         "  %ts = alloca [2 x i64], align 8", "  %sl = alloca [2 x i64], align 8",
-        "  %t0 = call i64 @now(ptr %ts)", "  br label %spin",
+        "  %t0 = call i64 @now(ptr %ts)",
+        "  %nospin = icmp eq i64 %spin_ns, 0", "  br i1 %nospin, label %yielding, label %spin",   # oversubscribed
         "spin:", "  %i = phi i64 [0, %entry], [%i1, %more], [%i1, %clock]",
         "  %v = load atomic i64, ptr %word acquire, align 8",
         "  %got = icmp uge i64 %v, %target", "  br i1 %got, label %done, label %pause",
-        "pause:", relax, "  %i1 = add i64 %i, 1",
-        f"  %k = and i64 %i1, {127 if grp.spin else 0}", "  %tick = icmp eq i64 %k, 0", "  br i1 %tick, label %clock, label %more",
+        "pause:", "  call void @llvm.x86.sse2.pause()", "  %i1 = add i64 %i, 1",
+        "  %k = and i64 %i1, 127", "  %tick = icmp eq i64 %k, 0", "  br i1 %tick, label %clock, label %more",
         "more:", "  br label %spin",
         "clock:", "  %t1 = call i64 @now(ptr %ts)", "  %e1 = sub i64 %t1, %t0",
-        "  %spun = icmp uge i64 %e1, %spin_ns", "  br i1 %spun, label %sleep, label %spin",
+        "  %spun = icmp uge i64 %e1, %spin_ns", "  br i1 %spun, label %yielding, label %spin",
+        # then sched_yield between looks (YIELD_SECONDS): a peer queued for this very CPU gets it
+        "yielding:", "  %v5 = load atomic i64, ptr %word acquire, align 8",
+        "  %got5 = icmp uge i64 %v5, %target", "  br i1 %got5, label %done, label %yieldmore",
+        "yieldmore:", "  %t5 = call i64 @now(ptr %ts)", "  %e5 = sub i64 %t5, %t0",
+        f"  %ylimit = add i64 %spin_ns, {int(YIELD_SECONDS * 1e9)}",
+        "  %yielded = icmp uge i64 %e5, %ylimit", "  br i1 %yielded, label %sleep, label %doyield",
+        "doyield:", f"  %yr = call i64 (i64, ...) inttoptr (i64 {syscall} to ptr)(i64 {SYS_SCHED_YIELD})",
+        "  br label %yielding",
         "sleep:", "  %v2 = load atomic i64, ptr %word acquire, align 8",
         "  %got2 = icmp uge i64 %v2, %target", "  br i1 %got2, label %done, label %late",
         "late:", "  %t2 = call i64 @now(ptr %ts)", "  %e2 = sub i64 %t2, %t0",
@@ -345,7 +351,7 @@ class FastAllreduce:
         grp = self.grp
         if self.group.world < 2 or not supported("sum", self._nothing.dtype):
             return None
-        spin = min(grp.spin, SPIN_BASE_SECONDS) if grp.spin else YIELD_SECONDS
+        spin = min(grp.spin, SPIN_BASE_SECONDS) if grp.spin else 0.0
         return _Entry(host_reduce("sum", self._nothing.dtype, self.group.world, 1), 0, 0, {"coll": "barrier"}, spin)
 
     def _entry(self, x: np.ndarray, op: str, algorithm: str) -> _Entry | None:
@@ -366,7 +372,7 @@ class FastAllreduce:
             return None
         header = {"coll": "all_reduce", "op": op, "dtype": x.dtype.str, "shape": list(x.shape), "algorithm": chosen.value}
         kernel = host_reduce(op, x.dtype, group.world, 1)
-        spin = min(grp.spin, SPIN_BASE_SECONDS + x.nbytes / SPIN_BYTES_PER_SECOND) if grp.spin else YIELD_SECONDS
+        spin = min(grp.spin, SPIN_BASE_SECONDS + x.nbytes / SPIN_BYTES_PER_SECOND) if grp.spin else 0.0
         return _Entry(kernel, x.nbytes, x.size, header, spin)
 
     def all_reduce(self, x: Any, op: str = "sum", algorithm: str = "auto", out: Any = None) -> np.ndarray | None:
