@@ -7,8 +7,8 @@ machinery. Here one function compiled per group from LLVM IR (the group's addres
 baked in, like the runtime's other glue) does the whole of naive's one round:
 
     copy x into my slot (parity of the round) · store my call digest · compare-and-swap my step word
-    on (and FUTEX_WAKE it if a peer's sleeping word says it sleeps) · wait for every peer's step (spin, then futex sleeps) · compare every
-    peer's digest with mine · reduce every slot, in rank order, into `out` (`tinydist.codegen.reduce`'s
+    on (and FUTEX_WAKE it if a peer's sleeping word says it sleeps) · wait for every peer's step
+    (spin, yield, then futex sleeps) · compare every peer's digest with mine · reduce every slot, in rank order, into `out` (`tinydist.codegen.reduce`'s
     kernel, called by address)
 
 The mismatch check stays, as a digest instead of the header: a 64-bit hash of what `_verdict` compares
