@@ -11,6 +11,7 @@ use alternate slots, so a rank may fill round k+1's slot while a slow peer still
     control page of rank r (only r writes it):
         [0:8)      uint64 step: how many steps r has completed; peers wait on it
         [8:40)     uint64 pid, probe address, probe verdict, single-copy threshold (`negotiate_single_copy`)
+        [40:48)    uint64 sleeping: 1 while r is in (or entering) a FUTEX_WAIT on a peer's step word
         [64:...)   two header slots (round parity): uint32 length, then a JSON blob
 
 Signalling: a rank fills its data (and header), then moves its `step` on by a compare-and-swap,
@@ -62,6 +63,13 @@ from tinydist.transports.base import Link, LinkClosed, TransportError
 from tinydist.transports.shm import PREFIX, _attach, _create, _unlink
 
 CONTROL_BYTES = 16384
+# The control word a rank sets around each of its futex sleeps. A poster that finds it clear on every
+# peer, after its compare-and-swap, can skip FUTEX_WAKE (`tinydist.dist.shm_fast`: a shared-futex wake
+# costs ~750 ns here even with no waiter, a sixth of a 4 KiB allreduce): the sleeper stores the flag
+# before the syscall, the poster swaps its step before reading the flags, both sequentially
+# consistent (and the kernel reads the futex word after a full barrier), so one of the two sees the
+# other's write. The group's own posts (`post`, `give_up`) and `wake_all` always wake.
+SLEEPING_WORD = 5
 HEADER_OFFSET = 64
 HEADER_BYTES = (CONTROL_BYTES - HEADER_OFFSET) // 2
 SLOT_BYTES = 4 << 20
@@ -165,6 +173,8 @@ class ShmGroup:
         self._words = [base + r * CONTROL_BYTES for r in range(world)]
         # peers' step words, read in the wait loop; a strided view: one element per control page
         self.steps: np.ndarray | None = np.ndarray((world,), np.uint64, buffer=mapping, offset=0, strides=(CONTROL_BYTES,))
+        # our sleeping flag (`SLEEPING_WORD`)
+        self._sleeping: np.ndarray | None = np.ndarray((1,), np.uint64, buffer=mapping, offset=rank * CONTROL_BYTES + 8 * SLEEPING_WORD)
         self.peers = [r for r in range(world) if r != rank]
         self.cpus = len(os.sched_getaffinity(0))           # CPUs this process may use
         self.spin = SPIN_SECONDS if world <= self.cpus else 0.0
@@ -327,8 +337,8 @@ class ShmGroup:
         poisoned with `TIMED_OUT` and WaitTimeout names them. A peer that posted meanwhile is
         waited for no more. A poison already in a peer's word raises Abandoned.
         """
-        steps = self.steps
-        if steps is None:
+        steps, sleeping = self.steps, self._sleeping
+        if steps is None or sleeping is None:
             raise LinkClosed(f"the group's shared memory is closed (rank {self.rank})")
         targets = self.peers if ranks is None else ranks
         for peer in targets:
@@ -353,7 +363,9 @@ class ShmGroup:
                     if behind:
                         raise WaitTimeout(behind, step)
                     continue      # every one of them posted in the meantime
+                sleeping[0] = 1        # a native post wakes us only when it sees this (`SLEEPING_WORD`)
                 self._futex(self._words[peer], _FUTEX_WAIT, seen & 0xFFFFFFFF, min(left, SLEEP_SLICE))
+                sleeping[0] = 0
 
     def _crowded(self) -> bool:
         """More runnable threads than CPUs right now (the 4th field of /proc/loadavg: running/total)?
@@ -383,7 +395,7 @@ class ShmGroup:
 
     def close(self) -> None:
         """Unmap (the name is long unlinked). Views still held elsewhere keep the mapping until collected."""
-        self.raw = self.steps = None
+        self.raw = self.steps = self._sleeping = None
         with contextlib.suppress(BufferError):
             self.map.close()
         if self._loadavg >= 0:

@@ -25,6 +25,7 @@ def test_native_allreduce_equals_numpy(nproc, no_shm_leak):
     for rank in range(nproc):
         assert f"[rank {rank}] FAST True" in result.stdout, result.stdout[-3000:]
         assert f"[rank {rank}] OK {CALLS} checks; native calls {NATIVE}" in result.stdout, result.stdout[-3000:]
+        assert f"[rank {rank}] BARRIERS native 3" in result.stdout, result.stdout[-3000:]
 
 
 def test_off_takes_the_segment_path(no_shm_leak):
@@ -32,12 +33,13 @@ def test_off_takes_the_segment_path(no_shm_leak):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("FAST False") == 2 and result.stdout.count(f"OK {CALLS} checks; native calls 1") == 0
     assert result.stdout.count(f"OK {CALLS} checks") == 2, result.stdout[-3000:]
+    assert result.stdout.count("BARRIERS native 0") == 2, result.stdout[-3000:]
 
 
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_a_mismatch_on_the_fast_path_raises_on_every_rank(nproc, no_shm_leak):
-    """Different shapes, ops, dtypes, algorithms, a fast call against a segment-path one, and calls out of
-    sequence: every rank raises the same CollectiveMismatch (the explain step), well inside the collective
+    """Different shapes, ops, dtypes, algorithms, a fast call against a segment-path one, calls out of
+    sequence, and a (native) barrier against an allreduce of nothing: every rank raises the same CollectiveMismatch (the explain step), well inside the collective
     timeout (the test's bound: 20 s), and the group then takes native calls again."""
     result = launch(nproc, "shm_fast.py", "mismatch", env={"TINYDIST_TRANSPORT": "shm", "TINYDIST_COLLECTIVE_TIMEOUT": "20"},
                     timeout=120)
@@ -46,15 +48,16 @@ def test_a_mismatch_on_the_fast_path_raises_on_every_rank(nproc, no_shm_leak):
     assert "NO ERROR" not in out, out
     for rank in range(nproc):
         said = dict(re.findall(rf"\[rank {rank}\] MISMATCH (\w+): (.*)", out))
-        assert sorted(said) == sorted(["shape", "op", "dtype", "algorithm", "path", "sequence"]), out
+        assert sorted(said) == sorted(["shape", "op", "dtype", "algorithm", "path", "sequence", "empty"]), out
         assert "shape: rank 0 (4,), rank 1 (5,)" in said["shape"], said
         assert "op: rank 0 'sum', rank 1 'prod'" in said["op"], said
         assert "dtype: rank 0 float32, rank 1 int32" in said["dtype"], said
         assert "algorithm: rank 0 'naive', rank 1 'all2all'" in said["algorithm"], said
         assert "dtype: rank 0 int64, rank 1 float64" in said["path"], said
         assert f"rank {nproc - 1} 'barrier'" in said["sequence"] or "different collective calls" in said["sequence"], said
+        assert "rank 0 'barrier'" in said["empty"] or "different collective calls" in said["empty"], said
         took = [float(t) for t in re.findall(rf"\[rank {rank}\] TOOK \w+ ([\d.]+)", out)]
-        assert len(took) == 6 and max(took) < 20, out          # none ran into the collective timeout
+        assert len(took) == 7 and max(took) < 20, out          # none ran into the collective timeout
         assert f"[rank {rank}] AFTER {[float(sum(range(1, nproc + 1)))] * 3} native 1" in out, out
 
 

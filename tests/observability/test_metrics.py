@@ -10,6 +10,7 @@ import urllib.request
 import anyio
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 import tinydist as td
@@ -147,3 +148,25 @@ def test_rpc_histogram_buckets_count_a_duration_at_their_bound() -> None:
     assert samples[("grpc_server_handling_seconds_count", None)] == 3
     assert abs(samples[("grpc_server_handling_seconds_sum", None)] - 99.0020001) < 1e-9
     assert samples[("grpc_server_started_total", None)] == 3 and samples[("grpc_server_handled_total", None)] == 3
+
+
+def test_collective_seconds_exposes_what_a_prometheus_histogram_does() -> None:
+    """The plain-list histogram td.dist observes into scrapes as prometheus_client's own Histogram
+    fed the same values (bucket edges included: `le` is `<=`)."""
+    values = [5e-6, 1e-5, 3e-5, 1e-4, 0.002, 0.7, 40.0]
+    theirs_registry, ours_registry = CollectorRegistry(), CollectorRegistry()
+    theirs = Histogram("tinydist_collective_seconds", "doc", ["collective", "algorithm"], registry=theirs_registry,
+                       buckets=metrics.COLLECTIVE_BUCKETS)
+    ours = metrics.CollectiveSeconds()
+    ours_registry.register(ours)
+    for v in values:
+        theirs.labels("all_reduce", "naive").observe(v)
+        ours.observe("all_reduce", "naive", v)
+    labels = {"collective": "all_reduce", "algorithm": "naive"}
+    for le in [*(str(b) for b in metrics.COLLECTIVE_BUCKETS), "+Inf"]:
+        want = theirs_registry.get_sample_value("tinydist_collective_seconds_bucket", {**labels, "le": le})
+        assert want is not None
+        assert ours_registry.get_sample_value("tinydist_collective_seconds_bucket", {**labels, "le": le}) == want, le
+    for suffix in ("_count", "_sum"):
+        assert ours_registry.get_sample_value(f"tinydist_collective_seconds{suffix}", labels) == \
+            theirs_registry.get_sample_value(f"tinydist_collective_seconds{suffix}", labels)

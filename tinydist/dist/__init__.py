@@ -20,6 +20,7 @@ import atexit
 import socket
 import sys
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -152,8 +153,16 @@ def run_on_loop(fn: Any, *args: Any) -> Any:
 
 def _call(collective: str, *args: Any, algorithm: str = "") -> Any:
     group = get_group()
-    with metrics.time_collective(collective, algorithm):  # latency histogram / error counter
-        return group.blocking(collective, *args, run_async=_state["run"])
+    # the latency histogram / error counter, without `metrics.time_collective`'s context manager
+    # (~1 us of a ~3-5 us small allreduce on one host)
+    start = time.perf_counter()
+    try:
+        result = group.blocking(collective, *args, run_async=_state["run"])
+    except BaseException as exc:
+        metrics.collective_failed(collective, exc)
+        raise
+    metrics.COLLECTIVE_SECONDS.observe(collective, algorithm, time.perf_counter() - start)
+    return result
 
 
 def _tensor(arr: np.ndarray) -> Any:

@@ -251,10 +251,13 @@ class ProcessGroup:
         """Run `collective` (all_reduce, all_gather, reduce_scatter, broadcast, barrier) from a thread
         that is not the group's event loop; `run_async(fn, *args)` runs a coroutine function there
         (a blocking portal's `call`). On the group segment the collective runs on this thread."""
-        if collective == "all_reduce" and self.fast is not None:
-            done = self.fast.all_reduce(*args)
-            if done is not None:
-                return done
+        if self.fast is not None:
+            if collective == "all_reduce":
+                done = self.fast.all_reduce(*args)
+                if done is not None:
+                    return done
+            elif collective == "barrier" and self.fast.barrier():
+                return None
         call = getattr(self, f"_{collective}")(*args)
         if self.shm is None:
             return run_async(self._collective, call)

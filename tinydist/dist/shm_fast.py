@@ -7,8 +7,8 @@ machinery. Here one function compiled per group from LLVM IR (the group's addres
 baked in, like the runtime's other glue) does the whole of naive's one round:
 
     copy x into my slot (parity of the round) · store my call digest · compare-and-swap my step word
-    on (and FUTEX_WAKE it) · wait for every peer's step (spin, then futex sleeps) · compare every
-    peer's digest with mine · reduce every slot, in rank order, into `out` (`tinydist.codegen.reduce`'s
+    on (and FUTEX_WAKE it if a peer's sleeping word says it sleeps) · wait for every peer's step
+    (spin, yield, then futex sleeps) · compare every peer's digest with mine · reduce every slot, in rank order, into `out` (`tinydist.codegen.reduce`'s
     kernel, called by address)
 
 The mismatch check stays, as a digest instead of the header: a 64-bit hash of what `_verdict` compares
@@ -31,6 +31,10 @@ slot), any algorithm the chooser resolves to naive or all2all (the data move as 
 sync instead of two; the digest still carries the resolved algorithm, so ranks that ask for different
 ones still disagree), while no tracer is recording (the segment path draws the spans). The rest, and
 any array the native checks refuse (not contiguous, `out` read-only), goes the segment path.
+
+Python calls it as a builtin function (`builtin`: METH_FASTCALL, CPython's own convention), not
+through ctypes, whose argument conversion cost ~0.6 us of a ~5 us call; the builtin releases the GIL
+around the native call, as ctypes does.
 
 The compiled function reads an array's data pointer and flags from the numpy object itself (the
 `PyArrayObject` fields, numpy's stable ABI: `data` at 16, `flags` at 64), because `x.ctypes.data`
@@ -60,7 +64,7 @@ from tinydist.observability import tracing
 from tinydist.runtime.compiler import host_reduce
 from tinydist.runtime.cpu.loader import native_loader
 from tinydist.runtime.program import Program
-from tinydist.transports.shm_group import CONTROL_BYTES, Abandoned, ShmGroup, WaitTimeout
+from tinydist.transports.shm_group import CONTROL_BYTES, SLEEPING_WORD, Abandoned, ShmGroup, WaitTimeout
 
 if TYPE_CHECKING:
     from tinydist.dist.group import ProcessGroup
@@ -80,6 +84,13 @@ SPIN_BYTES_PER_SECOND = 2e9
 # The native wait
 # slices, and after NATIVE_WAIT_SECONDS hands over to ShmGroup.wait, which checks for failures.
 NATIVE_WAIT_SECONDS = 0.02
+# After its spin (none where the ranks outnumber the CPUs) the native wait calls sched_yield between
+# looks for this long before it sleeps on the futex: a peer queued for our CPU gets it at once, and a
+# futex sleep costs ~0.1 ms to wake from on this VM (an idle vCPU). Measured, 4 ranks on 2 vCPUs:
+# sleeping at once made a 4 KiB allreduce 1.46x and 8 KiB 1.26x Open MPI's (whose oversubscribed
+# ranks yield while they poll); with the yields 0.36x and 0.23x.
+YIELD_SECONDS = 200e-6
+SYS_SCHED_YIELD = 24     # x86-64
 SLEEP_SLICE_NS = 2_000_000
 _OPS = ("sum", "prod", "max", "min")
 _MIX = 0x9E37_79B9_7F4A_7C15   # the call number's multiplier in the digest (Fibonacci hashing)
@@ -95,6 +106,33 @@ _names = itertools.count()     # loaded symbols are process-wide: one name per g
 
 def _libc_address(name: str) -> int:
     return ctypes.cast(getattr(ctypes.CDLL(None), name), ctypes.c_void_p).value or 0
+
+
+def _api(name: str) -> str:
+    """A C API function of this interpreter, as an LLVM constant pointer to call."""
+    address = ctypes.cast(getattr(ctypes.pythonapi, name), ctypes.c_void_p).value or 0
+    return f"inttoptr (i64 {address} to ptr)"
+
+
+class _MethodDef(ctypes.Structure):
+    """CPython's PyMethodDef: what a builtin function object points at for its C function."""
+
+    _fields_ = [("ml_name", ctypes.c_char_p), ("ml_meth", ctypes.c_void_p), ("ml_flags", ctypes.c_int),
+                ("ml_doc", ctypes.c_char_p)]
+
+
+_METH_FASTCALL = 0x80
+_new_builtin = ctypes.pythonapi.PyCFunction_NewEx
+_new_builtin.restype, _new_builtin.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.py_object, ctypes.py_object]
+
+
+def builtin(address: int, name: str) -> tuple[Any, _MethodDef]:
+    """A Python builtin function calling the METH_FASTCALL C function at `address` (CPython's own
+    calling convention: no argument conversion objects, unlike a ctypes call), and the method
+    definition it points at, which must live as long as the function does. Measured here: 77-103 ns
+    a call against 625-720 ns for the same four arguments through a ctypes CFUNCTYPE."""
+    definition = _MethodDef(name.encode(), address, _METH_FASTCALL, None)
+    return _new_builtin(ctypes.addressof(definition), None, None), definition
 
 
 def allreduce_ir(name: str, grp: ShmGroup, detail: int, futex: int) -> str:
@@ -127,7 +165,8 @@ def allreduce_ir(name: str, grp: ShmGroup, detail: int, futex: int) -> str:
         # the budget ran out, or a futex wake brought no step (someone saw the group fail)
         "define internal i64 @wait_peer(ptr %word, i64 %target, i64 %spin_ns) {", "entry:",
         "  %ts = alloca [2 x i64], align 8", "  %sl = alloca [2 x i64], align 8",
-        "  %t0 = call i64 @now(ptr %ts)", "  br label %spin",
+        "  %t0 = call i64 @now(ptr %ts)",
+        "  %nospin = icmp eq i64 %spin_ns, 0", "  br i1 %nospin, label %yielding, label %spin",   # oversubscribed
         "spin:", "  %i = phi i64 [0, %entry], [%i1, %more], [%i1, %clock]",
         "  %v = load atomic i64, ptr %word acquire, align 8",
         "  %got = icmp uge i64 %v, %target", "  br i1 %got, label %done, label %pause",
@@ -135,17 +174,27 @@ def allreduce_ir(name: str, grp: ShmGroup, detail: int, futex: int) -> str:
         "  %k = and i64 %i1, 127", "  %tick = icmp eq i64 %k, 0", "  br i1 %tick, label %clock, label %more",
         "more:", "  br label %spin",
         "clock:", "  %t1 = call i64 @now(ptr %ts)", "  %e1 = sub i64 %t1, %t0",
-        "  %spun = icmp uge i64 %e1, %spin_ns", "  br i1 %spun, label %sleep, label %spin",
+        "  %spun = icmp uge i64 %e1, %spin_ns", "  br i1 %spun, label %yielding, label %spin",
+        # then sched_yield between looks (YIELD_SECONDS): a peer queued for this very CPU gets it
+        "yielding:", "  %v5 = load atomic i64, ptr %word acquire, align 8",
+        "  %got5 = icmp uge i64 %v5, %target", "  br i1 %got5, label %done, label %yieldmore",
+        "yieldmore:", "  %t5 = call i64 @now(ptr %ts)", "  %e5 = sub i64 %t5, %t0",
+        f"  %ylimit = add i64 %spin_ns, {int(YIELD_SECONDS * 1e9)}",
+        "  %yielded = icmp uge i64 %e5, %ylimit", "  br i1 %yielded, label %sleep, label %doyield",
+        "doyield:", f"  %yr = call i64 (i64, ...) inttoptr (i64 {syscall} to ptr)(i64 {SYS_SCHED_YIELD})",
+        "  br label %yielding",
         "sleep:", "  %v2 = load atomic i64, ptr %word acquire, align 8",
         "  %got2 = icmp uge i64 %v2, %target", "  br i1 %got2, label %done, label %late",
         "late:", "  %t2 = call i64 @now(ptr %ts)", "  %e2 = sub i64 %t2, %t0",
         f"  %over = icmp uge i64 %e2, {budget}", "  br i1 %over, label %notyet, label %futex",
         "futex:",
+        f"  store atomic i64 1, ptr {word(rank, SLEEPING_WORD)} seq_cst, align 8",   # wake me (`SLEEPING_WORD`)
         "  %slp = getelementptr inbounds i64, ptr %sl, i64 0", "  store i64 0, ptr %slp",
         "  %sln = getelementptr inbounds i64, ptr %sl, i64 1", f"  store i64 {SLEEP_SLICE_NS}, ptr %sln",
         "  %lo = and i64 %v2, 4294967295",
         f"  %sys = inttoptr i64 {syscall} to ptr",
         f"  %w = call i64 (i64, ...) %sys(i64 {futex}, ptr %word, i64 0, i64 %lo, ptr %sl, ptr null, i64 0)",
+        f"  store atomic i64 0, ptr {word(rank, SLEEPING_WORD)} release, align 8",
         "  %woken = icmp eq i64 %w, 0", "  br i1 %woken, label %recheck, label %sleep",
         "recheck:", "  %v3 = load atomic i64, ptr %word acquire, align 8",
         "  %got3 = icmp uge i64 %v3, %target", "  br i1 %got3, label %done, label %notyet",
@@ -188,12 +237,20 @@ def allreduce_ir(name: str, grp: ShmGroup, detail: int, futex: int) -> str:
         "  %swapped = extractvalue { i64, i1 } %cas, 1", "  br i1 %swapped, label %wake, label %lost",
         "lost:", f"  %old = load atomic i64, ptr {word(rank, 0)} acquire, align 8",
         f"  store i64 %old, ptr inttoptr (i64 {detail} to ptr), align 8", f"  ret i64 {POST_FAILED}",
+        # FUTEX_WAKE only when a peer sleeps (`SLEEPING_WORD`): the syscall costs ~750 ns with nobody to wake
         "wake:",
+    ]
+    peers = [r for r in range(world) if r != rank]
+    for k, r in enumerate(peers):
+        lines += [f"  %sf{k} = load atomic i64, ptr {word(r, SLEEPING_WORD)} seq_cst, align 8",
+                  f"  %sleepers{k + 1} = or i64 {'%sleepers' + str(k) if k else 0}, %sf{k}"]
+    lines += [
+        f"  %anyone = icmp ne i64 %sleepers{len(peers)}, 0", "  br i1 %anyone, label %wakeup, label %wait0",
+        "wakeup:",
         f"  %sys = inttoptr i64 {syscall} to ptr",
         f"  %woke = call i64 (i64, ...) %sys(i64 {futex}, ptr {word(rank, 0)}, i64 1, i64 2147483647)",
         "  br label %wait0",
     ]
-    peers = [r for r in range(world) if r != rank]
     for k, r in enumerate(peers):
         after = f"wait{k + 1}" if k + 1 < len(peers) else "check"
         lines += [f"wait{k}:", f"  %w{k} = call i64 @wait_peer(ptr {word(r, 0)}, i64 %target, i64 %spin)",
@@ -214,6 +271,26 @@ def allreduce_ir(name: str, grp: ShmGroup, detail: int, futex: int) -> str:
     lines += ["  %kernel = inttoptr i64 %fn to ptr",
               f"  call void %kernel(ptr %od, {', '.join(sources)}, i64 %count)", f"  ret i64 {OK}",
               "mismatch:", f"  ret i64 {MISMATCH}", "}",
+              # the builtin Python calls (METH_FASTCALL): (entry, x, out, call) -> the code, as a Python int;
+              # the GIL is released around the call, as ctypes would
+              f"define ptr @{name}_py(ptr %self, ptr %args, i64 %nargs) {{",
+              "  %four = icmp eq i64 %nargs, 4", "  br i1 %four, label %unpack, label %arity",
+              "arity:", f"  %bad = call ptr {_api('PyLong_FromLongLong')}(i64 {REFUSED})", "  ret ptr %bad",
+              "unpack:",
+              "  %a0 = load ptr, ptr %args", "  %a1p = getelementptr inbounds ptr, ptr %args, i64 1",
+              "  %a1 = load ptr, ptr %a1p", "  %a2p = getelementptr inbounds ptr, ptr %args, i64 2",
+              "  %a2 = load ptr, ptr %a2p", "  %a3p = getelementptr inbounds ptr, ptr %args, i64 3",
+              "  %a3 = load ptr, ptr %a3p",
+              f"  %ea = call i64 {_api('PyLong_AsLongLong')}(ptr %a0)",
+              f"  %ca = call i64 {_api('PyLong_AsLongLong')}(ptr %a3)",
+              "  %eok = icmp ne i64 %ea, -1", "  %cok = icmp ne i64 %ca, -1", "  %iok = and i1 %eok, %cok",
+              "  br i1 %iok, label %run, label %typeerror",
+              "typeerror:", "  ret ptr null",       # PyLong_AsLongLong set the exception
+              "run:", "  %ep = inttoptr i64 %ea to ptr",
+              f"  %ts = call ptr {_api('PyEval_SaveThread')}()",
+              f"  %rc = call i64 @{name}(ptr %ep, ptr %a1, ptr %a2, i64 %ca)",
+              f"  call void {_api('PyEval_RestoreThread')}(ptr %ts)",
+              f"  %res = call ptr {_api('PyLong_FromLongLong')}(i64 %rc)", "  ret ptr %res", "}",
               f"define i64 @{name}_data(ptr %x) {{",
               f"  %p = getelementptr inbounds i8, ptr %x, i64 {_PY_DATA}", "  %d = load i64, ptr %p", "  ret i64 %d", "}", ""]
     return "\n".join(lines)
@@ -241,11 +318,14 @@ class FastAllreduce:
     a call it does not take (the caller then runs the segment path); see the module docstring."""
 
     def __init__(self, group: ProcessGroup, grp: ShmGroup, program: Program, detail: np.ndarray) -> None:
+        # `program` (the `<name>_py` entry) keeps the code mapped while `call`, its builtin, exists
         self.group, self.grp, self.program, self.detail = group, grp, program, detail
-        self.call = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_void_p, ctypes.py_object, ctypes.py_object,
-                                     ctypes.c_uint64)(program.address)
+        self.call, self._definition = builtin(program.address, program.name)
         self.entries: dict[tuple[Any, ...], _Entry | None] = {}
-        self.completed = 0      # calls this path completed (tests read it; a counter costs ~40 ns)
+        self.completed = 0      # allreduces this path completed (tests and bench/allreduce.py read it; ~40 ns)
+        self.barriers = 0       # barriers this path completed
+        self._nothing = np.empty(0, np.float32)      # the barrier's data: none
+        self._barrier = self._barrier_entry()
         self.lock: threading.Lock = group._thread_lock
 
     @classmethod
@@ -258,13 +338,21 @@ class FastAllreduce:
         detail = np.zeros(1, np.uint64)
         name = f"{_NAME}_{next(_names)}"
         code = compile_glue(allreduce_ir(name, grp, detail.ctypes.data, futex))
-        program = native_loader.load(code, name, ["i64"] * 4)
+        program = native_loader.load(code, f"{name}_py", ["i64"] * 3)
         probe_data = native_loader.load(code, f"{name}_data", ["i64"])
         data = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.py_object)(probe_data.address)
         probe = np.arange(3, dtype=np.float32)
         if data(probe) != probe.ctypes.data:
             return None
         return cls(group, grp, program, detail)
+
+    def _barrier_entry(self) -> _Entry | None:
+        """A barrier's call: no bytes, the sum kernel over none, `{"coll": "barrier"}` (the segment path's header)."""
+        grp = self.grp
+        if self.group.world < 2 or not supported("sum", self._nothing.dtype):
+            return None
+        spin = min(grp.spin, SPIN_BASE_SECONDS) if grp.spin else 0.0
+        return _Entry(host_reduce("sum", self._nothing.dtype, self.group.world, 1), 0, 0, {"coll": "barrier"}, spin)
 
     def _entry(self, x: np.ndarray, op: str, algorithm: str) -> _Entry | None:
         """The prepared call for x's shape and dtype, op and algorithm; None: the segment path takes it."""
@@ -297,13 +385,13 @@ class FastAllreduce:
             if len(self.entries) > 256:
                 self.entries.clear()
             entry = self.entries[key] = self._entry(x, op, algorithm)
-        group = self.group
-        if entry is None or group._failure is not None or tracing.active_tracer() is not None:
+        if entry is None or tracing.active_tracer() is not None:
             return None
         result = x if out is not None else np.empty(x.shape, x.dtype)
-        grp = self.grp
+        # `_run`, inlined: its call and argument tuple were 1 Python call and 15 of 158 bytecodes a call
+        group, grp = self.group, self.grp
         with self.lock:
-            if grp.raw is None:
+            if grp.raw is None or group._failure is not None:
                 return None
             seq = group._seq + 1
             code = self.call(entry.address, x, result, seq << 2 | (grp.rounds + 1) & 1)
@@ -313,15 +401,49 @@ class FastAllreduce:
             grp.rounds += 1
             if code == OK:
                 grp.step += 1
-                self.completed += 1
-                return result
-            return self._finish(code, entry, x, result, seq, op, algorithm, out)
+            else:
+                self._finish(code, entry, x, result, seq, (x, op, algorithm, out))
+            self.completed += 1
+            return result
+
+    def barrier(self) -> bool:
+        """The barrier as one native call that moves no data (its digest is the barrier's), so a rank
+        waiting in it spins as an allreduce does instead of sleeping in `ShmGroup.wait` whenever the
+        host looks crowded; False: the segment path runs it. Why it matters: bench/allreduce.py times
+        each allreduce after a barrier, and a rank woken late from the barrier's futex sleep (0.1-0.2 ms)
+        made its partner's next allreduce wait as long."""
+        entry = self._barrier
+        if entry is None or tracing.active_tracer() is not None:
+            return False
+        if not self._run(entry, self._nothing, self._nothing, ()):
+            return False
+        self.barriers += 1
+        return True
+
+    def _run(self, entry: _Entry, x: np.ndarray, result: np.ndarray, args: tuple[Any, ...]) -> bool:
+        """One native call of `entry` under the group's lock; False where nothing ran (the segment path
+        runs the call). `args`: the collective's arguments, for the header should the ranks disagree."""
+        group, grp = self.group, self.grp
+        with self.lock:
+            if grp.raw is None or group._failure is not None:
+                return False
+            seq = group._seq + 1
+            code = self.call(entry.address, x, result, seq << 2 | (grp.rounds + 1) & 1)
+            if code == REFUSED:        # nothing happened: the segment path refuses or runs it
+                return False
+            group._seq = seq
+            grp.rounds += 1
+            if code == OK:
+                grp.step += 1
+                return True
+            return self._finish(code, entry, x, result, seq, args)
 
     def _finish(self, code: int, entry: _Entry, x: np.ndarray, result: np.ndarray, seq: int,
-                op: str, algorithm: str, out: Any) -> np.ndarray:
+                args: tuple[Any, ...]) -> bool:
         """A call the native function did not complete: a lost post, a wait handed over, a mismatch."""
         group, grp = self.group, self.grp
-        name = f"all_reduce (call #{seq})"
+        collective = entry.header["coll"]
+        name = f"{collective} (call #{seq})"
         deadline = time.monotonic() + settings.COLLECTIVE_TIMEOUT
         if code == POST_FAILED:
             raise group._abandoned(name, grp._abandoned(int(self.detail[0])), True) from None
@@ -330,11 +452,10 @@ class FastAllreduce:
             self._wait(name, grp.step, deadline)
             code = self.call(entry.address, x, result, seq << 2 | 2 | grp.rounds & 1)
             if code == OK:
-                self.completed += 1
-                return result
+                return True
         if code != MISMATCH:   # pragma: no cover - the native function returns no other code once posted
             raise CollectiveError(f"{name}: the native allreduce returned {code}")
-        header = {"seq": seq, **group._all_reduce(x, op, algorithm, out).header}
+        header = {"seq": seq, **getattr(group, f"_{collective}")(*args).header}
         explain(group, name, header, deadline)
         raise AssertionError("unreachable")  # pragma: no cover
 

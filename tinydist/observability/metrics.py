@@ -22,17 +22,18 @@ import argparse
 import bisect
 import contextlib
 import importlib.metadata
+import itertools
 import platform
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram, PlatformCollector,
+from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, PlatformCollector,
                                ProcessCollector, generate_latest, start_http_server)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.utils import floatToGoString
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from tinydist.base.logs import get_logger
 from tinydist.security.bind import bind_policy, parse_host_port
@@ -48,9 +49,7 @@ TRANSPORT_BYTES = Counter("tinydist_transport_bytes", "Bytes moved by a transpor
                           ["transport", "direction"], registry=REGISTRY)
 TRANSPORT_MESSAGES = Counter("tinydist_transport_messages", "Messages (frames) moved by a transport.",
                              ["transport", "direction"], registry=REGISTRY)
-COLLECTIVE_SECONDS = Histogram("tinydist_collective_seconds", "Latency of one collective, start to finish on this rank.",
-                               ["collective", "algorithm"], registry=REGISTRY,
-                               buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0))
+COLLECTIVE_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
 COLLECTIVE_ERRORS = Counter("tinydist_collective_errors", "Collectives that raised, by error type.",
                             ["collective", "error"], registry=REGISTRY)
 # RPC servers' metrics under go-grpc-prometheus's names and labels (grpc_service is the full
@@ -71,17 +70,61 @@ def add_transport_bytes(transport: str, direction: str, nbytes: int, messages: i
         TRANSPORT_MESSAGES.labels(transport, direction).inc(messages)
 
 
+class CollectiveSeconds(Collector):
+    """tinydist_collective_seconds, a histogram by (collective, algorithm) kept in plain lists and
+    turned into prometheus_client's family only when scraped. Why: every `td.dist` call observes
+    one, and a 4 KiB allreduce on one host takes ~3-5 us, while `time_collective` as a
+    prometheus_client Histogram (a generator context manager, `.labels()`, a locked add per bucket
+    and for the sum) took 5.5-7.1 us a call, and a labelled child's `observe` alone ~1.9 us
+    (load 4-6); `observe` here is a dict lookup, a bisect and two adds under a lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # (collective, algorithm) -> counts per bucket (COLLECTIVE_BUCKETS, then +Inf), then the sum
+        self._series: dict[tuple[str, str], list[float]] = {}
+
+    def observe(self, collective: str, algorithm: str, seconds: float) -> None:
+        series = self._series.get((collective, algorithm))
+        if series is None:
+            series = self._series.setdefault((collective, algorithm), [0] * (len(COLLECTIVE_BUCKETS) + 2))
+        bucket = bisect.bisect_left(COLLECTIVE_BUCKETS, seconds)    # the first bound >= seconds: Prometheus' `le`
+        with self._lock:
+            series[bucket] += 1
+            series[-1] += seconds
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily("tinydist_collective_seconds", "Latency of one collective, start to finish on this rank.",
+                                       labels=["collective", "algorithm"])
+        with self._lock:
+            snapshot = {key: list(series) for key, series in self._series.items()}
+        for labels, series in sorted(snapshot.items()):
+            cumulative = list(itertools.accumulate(series[:-1]))
+            bounds = [floatToGoString(b) for b in COLLECTIVE_BUCKETS] + ["+Inf"]
+            family.add_metric(list(labels), list(zip(bounds, cumulative)), series[-1])
+        yield family
+
+
+COLLECTIVE_SECONDS = CollectiveSeconds()
+REGISTRY.register(COLLECTIVE_SECONDS)
+
+
+def collective_failed(collective: str, exc: BaseException) -> None:
+    """Count a collective that raised in tinydist_collective_errors."""
+    COLLECTIVE_ERRORS.labels(collective, type(exc).__name__).inc()
+
+
 @contextlib.contextmanager
 def time_collective(collective: str, algorithm: str = "") -> Iterator[None]:
     """Observe the block's duration in tinydist_collective_seconds; count it in
-    tinydist_collective_errors instead if it raises."""
+    tinydist_collective_errors instead if it raises. (td.dist's own calls skip the context
+    manager: `COLLECTIVE_SECONDS.observe` and `collective_failed` directly.)"""
     start = time.perf_counter()
     try:
         yield
     except BaseException as exc:
-        COLLECTIVE_ERRORS.labels(collective, type(exc).__name__).inc()
+        collective_failed(collective, exc)
         raise
-    COLLECTIVE_SECONDS.labels(collective, algorithm).observe(time.perf_counter() - start)
+    COLLECTIVE_SECONDS.observe(collective, algorithm, time.perf_counter() - start)
 
 
 @contextlib.contextmanager

@@ -1,7 +1,8 @@
 """The native small allreduce (tinydist.dist.shm_fast) in real processes; run by tests/dist/test_shm_fast.py.
 
     shm_fast.py numpy       every compiled op and dtype, sizes 0 / 1 / prime / uneven shapes / 1 MiB + odd,
-                            in place and into a new array, against numpy; prints how many calls went native
+                            in place and into a new array, against numpy; prints how many calls went native,
+                            then how many of 3 barriers did
     shm_fast.py mismatch    ranks that disagree on the fast path: every rank raises CollectiveMismatch
     shm_fast.py late        rank 1 calls 0.3 s after its peers (past the native wait): the group's wait takes over
     shm_fast.py kill        rank 1 is SIGKILLed while its peers wait in a fast call: RankFailed on every survivor
@@ -55,6 +56,11 @@ def numpy_mode(r: int, n: int) -> None:
                                              f"{got.ravel()[:4]} != {want.ravel()[:4]}")
                     checks += 1
     print(f"OK {checks} checks; native calls {fast_calls() - before}", flush=True)
+    fast = dist.get_group().fast
+    before = 0 if fast is None else fast.barriers
+    for _ in range(3):
+        dist.barrier()
+    print(f"BARRIERS native {0 if fast is None else fast.barriers - before}", flush=True)
 
 
 def mismatch_mode(r: int, n: int) -> None:
@@ -67,6 +73,8 @@ def mismatch_mode(r: int, n: int) -> None:
         # float max is not compiled: rank 0 takes the fast path, the others the segment path
         "path": lambda: dist.all_reduce(np.ones(16, np.int64 if r == 0 else np.float64), op="max"),
         "sequence": lambda: dist.barrier() if r == n - 1 else dist.all_reduce(np.ones(16)),
+        # both native and neither moves a byte: only the digest tells them apart
+        "empty": lambda: dist.barrier() if r == 0 else dist.all_reduce(np.ones(0, np.float32)),
     }
     for name, fn in cases.items():
         before = time.monotonic()
