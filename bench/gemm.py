@@ -90,8 +90,9 @@ def _calls_for(call: Callable[[], None], sample_s: float) -> int:
 def _worker(repeats: int, sample_ms: float) -> dict:
     sys.path.insert(0, str(REPO))
     from tinydist.codegen.compiler import HostCompiler
-    from tinydist.codegen.matmul import (PACK_B_SIGNATURE, SIGNATURE, matmul_ir,
-                                         pack_b_ir, packed_b_elements, workspace_bytes)
+    from tinydist.codegen.matmul import SIGNATURE, matmul_ir
+    from tinydist.codegen.matmul_packing import PACK_B_SIGNATURE, pack_b_ir
+    from tinydist.codegen.matmul_tiling import packed_b_elements, workspace_bytes
     from tinydist.runtime.cpu.loader import native_loader
 
     compiler = HostCompiler()

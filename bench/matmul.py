@@ -52,7 +52,8 @@ def _numpy_worker(sizes: list[int], repeats: int) -> dict[int, float]:
 def _tinydist_worker(sizes: list[int], repeats: int) -> dict[int, float]:
     sys.path.insert(0, str(REPO))
     from tinydist.codegen.compiler import HostCompiler
-    from tinydist.codegen.matmul import SIGNATURE, matmul_ir, workspace_bytes
+    from tinydist.codegen.matmul import SIGNATURE, matmul_ir
+    from tinydist.codegen.matmul_tiling import workspace_bytes
     from tinydist.runtime.cpu.loader import native_loader
 
     name = "bench_matmul_f32"

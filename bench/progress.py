@@ -28,7 +28,8 @@ from _common import Report, clock, median  # noqa: E402
 from tinydist.codegen.compile_cache import compile_kernel  # noqa: E402
 from tinydist.codegen.kernel import KernelAST, KNode, load  # noqa: E402
 from tinydist.codegen.lowering import lower  # noqa: E402
-from tinydist.codegen.matmul import SIGNATURE, matmul_ir, workspace_bytes  # noqa: E402
+from tinydist.codegen.matmul import SIGNATURE, matmul_ir  # noqa: E402
+from tinydist.codegen.matmul_tiling import workspace_bytes  # noqa: E402
 from tinydist.graph import dtypes  # noqa: E402
 from tinydist.graph.shape import ShapeTracker, View  # noqa: E402
 from tinydist.runtime.cpu.loader import native_loader  # noqa: E402

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from tinydist.codegen.compiler import HostCompiler
-from tinydist.codegen.matmul import (DEFAULT_TILINGS, PACK_B_SIGNATURE, SIGNATURE, StridedOperand, Tiling, matmul_ir,
-                                     pack_b_array, pack_b_ir, packed_b_elements, workspace_bytes)
+from tinydist.codegen.matmul import SIGNATURE, matmul_ir
+from tinydist.codegen.matmul_packing import PACK_B_SIGNATURE, pack_b_array, pack_b_ir
+from tinydist.codegen.matmul_tiling import DEFAULT_TILINGS, StridedOperand, Tiling, packed_b_elements, workspace_bytes
 from tinydist.runtime.cpu.loader import native_loader
 
 GUARD = 0xA5

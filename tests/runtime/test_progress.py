@@ -20,7 +20,7 @@ import pytest
 
 from tinydist.base.errors import DeviceHang
 from tinydist.codegen.compile_cache import compile_kernel
-from tinydist.codegen.matmul import DEFAULT_TILINGS, workspace_bytes
+from tinydist.codegen.matmul_tiling import DEFAULT_TILINGS, workspace_bytes
 from tinydist.graph import dtypes
 from tinydist.runtime.cpu import containment
 from tinydist.runtime.device import DeviceState

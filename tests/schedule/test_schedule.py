@@ -193,7 +193,8 @@ def test_matmul_is_one_matmul_call():
 
 def test_prepacked_matmul_reads_the_packed_weight_as_it_is():
     """A weight packed at load is the matmul's B buffer itself: no copy, no repacking workspace."""
-    from tinydist.codegen.matmul import pack_b_array, workspace_bytes
+    from tinydist.codegen.matmul_packing import pack_b_array
+    from tinydist.codegen.matmul_tiling import workspace_bytes
     from tinydist.frontend.functional import matmul_prepacked
     rng = np.random.default_rng(2)
     weight = rng.standard_normal((64, 300)).astype(np.float32)

@@ -73,7 +73,7 @@ def test_matmul_few_outputs_long_reduction(m, k, n):
 def test_matmul_prepacked_is_matmul(a_shape, n, dtype):
     """B packed once (as a weight at load) and multiplied by the packed kernel: the bits of the
     plain matmul (packing does not reorder the reduction), numpy's float64 product within rounding."""
-    from tinydist.codegen.matmul import pack_b_array
+    from tinydist.codegen.matmul_packing import pack_b_array
     from tinydist.frontend.functional import matmul_prepacked
     k = a_shape[-1]
     a, b = rand(a_shape, dtype), rand((k, n), dtype)
@@ -84,7 +84,7 @@ def test_matmul_prepacked_is_matmul(a_shape, n, dtype):
 
 
 def test_matmul_prepacked_refuses_what_it_cannot_read():
-    from tinydist.codegen.matmul import pack_b_array
+    from tinydist.codegen.matmul_packing import pack_b_array
     from tinydist.frontend.functional import matmul_prepacked
     a, b = rand((4, 5)), rand((5, 3))
     packed = td.Tensor(pack_b_array(b))

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from tinydist.codegen.kernel import KNode, KernelAST
-from tinydist.codegen.matmul import DEFAULT_TILINGS
+from tinydist.codegen.matmul_tiling import DEFAULT_TILINGS
 from tinydist.engine.commands import Launch, lower_call
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.device import Device

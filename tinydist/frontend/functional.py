@@ -14,7 +14,7 @@ import numpy as np
 
 from tinydist.base.config import settings
 from tinydist.base.errors import WorkTooLarge
-from tinydist.codegen.matmul import packed_b_elements
+from tinydist.codegen.matmul_tiling import packed_b_elements
 from tinydist.frontend.autograd import custom_gradient, no_grad
 from tinydist.frontend.tensor import Tensor, _normalize_axes
 from tinydist.graph import dtypes
@@ -90,7 +90,7 @@ def prepacked_matmul_applies(rows: int, k: int, n: int, dtype: dtypes.DType) -> 
 
 def matmul_prepacked(a: Tensor, packed: Tensor, k: int, n: int) -> Tensor:
     """a (…, M, K) @ B, B a constant K×N weight packed once at load by
-    `tinydist.codegen.matmul.pack_b_array` (`packed`: its 1-D result, uploaded): the native
+    `tinydist.codegen.matmul_packing.pack_b_array` (`packed`: its 1-D result, uploaded): the native
     kernel reads it as it is, where `matmul` would pack B again on every call. The same bits as
     `a.matmul(B)` (the packing does not change the reduction order). Host (CPU) devices only;
     no gradient flows into a packed weight, nor through this product."""
@@ -101,7 +101,7 @@ def matmul_prepacked(a: Tensor, packed: Tensor, k: int, n: int) -> Tensor:
                          f"got {a.dtype} and {packed.dtype}")
     if packed.shape != (packed_b_elements(k, n, a.dtype.name),):
         raise ValueError(f"matmul_prepacked: a packed {k}x{n} B has shape ({packed_b_elements(k, n, a.dtype.name)},), "
-                         f"got {packed.shape}: pack it with tinydist.codegen.matmul.pack_b_array")
+                         f"got {packed.shape}: pack it with tinydist.codegen.matmul_packing.pack_b_array")
     if a.device != packed.device:
         raise ValueError(f"matmul_prepacked: operands are on different devices: {a.device} and {packed.device}")
     count, m = math.prod(a.shape[:-2]), a.shape[-2]

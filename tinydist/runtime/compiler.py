@@ -41,7 +41,8 @@ from tinydist.codegen.copy import stream_copy_ir
 from tinydist.codegen.kernel import KernelAST, short_dtype
 from tinydist.codegen.lowering import lower
 from tinydist.codegen.matmul import SIGNATURE as MATMUL_SIGNATURE
-from tinydist.codegen.matmul import StridedOperand, matmul_ir, program_name
+from tinydist.codegen.matmul import matmul_ir, program_name
+from tinydist.codegen.matmul_tiling import StridedOperand
 from tinydist.codegen.parallel import entry_ir as parallel_entry_ir
 from tinydist.codegen.reduce import reduce_ir
 from tinydist.codegen.reduce import signature as reduce_signature

@@ -29,7 +29,7 @@ from tinydist.base.walk import Step, drive, postorder
 from tinydist.codegen import kernel as K
 from tinydist.codegen.kernel import KernelAST, KNode
 from tinydist.codegen.lowering import STREAMING_STORE_BYTES, VECTOR_BYTES
-from tinydist.codegen.matmul import StridedOperand, workspace_bytes
+from tinydist.codegen.matmul_tiling import StridedOperand, workspace_bytes
 from tinydist.graph import dtypes
 from tinydist.graph.collectives import shard_bounds
 from tinydist.graph.lazy import ELEMENTWISE, MAX_FUSED_OPS, TRANSCENDENTAL, LazyNode, Op

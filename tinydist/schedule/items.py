@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tinydist.codegen.kernel import KernelAST
-from tinydist.codegen.matmul import StridedOperand
+from tinydist.codegen.matmul_tiling import StridedOperand
 from tinydist.graph.dtypes import DType
 from tinydist.graph.shape import Shape
 
@@ -70,7 +70,7 @@ class MatmulCall(_ReadsItsInputs):
     device: str
     queue: str = "compute"
     strided: StridedOperand | None = None   # a or b is read through this view of its buffer
-    prepacked: bool = False                 # b is a weight packed at load (codegen.matmul.pack_b_array)
+    prepacked: bool = False                 # b is a weight packed at load (codegen.matmul_packing.pack_b_array)
 
     @property
     def inputs(self) -> tuple[int, ...]:

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from tinydist.codegen.matmul import pack_b_array
+from tinydist.codegen.matmul_packing import pack_b_array
 from tinydist.frontend.functional import conv2d, matmul_prepacked, prepacked_matmul_applies
 from tinydist.frontend.tensor import Tensor, cat, stack
 from tinydist.graph import dtypes

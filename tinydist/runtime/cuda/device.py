@@ -37,7 +37,7 @@ from tinydist.base.config import settings
 from tinydist.base.errors import CompileError, DeviceError, DeviceUnavailable
 from tinydist.codegen import ptx
 from tinydist.codegen.kernel import KernelAST
-from tinydist.codegen.matmul import StridedOperand
+from tinydist.codegen.matmul_tiling import StridedOperand
 from tinydist.graph.dtypes import DType
 from tinydist.runtime.allocator import Allocator
 from tinydist.runtime.compiler import DeviceCompiler

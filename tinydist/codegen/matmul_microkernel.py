@@ -1,0 +1,110 @@
+"""The matmul's micro-kernel: an MR×NR tile of C held in vector registers over a KC-long panel
+of A and B, one `llvm.fma` per vector per step of k (on AVX-512 at MR=8, NR=32: 2 aligned
+vmovaps, 8 vbroadcastss and 16 vfmadd231ps zmm per step, nothing spilled), with masked loads and
+stores of C only on an edge tile. The loops around it are the driver's (`tinydist.codegen.matmul`).
+"""
+
+from __future__ import annotations
+
+import llvmlite.ir as ir
+
+from tinydist.codegen.matmul_emit import I32, I64, PTR, MatmulModule, define, i64
+from tinydist.codegen.matmul_tiling import ALIGN
+
+
+def micro_kernel(m: MatmulModule, rows: int, panels: int = 1, direct: bool = False) -> ir.Function:
+    """C[0:rows, 0:cols] (+)= Apanel @ Bpanels, the tile held in rows × panels·NR/V registers.
+
+    a: an MR-tall packed micro-panel (a[k*MR + i], rows ≥ `rows` unused; A is packed even for
+    M <= MR, where it costs 1/N of the multiply-adds: strides known at compile time keep the
+    row addresses out of the hot loop, which with run-time strides became a chain of adds as
+    long as the FMAs and compiled the module in 0.78 s instead of 0.49). b: `panels` NR-wide
+    micro-panels side by side, panel p's row k at b[p*pstride + k*ldb]: packed (ldb = NR,
+    pstride = kc*NR, 64-byte aligned, zero-padded past the operand's last column) or, `direct`,
+    B itself (ldb = N, pstride = NR). c: the tile, leading dimension ldc; accumulate: start
+    from C, not zero. Columns ≥ `cols` are neither read nor written (masked vector loads and
+    stores): an edge tile needs no buffer and no scalar loop, and nothing past B's last
+    column is read. Several panels give a tile of few rows enough independent FMA chains to
+    cover the FMA latency (one row × one panel is 2 chains: a quarter of the FMA rate).
+    """
+    mr, nv, lanes = rows, panels * m.t.nr // m.lanes, m.lanes
+    per_panel = m.t.nr // lanes
+    fn, b = define(m.module, f"{m.name}.kernel{rows}x{panels}{'d' if direct else ''}",
+                    [("kc", I64), ("a", PTR), ("b", PTR), ("ldb", I64), ("pstride", I64),
+                     ("c", PTR), ("ldc", I64), ("accumulate", ir.IntType(1)), ("cols", I64)])
+    kc, a_panel, b_panel, ldb, pstride, c, ldc, accumulate, cols = fn.args
+    # Keep LLVM from inlining this into the loop nest: a standalone function gets the whole
+    # register file for the tile, and the hot loop's layout does not depend on the callers.
+    fn.attributes.add("noinline")
+    lane_type = ir.VectorType(I64, lanes)
+    splat_cols = b.shuffle_vector(b.insert_element(ir.Constant(lane_type, ir.Undefined), cols, i64(0)),
+                                  ir.Constant(lane_type, ir.Undefined), ir.Constant(ir.VectorType(I32, lanes), None))
+    masks = [b.icmp_signed("<", ir.Constant(lane_type, [v * lanes + j for j in range(lanes)]), splat_cols)
+             for v in range(nv)]
+    panel_starts = [b.at(b_panel, b.mul(i64(p), pstride), m.elem) for p in range(panels)]
+    zero = ir.Constant(m.vec, None)
+
+    def c_row(i: int) -> ir.Value:
+        return b.at(c, b.mul(i64(i), ldc), m.elem)
+
+    # C moves with masked loads and stores only at an edge: a full tile's are plain ones
+    # (12x64x32x64, kc = 32: all moves masked ran 67 GFLOP/s median, plain full-tile moves 134, in
+    # runs minutes apart on the loaded 2-core machine; the old kernel ran 92-142 alongside them).
+    full = b.icmp_signed("==", cols, i64(nv * lanes))
+    blocks = {n: fn.append_basic_block(n) for n in ("load_c", "load_full", "load_masked", "zero_c", "loop")}
+    b.cbranch(accumulate, blocks["load_c"], blocks["zero_c"])
+    b.position_at_end(blocks["load_c"])
+    b.cbranch(full, blocks["load_full"], blocks["load_masked"])
+    starts: dict[str, list[list[ir.Value]]] = {}
+    for name, masked in (("load_full", False), ("load_masked", True)):
+        b.position_at_end(blocks[name])
+        starts[name] = [[m.masked_load(b, b.at(c_row(i), i64(v * lanes), m.elem), masks[v]) if masked
+                         else b.load(b.at(c_row(i), i64(v * lanes), m.elem), typ=m.vec, align=m.itemsize)
+                         for v in range(nv)] for i in range(mr)]
+        b.branch(blocks["loop"])
+    b.position_at_end(blocks["zero_c"])
+    starts["zero_c"] = [[zero] * nv for _ in range(mr)]
+    b.branch(blocks["loop"])
+
+    b.position_at_end(blocks["loop"])
+    k = b.phi(I64, name="k")
+    acc = [[b.phi(m.vec, name=f"c{i}_{v}") for v in range(nv)] for i in range(mr)]
+    for name, values in starts.items():
+        k.add_incoming(i64(0), blocks[name])
+        for i in range(mr):
+            for v in range(nv):
+                acc[i][v].add_incoming(values[i][v], blocks[name])
+    b_rows = [b.at(start, b.mul(k, ldb), m.elem) for start in panel_starts]
+    b_addresses = [b.at(b_rows[v // per_panel], i64(v % per_panel * lanes), m.elem) for v in range(nv)]
+    if direct or panels > 1:   # a panel may lie (partly) past B's last column
+        b_vecs = [m.masked_load(b, address, mask) for address, mask in zip(b_addresses, masks)]
+    else:
+        b_vecs = [b.load(address, typ=m.vec, align=ALIGN) for address in b_addresses]
+    a_col = b.at(a_panel, b.mul(k, i64(m.t.mr)), m.elem)
+    new_acc = []
+    for i in range(mr):
+        a_scalar = b.load(b.at(a_col, i64(i), m.elem), typ=m.elem, align=m.itemsize)
+        splat = b.shuffle_vector(b.insert_element(ir.Constant(m.vec, ir.Undefined), a_scalar, i64(0)),
+                                 ir.Constant(m.vec, ir.Undefined), ir.Constant(ir.VectorType(I32, lanes), None))
+        new_acc.append([b.call(m.fma, [splat, b_vecs[v], acc[i][v]]) for v in range(nv)])
+    k_next = b.add(k, i64(1), name="k.next")
+    for i in range(mr):
+        for v in range(nv):
+            acc[i][v].add_incoming(new_acc[i][v], b.block)
+    k.add_incoming(k_next, b.block)
+    store = fn.append_basic_block("store")
+    b.cbranch(b.icmp_signed("<", k_next, kc), blocks["loop"], store)
+
+    b.position_at_end(store)
+    with b.if_else(full, likely=True) as (whole, edge):
+        with whole:
+            for i in range(mr):
+                for v in range(nv):
+                    b.store(new_acc[i][v], b.at(c_row(i), i64(v * lanes), m.elem), align=m.itemsize)
+        with edge:
+            for i in range(mr):
+                for v in range(nv):
+                    b.call(m.masked_store, [new_acc[i][v], b.at(c_row(i), i64(v * lanes), m.elem),
+                                               ir.Constant(I32, m.itemsize), masks[v]])
+    b.ret_void()
+    return fn

@@ -1,0 +1,227 @@
+"""The matmul's packing: A into MR-tall and B into NR-wide micro-panels, the layout the
+micro-kernel reads with aligned vector loads (B zero-padded past its last column).
+
+- `pack_a` / `pack_b`: one MC×KC block of A, one KC×NC block of B, per call of the driver's loops;
+- `pack_a_gathered` / `pack_b_gathered`: the same from a `StridedOperand` (e.g. a convolution's
+  im2col columns over its padded input), through tables of row and column offsets
+  (`offset_table`) the driver fills in the workspace first, so the matrix is never written out;
+- `pack_b_ir` / `pack_b_array`: a whole constant B (a weight) packed once at load, in native code
+  or in numpy, bit for bit the same; `packed_block` finds a block in it.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import ExitStack
+
+import llvmlite.ir as ir
+import numpy as np
+
+from tinydist.codegen.matmul_emit import I32, I64, PTR, Builder, MatmulModule, define, i64
+from tinydist.codegen.matmul_tiling import ALIGN, DEFAULT_TILINGS, Axes, Tiling, itemsize, packed_b_elements, round_up
+
+PACK_B_SIGNATURE = ("w", "r", "i64", "i64")
+
+
+def pack_a(m: MatmulModule) -> ir.Function:
+    """dst[p*kc*MR + k*MR + i] = src[(p*MR + i)*lda + k] for a mc×kc block; rows ≥ mc are zero."""
+    mr = m.t.mr
+    fn, b = define(m.module, f"{m.name}.pack_a",
+                    [("dst", PTR), ("src", PTR), ("lda", I64), ("mc", I64), ("kc", I64)])
+    dst, src, lda, mc, kc = fn.args
+    full_panels_end = b.mul(b.sdiv(mc, i64(mr)), i64(mr))
+    with b.loop(i64(0), full_panels_end, mr, "p") as p:
+        # MR row streams read in step, written as one contiguous MR-wide column per k.
+        panel = b.at(dst, b.mul(p, kc), m.elem)
+        rows = [b.at(src, b.mul(b.add(p, i64(i)), lda), m.elem) for i in range(mr)]
+        with b.loop(i64(0), kc, 1, "k") as k:
+            column = b.at(panel, b.mul(k, i64(mr)), m.elem)
+            for i in range(mr):
+                value = b.load(b.at(rows[i], k, m.elem), typ=m.elem, align=m.itemsize)
+                b.store(value, b.at(column, i64(i), m.elem), align=m.itemsize)
+    rest = b.sub(mc, full_panels_end)
+    with b.if_then(b.icmp_signed(">", rest, i64(0))):
+        panel = b.at(dst, b.mul(full_panels_end, kc), m.elem)
+        m.zero_fill(b, panel, b.mul(kc, i64(mr)))
+        with b.loop(i64(0), rest, 1, "i") as i:
+            row = b.at(src, b.mul(b.add(full_panels_end, i), lda), m.elem)
+            with b.loop(i64(0), kc, 1, "k") as k:
+                value = b.load(b.at(row, k, m.elem), typ=m.elem, align=m.itemsize)
+                b.store(value, b.at(panel, b.add(b.mul(k, i64(mr)), i), m.elem), align=m.itemsize)
+    b.ret_void()
+    return fn
+
+
+def pack_b(m: MatmulModule) -> ir.Function:
+    """dst[q*kc*NR + k*NR + j] = src[k*ldb + q*NR + j] for a kc×nc block; columns ≥ nc are zero."""
+    nr, lanes = m.t.nr, m.lanes
+    fn, b = define(m.module, f"{m.name}.pack_b",
+                    [("dst", PTR), ("src", PTR), ("ldb", I64), ("kc", I64), ("nc", I64)])
+    dst, src, ldb, kc, nc = fn.args
+    full_panels_end = b.mul(b.sdiv(nc, i64(nr)), i64(nr))
+    with b.loop(i64(0), full_panels_end, nr, "q") as q:
+        panel = b.at(dst, b.mul(q, kc), m.elem)
+        with b.loop(i64(0), kc, 1, "k") as k:
+            row = b.at(src, b.add(b.mul(k, ldb), q), m.elem)
+            out = b.at(panel, b.mul(k, i64(nr)), m.elem)
+            for v in range(nr // lanes):
+                value = b.load(b.at(row, i64(v * lanes), m.elem), typ=m.vec, align=m.itemsize)
+                b.store(value, b.at(out, i64(v * lanes), m.elem), align=ALIGN)
+    rest = b.sub(nc, full_panels_end)
+    with b.if_then(b.icmp_signed(">", rest, i64(0))):
+        panel = b.at(dst, b.mul(full_panels_end, kc), m.elem)
+        m.zero_fill(b, panel, b.mul(kc, i64(nr)))
+        with b.loop(i64(0), kc, 1, "k") as k:
+            row = b.at(src, b.add(b.mul(k, ldb), full_panels_end), m.elem)
+            out = b.at(panel, b.mul(k, i64(nr)), m.elem)
+            with b.loop(i64(0), rest, 1, "j") as j:
+                value = b.load(b.at(row, j, m.elem), typ=m.elem, align=m.itemsize)
+                b.store(value, b.at(out, j, m.elem), align=m.itemsize)
+    b.ret_void()
+    return fn
+
+
+def pack_a_gathered(m: MatmulModule) -> ir.Function:
+    """pack_a from a strided operand: row r starts at src[rows[r]], its column k is at
+    [cols[k]] from there (the tables are offset to this block's first row and column)."""
+    mr = m.t.mr
+    fn, b = define(m.module, f"{m.name}.pack_a_gathered",
+                    [("dst", PTR), ("src", PTR), ("rows", PTR), ("cols", PTR), ("mc", I64), ("kc", I64)])
+    dst, src, rows, cols, mc, kc = fn.args
+
+    def row_start(r: ir.Value) -> ir.Value:
+        return b.at(src, b.sext(b.load(b.at(rows, r, I32), typ=I32), I64), m.elem)
+
+    def element(row: ir.Value, k: ir.Value) -> ir.Value:
+        column = b.sext(b.load(b.at(cols, k, I32), typ=I32), I64)
+        return b.load(b.at(row, column, m.elem), typ=m.elem, align=m.itemsize)
+
+    # Every KC block starts on a multiple of KC and K is a multiple of the run, so a block's
+    # columns come in whole pieces of `chunk` consecutive ones: one table lookup per piece.
+    assert m.strided is not None
+    chunk = math.gcd(m.strided.run, m.t.kc)
+    full_panels_end = b.mul(b.sdiv(mc, i64(mr)), i64(mr))
+    with b.loop(i64(0), full_panels_end, mr, "p") as p:
+        panel = b.at(dst, b.mul(p, kc), m.elem)
+        starts = [row_start(b.add(p, i64(i))) for i in range(mr)]
+        with b.loop(i64(0), kc, chunk, "k") as k:
+            # MR rows × chunk columns: one vector load per row, transposed in registers into
+            # chunk MR-wide columns
+            column = b.sext(b.load(b.at(cols, k, I32), typ=I32), I64)
+            piece = ir.VectorType(m.elem, chunk)
+            loaded = [b.load(b.at(starts[i], column, m.elem), typ=piece, align=m.itemsize) for i in range(mr)]
+            for kk in range(chunk):
+                out = ir.Constant(ir.VectorType(m.elem, mr), ir.Undefined)
+                for i in range(mr):
+                    out = b.insert_element(out, b.extract_element(loaded[i], i64(kk)), i64(i))
+                b.store(out, b.at(panel, b.mul(b.add(k, i64(kk)), i64(mr)), m.elem), align=m.itemsize)
+    rest = b.sub(mc, full_panels_end)
+    with b.if_then(b.icmp_signed(">", rest, i64(0))):
+        panel = b.at(dst, b.mul(full_panels_end, kc), m.elem)
+        m.zero_fill(b, panel, b.mul(kc, i64(mr)))
+        with b.loop(i64(0), rest, 1, "i") as i:
+            start = row_start(b.add(full_panels_end, i))
+            with b.loop(i64(0), kc, 1, "k") as k:
+                b.store(element(start, k), b.at(panel, b.add(b.mul(k, i64(mr)), i), m.elem), align=m.itemsize)
+    b.ret_void()
+    return fn
+
+
+def pack_b_gathered(m: MatmulModule) -> ir.Function:
+    """pack_b from a strided operand (tables as pack_a_gathered's). A full micro-panel is
+    copied in pieces of `chunk` columns, consecutive in memory (the view's innermost run,
+    e.g. one output row of a convolution): one column-table lookup per piece and row."""
+    assert m.strided is not None
+    nr = m.t.nr
+    chunk = math.gcd(m.strided.run, nr)
+    piece = ir.VectorType(m.elem, chunk) if chunk > 1 else m.elem
+    fn, b = define(m.module, f"{m.name}.pack_b_gathered",
+                    [("dst", PTR), ("src", PTR), ("rows", PTR), ("cols", PTR), ("kc", I64), ("nc", I64)])
+    dst, src, rows, cols, kc, nc = fn.args
+
+    def row_start(k: ir.Value) -> ir.Value:
+        return b.at(src, b.sext(b.load(b.at(rows, k, I32), typ=I32), I64), m.elem)
+
+    def column(j: ir.Value) -> ir.Value:
+        return b.sext(b.load(b.at(cols, j, I32), typ=I32), I64)
+
+    full_panels_end = b.mul(b.sdiv(nc, i64(nr)), i64(nr))
+    with b.loop(i64(0), full_panels_end, nr, "q") as q:
+        panel = b.at(dst, b.mul(q, kc), m.elem)
+        pieces = [column(b.add(q, i64(r))) for r in range(0, nr, chunk)]
+        with b.loop(i64(0), kc, 1, "k") as k:
+            row = row_start(k)
+            out = b.at(panel, b.mul(k, i64(nr)), m.elem)
+            for r, offset in zip(range(0, nr, chunk), pieces):
+                value = b.load(b.at(row, offset, m.elem), typ=piece, align=m.itemsize)
+                b.store(value, b.at(out, i64(r), m.elem), align=m.itemsize)
+    rest = b.sub(nc, full_panels_end)
+    with b.if_then(b.icmp_signed(">", rest, i64(0))):
+        panel = b.at(dst, b.mul(full_panels_end, kc), m.elem)
+        m.zero_fill(b, panel, b.mul(kc, i64(nr)))
+        with b.loop(i64(0), kc, 1, "k") as k:
+            row = row_start(k)
+            out = b.at(panel, b.mul(k, i64(nr)), m.elem)
+            with b.loop(i64(0), rest, 1, "j") as j:
+                value = b.load(b.at(row, column(b.add(full_panels_end, j)), m.elem), typ=m.elem, align=m.itemsize)
+                b.store(value, b.at(out, j, m.elem), align=m.itemsize)
+    b.ret_void()
+    return fn
+
+
+def offset_table(m: MatmulModule, b: Builder, dst: ir.Value, axes: Axes, base: int) -> None:
+    """dst[i] = base + Σ index_d·stride_d, i running over the axes in row-major order (int32)."""
+    with ExitStack() as nest:
+        flat, offset = i64(0), i64(base)
+        for d, (size, stride) in enumerate(axes):
+            index = nest.enter_context(b.loop(i64(0), i64(size), 1, f"table{d}"))
+            flat = b.add(b.mul(flat, i64(size)), index)
+            offset = b.add(offset, b.mul(index, i64(stride)))
+        b.store(b.trunc(offset, I32), b.at(dst, flat, I32), align=4)
+
+
+def packed_block(m: MatmulModule, b: Builder, packed: ir.Value, jc: ir.Value, pc: ir.Value, nc: ir.Value, K: ir.Value) -> ir.Value:
+    """Where block (jc, pc) starts in a prepacked B: the jc blocks before it are NC wide and
+    K tall (jc·K elements), then pc rows of this block's micro-panels (rounded to NR)."""
+    nc_padded = b.mul(b.sdiv(b.add(nc, i64(m.t.nr - 1)), i64(m.t.nr)), i64(m.t.nr))
+    return b.at(packed, b.add(b.mul(jc, K), b.mul(pc, nc_padded)), m.elem)
+
+
+def pack_b_array(b: np.ndarray, tiling: Tiling | None = None) -> np.ndarray:
+    """numpy's spelling of `pack_b_ir` (the same elements, bit for bit; a test compares): a
+    constant K×N float32/float64 B packed at load, without compiling anything, as a 1-D array
+    of `packed_b_elements(K, N)` elements. The kernel reads it with aligned vector loads: pass
+    it at a 64-byte boundary (a device buffer is; a numpy array need not be)."""
+    K, N = b.shape
+    t = tiling or DEFAULT_TILINGS[str(b.dtype)]
+    packed = np.zeros(packed_b_elements(K, N, str(b.dtype), t), b.dtype)
+    for jc in range(0, N, t.nc):
+        nc = min(N - jc, t.nc)
+        padded = np.zeros((K, round_up(nc, t.nr)), b.dtype)
+        padded[:, :nc] = b[:, jc:jc + nc]
+        for pc in range(0, K, t.kc):
+            kc = min(K - pc, t.kc)
+            # micro-panel q holds columns q*NR..q*NR+NR-1 of rows pc..pc+kc-1, row after row
+            panels = padded[pc:pc + kc].reshape(kc, -1, t.nr).transpose(1, 0, 2).reshape(-1)
+            start = jc * K + pc * padded.shape[1]
+            packed[start:start + panels.size] = panels
+    return packed
+
+
+def pack_b_ir(name: str, dtype: str = "float32", tiling: Tiling | None = None) -> str:
+    """LLVM IR text defining ``void @<name>(ptr dst, ptr B, i64 K, i64 N)``: row-major K×N B
+    packed into `packed_b_elements(K, N)` elements at dst (64-byte aligned), the operand a
+    prepacked `matmul_ir` with the same tiling reads. A weight is packed so once, not per call."""
+    itemsize(dtype)
+    m = MatmulModule(name, dtype, tiling or DEFAULT_TILINGS[dtype], None)
+    pack = pack_b(m)
+    t = m.t
+    fn, b = define(m.module, m.name, [("dst", PTR), ("src", PTR), ("K", I64), ("N", I64)], internal=False)
+    dst, src, K, N = fn.args
+    with b.loop(i64(0), N, t.nc, "jc") as jc:
+        nc = b.min(b.sub(N, jc), i64(t.nc))
+        with b.loop(i64(0), K, t.kc, "pc") as pc:
+            kc = b.min(b.sub(K, pc), i64(t.kc))
+            b.call(pack, [packed_block(m, b, dst, jc, pc, nc, K), b.at(src, b.add(b.mul(pc, N), jc), m.elem), N, kc, nc])
+    b.ret_void()
+    return str(m.module)
