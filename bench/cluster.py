@@ -6,8 +6,9 @@ joined by a veth pair (tests/cluster/netns.py), plus the simulated-cluster scali
 
 The 2x2 hierarchical case: one node process per host, 2 CPU devices each (4 devices, 2 peer
 groups). At join the job's probe (tinydist.scheduler.probe) measures every link: the one between
-the hosts (ping-pong of 8 B and 1 MiB over the veth: TCP, or the modelled RDMA NIC with --between
-rdma) and each process's in-process "mem" link; the planner prices every plan on those. For each
+the hosts (exchanges of 8 B and 16 MiB over the veth: TCP, or the modelled RDMA NIC with --between
+rdma), each process's in-process "mem" link (its allreduce and copy back), and what one dist call
+costs beyond its links' steps; the planner prices every plan on those. For each
 plan the planner can run between the hosts (hierarchical with each across-hosts algorithm; the
 flat ring is modelled only: it is not executable between multi-device processes) the job runs the
 allreduce `--repeats` times after a warm-up (median, every rank starting at a barrier) and, to show
@@ -54,6 +55,7 @@ if rank == 0:
     links = [{"a": a, "b": b, "kind": m.kind, "alpha_s": m.alpha, "beta_s_per_byte": m.beta}
              for (a, b), m in sorted(topo.measured.items())]
     print("LINKS " + json.dumps(links), flush=True)
+    print("CALL " + json.dumps({"alpha_s": topo.call.alpha, "beta_s_per_byte": topo.call.beta}), flush=True)
 
 def timed(fn):
     dist.barrier()
@@ -92,8 +94,9 @@ job.close()
 '''
 
 
-def run_two_hosts(sizes: str, repeats: int, between: str) -> tuple[list[dict], list[dict], str]:
-    """The 2x2 job on two namespace hosts: (measured links, one result per size and plan, load)."""
+def run_two_hosts(sizes: str, repeats: int, between: str) -> tuple[list[dict], dict, list[dict], str]:
+    """The 2x2 job on two namespace hosts: (measured links, the dist call's own cost, one result per
+    size and plan, load)."""
     from tests.cluster import netns
     from tests.cluster.helpers import Output, env
     from tinydist.security import pki
@@ -131,7 +134,8 @@ def run_two_hosts(sizes: str, repeats: int, between: str) -> tuple[list[dict], l
         load = " ".join(f"{x:.2f}" for x in os.getloadavg())
         lines = outs[0].lines
         links = json.loads(next(line for line in lines if line.startswith("LINKS "))[6:])
-        return links, [json.loads(line[7:]) for line in lines if line.startswith("RESULT ")], load
+        call = json.loads(next(line for line in lines if line.startswith("CALL "))[5:])
+        return links, call, [json.loads(line[7:]) for line in lines if line.startswith("RESULT ")], load
 
 
 def _ms(seconds: float) -> str:
@@ -152,14 +156,16 @@ def main() -> int:
         print(f"bench/cluster.py needs two network-namespace hosts: {reason}")
         return 2
     start_load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    links, results, end_load = run_two_hosts(args.sizes, args.repeats, args.between)
+    links, call, results, end_load = run_two_hosts(args.sizes, args.repeats, args.between)
     print(f"cpus: {os.cpu_count()}; load {start_load} at start, {end_load} at end; 2 hosts (network namespaces, "
           f"veth) x 1 node x 2 CPU devices; float32 sum; median of {args.repeats} after 1 warm-up")
-    print("links measured by the probe at join (tinydist.scheduler.probe: exchanges, in-process allreduces, at 8 B for α "
-          "and 4 MiB for β):")
+    print("links measured by the probe at join (tinydist.scheduler.probe: exchanges between the hosts, in-process "
+          "allreduce + copy back, at 8 B for α and 16 MiB for β):")
     for link in links:
         print(f"  {link['a']} - {link['b']}: {link['kind']} α={link['alpha_s'] * 1e6:.1f} µs, "
               f"β={link['beta_s_per_byte'] * 1e9:.3f} ns/B ({1 / link['beta_s_per_byte'] / 1e9:.2f} GB/s)")
+    print(f"  one dist call beyond its links' steps (naive dist.all_reduce at 8 B and 16 MiB, less the exchange model): "
+          f"α_c={call['alpha_s'] * 1e6:.1f} µs, β_c={call['beta_s_per_byte'] * 1e9:.3f} ns/B")
     print("| size | plan | chosen | predicted | measured | measured/predicted | stages predicted (in / across / back) "
           "| stages measured alone (in / across / back) |")
     print("|---|---|---|---|---|---|---|---|")

@@ -25,7 +25,7 @@ import numpy as np
 
 from tinydist.scheduler.errors import ClusterError, CoordinatorLost, NodeFailed
 from tinydist.scheduler.node import Credentials, NodeAgent
-from tinydist.scheduler.plan import Plan, plan_allreduce
+from tinydist.scheduler.plan import Plan, calibrate_call, plan_allreduce
 from tinydist.scheduler.topology import LinkModel, Topology
 from tinydist.base.logs import get_logger
 from tinydist.graph.collectives import AUTO
@@ -83,13 +83,15 @@ class ClusterJob:
         return [m.node.node_id for m in sorted(self.agent.table.values(), key=lambda m: m.node.rank)]
 
     def measure_links(self) -> None:
-        """Measure every link (all ranks), report them to the coordinator, plan on the measurements."""
+        """Measure every link and what a dist call costs beyond them (all ranks), report the links to
+        the coordinator, plan on the measurements."""
         from tinydist.scheduler.probe import measure_links
-        records = measure_links(self.node_ids(), devices=self.devices)
-        self.agent.report_links([r for r in records if r.src == self.agent.node_id])
+        measured = measure_links(self.node_ids(), devices=self.devices)
+        self.agent.report_links([r for r in measured.links if r.src == self.agent.node_id])
         topo = self.topology()
-        for r in records:
+        for r in measured.links:
             topo.set_measured(r.src, r.dst, LinkModel(r.kind, r.latency_s, 1.0 / r.bandwidth_bps))
+        topo.call = calibrate_call(topo, self.world_size, measured.call_small, measured.call_large)
         self._plans.clear()
 
     def topology(self) -> Topology:

@@ -9,13 +9,22 @@ An allreduce over the cluster's devices is planned in up to three stages:
 
 and compared with a flat ring over every device. Each candidate's modelled time comes from the
 links it uses (the slowest one bounds each stage); the cheapest executable candidate wins. With
-n bytes, g devices per group, G groups, link (α, β, o):
+n bytes, g devices per group, G groups, link (α, β, o) and the dist call's own cost c (α_c, β_c):
 
   in group     naive   (g-1)·(α + nβ)                ring  2(g-1)·(α + nβ/g)
   across       naive   α + (G-1)·nβ + (G-1)·o        ring  2(G-1)·(α + nβ/G)
                all2all 2·(α + (G-1)·o) + 2(G-1)/G·nβ
+               each of them + α_c + nβ_c             (one tinydist.dist call: headers, guard, result)
   back         α + g·nβ          (scheduler.execute copies the host result to every device, the leader's too)
   flat ring    2(D-1)·(α + nβ/D) over D devices, (α, β) of the slowest link on the ring
+
+Every term is measured at join (scheduler.probe): each link's α and β by an exchange between the
+two ranks (8 B and 16 MiB), the in-process link by stages 1 and 3 as execute runs them, and c by
+`calibrate_call`: a real naive dist.all_reduce at 8 B and 16 MiB, less what its links' steps
+explain. Why c: on two network-namespace hosts (bench/cluster.py, 2 shared cores) a 2-rank
+dist.all_reduce of 8 B took 0.75 ms where one exchange took 0.32 ms (the header exchange is a
+second round trip), and of 16 MiB 24.6 ms where the exchange took 17.3 ms (a fresh result, its
+copy out); without it every across stage was predicted 1.4-2.3x too fast.
 
 `Plan.explain()` prints the stages, the links, each candidate's modelled time and why the winner
 won; planning logs one `scheduler.plan` line.
@@ -28,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tinydist.scheduler.errors import PlanError
-from tinydist.scheduler.topology import LinkModel, PeerGroup, Topology
+from tinydist.scheduler.topology import NO_CALL, LinkModel, PeerGroup, Topology
 from tinydist.base.logs import get_logger
 from tinydist.graph import collectives
 from tinydist.graph.collectives import AUTO, LEGAL, Algorithm, Medium, check, choose
@@ -130,14 +139,31 @@ def intra_cost(algorithm: str, g: int, n: float, link: LinkModel) -> float:
     return 2 * (g - 1) * link.time(n / g)
 
 
-def inter_cost(algorithm: str, G: int, n: float, link: LinkModel) -> float:
+def inter_cost(algorithm: str, G: int, n: float, link: LinkModel, call: LinkModel = NO_CALL) -> float:
+    """The across-groups stage: `algorithm`'s steps over `link`, plus one dist call's own cost `call`."""
     if G <= 1:
         return 0.0
     if algorithm == "naive":
-        return link.alpha + (G - 1) * n * link.beta + (G - 1) * link.overhead
-    if algorithm == "ring":
-        return 2 * (G - 1) * link.time(n / G)
-    return 2 * (link.alpha + (G - 1) * link.overhead) + 2 * (G - 1) / G * n * link.beta
+        steps = link.alpha + (G - 1) * n * link.beta + (G - 1) * link.overhead
+    elif algorithm == "ring":
+        steps = 2 * (G - 1) * link.time(n / G)
+    else:
+        steps = 2 * (link.alpha + (G - 1) * link.overhead) + 2 * (G - 1) / G * n * link.beta
+    return steps + call.time(n)
+
+
+def calibrate_call(topology: Topology, world: int, small: tuple[int, float], large: tuple[int, float]) -> LinkModel:
+    """A tinydist.dist call's own cost (α_c per call, β_c per byte) from a naive all_reduce over
+    `world` ranks timed at two sizes, `(bytes, seconds)` each: what the naive steps over the slowest
+    measured link between the ranks do not explain. Negative leftovers (noise) count as zero."""
+    nodes = topology.live_nodes
+    link = topology.slowest((a, b) for i, a in enumerate(nodes) for b in nodes[i + 1:])
+    if world <= 1 or link is None:
+        return NO_CALL
+    (n0, t0), (n1, t1) = small, large
+    rest0, rest1 = (max(t - inter_cost("naive", world, n, link), 0.0) for n, t in ((n0, t0), (n1, t1)))
+    beta = max(rest1 - rest0, 0.0) / (n1 - n0)
+    return LinkModel("call", max(rest0 - n0 * beta, 0.0), beta)
 
 
 def broadcast_cost(g: int, n: float, link: LinkModel) -> float:
@@ -221,7 +247,7 @@ def plan_allreduce(topology: Topology, nbytes: int, *, executable: bool = True, 
         if G > 1 and algorithm is not Algorithm.RING and not mesh_ok:
             continue
         link = ring_link if algorithm is Algorithm.RING else mesh_link
-        inter_s[algorithm] = inter_cost(algorithm, G, nbytes, link) if link else 0.0
+        inter_s[algorithm] = inter_cost(algorithm, G, nbytes, link, topology.call) if link else 0.0
     candidates = {f"hierarchical/{a}": base + seconds for a, seconds in inter_s.items()}
     flat_link = intra if ring_link is None else max([intra, ring_link], key=lambda m: (m.beta, m.alpha))  # None: one group
     candidates["flat-ring"] = flat_ring_cost(D, nbytes, flat_link)
@@ -244,7 +270,8 @@ def plan_allreduce(topology: Topology, nbytes: int, *, executable: bool = True, 
         stages = [Stage("reduce-in-group", best_intra.value, intra, g, intra_cost(best_intra, g, nbytes, intra),
                         "tinydist.multi.allreduce" if all(len(grp.nodes) == 1 for grp in order) else "in-process + shared memory"),
                   Stage("allreduce-across-groups", algorithm.value if G > 1 else "none", link, G,
-                        inter_cost(algorithm, G, nbytes, link) if link else 0.0, "tinydist.dist between group leaders"),
+                        inter_cost(algorithm, G, nbytes, link, topology.call) if link else 0.0,
+                        "tinydist.dist between group leaders"),
                   Stage("broadcast-in-group", "direct", intra, g, bcast, "leader's result copied to each device")]
         strategy = "hierarchical"
     # the why compares the winner with what it was chosen from (the flat ring only when executable is

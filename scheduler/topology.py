@@ -9,6 +9,11 @@ BNXT RDMA where both ends have it).
 Every link kind has an α–β model (`LinkModel`): sending n bytes costs α + n·β, and each extra
 message a sender injects at once costs `overhead` (the per-message gap). Defaults are rough
 figures; measured values (`tinydist.scheduler.probe`, reported to the coordinator) replace them per pair.
+
+`Topology.call` is what one tinydist.dist collective costs on top of its links' steps: the header
+exchange that opens every call, its timeout guard, and the result's allocation and copy out (α per
+call, β per byte of the tensor). Measured at join (`tinydist.scheduler.plan.calibrate_call`); zero
+in a topology nobody measured (the simulated cluster).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ DEFAULT_LINKS: dict[str, LinkModel] = {
     "rdma_bnxt": LinkModel("rdma_bnxt", 5e-6, 1 / 12.5e9, 1e-6),
     "tcp": LinkModel("tcp", 5e-5, 1 / 1.25e9, 1e-5),
 }
+NO_CALL = LinkModel("call", 0.0, 0.0)
 
 
 @dataclass
@@ -89,6 +95,7 @@ class Topology:
     dead_links: set[tuple[str, str]] = field(default_factory=set)
     defaults: dict[str, LinkModel] = field(default_factory=lambda: dict(DEFAULT_LINKS))
     epoch: int = 0
+    call: LinkModel = NO_CALL        # one tinydist.dist call's own cost (module docstring)
 
     def __post_init__(self) -> None:
         self.nodes = sorted(self.nodes, key=lambda n: n.rank)

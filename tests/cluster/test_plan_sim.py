@@ -8,7 +8,7 @@ from tinydist.scheduler.errors import MembershipError, NodeFailed, PlanError
 from tinydist.scheduler.membership import Membership
 from tinydist.scheduler.plan import plan_allreduce
 from tinydist.scheduler.sim import SimCluster, format_table, scaling_table
-from tinydist.scheduler.topology import NodeSpec, Topology
+from tinydist.scheduler.topology import LinkModel, NodeSpec, Topology
 
 
 def topo(nodes: int, devices: int = 2, per_host: int = 1) -> Topology:
@@ -101,15 +101,80 @@ def test_simulated_kill_fails_survivors_naming_node_then_replans():
 
 
 def test_probe_fit_inverts_the_planners_stage_costs():
-    """What the probe fits from its two timings (8 B and 4 MiB) is what the planner's formula needs to
-    give those timings back: (g-1)(α + nβ) in a process of g devices, α + nβ for one exchange."""
-    from tinydist.scheduler.plan import intra_cost
+    """What the probe fits from its two timings (8 B and 16 MiB) is what the planner's formulas need
+    to give those timings back: stages 1 and 3 together, (g-1)(α + nβ) + α + g·nβ, in a process of g
+    devices; α + nβ for one exchange."""
+    from tinydist.scheduler.plan import broadcast_cost, intra_cost
     from tinydist.scheduler.probe import LARGE, SMALL, _fit
     from tinydist.scheduler.topology import LinkModel
-    g, t_small, t_large = 4, 3 * 85e-6, 3 * 0.9e-3        # naive over 4 devices: three reduction steps
-    alpha, bandwidth = _fit([t_small, 2 * t_small, t_small / 2], [t_large] * 3, g - 1, LARGE)
+    g, t_small, t_large = 4, 4 * 85e-6, 7 * 0.9e-3
+    alpha, bandwidth = _fit([t_small, 2 * t_small, t_small / 2], [t_large] * 3, g, 2 * g - 1, LARGE)
     link = LinkModel("mem", alpha, 1 / bandwidth)
-    assert intra_cost("naive", g, SMALL, link) == pytest.approx(t_small)
-    assert intra_cost("naive", g, LARGE, link) == pytest.approx(t_large)
-    alpha, bandwidth = _fit([2e-4], [4e-3], 1, LARGE)
+    for n, t in ((SMALL, t_small), (LARGE, t_large)):
+        assert intra_cost("naive", g, n, link) + broadcast_cost(g, n, link) == pytest.approx(t)
+    alpha, bandwidth = _fit([2e-4], [4e-3], 1, 1, LARGE)
     assert LinkModel("tcp", alpha, 1 / bandwidth).time(LARGE) == pytest.approx(4e-3)
+
+
+def two_by_two(tcp: LinkModel, mem: LinkModel, call: LinkModel) -> Topology:
+    """bench/cluster.py's case: two hosts, one node of two devices on each, links as if measured."""
+    t = topo(2, 2)
+    t.set_measured("n0", "n1", tcp)
+    for node in ("n0", "n1"):
+        t.set_measured(node, node, mem)
+    t.call = call
+    return t
+
+
+def test_cost_model_arithmetic_matches_hand_computed_times():
+    """The 2x2 hierarchical plan's stages on measured links, against the formulas worked by hand:
+    tcp α=100 µs, β=1 ns/B; mem α=10 µs, β=0.25 ns/B; dist call α_c=50 µs, β_c=0.5 ns/B; n=1 MiB."""
+    n = 1 << 20
+    t = two_by_two(LinkModel("tcp", 100e-6, 1e-9), LinkModel("mem", 10e-6, 0.25e-9), LinkModel("call", 50e-6, 0.5e-9))
+    plan = plan_allreduce(t, n, inter="naive", log=False)
+    inside, across, back = (s.modelled_s for s in plan.stages)
+    assert inside == pytest.approx(10e-6 + 262144e-9)                     # (g-1)(α + nβ), g=2
+    assert across == pytest.approx(100e-6 + 1048576e-9 + 50e-6 + 524288e-9)   # α + nβ + α_c + nβ_c
+    assert back == pytest.approx(10e-6 + 524288e-9)                       # α + g·nβ
+    assert plan.modelled_s == pytest.approx(0.000272144 + 0.001722864 + 0.000534288)
+    # ring over 2 groups: 2(α + nβ/2) + the call; all2all: 2α + nβ + the call
+    assert plan.candidates["hierarchical/ring"] - plan.candidates["hierarchical/naive"] == pytest.approx(100e-6)
+    assert plan.candidates["hierarchical/all2all"] == pytest.approx(plan.candidates["hierarchical/ring"])
+
+
+def test_calibrate_call_keeps_what_the_links_do_not_explain():
+    """A naive dist.all_reduce timed at two sizes, less the naive model on the measured link: the
+    call's own α and β back (10 µs + 2 ns/B exchange, 300 µs + 0.5 ns/B call), and noise that puts
+    a call below its links counted as no cost, never a negative one."""
+    from tinydist.scheduler.plan import calibrate_call
+    t = two_by_two(LinkModel("tcp", 10e-6, 2e-9), LinkModel("mem", 1e-6, 1e-10), LinkModel("call", 0.0, 0.0))
+    small, large = 8, 16 << 20
+    call = calibrate_call(t, 2, (small, 10e-6 + small * 2e-9 + 300e-6 + small * 0.5e-9),
+                          (large, 10e-6 + large * 2e-9 + 300e-6 + large * 0.5e-9))
+    assert (call.alpha, call.beta) == (pytest.approx(300e-6), pytest.approx(0.5e-9))
+    faster = calibrate_call(t, 2, (small, 5e-6), (large, 0.5 * large * 2e-9))
+    assert (faster.alpha, faster.beta) == (0.0, 0.0)
+    assert calibrate_call(topo(1, 2), 1, (small, 1e-3), (large, 1.0)).time(large) == 0.0     # one rank: no call
+
+
+def test_planner_choice_follows_the_measured_links():
+    """Same topology and size, only the measured α/β differ, and the plan changes: across 4 hosts at
+    64 KiB naive wins on a high-latency link (α + 3nβ against all2all's 2α + 1.5nβ), all2all on a
+    low-latency one; inside a process of 4 devices ring wins when its β dominates, naive when α does."""
+    n = 64 << 10
+
+    def measured(tcp: LinkModel, mem: LinkModel) -> Topology:
+        t = topo(4, 4)
+        for i in range(4):
+            t.set_measured(f"n{i}", f"n{i}", mem)
+            for j in range(i + 1, 4):
+                t.set_measured(f"n{i}", f"n{j}", tcp)
+        return t
+
+    mem = LinkModel("mem", 1e-6, 1e-9)
+    assert plan_allreduce(measured(LinkModel("tcp", 1e-3, 1e-9), mem), n, log=False).inter_algorithm == "naive"
+    assert plan_allreduce(measured(LinkModel("tcp", 10e-6, 1e-9), mem), n, log=False).inter_algorithm == "all2all"
+    tcp = LinkModel("tcp", 10e-6, 1e-9)
+    # in a group of 4: naive 3(α + nβ), ring 6(α + nβ/4)
+    assert plan_allreduce(measured(tcp, LinkModel("mem", 1e-6, 1e-9)), n, log=False).intra_algorithm == "ring"
+    assert plan_allreduce(measured(tcp, LinkModel("mem", 1e-3, 1e-9)), n, log=False).intra_algorithm == "naive"
