@@ -309,7 +309,7 @@ class ClusterService(pb_grpc.ClusterServicer):
                                                          f"dropped out of round {r.number} before it closed; ask again")
         now = self.m.clock()
         members = []
-        for record in self.m.round_members(r):
+        for record in self.m.round_members(ranks):
             member = member_message(record, now)
             member.node.rank = ranks[record.node_id]
             members.append(member)
@@ -320,13 +320,13 @@ class ClusterService(pb_grpc.ClusterServicer):
 class Coordinator:
     """A running coordinator: `await Coordinator.start(...)`, `.port`, `await .stop()`."""
 
-    def __init__(self) -> None:
+    def __init__(self, membership: Membership, host: str, etcd: EtcdStore | None, recovered: int) -> None:
         self.server: grpc.aio.Server | None = None
         self.port = 0
-        self.host = ""
-        self.membership: Membership | None = None
-        self.recovered = 0                          # store records replayed at start (after the snapshot)
-        self.etcd: EtcdStore | None = None
+        self.host = host
+        self.membership = membership                # replaced by etcd's at each win of the leadership
+        self.recovered = recovered                  # store records replayed at start (after the snapshot)
+        self.etcd = etcd
         self.service: ClusterService | None = None
         self.leading = asyncio.Event()              # set while this coordinator serves (always, without etcd)
         self._tasks: list[asyncio.Task[None]] = []
@@ -351,25 +351,25 @@ class Coordinator:
             raise ValueError("give --state-dir (one coordinator, journal on disk) or --etcd (several coordinators, "
                              "membership in etcd), not both")
         bind = bind_address(listen, loopback_only=pki is None, wildcard_hint="bind the interface the nodes reach")
-        self = cls()
-        self.host = split_bind(bind)[0]
         store: MembershipStore | None = None
         if state_dir is not None:
             from tinydist.scheduler.journal import Journal
             store = Journal(state_dir)
+        etcd_store: EtcdStore | None = None
         if etcd is not None:
             import os
             import socket
-            self.etcd = EtcdStore(etcd, name or f"{socket.gethostname()}:{os.getpid()}", prefix=etcd_prefix,
-                                  ttl=leader_ttl)
-            self.etcd.client.get(self.etcd.leader_key)     # an etcd it cannot reach fails the start, not a task
-        self.membership = Membership(heartbeat_interval, miss_limit, store=store)
+            etcd_store = EtcdStore(etcd, name or f"{socket.gethostname()}:{os.getpid()}", prefix=etcd_prefix,
+                                   ttl=leader_ttl)
+            etcd_store.client.get(etcd_store.leader_key)     # an etcd it cannot reach fails the start, not a task
+        membership = Membership(heartbeat_interval, miss_limit, store=store)
         try:
-            self.recovered = self.membership.recover()
+            recovered = membership.recover()
         except BaseException:
             if store is not None:
                 store.close()
             raise
+        self = cls(membership, split_bind(bind)[0], etcd_store, recovered)
         self._collector = MembershipCollector(self.membership)
         metrics.REGISTRY.register(self._collector)
         trust_domain = None
@@ -478,7 +478,7 @@ class Coordinator:
                 await task
         if self.server is not None:
             await self.server.stop(grace)
-        if self.membership is not None and self.membership.store is not None and self.etcd is None:
+        if self.membership.store is not None and self.etcd is None:
             self.membership.store.close()
 
 
@@ -494,7 +494,6 @@ async def serve(listen: str, pki: Path | None, insecure_loopback_only: bool, hea
                                           leader_ttl=leader_ttl, name=name)
     mode = "mTLS" if pki is not None else "INSECURE loopback-only"
     m = coordinator.membership
-    assert m is not None                 # for mypy: a started coordinator has its membership
     if etcd is not None:
         state = (f"state in etcd {etcd} under {etcd_prefix!r}, one leader among the coordinators sharing it "
                  f"(lease TTL {leader_ttl} s): campaigning")

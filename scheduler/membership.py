@@ -224,10 +224,9 @@ class Membership:
             r.ranks = {node: i for i, node in enumerate(order)}
         return r.closed
 
-    def round_members(self, r: Round) -> list[MemberRecord]:
-        """A closed round's members in round-rank order."""
-        assert r.ranks is not None
-        return [self.members[node] for node in sorted(r.ranks, key=r.ranks.__getitem__)]
+    def round_members(self, ranks: dict[str, int]) -> list[MemberRecord]:
+        """A closed round's members (its `ranks`, node id -> round rank) in round-rank order."""
+        return [self.members[node] for node in sorted(ranks, key=ranks.__getitem__)]
 
     # ---- coordinator calls -------------------------------------------------------------------
 

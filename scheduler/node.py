@@ -154,7 +154,6 @@ class NodeAgent:
         self.rejoins = 0                                # re-registrations after losing the coordinator
         self.rejoined = threading.Event()               # set at each one
         self.watch: CoordinatorWatch | None = None      # the heartbeat thread's, once joined
-        self._info: pb.NodeInfo | None = None
         self.log = get_logger(component="node-agent", node=node_id)
         self.rank = -1
         self.incarnation = 0
@@ -181,7 +180,6 @@ class NodeAgent:
                            devices=[pb.NodeDevice(name=d, kind=d.split(":")[0].lower()) for d in self.devices],
                            transports=list(self.transports), rank=self.requested_rank,
                            rendezvous=format_address(host, port), pid=os.getpid())
-        self._info = info
         deadline = time.monotonic() + timeout
         delay = 0.05
         while True:                                        # the coordinator may still be starting
@@ -200,7 +198,7 @@ class NodeAgent:
                 delay = min(delay * 2, 0.5)
         self.rank, self.incarnation = reply.rank, reply.epoch
         self.interval, self.miss_limit = reply.heartbeat_interval_s, reply.miss_limit
-        self._thread = threading.Thread(target=self._heartbeats, name=f"tinydist-heartbeat-{self.node_id}", daemon=True)
+        self._thread = threading.Thread(target=self._heartbeats, args=(info,), name=f"tinydist-heartbeat-{self.node_id}", daemon=True)
         self._thread.start()
         self.log.info("node.joined", rank=self.rank, coordinator=self.coordinator)
         return self.rank
@@ -286,7 +284,7 @@ class NodeAgent:
             except Exception as exc:  # a callback's own failure must not stop the others
                 self.log.warning("node.failure_callback", error=repr(exc))
 
-    def _heartbeats(self) -> None:
+    def _heartbeats(self, info: pb.NodeInfo) -> None:
         dead_after = self.interval * self.miss_limit
         watch = self.watch = CoordinatorWatch(",".join(self.coordinators), self.interval, dead_after / 2,
                                               settings.SCHEDULER_LOST_AFTER)
@@ -299,13 +297,13 @@ class NodeAgent:
                 for x in links])
             try:
                 if watch.outage:
-                    self._rejoin()                 # re-register before anything else once it answers
+                    self._rejoin(info)             # re-register before anything else once it answers
                 try:
                     reply = self.stub.Heartbeat(request, timeout=max(0.2, dead_after))
                 except grpc.RpcError as exc:
                     if exc.code() != grpc.StatusCode.NOT_FOUND:
                         raise
-                    self._rejoin()                 # it came back without our record faster than we noticed
+                    self._rejoin(info)             # it came back without our record faster than we noticed
                     reply = self.stub.Heartbeat(request, timeout=max(0.2, dead_after))
             except grpc.RpcError as exc:
                 if self._stop.is_set():
@@ -344,11 +342,11 @@ class NodeAgent:
                                           f"coordinator: {member.reason}"))
                     return
 
-    def _rejoin(self) -> None:
-        """Join again under this node's rank and incarnation (raises grpc.RpcError when refused or unreachable)."""
-        assert self._info is not None
+    def _rejoin(self, joined_as: pb.NodeInfo) -> None:
+        """Join again, as `joined_as` at first but under this node's rank and incarnation (raises
+        grpc.RpcError when refused or unreachable)."""
         info = pb.NodeInfo()
-        info.CopyFrom(self._info)
+        info.CopyFrom(joined_as)
         info.rank = self.rank
         reply = self.stub.Join(pb.JoinRequest(node=info, world_size=self.world_size, incarnation=self.incarnation),
                                timeout=max(0.2, self.interval * self.miss_limit))

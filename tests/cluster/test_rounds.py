@@ -34,7 +34,7 @@ def test_a_round_closes_at_max_size_with_ranks_in_join_rank_order():
         assert not _ask(m, node).closed
     r = _ask(m, "node-1")
     assert r.closed and r.number == 1 and r.ranks == {"node-0": 0, "node-1": 1, "node-2": 2}
-    assert [x.node_id for x in m.round_members(r)] == ["node-0", "node-1", "node-2"]
+    assert [x.node_id for x in m.round_members(r.ranks)] == ["node-0", "node-1", "node-2"]
     assert _ask(m, "node-2") is r                         # asking again: the same closed round
 
 
