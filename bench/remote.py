@@ -61,6 +61,19 @@ class Loop:
         self.thread.join(10)
 
 
+def bench_node_pki(root: Path) -> tuple[ClientCredentials, ServerCredentials, ServerConfig, AuditLog]:
+    """A CA and one operator client in `root`, the policy's rate limits lifted so that the bench measures
+    the path, not the limiter; the server's credentials, a loopback config and the audit log."""
+    pki.init(root)
+    issued = pki.issue(root, "bench")
+    policy = (root / "policy.toml").read_text().replace(
+        "[identities]\n", f'[identities]\n"{issued.identity}" = "operator"\n').replace(
+        "rpc_per_second = 2000", "rpc_per_second = 1000000").replace("rpc_burst = 4000", "rpc_burst = 1000000")
+    (root / "policy.toml").write_text(policy)
+    creds = ClientCredentials(issued.cert_path.read_bytes(), issued.key_path.read_bytes(), (root / "ca.pem").read_bytes())
+    return creds, ServerCredentials.load(root), ServerConfig(listen="127.0.0.1:0"), AuditLog(root / "audit.jsonl")
+
+
 async def start_plain(pki_: ServerCredentials, config: ServerConfig, chunks: list[bytes]) -> tuple[grpc.aio.Server, int]:
     async def unary(request: pb.PingRequest, context) -> pb.PingReply:  # noqa: ANN001
         return pb.PingReply(payload=request.payload)
@@ -126,16 +139,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        pki.init(root)
-        issued = pki.issue(root, "bench")
-        policy = (root / "policy.toml").read_text().replace(
-            "[identities]\n", f'[identities]\n"{issued.identity}" = "operator"\n').replace(
-            "rpc_per_second = 2000", "rpc_per_second = 1000000").replace("rpc_burst = 4000", "rpc_burst = 1000000")
-        (root / "policy.toml").write_text(policy)
-        creds = ClientCredentials(issued.cert_path.read_bytes(), issued.key_path.read_bytes(), (root / "ca.pem").read_bytes())
-        server_pki = ServerCredentials.load(root)
-        config = ServerConfig(listen="127.0.0.1:0")
-        audit = AuditLog(root / "audit.jsonl")
+        creds, server_pki, config, audit = bench_node_pki(root)
         data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
         chunks = [data[i:i + CHUNK_BYTES].tobytes() for i in range(0, nbytes, CHUNK_BYTES)]
 

@@ -37,17 +37,13 @@ from typing import Any
 # after PYTHONPATH's entries, so that a checkout named there is the tinydist counted
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 
-from tinydist.nodes.audit import AuditLog  # noqa: E402
 from tinydist.nodes.server import RemoteServer  # noqa: E402
-from tinydist.nodes.service import ServerConfig  # noqa: E402
-from tinydist.runtime.remote.client import ClientCredentials, secure_channel  # noqa: E402
-from tinydist.security import pki  # noqa: E402
-from tinydist.security.pki import ServerCredentials  # noqa: E402
+from tinydist.runtime.remote.client import secure_channel  # noqa: E402
 from tinydist.transports.pci_remote._generated import device_pb2 as pb  # noqa: E402
 from tinydist.transports.pci_remote._generated import device_pb2_grpc as pb_grpc  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from remote import Loop, start_plain  # noqa: E402  (imported last: it puts this checkout first on sys.path)
+from remote import Loop, bench_node_pki, start_plain  # noqa: E402  (imported last: it puts this checkout first on sys.path)
 
 # the handler each server runs for a Ping: bench/remote.py's plain unary, the gate's wrapper
 HANDLERS = {"plain": "unary", "node": "unary_reply"}
@@ -110,16 +106,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        pki.init(root)
-        issued = pki.issue(root, "bench")
-        policy = (root / "policy.toml").read_text().replace(
-            "[identities]\n", f'[identities]\n"{issued.identity}" = "operator"\n').replace(
-            "rpc_per_second = 2000", "rpc_per_second = 1000000").replace("rpc_burst = 4000", "rpc_burst = 1000000")
-        (root / "policy.toml").write_text(policy)
-        creds = ClientCredentials(issued.cert_path.read_bytes(), issued.key_path.read_bytes(), (root / "ca.pem").read_bytes())
-        server_pki = ServerCredentials.load(root)
-        config = ServerConfig(listen="127.0.0.1:0")
-        audit = AuditLog(root / "audit.jsonl")
+        creds, server_pki, config, audit = bench_node_pki(root)
         loop = Loop()
         node = loop.run(RemoteServer.start(config, server_pki, root / "policy.toml", audit))
         plain, plain_port = loop.run(start_plain(server_pki, config, []))
