@@ -50,7 +50,7 @@ import itertools
 import json
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
@@ -435,12 +435,14 @@ class FastAllreduce:
             grp.rounds += 1
             if code == OK:
                 grp.step += 1
-                return True
-            return self._finish(code, entry, x, result, seq, args)
+            else:
+                self._finish(code, entry, x, result, seq, args)
+            return True
 
     def _finish(self, code: int, entry: _Entry, x: np.ndarray, result: np.ndarray, seq: int,
-                args: tuple[Any, ...]) -> bool:
-        """A call the native function did not complete: a lost post, a wait handed over, a mismatch."""
+                args: tuple[Any, ...]) -> None:
+        """A call the native function did not complete: a lost post, a wait handed over (returns once
+        the call completed), a mismatch (raises it)."""
         group, grp = self.group, self.grp
         collective = entry.header["coll"]
         name = f"{collective} (call #{seq})"
@@ -452,12 +454,11 @@ class FastAllreduce:
             self._wait(name, grp.step, deadline)
             code = self.call(entry.address, x, result, seq << 2 | 2 | grp.rounds & 1)
             if code == OK:
-                return True
+                return
         if code != MISMATCH:   # pragma: no cover - the native function returns no other code once posted
             raise CollectiveError(f"{name}: the native allreduce returned {code}")
         header = {"seq": seq, **getattr(group, f"_{collective}")(*args).header}
         explain(group, name, header, deadline)
-        raise AssertionError("unreachable")  # pragma: no cover
 
     def _wait(self, name: str, step: int, deadline: float) -> None:
         group = self.group
@@ -469,7 +470,7 @@ class FastAllreduce:
             raise group._abandoned(name, exc, True) from None
 
 
-def explain(group: ProcessGroup, name: str, header: dict[str, Any], deadline: float) -> None:
+def explain(group: ProcessGroup, name: str, header: dict[str, Any], deadline: float) -> NoReturn:
     """The step every rank takes when the round's digests disagree and one of them is a fast call's:
     each writes its full header, and each raises the same CollectiveMismatch from all of them."""
     grp = group.shm
