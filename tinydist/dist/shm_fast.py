@@ -334,7 +334,9 @@ class FastAllreduce:
                 return result
         if code != MISMATCH:   # pragma: no cover - the native function returns no other code once posted
             raise CollectiveError(f"{name}: the native allreduce returned {code}")
-        header = {"seq": seq, **group._all_reduce(x, op, algorithm, out).header}
+        # deferred: calls -> shm_algorithms -> this module, so a top-level import would be a cycle
+        from tinydist.dist import calls
+        header = {"seq": seq, **calls.all_reduce(group, x, op, algorithm, out).header}
         explain(group, name, header, deadline)
         raise AssertionError("unreachable")  # pragma: no cover
 
