@@ -22,6 +22,7 @@ from tinydist.scheduler.plan import plan_allreduce
 from tinydist.scheduler.topology import NodeSpec, Topology
 from tinydist.base.config import Settings
 from tinydist.base.config import settings as td_settings
+from tinydist.dist import calls
 from tinydist.dist.group import ProcessGroup
 from tinydist.graph import collectives
 from tinydist.graph.collectives import (Algorithm, Medium, choose, choose_partitioned, resolve, resolve_partitioned, shard_bounds,
@@ -125,7 +126,7 @@ def test_the_process_group_asks_the_one_chooser(world: int, nbytes: int, same_ho
     medium = Medium.SHM if same_host else Medium.NETWORK
     x = np.zeros(nbytes // 8, np.float64)
     with td_settings.override(ALLREDUCE=forced):
-        header = _group(world, same_host)._all_reduce(x, "sum", "auto").header
+        header = calls.all_reduce(_group(world, same_host), x, "sum", "auto").header
         assert header["error"] is None
         assert header["algorithm"] == resolve("auto", medium, world, x.nbytes)[0]
     expected = choose(medium, world, x.nbytes)[0] if forced == "auto" else forced
@@ -136,7 +137,7 @@ def test_the_process_group_asks_the_one_chooser(world: int, nbytes: int, same_ho
 @given(world=st.integers(1, 9), same_host=st.booleans(), forced=st.sampled_from(["auto", "naive", "ring", "all2all"]))
 def test_reduce_scatter_asks_the_one_chooser(world: int, same_host: bool, forced: str) -> None:
     medium = Medium.SHM if same_host else Medium.NETWORK
-    header = _group(world, same_host)._reduce_scatter(np.zeros((world * 3, 2)), "sum", 0, forced).header
+    header = calls.reduce_scatter(_group(world, same_host), np.zeros((world * 3, 2)), "sum", 0, forced).header
     assert header["error"] is None
     assert header["algorithm"] == resolve_partitioned(forced, "reduce_scatter", medium, world)[0]
     expected = {"auto": choose_partitioned("reduce_scatter", medium, world)[0].value, "naive": "all2all"}.get(forced, forced)
@@ -190,7 +191,7 @@ def test_tinydist_allreduce_is_checked_against_the_medium(monkeypatch: pytest.Mo
         resolve("tree", Medium.NETWORK, 4, 1 << 20)
     with td_settings.override(ALLREDUCE="all2all"):
         assert resolve("auto", Medium.NETWORK, 4, 1) == (Algorithm.ALL2ALL, "TINYDIST_ALLREDUCE")
-    header = _group(2, True)._all_reduce(np.zeros(4), "sum", "direct").header
+    header = calls.all_reduce(_group(2, True), np.zeros(4), "sum", "direct").header
     assert "'direct' does not run on shm" in header["error"]
     fresh = Settings()                     # the registry's own parse, read from the environment
     for declared in td_settings.declared():

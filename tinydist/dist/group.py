@@ -1,5 +1,9 @@
 """`ProcessGroup`: the core of tinydist.dist. One per process; collectives run one at a time.
 
+This module holds the group's life (rendezvous, links, the segment, close) and failures, and runs
+one collective at a time; each collective is prepared as a call in `tinydist.dist.calls`, its
+algorithm chosen by `tinydist.dist.dispatch`, and the headers compared by `tinydist.dist.headers`.
+
 Every collective starts with a header exchange: each rank publishes a small JSON header (sequence
 number, collective, op, dtype, shape, axis, root, resolved algorithm, local argument errors) and
 reads everyone's. All ranks therefore see the same headers and reach the same verdict: if they
@@ -38,12 +42,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import math
 import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
@@ -51,19 +53,20 @@ import numpy as np
 
 from tinydist.base.config import settings
 from tinydist.base.logs import get_logger
-from tinydist.dist import algorithms as algo
+from tinydist.dist import calls
 from tinydist.dist import shm_algorithms as shm
-from tinydist.dist.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, RankFailed
+from tinydist.dist.calls import PREPARE, Call
+from tinydist.dist.dispatch import Dispatch
+from tinydist.dist.errors import CollectiveError, CollectiveTimeout, RankFailed
+from tinydist.dist.headers import verdict
 from tinydist.dist.shm_fast import FastAllreduce
 from tinydist.dist.rendezvous import connect_mesh, coordinator_listener, register, serve_coordinator
-from tinydist.graph.collectives import AUTO, Algorithm, Medium, check, choose_partitioned, resolve, resolve_partitioned, shard_bounds
-from tinydist.graph.reduce_ops import MEAN, ReduceOp, collective_op
+from tinydist.graph.collectives import Medium
 from tinydist.observability import tracing
 from tinydist.transports.base import Link, PeerFailed, TransportError
 from tinydist.transports.shm_group import TIMED_OUT, Abandoned, ShmGroup, WaitTimeout, open_group
 
 T = TypeVar("T")
-_CHOICES = 256   # allreduce choices a group memoises (`ProcessGroup._allreduce_choice`)
 # the algorithm of a collective that has one way to run (the others name theirs in the header)
 _ALGORITHM = {"all_gather": "direct", "broadcast": "direct", "barrier": "barrier"}
 
@@ -78,16 +81,6 @@ _STORY = {
     BROKE_OFF: "broke off the collective on an error of its own (see that rank's output)",
     DECLARED: "was declared failed (ProcessGroup.fail: the cluster scheduler saw its node die)",
 }
-
-
-@dataclass
-class _Call:
-    """One collective as prepared on this rank: its header and how to run it once headers agree."""
-
-    header: dict[str, Any]
-    links: Callable[[dict[int, dict[str, Any]]], Awaitable[Any]]   # the body over links, given every header
-    segment: Callable[[shm.Session], Any] | None = None              # the whole collective on the group segment
-    nbytes: int = 0                                                  # this rank's input, for the trace
 
 
 class ProcessGroup:
@@ -108,8 +101,7 @@ class ProcessGroup:
         self.leaving = LEFT                       # what our BYE will say: td.dist's exit hook sets EXITED*
         self._scope: anyio.CancelScope | None = None
         self._tg: anyio.abc.TaskGroup | None = None
-        self._last_choice: dict[str, str] = {}
-        self._choices: dict[tuple[str, int, str, bool], tuple[Algorithm, str, str, str]] = {}   # `_allreduce_choice`
+        self.dispatch = Dispatch(self)            # which algorithm each collective runs, and the log saying so
 
     @property
     def medium(self) -> Medium:
@@ -235,14 +227,14 @@ class ProcessGroup:
 
     # ---- the collective driver --------------------------------------------------------------
 
-    def _begin(self, call: _Call) -> tuple[dict[str, Any], str]:
+    def _begin(self, call: Call) -> tuple[dict[str, Any], str]:
         """Refuse after a failure; number the call. Every rank numbers its calls alike."""
         if self._failure is not None:
             raise self._failure
         self._seq += 1
         return {"seq": self._seq, **call.header}, f"{call.header['coll']} (call #{self._seq})"
 
-    async def _run(self, call: _Call) -> Any:
+    async def _run(self, call: Call) -> Any:
         if self.shm is None:
             return await self._collective(call)
         return await anyio.to_thread.run_sync(self._on_segment, call, anyio.from_thread.run)
@@ -258,12 +250,12 @@ class ProcessGroup:
                     return done
             elif collective == "barrier" and self.fast.barrier():
                 return None
-        call = getattr(self, f"_{collective}")(*args)
+        call = PREPARE[collective](self, *args)
         if self.shm is None:
             return run_async(self._collective, call)
         return self._on_segment(call, run_async)
 
-    def _traced(self, header: dict[str, Any], call: _Call, where: str) -> contextlib.AbstractContextManager[Any]:
+    def _traced(self, header: dict[str, Any], call: Call, where: str) -> contextlib.AbstractContextManager[Any]:
         """The collective's span on this rank's `collective` lane: name, algorithm, bytes, world,
         rank, call number and where its data went (`segment` or `links`); a no-op when not tracing."""
         if tracing.active_tracer() is None:
@@ -274,7 +266,7 @@ class ProcessGroup:
                             world=self.world, rank=self.rank, seq=header["seq"], dtype=header.get("dtype", ""),
                             data=where)
 
-    def _on_segment(self, call: _Call, run_async: Callable[..., Any]) -> Any:
+    def _on_segment(self, call: Call, run_async: Callable[..., Any]) -> Any:
         with self._thread_lock:
             header, name = self._begin(call)
             # tracing asked once a call; untraced, no span to build and no context manager to enter
@@ -284,7 +276,7 @@ class ProcessGroup:
             with self._traced(header, call, "segment" if call.segment is not None else "links"):
                 return self._on_segment_traced(call, run_async, header, name, f"rank{self.rank}")
 
-    def _on_segment_traced(self, call: _Call, run_async: Callable[..., Any], header: dict[str, Any], name: str,
+    def _on_segment_traced(self, call: Call, run_async: Callable[..., Any], header: dict[str, Any], name: str,
                            trace: str | None) -> Any:
         """The collective on the segment; `trace`: this rank's trace process (its steps' spans) while tracing."""
         if self.shm is None:
@@ -325,7 +317,7 @@ class ProcessGroup:
         if header.get("error") is None and all(b == blob for b in blobs.values()):
             return dict.fromkeys(blobs, header)
         headers = {r: json.loads(b) for r, b in blobs.items()}
-        _verdict(name, headers)
+        verdict(name, headers)
         return headers
 
     def _check_failure(self, name: str) -> None:
@@ -359,21 +351,21 @@ class ProcessGroup:
             self._failure_code = exc.reason
         return self._failure
 
-    async def _collective(self, call: _Call) -> Any:
+    async def _collective(self, call: Call) -> Any:
         async with self._lock:
             header, name = self._begin(call)
             with self._traced(header, call, "links"):
                 return await self._collective_traced(call, header, name)
 
-    async def _collective_traced(self, call: _Call, header: dict[str, Any], name: str) -> Any:
+    async def _collective_traced(self, call: Call, header: dict[str, Any], name: str) -> Any:
         if self.world == 1:
-            _verdict(name, {0: header})
+            verdict(name, {0: header})
             return await call.links({0: header})
         headers: dict[int, dict[str, Any]] = {self.rank: header}
 
         async def run() -> Any:
             await self._exchange(header, headers)
-            _verdict(name, headers)
+            verdict(name, headers)
             return await call.links(headers)
 
         return await self._guarded(name, run, lambda: sorted(set(range(self.world)) - set(headers)),
@@ -429,317 +421,27 @@ class ProcessGroup:
                 tg.start_soon(link.send, blob)
                 tg.start_soon(get, peer)
 
-    def _log_choice(self, coll: str, algorithm: str, reason: str, **fields: Any) -> None:
-        key = f"{algorithm}:{reason}"
-        if self._last_choice.get(coll) != key:
-            self._last_choice[coll] = key
-            self.log.info("dist.algorithm", collective=coll, algorithm=algorithm, reason=reason, **fields)
-        else:
-            self.log.debug("dist.algorithm", collective=coll, algorithm=algorithm, reason=reason, **fields)
-
     # ---- collectives (numpy in, numpy out) --------------------------------------------------
-    # Each `_name` prepares a `_Call`; `name` runs it from async code, `blocking("name", ...)` from a thread.
+    # Each is prepared as a `Call` (`tinydist.dist.calls`); `name` runs it from async code,
+    # `blocking("name", ...)` from a thread.
 
     async def all_reduce(self, x: np.ndarray, op: str = "sum", algorithm: str = "auto",
                          out: np.ndarray | None = None) -> np.ndarray:
         """The reduction of every rank's `x`; written into `out` (and `out` returned) when given: `out=x`
-        overwrites the input, as torch.distributed.all_reduce does (see `_check_out` for what `out` must be)."""
-        return await self._run(self._all_reduce(x, op, algorithm, out))
+        overwrites the input, as torch.distributed.all_reduce does (see `calls.check_out` for what `out` must be)."""
+        return await self._run(calls.all_reduce(self, x, op, algorithm, out))
 
     async def all_gather(self, x: np.ndarray, axis: int = 0) -> np.ndarray:
-        return await self._run(self._all_gather(x, axis))
+        return await self._run(calls.all_gather(self, x, axis))
 
     async def reduce_scatter(self, x: np.ndarray, op: str = "sum", axis: int = 0, algorithm: str = "auto") -> np.ndarray:
-        return await self._run(self._reduce_scatter(x, op, axis, algorithm))
+        return await self._run(calls.reduce_scatter(self, x, op, axis, algorithm))
 
     async def broadcast(self, x: np.ndarray | None, src: int = 0) -> np.ndarray:
-        return await self._run(self._broadcast(x, src))
+        return await self._run(calls.broadcast(self, x, src))
 
     async def barrier(self) -> None:
-        await self._run(self._barrier())
-
-    def _all_reduce(self, x: np.ndarray, op: str, algorithm: str, out: np.ndarray | None = None) -> _Call:
-        x = np.asarray(x, order="C")
-        try:
-            rop, error = collective_op(op), None
-        except ValueError as exc:
-            rop, error = ReduceOp.SUM, str(exc)      # never runs: the error goes in the header
-        error = error or _check_out(out, x, np.dtype(np.float64) if op == MEAN and x.dtype.kind not in "fc" else x.dtype)
-        chosen, name, reason, link = Algorithm.NAIVE, algorithm, "", ""
-        if not error:
-            try:
-                chosen, name, reason, link = self._allreduce_choice(algorithm, x.nbytes)
-            except ValueError as exc:
-                error = str(exc)
-        header = {"coll": "all_reduce", "op": op, "dtype": x.dtype.str, "shape": list(x.shape), "algorithm": name,
-                  "error": error}
-        on_segment = self.shm is not None and not error and chosen is not Algorithm.RING
-        single_copy = on_segment and link == "single copy"
-        if not error:
-            self._log_choice("all_reduce", name, reason, nbytes=x.nbytes, link=link)
-        # `out` passed `_check_out`: C-contiguous, so its flat view shares its memory
-        flat_out = None if out is None else out.reshape(-1)
-
-        async def body(_: dict[int, dict[str, Any]]) -> np.ndarray:
-            flat = x.reshape(-1)
-            ufunc = rop.ufunc
-            if self.world == 1:
-                acc = flat.copy()
-            elif chosen == "naive":
-                acc = await algo.naive(self.links, self.rank, self.world, flat, ufunc)
-            elif chosen == "ring":
-                acc = flat.copy()
-                await algo.ring(self.links, self.rank, self.world, acc, shard_bounds(flat.size, self.world),
-                                self.rank, self.world - 1, self.world - 1, ufunc)
-            else:
-                acc = np.empty_like(flat)
-                await algo.all2all(self.links, self.rank, self.world, flat, acc, shard_bounds(flat.size, self.world), ufunc)
-            return _result(_finish(acc, op, self.world, flat_out), x.shape, out)
-
-        def segment(session: shm.Session) -> np.ndarray:
-            run = shm.allreduce_single_copy if single_copy else shm.allreduce_naive if chosen == "naive" else shm.allreduce_all2all
-            # reduce straight into `out` when it has the input's dtype (integer mean's float64 `out` does not)
-            acc = flat_out if flat_out is not None and flat_out.dtype == x.dtype else np.empty(x.size, x.dtype)
-            run(session, x.reshape(-1), acc, rop)
-            return _result(_finish(acc, op, self.world, flat_out), x.shape, out)
-
-        return _Call(header, body, segment if on_segment else None, x.nbytes)
-
-    def _allreduce_choice(self, algorithm: str, nbytes: int) -> tuple[Algorithm, str, str, str]:
-        """`resolve(algorithm, ...)` for an allreduce of `nbytes` here: the algorithm, its name (the
-        header's), why, and the path its data takes (for the log). Memoised per (algorithm, bytes,
-        TINYDIST_ALLREDUCE for auto, medium): the inputs decide it, and a repeated call (a training
-        loop's) then spends one dict lookup, not resolve's, check's and the enum's Python (counted
-        with the op parsed once: 8-9 of a 4 KiB two-process allreduce's ~70 Python calls, 90-128 of
-        its ~1,700 bytecodes). An illegal
-        `algorithm` raises ValueError every time, uncached. The memo is dropped when it holds
-        `_CHOICES` keys (a loop over ever new sizes)."""
-        key = (algorithm, nbytes, settings.ALLREDUCE if algorithm == AUTO else "", self.same_host)
-        choice = self._choices.get(key)
-        if choice is None:
-            chosen, reason = resolve(algorithm, self.medium, self.world, nbytes)
-            on_segment = self.shm is not None and chosen is not Algorithm.RING
-            threshold = None if self.shm is None else self.shm.single_copy_bytes
-            single_copy = on_segment and chosen is Algorithm.ALL2ALL and threshold is not None and nbytes >= threshold
-            link = "single copy" if single_copy else "shm segment" if on_segment else "shm" if self.same_host else "tcp"
-            if len(self._choices) >= _CHOICES:
-                self._choices.clear()
-            choice = self._choices[key] = (chosen, chosen.value, reason, link)
-        return choice
-
-    def _all_gather(self, x: np.ndarray, axis: int) -> _Call:
-        x = np.asarray(x, order="C")
-        error = None
-        if x.ndim == 0:
-            error = "all_gather needs at least one dimension"
-        elif not -x.ndim <= axis < x.ndim:
-            error = f"axis {axis} is out of range for {x.ndim} dimensions"
-        ax = axis % x.ndim if x.ndim else 0
-        other = [d for i, d in enumerate(x.shape) if i != ax]
-        header = {"coll": "all_gather", "dtype": x.dtype.str, "axis": ax, "ndim": x.ndim, "shape_except_axis": other,
-                  "length": x.shape[ax] if x.ndim else 0, "error": error}
-
-        def moved() -> tuple[np.ndarray, int]:
-            rows = np.asarray(np.moveaxis(x, ax, 0), order="C")
-            return rows, math.prod(rows.shape[1:])
-
-        async def body(headers: dict[int, dict[str, Any]]) -> np.ndarray:
-            lengths = [headers[r]["length"] for r in range(self.world)]
-            rows, row = moved()
-            out = np.empty((sum(lengths), *rows.shape[1:]), x.dtype)
-            flat = out.reshape(-1)
-            starts = np.cumsum([0, *lengths])
-            bounds = [(int(starts[i]) * row, int(starts[i + 1]) * row) for i in range(self.world)]
-            a, b = bounds[self.rank]
-            flat[a:b] = rows.reshape(-1)
-            if self.world > 1:
-                chosen, reason = choose_partitioned("all_gather", self.medium, self.world)
-                self._log_choice("all_gather", chosen.value, reason)
-                if chosen is Algorithm.RING:
-                    await algo.ring(self.links, self.rank, self.world, flat, bounds, self.rank, 0, self.world - 1, None)
-                else:
-                    await algo.direct_gather(self.links, self.rank, flat, bounds)
-            return np.moveaxis(out, 0, ax)
-
-        def segment(session: shm.Session) -> np.ndarray:
-            self._log_choice("all_gather", "direct", "shared memory: every rank copies each piece from its owner's region")
-            rows, row = moved()
-            flat, headers = shm.all_gather(session, rows.reshape(-1), lambda hs: [hs[r]["length"] * row for r in range(self.world)])
-            return np.moveaxis(flat.reshape((sum(headers[r]["length"] for r in range(self.world)), *rows.shape[1:])), 0, ax)
-
-        return _Call(header, body, segment if self.shm is not None and not error else None, x.nbytes)
-
-    def _reduce_scatter(self, x: np.ndarray, op: str, axis: int, algorithm: str) -> _Call:
-        x = np.asarray(x, order="C")
-        error = _check_op(op) or _check_algorithm(algorithm, self.medium)
-        if x.ndim == 0:
-            error = error or "reduce_scatter needs at least one dimension"
-        elif not -x.ndim <= axis < x.ndim:
-            error = error or f"axis {axis} is out of range for {x.ndim} dimensions"
-        ax = axis % x.ndim if x.ndim else 0
-        chosen, reason = "all2all", ""
-        if not error:
-            algorithm_, reason = resolve_partitioned(algorithm, "reduce_scatter", self.medium, self.world)
-            chosen = algorithm_.value
-        header = {"coll": "reduce_scatter", "op": op, "dtype": x.dtype.str, "shape": list(x.shape), "axis": ax,
-                  "algorithm": chosen, "error": error}
-
-        def layout() -> tuple[np.ndarray, list[tuple[int, int]], list[tuple[int, int]]]:
-            rows = np.asarray(np.moveaxis(x, ax, 0), order="C")
-            row = math.prod(rows.shape[1:])
-            parts = shard_bounds(rows.shape[0], self.world)
-            return rows, parts, [(a * row, b * row) for a, b in parts]
-
-        def finish(rows: np.ndarray, parts: list[tuple[int, int]], piece: np.ndarray) -> np.ndarray:
-            shape = (parts[self.rank][1] - parts[self.rank][0], *rows.shape[1:])
-            return np.moveaxis(_finish(piece, op, self.world, None).reshape(shape), 0, ax)
-
-        async def body(_: dict[int, dict[str, Any]]) -> np.ndarray:
-            rows, parts, bounds = layout()
-            flat = rows.reshape(-1)
-            ufunc = collective_op(op).ufunc
-            a, b = bounds[self.rank]
-            if self.world > 1:
-                self._log_choice("reduce_scatter", chosen, reason)
-            if self.world == 1:
-                piece = flat.copy()
-            elif chosen == "ring":
-                out = flat.copy()
-                await algo.ring(self.links, self.rank, self.world, out, bounds, self.rank - 1, self.world - 1, 0, ufunc)
-                piece = out[a:b]
-            else:
-                out = np.empty_like(flat)
-                await algo.all2all(self.links, self.rank, self.world, flat, out, bounds, ufunc, gather=False)
-                piece = out[a:b]
-            return finish(rows, parts, piece)
-
-        def segment(session: shm.Session) -> np.ndarray:
-            rows, parts, bounds = layout()
-            return finish(rows, parts, shm.reduce_scatter(session, rows.reshape(-1), bounds, collective_op(op)))
-
-        return _Call(header, body, segment if self.shm is not None and not error and chosen != "ring" else None, x.nbytes)
-
-    def _broadcast(self, x: np.ndarray | None, src: int) -> _Call:
-        error = None if 0 <= src < self.world else f"src {src} is outside 0..{self.world - 1}"
-        if x is None and self.rank == src:
-            error = error or "the source rank must pass a tensor"
-        arr = None if x is None else np.asarray(x, order="C")
-        header = {"coll": "broadcast", "src": src, "error": error,
-                  "dtype": None if arr is None else arr.dtype.str, "shape": None if arr is None else list(arr.shape)}
-
-        def root(headers: dict[int, dict[str, Any]]) -> tuple[tuple[int, ...], np.dtype]:
-            return tuple(headers[src]["shape"]), np.dtype(headers[src]["dtype"])
-
-        async def body(headers: dict[int, dict[str, Any]]) -> np.ndarray:
-            out = arr.copy() if self.rank == src and arr is not None else np.empty(*root(headers))  # src has one: see error
-            if self.world > 1:
-                await algo.broadcast(self.links, self.rank, src, out.reshape(-1))
-            return out
-
-        def segment(session: shm.Session) -> np.ndarray:
-            return shm.broadcast(session, src, arr if self.rank == src else None, root)
-
-        return _Call(header, body, segment if self.shm is not None and not error else None,
-                     0 if arr is None else arr.nbytes)
-
-    def _barrier(self) -> _Call:
-        async def body(_: dict[int, dict[str, Any]]) -> None:
-            return None
-        return _Call({"coll": "barrier"}, body, shm.barrier if self.shm is not None else None)
-
-
-# ---- helpers ----------------------------------------------------------------------------------
-
-def _check_op(op: str) -> str | None:
-    try:
-        collective_op(op)
-    except ValueError as exc:
-        return str(exc)
-    return None
-
-
-def _check_algorithm(algorithm: str, medium: Medium) -> str | None:
-    try:
-        check(algorithm, medium)
-    except ValueError as exc:
-        return str(exc)
-    return None
-
-
-def _check_out(out: Any, x: np.ndarray, dtype: np.dtype) -> str | None:
-    """Why `out` cannot take a result shaped like `x` of `dtype` (None if it can, or if there is no `out`).
-    Checked before the collective and sent in the header, so every rank refuses the call and no rank's
-    `out` is touched."""
-    if out is None:
-        return None
-    if not isinstance(out, np.ndarray):
-        return (f"out= must be a numpy array, not {type(out).__name__}; for a td.Tensor t, drop out= "
-                f"and t.assign() the result")
-    what = f"out= (a {out.dtype} array of shape {out.shape})"
-    if not out.flags.writeable:
-        return f"{what} is read-only; pass a writeable array (np.array(out) copies it) or drop out= for a new result"
-    if not out.flags.c_contiguous:
-        return (f"{what} is not C-contiguous, so the result cannot be written in place; pass a contiguous "
-                f"array (np.ascontiguousarray) or drop out= for a new result")
-    if out.shape != x.shape or out.dtype != dtype:
-        return f"{what} does not fit the result, a {dtype} array of shape {x.shape}"
-    if np.may_share_memory(out, x) and out.ctypes.data != x.ctypes.data:
-        return f"{what} overlaps the input without being it; pass the input itself (in place) or a separate array"
-    return None
-
-
-def _finish(acc: np.ndarray, op: str, world: int, out: np.ndarray | None) -> np.ndarray:
-    """The collective's flat result from the flat reduction `acc`: divided by `world` for mean (integer
-    mean is float64, as numpy's), and in `out` when given (copied there unless `acc` is `out`)."""
-    if op == MEAN:
-        if acc.dtype.kind in "fc":
-            acc /= world
-        else:
-            acc = np.divide(acc, world, out=out)
-    if out is not None and acc is not out:
-        np.copyto(out, acc)
-        return out
-    return acc
-
-
-def _result(flat: np.ndarray, shape: tuple[int, ...], out: np.ndarray | None) -> np.ndarray:
-    """`out` itself when the caller gave one (numpy's `out=` convention), else `flat` in `shape`."""
-    return flat.reshape(shape) if out is None else out
-
-
-_FIELDS = ("coll", "op", "dtype", "shape", "axis", "ndim", "shape_except_axis", "src", "algorithm")
-
-
-def _verdict(name: str, headers: dict[int, dict[str, Any]]) -> None:
-    """Raise the same CollectiveMismatch on every rank when the headers disagree."""
-    ranks = sorted(headers)
-    bad = [f"rank {r}: {headers[r]['error']}" for r in ranks if headers[r].get("error")]
-    if bad:
-        raise CollectiveMismatch(f"{name}: invalid arguments on {'; '.join(bad)}")
-    seqs = {headers[r].get("seq") for r in ranks}
-    if len(seqs) > 1:
-        raise CollectiveMismatch(f"{name}: ranks are at different collective calls: "
-                                 + ", ".join(f"rank {r} #{headers[r].get('seq')}" for r in ranks))
-    problems = []
-    broadcast = headers[ranks[0]].get("coll") == "broadcast"
-    for field in _FIELDS:
-        values = {r: headers[r].get(field) for r in ranks}
-        if broadcast and field in ("shape", "dtype"):   # non-root ranks may pass no tensor
-            values = {r: v for r, v in values.items() if v is not None}
-        if len({json.dumps(v) for v in values.values()}) > 1:
-            problems.append(f"{field}: " + ", ".join(f"rank {r} {_show(field, v)}" for r, v in values.items()))
-            if field == "coll":
-                break
-    if problems:
-        raise CollectiveMismatch(f"{name}: ranks disagree on " + "; ".join(problems))
-
-
-def _show(field: str, value: Any) -> str:
-    if field == "dtype" and value is not None:
-        return str(np.dtype(value))
-    if field in ("shape", "shape_except_axis") and value is not None:
-        return str(tuple(value))
-    return repr(value)
+        await self._run(calls.barrier(self))
 
 
 def _peer_failure(exc: BaseException) -> PeerFailed | None:

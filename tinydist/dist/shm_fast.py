@@ -457,7 +457,9 @@ class FastAllreduce:
                 return
         if code != MISMATCH:   # pragma: no cover - the native function returns no other code once posted
             raise CollectiveError(f"{name}: the native allreduce returned {code}")
-        header = {"seq": seq, **getattr(group, f"_{collective}")(*args).header}
+        # deferred: calls -> shm_algorithms -> this module, so a top-level import would be a cycle
+        from tinydist.dist import calls
+        header = {"seq": seq, **calls.PREPARE[collective](group, *args).header}
         explain(group, name, header, deadline)
 
     def _wait(self, name: str, step: int, deadline: float) -> None:
