@@ -107,3 +107,18 @@ def test_run_if_idle_runs_nothing_on_a_busy_queue_and_a_failure_fails_the_device
         queue.run_if_idle(broken, ())
     assert device.failure is not None
     td.get_engine().reopen("CPU:3")
+
+
+def test_ctrl_c_inside_a_run_on_the_calling_thread_leaves_the_device_usable() -> None:
+    """Regression: Ctrl-C landing inside a replay's inline run failed the whole device
+    (`tinydist infer --bench` then exited 1 with "a run on the calling thread failed:
+    KeyboardInterrupt" instead of printing its latency and exiting 130)."""
+    device = td.get_engine().reopen("CPU:3")
+    queue = device.queues["compute"]
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        queue.run_if_idle(interrupted, ())
+    assert device.failure is None
+    assert queue.run_if_idle(lambda a, b: a * b, (2, 3)) == 6

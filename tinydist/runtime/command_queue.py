@@ -109,7 +109,8 @@ class CommandQueue:
 
         Returns `fn`'s result, or BUSY, having run nothing, when the queue has unfinished work,
         is closed or failed, or a tracer wants to see every batch. An error in `fn` fails the
-        device, as a failed batch does, and is raised as that failure."""
+        device, as a failed batch does, and is raised as that failure; a KeyboardInterrupt is
+        raised as it is."""
         timeline = self.timeline
         if TRACER is not None or self._closed:
             return BUSY
@@ -118,6 +119,11 @@ class CommandQueue:
                 return BUSY
             try:
                 return fn(*args)
+            except KeyboardInterrupt:
+                # Ctrl-C between two kernels of the caller's own run: nothing queued waits on it
+                # (the run takes no timeline value), so the device stays usable and the user's
+                # handler sees the interrupt, not a DeviceFailed
+                raise
             except BaseException as exc:  # as in _execute: native work that fails fails the device
                 self.log.error("run on the calling thread failed", error=f"{type(exc).__name__}: {exc}")
                 raise self.device.mark_failed(
