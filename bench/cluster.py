@@ -2,16 +2,18 @@
 job's probe measured at join) against its measured time, on two hosts made of network namespaces
 joined by a veth pair (tests/cluster/netns.py), plus the simulated-cluster scaling table.
 
-    sudo python bench/cluster.py [--sizes 1,16] [--repeats 5] [--between tcp|rdma]
+    sudo python bench/cluster.py [--sizes 1,16] [--repeats 9] [--between tcp|rdma]
 
 The 2x2 hierarchical case: one node process per host, 2 CPU devices each (4 devices, 2 peer
 groups). At join the job's probe (tinydist.scheduler.probe) measures every link: the one between
 the hosts (exchanges of 8 B and 16 MiB over the veth: TCP, or the modelled RDMA NIC with --between
-rdma), each process's in-process "mem" link (its allreduce and copy back), and what one dist call
+rdma), each process's in-process "mem" link (its allreduce read back) and its copy back to its
+devices, each timed alone, and what one dist call
 costs beyond its links' steps; the planner prices every plan on those. For each
 plan the planner can run between the hosts (hierarchical with each across-hosts algorithm; the
 flat ring is modelled only: it is not executable between multi-device processes) the job runs the
-allreduce `--repeats` times after a warm-up (median, every rank starting at a barrier) and, to show
+allreduce `--repeats` times after a warm-up (median, every rank starting at a barrier; the plans in
+turn within each repetition, so a burst of load from elsewhere lands on all of them alike) and, to show
 where the model is off, the same three steps as scheduler.execute timed one by one: reduce in the
 process (tinydist.multi.allreduce), allreduce across the hosts (tinydist.dist), copy back to each
 device. Every result is checked against the exact sum. Printed: the links as measured, then per
@@ -56,6 +58,7 @@ if rank == 0:
              for (a, b), m in sorted(topo.measured.items())]
     print("LINKS " + json.dumps(links), flush=True)
     print("CALL " + json.dumps({"alpha_s": topo.call.alpha, "beta_s_per_byte": topo.call.beta}), flush=True)
+    print("COPY " + json.dumps({node: {"alpha_s": m.alpha, "beta_s_per_byte": m.beta} for node, m in sorted(topo.copy_back.items())}), flush=True)
 
 def timed(fn):
     dist.barrier()
@@ -68,35 +71,42 @@ for mib in map(float, sizes.split(",")):
     local = [Tensor(np.full(n, rank * ndev + i + 1, np.float32), device=d) for i, d in enumerate(devices)]
     want = np.float32(sum(range(1, world * ndev + 1)))
     chosen = job.plan(n * 4).inter_algorithm
-    for inter in ("naive", "ring", "all2all"):
-        plan = job.plan(n * 4, inter=inter)
+    inters = ("naive", "ring", "all2all")
+    plans = {inter: job.plan(n * 4, inter=inter) for inter in inters}
+    for inter in inters:
         job.all_reduce(local, inter=inter)                       # warm-up: kernels compiled, links warm
-        whole, stages = [], []
-        for _ in range(reps):
+    whole = {inter: [] for inter in inters}
+    stages = {inter: [] for inter in inters}
+    # the plans in turn within each repetition, so a burst of load from elsewhere lands on all alike
+    for _ in range(reps):
+        for inter in inters:
+            plan = plans[inter]
             # done when the results are on the devices (a CPU td.Tensor from numpy is copied in at once)
             s, outs = timed(lambda: job.all_reduce(local, inter=inter))
             assert all(np.array_equal(o.numpy(), np.full(n, want)) for o in outs), "allreduce result is not the exact sum"
-            whole.append(s)
+            whole[inter].append(s)
             # the steps of ClusterJob.all_reduce, each timed alone
             s_in, mine = timed(lambda: allreduce(local, "sum", plan.intra_algorithm)[0].numpy())
             s_across, total = timed(lambda: dist.all_reduce(mine, "sum", algorithm=inter).numpy())
             s_back, _ = timed(lambda: [Tensor(np.ascontiguousarray(total), device=d) for d in devices])
-            stages.append((s_in, s_across, s_back))
-        if rank == 0:
+            stages[inter].append((s_in, s_across, s_back))
+    if rank == 0:
+        for inter in inters:
+            plan = plans[inter]
             print("RESULT " + json.dumps({
                 "mib": mib, "plan": f"{plan.strategy}/{plan.intra_algorithm}+{plan.inter_algorithm}", "inter": inter,
-                "chosen": inter == chosen, "predicted": plan.modelled_s, "measured": statistics.median(whole),
+                "chosen": inter == chosen, "predicted": plan.modelled_s, "measured": statistics.median(whole[inter]),
                 "stages_predicted": [st.modelled_s for st in plan.stages],
-                "stages_measured": [statistics.median(x) for x in zip(*stages)],
+                "stages_measured": [statistics.median(x) for x in zip(*stages[inter])],
                 "stage_links": [st.link.describe() if st.link else "none" for st in plan.stages],
                 "flat_predicted": plan.candidates["flat-ring"]}), flush=True)
 job.close()
 '''
 
 
-def run_two_hosts(sizes: str, repeats: int, between: str) -> tuple[list[dict], dict, list[dict], str]:
-    """The 2x2 job on two namespace hosts: (measured links, the dist call's own cost, one result per
-    size and plan, load)."""
+def run_two_hosts(sizes: str, repeats: int, between: str) -> tuple[list[dict], dict, dict, list[dict], str]:
+    """The 2x2 job on two namespace hosts: (measured links, the dist call's own cost, each node's copy
+    back, one result per size and plan, load)."""
     from tests.cluster import netns
     from tests.cluster.helpers import Output, env
     from tinydist.security import pki
@@ -135,7 +145,8 @@ def run_two_hosts(sizes: str, repeats: int, between: str) -> tuple[list[dict], d
         lines = outs[0].lines
         links = json.loads(next(line for line in lines if line.startswith("LINKS "))[6:])
         call = json.loads(next(line for line in lines if line.startswith("CALL "))[5:])
-        return links, call, [json.loads(line[7:]) for line in lines if line.startswith("RESULT ")], load
+        copy = json.loads(next(line for line in lines if line.startswith("COPY "))[5:])
+        return links, call, copy, [json.loads(line[7:]) for line in lines if line.startswith("RESULT ")], load
 
 
 def _ms(seconds: float) -> str:
@@ -145,7 +156,9 @@ def _ms(seconds: float) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="1,16", help="MiB of float32 per device, comma-separated")
-    p.add_argument("--repeats", type=int, default=5)
+    # 9, not 5: on 2 cores shared with other work a burst of load held 3 of 5 repeats of one plan at
+    # 2.3-4.6x its other two (16 MiB naive: 148.5, 286.8, 62.8, 166.1, 62.8 ms), and the median with them
+    p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--between", choices=("tcp", "rdma"), default="tcp",
                    help="the link between the hosts: TCP over the veth, or the modelled RDMA NIC over it")
     p.add_argument("--no-sim", action="store_true", help="skip the simulated-cluster scaling table")
@@ -156,14 +169,17 @@ def main() -> int:
         print(f"bench/cluster.py needs two network-namespace hosts: {reason}")
         return 2
     start_load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    links, call, results, end_load = run_two_hosts(args.sizes, args.repeats, args.between)
+    links, call, copy, results, end_load = run_two_hosts(args.sizes, args.repeats, args.between)
     print(f"cpus: {os.cpu_count()}; load {start_load} at start, {end_load} at end; 2 hosts (network namespaces, "
-          f"veth) x 1 node x 2 CPU devices; float32 sum; median of {args.repeats} after 1 warm-up")
-    print("links measured by the probe at join (tinydist.scheduler.probe: exchanges between the hosts, in-process "
-          "allreduce + copy back, at 8 B for α and 16 MiB for β):")
+          f"veth) x 1 node x 2 CPU devices; float32 sum; median of {args.repeats} after 1 warm-up, plans in turn")
+    print("links measured by the probe at join (tinydist.scheduler.probe: exchanges between the hosts, the in-process "
+          "allreduce read back, at 8 B for α and 16 MiB for β):")
     for link in links:
         print(f"  {link['a']} - {link['b']}: {link['kind']} α={link['alpha_s'] * 1e6:.1f} µs, "
               f"β={link['beta_s_per_byte'] * 1e9:.3f} ns/B ({1 / link['beta_s_per_byte'] / 1e9:.2f} GB/s)")
+    for node, m in copy.items():
+        print(f"  {node} copy back to its devices: α={m['alpha_s'] * 1e6:.1f} µs, β={m['beta_s_per_byte'] * 1e9:.3f} ns/B "
+              f"({1 / m['beta_s_per_byte'] / 1e9:.2f} GB/s)")
     print(f"  one dist call beyond its links' steps (naive dist.all_reduce at 8 B and 16 MiB, less the exchange model): "
           f"α_c={call['alpha_s'] * 1e6:.1f} µs, β_c={call['beta_s_per_byte'] * 1e9:.3f} ns/B")
     print("| size | plan | chosen | predicted | measured | measured/predicted | stages predicted (in / across / back) "

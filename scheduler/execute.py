@@ -91,6 +91,7 @@ class ClusterJob:
         topo = self.topology()
         for r in measured.links:
             topo.set_measured(r.src, r.dst, LinkModel(r.kind, r.latency_s, 1.0 / r.bandwidth_bps))
+        topo.copy_back = dict(measured.copy_back)
         topo.call = calibrate_call(topo, self.world_size, measured.call_small, measured.call_large)
         self._plans.clear()
 

@@ -15,11 +15,13 @@ n bytes, g devices per group, G groups, link (α, β, o) and the dist call's own
   across       naive   α + (G-1)·nβ + (G-1)·o        ring  2(G-1)·(α + nβ/G)
                all2all 2·(α + (G-1)·o) + 2(G-1)/G·nβ
                each of them + α_c + nβ_c             (one tinydist.dist call: headers, guard, result)
-  back         α + g·nβ          (scheduler.execute copies the host result to every device, the leader's too)
+  back         α + g·nβ          (scheduler.execute copies the host result to every device, the leader's too,
+                                 on the node's measured copy back, Topology.copy_back)
   flat ring    2(D-1)·(α + nβ/D) over D devices, (α, β) of the slowest link on the ring
 
 Every term is measured at join (scheduler.probe): each link's α and β by an exchange between the
-two ranks (8 B and 16 MiB), the in-process link by stages 1 and 3 as execute runs them, and c by
+two ranks (8 B and 16 MiB), the in-process link and the copy back by stages 1 and 3 as execute runs
+them, each timed alone, and c by
 `calibrate_call`: a real naive dist.all_reduce at 8 B and 16 MiB, less what its links' steps
 explain. Why c: on two network-namespace hosts (bench/cluster.py, 2 shared cores) a 2-rank
 dist.all_reduce of 8 B took 0.75 ms where one exchange took 0.32 ms (the header exchange is a
@@ -240,7 +242,8 @@ def plan_allreduce(topology: Topology, nbytes: int, *, executable: bool = True, 
     # the one chooser (tinydist.graph.collectives.choose), on this model's times for each stage
     best_intra = choose(Medium.DEVICES, g, nbytes,
                         collectives.Topology(modelled_s={a: intra_cost(a, g, nbytes, intra) for a in INTRA_ALGORITHMS}))[0]
-    bcast = broadcast_cost(g, nbytes, intra)
+    back = max((topology.back_link(grp) for grp in order), key=lambda m: (m.beta, m.alpha))
+    bcast = broadcast_cost(g, nbytes, back)
     base = intra_cost(best_intra, g, nbytes, intra) + bcast
     inter_s: dict[str, float] = {}
     for algorithm in INTER_ALGORITHMS:
@@ -272,7 +275,7 @@ def plan_allreduce(topology: Topology, nbytes: int, *, executable: bool = True, 
                   Stage("allreduce-across-groups", algorithm.value if G > 1 else "none", link, G,
                         inter_cost(algorithm, G, nbytes, link, topology.call) if link else 0.0,
                         "tinydist.dist between group leaders"),
-                  Stage("broadcast-in-group", "direct", intra, g, bcast, "leader's result copied to each device")]
+                  Stage("broadcast-in-group", "direct", back, g, bcast, "leader's result copied to each device")]
         strategy = "hierarchical"
     # the why compares the winner with what it was chosen from (the flat ring only when executable is
     # off), so the numbers it quotes never contradict it; a cheaper flat ring it could not run is named apart

@@ -1,20 +1,30 @@
 """Measure the links of a tinydist.dist group as the allreduce stages use them (the planner's α and β).
 
-Between ranks: an exchange (both ranks of a pair send n bytes, receive n and add them in, as every
-step of naive, ring and all2all does), each one a separate call from this thread onto the group's
-loop (as every collective is), at 8 B (α) and 16 MiB (β = the extra time per byte). Inside a process
-with several devices ("mem"): stages 1 and 3 as scheduler.execute runs them, tinydist.multi.allreduce
-(naive) over its devices read back to the host, then the result copied to every device, at 8 B and
-16 MiB, fitted to the planner's in-group plus copy-back formulas, g·α + (2g-1)·nβ; with one device
-(neither stage runs), a host copy. And, sampled in turn with the exchanges, a real naive
-dist.all_reduce over the whole group at both sizes, from which the planner takes what a dist call
-costs beyond its links' steps (`tinydist.scheduler.plan.calibrate_call`).
+Every pass of the probe samples, in turn, what one hierarchical allreduce does (at 8 B for α and
+16 MiB for β, the extra time per byte), so a burst of load from elsewhere lands on all of them alike:
+every pair's exchange (both ranks send n bytes, receive n and add them in, as every step of naive,
+ring and all2all does; each one a separate call from this thread onto the group's loop, as every
+collective is), then scheduler.execute's three stages chained as it runs them after a barrier:
+stage 1, tinydist.multi.allreduce (naive) over the process's devices read back to the host (the
+"mem" link, fitted to the planner's in-group formula (g-1)·(α + nγ), γ the reduce's time per
+byte); stage 2, a real naive dist.all_reduce over the whole group of stage 1's result, right after
+it, from which the planner takes what a dist call costs beyond its links' steps
+(`tinydist.scheduler.plan.calibrate_call`); stage 3, the result copied to every device (the copy
+back, α + g·nβ, `Topology.copy_back`). With one device (neither in-process stage runs) both are a
+host copy.
 
 Why 16 MiB, not 4 MiB: 4 MiB buffers stay in this machine's 32 MiB L3, and the rate measured there
 does not hold beyond it: on two network-namespace hosts (bench/cluster.py, 2 shared cores) the
 in-process stage ran 0.42 ns/B at 4 MiB and 0.92 ns/B at 16 MiB, and the 16 MiB plans were
-predicted 2.4-9.8x too fast. Why stages 1 and 3 together: the copy back was priced on the reduce's
-rate (0.38 ms predicted, 0.14-17 ms measured); timed with the reduce it is measured too.
+predicted 2.4-9.8x too fast. Why stages 1 and 3 apart: they run at different rates per byte, and
+one rate fitted to both put the error on each: the reduce (two inputs read, one result written and
+read back) predicted 3.1-6.6 ms where it took 6.1-14.9 ms at 16 MiB, the copy back 6.2-13.2 ms
+where it took 3.5-8.5 ms (bench/cluster.py, four runs). Why LARGE on every other pass: under load
+from elsewhere one 16 MiB sample on this machine ranged 26-70 ms (an exchange) and 40-113 ms (a
+call) within one probe, and a median of five moved the 16 MiB prediction 33-131 ms between runs.
+Why the call right after stage 1, with no barrier between: that is how the job makes it, and the
+wait for the slower rank's stage 1 is in the job's call; timed after a barrier, the call was 1-12 ms
+short of the job's at 16 MiB and the whole allreduce measured 1.07-1.29x its stages timed alone.
 
 Pairs are measured in round-robin rounds (every rank in at most one pair per round), so every rank
 runs the same schedule; `measure_links` must be called on every rank, between collectives. The
@@ -33,11 +43,18 @@ import anyio
 import numpy as np
 
 from tinydist.scheduler.membership import LinkRecord
+from tinydist.scheduler.topology import LinkModel
 
 # LARGE: several chunks of tinydist.dist's algorithms (CHUNK_BYTES), and with the buffers it is reduced
 # between beyond a 32 MiB L3, so neither the kernel's socket buffers nor the CPU caches hide the rate
 SMALL, LARGE = 8, 16 << 20
 KINDS = ("mem", "shm", "tcp", "rdma_bnxt", "other")
+
+
+def _large_pass(i: int) -> bool:
+    """Whether pass `i` (1..reps; 0 is the warm-up) samples LARGE too: every other one, so its
+    samples spread over the whole probe as the small ones do."""
+    return i % 2 == 0
 
 
 def rounds(world: int) -> list[list[tuple[int, int]]]:
@@ -68,73 +85,89 @@ def _fit(small: list[float], large: list[float], per_alpha: int, per_beta: int, 
     return max(t_small - per_beta * SMALL * beta, 0.0) / per_alpha, 1.0 / beta
 
 
-def _between_ranks(group: Any, reps: int) -> tuple[dict[int, tuple[float, float]], list[float]]:
-    """Every pair's exchange and the whole group's naive dist.all_reduce, sampled in turn (one sample
-    of each per pass, both sizes), so a burst of load from elsewhere lands on all of them alike:
-    ({peer: (α, bandwidth)}, [median call at SMALL, at LARGE])."""
+@dataclass
+class _Samples:
+    """Each measurement's samples, by byte count: every pair's exchange (by peer), the in-process
+    stages (stage 1 read back, stage 3 the copy back), the whole group's naive dist call."""
+    exchanges: dict[tuple[int, int], list[float]]
+    reduced: dict[int, list[float]]
+    back: dict[int, list[float]]
+    calls: dict[int, list[float]]
+
+
+def _sample(group: Any, reps: int, devices: Sequence[str]) -> _Samples:
+    """Every pass samples everything in turn (both sizes on every other pass, SMALL on the rest), so a
+    burst of load from elsewhere lands on all of them alike: every pair's exchange, then
+    scheduler.execute's stages as it runs them: stage 1 (multi.allreduce naive over this rank's
+    `devices`, read back), the naive dist.all_reduce of its result right after it with no barrier
+    between (so what the call waits for a slower rank's stage 1 is in it, as it is in the job), and
+    stage 3 (the result copied to every device). Stages 1 and 3 run only with several devices, the
+    exchanges and the call only with several ranks."""
     from tinydist import dist
-    mine = {nbytes: np.ones(nbytes // 4, np.float32) for nbytes in (SMALL, LARGE)}
-    into = {nbytes: np.zeros(nbytes // 4, np.float32) for nbytes in (SMALL, LARGE)}
-    peers = [b if group.rank == a else a for pairs in rounds(group.world) for a, b in pairs if group.rank in (a, b)]
-    exchanges: dict[tuple[int, int], list[float]] = {(p, n): [] for p in peers for n in (SMALL, LARGE)}
-    calls: dict[int, list[float]] = {SMALL: [], LARGE: []}
-    for i in range(reps + 1):                              # pass 0 is the warm-up
-        for nbytes in (SMALL, LARGE) if i <= max(3, reps // 4) else (SMALL,):
-            for peer in peers:                             # the round-robin order: every rank's the same
-                # each exchange its own call from this thread, as each collective is: the hop onto the loop counts
-                start = time.perf_counter()
-                dist.run_on_loop(_exchange, group, peer, mine[nbytes], into[nbytes])
-                if i:
-                    exchanges[peer, nbytes].append(time.perf_counter() - start)
-            dist.barrier()
-            # as scheduler.execute's stage 2 calls it: read back to numpy
-            start = time.perf_counter()
-            dist.all_reduce(mine[nbytes], "sum", algorithm="naive").numpy()
-            if i:
-                calls[nbytes].append(time.perf_counter() - start)
-    links = {peer: _fit(exchanges[peer, SMALL], exchanges[peer, LARGE], 1, 1, LARGE) for peer in peers}
-    return links, [statistics.median(calls[SMALL]), statistics.median(calls[LARGE])]
-
-
-def _in_process(devices: Sequence[str], reps: int) -> tuple[float, float]:
-    """The in-process link: stages 1 and 3 as scheduler.execute runs them, multi.allreduce (naive)
-    over `devices` read back to the host, then copied to every device; with fewer than two devices
-    (neither stage runs) a host copy of LARGE bytes at 1 µs."""
-    if len(devices) < 2:
-        src = np.empty(LARGE // 8)
-        dst = np.empty_like(src)
-        copies = []
-        for _ in range(5):
-            start = time.perf_counter()
-            np.copyto(dst, src)
-            copies.append(time.perf_counter() - start)
-        return 1e-6, LARGE / max(statistics.median(copies), 1e-9)
     from tinydist.frontend.tensor import Tensor
     from tinydist.multi import allreduce
+    sizes = (SMALL, LARGE)
+    mine = {nbytes: np.ones(nbytes // 4, np.float32) for nbytes in sizes}
+    into = {nbytes: np.zeros(nbytes // 4, np.float32) for nbytes in sizes}
+    local = {nbytes: [Tensor(mine[nbytes], device=d) for d in devices] for nbytes in sizes}
+    peers = [b if group.rank == a else a for pairs in rounds(group.world) for a, b in pairs if group.rank in (a, b)]
+    got = _Samples({(p, n): [] for p in peers for n in sizes}, {n: [] for n in sizes}, {n: [] for n in sizes},
+                   {n: [] for n in sizes})
 
-    def stages(inputs: list[Tensor]) -> None:
-        total = allreduce(inputs, "sum", "naive")[0].numpy()
-        [Tensor(np.ascontiguousarray(total), device=d) for d in devices]
+    def reduce_in_process(inputs: list[Tensor]) -> np.ndarray:
+        return allreduce(inputs, "sum", "naive")[0].numpy()
 
-    timed: dict[int, list[float]] = {}
-    for nbytes in (SMALL, LARGE):
-        inputs = [Tensor(np.zeros(nbytes // 4, np.float32), device=d) for d in devices]
-        stages(inputs)                                         # warm-up: the kernels compiled once
-        timed[nbytes] = []
-        for _ in range(max(3, reps // 4)):
-            start = time.perf_counter()
-            stages(inputs)
-            timed[nbytes].append(time.perf_counter() - start)
-    g = len(devices)
-    return _fit(timed[SMALL], timed[LARGE], g, 2 * g - 1, LARGE)
+    def across(contribution: np.ndarray) -> np.ndarray:
+        return dist.all_reduce(contribution, "sum", algorithm="naive").numpy()   # read back, as execute's stage 2
+
+    def copy_back(total: np.ndarray) -> list[Tensor]:
+        return [Tensor(np.ascontiguousarray(total), device=d) for d in devices]
+
+    def timed(samples: list[float], keep: bool, fn: Any, *args: Any) -> Any:
+        start = time.perf_counter()
+        out = fn(*args)
+        if keep:
+            samples.append(time.perf_counter() - start)
+        return out
+
+    for i in range(reps + 1):                              # pass 0 is the warm-up (kernels compiled, links warm)
+        for nbytes in sizes if _large_pass(i) else (SMALL,):
+            for peer in peers:                             # the round-robin order: every rank's the same
+                # each exchange its own call from this thread, as each collective is: the hop onto the loop counts
+                timed(got.exchanges[peer, nbytes], i > 0, dist.run_on_loop, _exchange, group, peer, mine[nbytes], into[nbytes])
+            if group.world > 1:
+                dist.barrier()
+            total = mine[nbytes]
+            if len(devices) > 1:
+                total = timed(got.reduced[nbytes], i > 0, reduce_in_process, local[nbytes])
+            if group.world > 1:
+                total = timed(got.calls[nbytes], i > 0, across, total)
+            if len(devices) > 1:
+                timed(got.back[nbytes], i > 0, copy_back, total)
+    return got
+
+
+def _host_copy() -> tuple[float, float]:
+    """(α, bandwidth) of a host copy of LARGE bytes at 1 µs: a process of one device's "mem" link
+    (neither in-process stage runs there)."""
+    src = np.empty(LARGE // 8)
+    dst = np.empty_like(src)
+    copies = []
+    for _ in range(5):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        copies.append(time.perf_counter() - start)
+    return 1e-6, LARGE / max(statistics.median(copies), 1e-9)
 
 
 @dataclass
 class Measured:
-    """What the probe measured: every link of the job, and a naive dist.all_reduce over the whole
-    group at SMALL and at LARGE, `(bytes, seconds)` each, the median on the slowest rank (the input
-    of `tinydist.scheduler.plan.calibrate_call`)."""
+    """What the probe measured: every link of the job, each node's copy back to its devices (the
+    planner's `Topology.copy_back`), and a naive dist.all_reduce over the whole group at SMALL and
+    at LARGE, `(bytes, seconds)` each, the median on the slowest rank (the input of
+    `tinydist.scheduler.plan.calibrate_call`)."""
     links: list[LinkRecord]
+    copy_back: dict[str, LinkModel]
     call_small: tuple[int, float]
     call_large: tuple[int, float]
 
@@ -145,14 +178,20 @@ def measure_links(node_ids: list[str], reps: int = 20, devices: Sequence[str] = 
     from tinydist import dist
     group = dist.get_group()
     dist.barrier()
-    mine, calls = _between_ranks(group, reps) if group.world > 1 else ({}, [0.0, 0.0])
-    mem_lat, mem_bw = _in_process(devices, reps)
-    row = np.zeros((1, group.world + 1, 3))
-    for peer, (lat, bw) in mine.items():
+    got = _sample(group, reps, devices)
+    g = len(devices)
+    # the in-process stages fitted to the planner's formulas: stage 1 (g-1)·(α + nγ), stage 3 α + g·nβ
+    (mem_lat, mem_bw), back = ((_fit(got.reduced[SMALL], got.reduced[LARGE], g - 1, g - 1, LARGE),
+                                _fit(got.back[SMALL], got.back[LARGE], 1, g, LARGE)) if g > 1 else (_host_copy(),) * 2)
+    calls = [statistics.median(got.calls[n]) for n in (SMALL, LARGE)] if group.world > 1 else [0.0, 0.0]
+    row = np.zeros((1, group.world + 2, 3))
+    for peer in dict.fromkeys(p for p, _ in got.exchanges):
+        lat, bw = _fit(got.exchanges[peer, SMALL], got.exchanges[peer, LARGE], 1, 1, LARGE)
         kind = getattr(group.links[peer], "kind", "tcp")
         row[0, peer] = (lat, bw, KINDS.index(kind) if kind in KINDS else len(KINDS) - 1)
     row[0, group.rank] = (mem_lat, mem_bw, 0)
-    row[0, group.world, :2] = calls                       # the last column: this rank's dist call times
+    row[0, group.world, :2] = calls                       # after the links: this rank's dist call times,
+    row[0, group.world + 1, :2] = back                    # then its copy back (α, bandwidth)
     table = dist.all_gather(row, axis=0).numpy() if group.world > 1 else row
     records = []
     for i in range(group.world):
@@ -160,5 +199,7 @@ def measure_links(node_ids: list[str], reps: int = 20, devices: Sequence[str] = 
             lat, bw, kind = table[i, j]
             if bw > 0:
                 records.append(LinkRecord(node_ids[i], node_ids[j], KINDS[int(kind)], float(lat), float(bw)))
+    copy_back = {node_ids[i]: LinkModel("copy", float(table[i, group.world + 1, 0]), 1.0 / float(table[i, group.world + 1, 1]))
+                 for i in range(group.world)}
     slowest = table[:, group.world, :2].max(axis=0)
-    return Measured(records, (SMALL, float(slowest[0])), (LARGE, float(slowest[1])))
+    return Measured(records, copy_back, (SMALL, float(slowest[0])), (LARGE, float(slowest[1])))

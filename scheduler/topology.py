@@ -14,6 +14,10 @@ figures; measured values (`tinydist.scheduler.probe`, reported to the coordinato
 exchange that opens every call, its timeout guard, and the result's allocation and copy out (α per
 call, β per byte of the tensor). Measured at join (`tinydist.scheduler.plan.calibrate_call`); zero
 in a topology nobody measured (the simulated cluster).
+
+`Topology.copy_back` is each node's last stage, the reduced host result copied to every one of its
+devices (α + g·nβ), measured at join apart from the reduce (the "mem" link) because the two run at
+different rates per byte; a node nobody measured is priced on its group's link.
 """
 
 from __future__ import annotations
@@ -96,6 +100,7 @@ class Topology:
     defaults: dict[str, LinkModel] = field(default_factory=lambda: dict(DEFAULT_LINKS))
     epoch: int = 0
     call: LinkModel = NO_CALL        # one tinydist.dist call's own cost (module docstring)
+    copy_back: dict[str, LinkModel] = field(default_factory=dict)   # node id -> its copy back (module docstring)
 
     def __post_init__(self) -> None:
         self.nodes = sorted(self.nodes, key=lambda n: n.rank)
@@ -144,6 +149,12 @@ class Topology:
             return self.measured.get(_pair(node.node_id, node.node_id), self.defaults["mem"])
         links = [self.link(a, b) for i, a in enumerate(group.nodes) for b in group.nodes[i + 1:]]
         return max(links, key=lambda m: (m.beta, m.alpha))
+
+    def back_link(self, group: PeerGroup) -> LinkModel:
+        """What the group's copy back runs at: its measured node's `copy_back`, else its intra link."""
+        if len(group.nodes) == 1 and group.leader.node_id in self.copy_back:
+            return self.copy_back[group.leader.node_id]
+        return self.intra_link(group)
 
     def slowest(self, pairs: Iterable[tuple[NodeSpec, NodeSpec]]) -> LinkModel | None:
         worst: LinkModel | None = None

@@ -102,16 +102,19 @@ def test_simulated_kill_fails_survivors_naming_node_then_replans():
 
 def test_probe_fit_inverts_the_planners_stage_costs():
     """What the probe fits from its two timings (8 B and 16 MiB) is what the planner's formulas need
-    to give those timings back: stages 1 and 3 together, (g-1)(α + nβ) + α + g·nβ, in a process of g
-    devices; α + nβ for one exchange."""
+    to give those timings back: stage 1 alone, (g-1)(α + nγ), and stage 3 alone, α + g·nβ, in a
+    process of g devices; α + nβ for one exchange."""
     from tinydist.scheduler.plan import broadcast_cost, intra_cost
     from tinydist.scheduler.probe import LARGE, SMALL, _fit
     from tinydist.scheduler.topology import LinkModel
-    g, t_small, t_large = 4, 4 * 85e-6, 7 * 0.9e-3
-    alpha, bandwidth = _fit([t_small, 2 * t_small, t_small / 2], [t_large] * 3, g, 2 * g - 1, LARGE)
-    link = LinkModel("mem", alpha, 1 / bandwidth)
-    for n, t in ((SMALL, t_small), (LARGE, t_large)):
-        assert intra_cost("naive", g, n, link) + broadcast_cost(g, n, link) == pytest.approx(t)
+    g = 4
+    for (t_small, t_large), per_alpha, per_beta, cost in (
+            ((3 * 120e-6, 3 * 2.1e-3), g - 1, g - 1, lambda n, link: intra_cost("naive", g, n, link)),
+            ((15e-6, 4 * 1.4e-3), 1, g, lambda n, link: broadcast_cost(g, n, link))):
+        alpha, bandwidth = _fit([t_small, 2 * t_small, t_small / 2], [t_large] * 3, per_alpha, per_beta, LARGE)
+        link = LinkModel("mem", alpha, 1 / bandwidth)
+        for n, t in ((SMALL, t_small), (LARGE, t_large)):
+            assert cost(n, link) == pytest.approx(t)
     alpha, bandwidth = _fit([2e-4], [4e-3], 1, 1, LARGE)
     assert LinkModel("tcp", alpha, 1 / bandwidth).time(LARGE) == pytest.approx(4e-3)
 
@@ -140,6 +143,22 @@ def test_cost_model_arithmetic_matches_hand_computed_times():
     # ring over 2 groups: 2(α + nβ/2) + the call; all2all: 2α + nβ + the call
     assert plan.candidates["hierarchical/ring"] - plan.candidates["hierarchical/naive"] == pytest.approx(100e-6)
     assert plan.candidates["hierarchical/all2all"] == pytest.approx(plan.candidates["hierarchical/ring"])
+
+
+def test_copy_back_is_priced_on_each_nodes_measured_copy_not_on_the_reduce():
+    """Stage 3 runs at the copy rate the probe measured for it (Topology.copy_back), not at the
+    reduce's (the mem link): mem α=10 µs, γ=0.5 ns/B; copy α=2 µs, β=0.1 ns/B on n0, 0.2 ns/B on
+    n1 (the slowest group's bounds the stage); n=1 MiB, g=2. A node nobody measured keeps its mem link."""
+    n = 1 << 20
+    t = two_by_two(LinkModel("tcp", 100e-6, 1e-9), LinkModel("mem", 10e-6, 0.5e-9), LinkModel("call", 0.0, 0.0))
+    unmeasured = plan_allreduce(t, n, inter="naive", log=False).stages[2]
+    assert unmeasured.modelled_s == pytest.approx(10e-6 + 2 * n * 0.5e-9)
+    t.copy_back = {"n0": LinkModel("copy", 2e-6, 0.1e-9), "n1": LinkModel("copy", 2e-6, 0.2e-9)}
+    plan = plan_allreduce(t, n, inter="naive", log=False)
+    inside, _, back = plan.stages
+    assert inside.modelled_s == pytest.approx(10e-6 + n * 0.5e-9)          # stage 1 still on the mem link
+    assert (back.link.kind, back.modelled_s) == ("copy", pytest.approx(2e-6 + 2 * n * 0.2e-9))
+    assert "copy α=2.0 µs" in plan.explain()
 
 
 def test_calibrate_call_keeps_what_the_links_do_not_explain():
