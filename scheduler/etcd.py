@@ -12,17 +12,24 @@ and a heartbeat none, so JSON over HTTP costs nothing that matters.
 
 Keys and values are bytes on the wire as base64 (the gateway's encoding of protobuf `bytes`);
 int64 fields come back as JSON strings. Every failure (no server, an HTTP error, a gateway error
-body) is a `MembershipStoreError` naming the endpoint and the call.
+body, a refused TLS handshake) is a `MembershipStoreError` naming the endpoint and the call.
+
+Mutual TLS: `https://` endpoints are dialled with the CA in TINYDIST_ETCD_CA (the lab's DIR/ca.pem,
+which signed etcd's certificate from `tinydist certs etcd`) and, where etcd runs with
+--client-cert-auth, the client certificate TINYDIST_ETCD_CERT / TINYDIST_ETCD_KEY (`tinydist certs
+issue`); docs/cluster.md has the etcd flags.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import ssl
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tinydist.scheduler.errors import MembershipStoreError
@@ -47,6 +54,20 @@ def prefix_end(prefix: bytes) -> bytes:
     return b"\0"                                   # every key
 
 
+def _tls_hint(exc: ssl.SSLError, tls: EtcdTLS | None) -> str:
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return ("etcd's certificate is not one TINYDIST_ETCD_CA vouches for, or not for the name dialled: issue it "
+                "with `tinydist certs etcd DIR --server-san HOST` and set TINYDIST_ETCD_CA=DIR/ca.pem")
+    if tls is None or tls.client_cert is None:
+        # etcd with --client-cert-auth answers a client that sent none with a "bad certificate" alert or
+        # closes the connection (an EOF), never TLS 1.3's "certificate required"
+        return ("etcd asks for a client certificate (--client-cert-auth) and none was given: set TINYDIST_ETCD_CERT and "
+                "TINYDIST_ETCD_KEY to one from `tinydist certs issue DIR --name NAME`, signed by the CA etcd's "
+                "--trusted-ca-file names")
+    return (f"etcd refused this client's certificate {tls.client_cert}: it must be signed by the CA etcd's "
+            "--trusted-ca-file names (`tinydist certs issue DIR --name NAME` with etcd's --trusted-ca-file DIR/ca.pem)")
+
+
 @dataclass(frozen=True)
 class KeyValue:
     key: bytes
@@ -68,20 +89,61 @@ class TxnResult:
     ranges: list[list[KeyValue]]                   # the kvs of each range operation of the branch taken
 
 
-class EtcdClient:
-    """One or more client URLs (`http://127.0.0.1:2379`); a call tries them in turn until one answers."""
+@dataclass(frozen=True)
+class EtcdTLS:
+    """The client side of mutual TLS to etcd: a context that verifies etcd's certificate, and the
+    client certificate it presents (None: none, for an etcd without --client-cert-auth)."""
+    context: ssl.SSLContext
+    client_cert: Path | None
 
-    def __init__(self, endpoints: Sequence[str] | str, timeout: float = 5.0) -> None:
+
+def tls_context(ca: Path | None, cert: Path | None, key: Path | None) -> EtcdTLS:
+    """Verify etcd's certificate against `ca`, present `cert` and `key` (both or neither)."""
+    if ca is None:
+        raise MembershipStoreError("an https:// etcd endpoint needs the CA its certificate is checked against: set "
+                                   "TINYDIST_ETCD_CA (the lab's DIR/ca.pem when etcd serves a `tinydist certs etcd DIR` "
+                                   "certificate)")
+    if (cert is None) != (key is None):
+        raise MembershipStoreError(f"etcd client certificate: TINYDIST_ETCD_CERT={cert} and TINYDIST_ETCD_KEY={key}: give "
+                                   "both (a certificate and its key from `tinydist certs issue DIR --name NAME`) or neither")
+    try:
+        context = ssl.create_default_context(cafile=str(ca))
+        if cert is not None and key is not None:
+            context.load_cert_chain(str(cert), str(key))
+    except (OSError, ssl.SSLError) as exc:
+        raise MembershipStoreError(f"etcd TLS material unusable (TINYDIST_ETCD_CA={ca}, TINYDIST_ETCD_CERT={cert}, "
+                                   f"TINYDIST_ETCD_KEY={key}): {exc}") from exc
+    return EtcdTLS(context, cert)
+
+
+def _tls_failure(exc: BaseException) -> ssl.SSLError | None:
+    """The TLS error behind a failed request (urllib wraps one raised while connecting in URLError,
+    and lets one raised reading the reply through: TLS 1.3 refuses a client certificate there)."""
+    if isinstance(exc, ssl.SSLError):
+        return exc
+    reason = exc.reason if isinstance(exc, urllib.error.URLError) else None
+    return reason if isinstance(reason, ssl.SSLError) else None
+
+
+class EtcdClient:
+    """One or more client URLs (`http://127.0.0.1:2379`, or `https://` for mutual TLS: `tls`, else
+    a context from TINYDIST_ETCD_CA / _CERT / _KEY); a call tries them in turn until one answers."""
+
+    def __init__(self, endpoints: Sequence[str] | str, timeout: float = 5.0, tls: EtcdTLS | None = None) -> None:
         urls = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         urls = [u.strip().rstrip("/") for part in urls for u in part.split(",") if u.strip()]
         if not urls:
             raise MembershipStoreError("no etcd endpoint given: pass --etcd http://HOST:PORT[,http://HOST:PORT...]")
         for url in urls:
-            if not url.startswith("http://"):
-                raise MembershipStoreError(f"etcd endpoint {url!r}: expected http://HOST:PORT (the client URL "
-                                           f"etcd listens on; this client speaks plain HTTP to etcd's v3 gateway)")
+            if not url.startswith(("http://", "https://")):
+                raise MembershipStoreError(f"etcd endpoint {url!r}: expected http://HOST:PORT or https://HOST:PORT "
+                                           f"(the client URL etcd listens on, for etcd's v3 gateway)")
+        if tls is None and any(url.startswith("https://") for url in urls):
+            from tinydist.base.config import settings
+            tls = tls_context(settings.ETCD_CA, settings.ETCD_CERT, settings.ETCD_KEY)
         self.endpoints = urls
         self.timeout = timeout
+        self.tls = tls
 
     def call(self, path: str, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         data = json.dumps(body).encode()
@@ -90,12 +152,17 @@ class EtcdClient:
             request = urllib.request.Request(f"{url}/v3/{path}", data=data, method="POST",
                                              headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(request, timeout=timeout or self.timeout) as reply:
+                with urllib.request.urlopen(request, timeout=timeout or self.timeout,
+                                            context=self.tls.context if self.tls and url.startswith("https://") else None) as reply:
                     doc = json.loads(reply.read() or b"{}")
             except urllib.error.HTTPError as exc:   # the gateway answered with an error body: do not try another
                 detail = exc.read().decode(errors="replace")
                 raise MembershipStoreError(f"etcd {url}: /v3/{path} refused (HTTP {exc.code}): {detail}") from exc
             except (OSError, ValueError) as exc:     # URLError, refused, timed out, not JSON
+                tls = _tls_failure(exc)
+                if tls is not None:                  # this etcd will refuse us every time: say why, try no other
+                    raise MembershipStoreError(f"etcd {url}: /v3/{path}: the TLS handshake failed ({tls}); "
+                                               + _tls_hint(tls, self.tls)) from exc
                 errors.append(f"{url}: {exc}")
                 continue
             if "error" in doc:                       # a streaming call reports its error in the body

@@ -147,28 +147,41 @@ def _free_port() -> int:
 
 
 class Etcd:
-    """A one-member etcd on loopback: a fresh data dir under `tmp`, free client and peer ports."""
+    """A one-member etcd on loopback: a fresh data dir under `tmp`, free client and peer ports. With
+    `pki` (a `tinydist certs init` directory holding `certs etcd`'s certificate and a client one
+    named `client`): clients over mutual TLS only (--client-cert-auth), at an https:// URL."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, pki: Path | None = None, client: str = "") -> None:
         self.tmp = tmp
-        self.url = f"http://127.0.0.1:{_free_port()}"
+        self.pki = pki
+        self.client = client
+        self.url = f"{'https' if pki else 'http'}://127.0.0.1:{_free_port()}"
         self.peer_url = f"http://127.0.0.1:{_free_port()}"
         self.start()
 
     def start(self) -> None:
         """Start (or start again: same ports, same data dir) and wait until it reports healthy."""
+        import ssl
         import urllib.request
         self.log = self.tmp / f"etcd-{time.monotonic_ns()}.log"
         self._log_file = self.log.open("w")
+        tls: list[str] = []
+        context = None
+        if self.pki is not None:
+            tls = ["--client-cert-auth", "--trusted-ca-file", str(self.pki / "ca.pem"),
+                   "--cert-file", str(self.pki / "etcd" / "server.pem"), "--key-file", str(self.pki / "etcd" / "server.key")]
+            context = ssl.create_default_context(cafile=str(self.pki / "ca.pem"))
+            context.load_cert_chain(str(self.pki / "clients" / f"{self.client}.pem"),
+                                    str(self.pki / "clients" / f"{self.client}.key"))
         self.proc = subprocess.Popen([str(ETCD), "--name", "test", "--data-dir", str(self.tmp / "etcd-data"),
                                       "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
                                       "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls",
-                                      self.peer_url, "--initial-cluster", f"test={self.peer_url}"],
+                                      self.peer_url, "--initial-cluster", f"test={self.peer_url}", *tls],
                                      stdout=self._log_file, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while True:
             try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=1) as reply:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=1, context=context) as reply:
                     if b'"true"' in reply.read():
                         return
             except OSError:

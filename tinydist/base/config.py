@@ -173,6 +173,16 @@ for _setting in (
             "before its job fails with CoordinatorLost. Meanwhile collectives go on (the data plane does not use the "
             "scheduler) and the node retries with exponential backoff, capped at half the dead-after window, then "
             "re-registers under the rank and incarnation it holds once the scheduler is back."),
+    Setting("ETCD_CA", Path, lambda: None,
+            "The CA certificate (PEM) an https:// etcd endpoint's certificate is checked against, for the scheduler's "
+            "membership store (`tinydist scheduler serve --etcd https://...`): the lab's DIR/ca.pem when etcd serves a "
+            "certificate from `tinydist certs etcd DIR`. Needed for https:// endpoints; unused for http://."),
+    Setting("ETCD_CERT", Path, lambda: None,
+            "The client certificate (PEM) the scheduler presents to etcd over https:// (etcd started with "
+            "--client-cert-auth): one from `tinydist certs issue DIR --name NAME` (DIR/clients/NAME.pem). Give "
+            "TINYDIST_ETCD_KEY with it."),
+    Setting("ETCD_KEY", Path, lambda: None,
+            "The key (PEM) of TINYDIST_ETCD_CERT (DIR/clients/NAME.key)."),
     Setting("SHM_SLOT_BYTES", _positive_int, lambda: 4 << 20,
             "Bytes each rank moves per round through the group's shared-memory segment (tinydist.dist on one host); "
             "larger messages take several rounds. Every rank of a job must use the same value."),

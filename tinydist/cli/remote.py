@@ -58,6 +58,19 @@ def _certs_server(args: argparse.Namespace) -> int:
     return 0
 
 
+def _certs_etcd(args: argparse.Namespace) -> int:
+    from tinydist.security import pki
+    dns, ips = _sans(args)
+    names = pki.issue_etcd(Path(args.dir), dns, ips, days=args.days)
+    etcd = Path(args.dir) / pki.ETCD_DIR
+    print(f"etcd server certificate {etcd / 'server.pem'} for {', '.join(names)}; serve it with\n"
+          f"  etcd --client-cert-auth --trusted-ca-file {Path(args.dir) / 'ca.pem'} --cert-file {etcd / 'server.pem'} "
+          f"--key-file {etcd / 'server.key'} --listen-client-urls https://HOST:2379 ...\n"
+          f"and point the scheduler at it: TINYDIST_ETCD_CA={Path(args.dir) / 'ca.pem'} TINYDIST_ETCD_CERT=... "
+          f"TINYDIST_ETCD_KEY=... (a client certificate: tinydist certs issue {args.dir} --name NAME)")
+    return 0
+
+
 def _certs_issue(args: argparse.Namespace) -> int:
     from tinydist.security import pki
     try:
@@ -212,6 +225,14 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument("--server-san", action="append", default=[], metavar="NAME", help=san_help)
     server.add_argument("--days", type=float, default=365.0, help="validity in days (default 365)")
     server.set_defaults(run=_certs_server)
+    etcd = certs_commands.add_parser("etcd", help="issue an etcd server certificate (the scheduler's membership store "
+                                                  "over mutual TLS) with the lab's CA")
+    etcd.add_argument("dir")
+    etcd.add_argument("--server-san", action="append", default=[], metavar="NAME",
+                      help="another name the scheduler dials etcd by: a DNS name or an IP address (repeat, or "
+                           "comma-separate); localhost, 127.0.0.1 and ::1 are always in")
+    etcd.add_argument("--days", type=float, default=365.0, help="validity in days (default 365)")
+    etcd.set_defaults(run=_certs_etcd)
     issue = certs_commands.add_parser("issue", help="issue a client certificate and key")
     issue.add_argument("dir")
     issue.add_argument("--name", required=True)

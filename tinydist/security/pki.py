@@ -11,6 +11,8 @@ Layout of DIR:
     ca.pem                     the lab CA's certificate: what the node and every client trust
     server.pem server.key      the node's certificate: DNS localhost, IP 127.0.0.1 and ::1, and each
                                `--server-san` (`certs init` or `certs server`: a node on a LAN address)
+    etcd/server.pem server.key an etcd server's certificate (`certs etcd`, for the scheduler's membership
+                               store over mutual TLS: docs/cluster.md), serverAuth and clientAuth
     policy.toml                identities → roles, method table, quotas (docs/remote.md)
     revoked.txt                sha256 fingerprints refused on every call (reloaded when it changes)
     clients/NAME.pem NAME.key  client certificates; identity spiffe://<trust-domain>/user/NAME
@@ -286,6 +288,30 @@ def issue_server(directory: Path, dns: Sequence[str] = ("localhost",), ips: Sequ
     directory = Path(directory)
     ca_cert, ca_key = load_ca(directory)
     _write_server(directory, ca_cert, ca_key, dns, ips, days)
+    return [f"DNS:{d}" for d in dns] + [f"IP:{i}" for i in ips]
+
+
+ETCD_DIR = Path("etcd")
+
+
+def issue_etcd(directory: Path, dns: Sequence[str] = ("localhost",), ips: Sequence[str] = ("127.0.0.1", "::1"),
+               days: float = 365.0) -> list[str]:
+    """A certificate and key for an etcd server (DIR/etcd/server.pem, server.key) for these names, signed by
+    the lab's CA (`tinydist certs etcd`), for etcd's --cert-file / --key-file with --trusted-ca-file DIR/ca.pem.
+    Why clientAuth besides serverAuth: with --client-cert-auth etcd's JSON gateway (what scheduler.etcd
+    speaks) dials etcd's own gRPC server presenting this certificate as a client; with serverAuth alone
+    etcd 3.4 logs "tls: failed to verify client certificate: x509: certificate specifies an
+    incompatible key usage" and every call answers HTTP 503 "connection closed". Returns the names,
+    as `DNS:...` / `IP:...`."""
+    directory = Path(directory)
+    if not dns and not ips:
+        raise PKIError("the etcd certificate needs at least one name (DNS or IP) its clients dial")
+    ca_cert, ca_key = load_ca(directory)
+    cert, key = make_certificate(ca_cert, ca_key, "tinydist etcd", dns=dns, ips=ips,
+                                 eku=(ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH), days=days)
+    (directory / ETCD_DIR).mkdir(mode=0o700, exist_ok=True)
+    (directory / ETCD_DIR / "server.pem").write_bytes(cert)
+    _write_private(directory / ETCD_DIR / "server.key", key)
     return [f"DNS:{d}" for d in dns] + [f"IP:{i}" for i in ips]
 
 
