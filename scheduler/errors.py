@@ -16,6 +16,10 @@ class MembershipError(ClusterError):
     """The coordinator refused a join, heartbeat or wait."""
 
 
+class SchedulerNameMismatch(MembershipError):
+    """The scheduler's certificate does not name the address a node dialled (re-issue it with `certs server --this-host`)."""
+
+
 class CoordinatorLost(ClusterError):
     """The coordinator stayed unreachable past TINYDIST_SCHEDULER_LOST_AFTER seconds (the node retried with backoff)."""
 

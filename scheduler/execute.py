@@ -42,11 +42,12 @@ class ClusterJob:
     @classmethod
     def start(cls, coordinator: str, node_id: str, devices: Sequence[str], *, world_size: int, rank: int = -1,
               credentials: Credentials | None = None, host_key: str | None = None, wait_timeout: float = 60.0,
-              dist_timeout: float | None = None, probe: bool = True, address: str = "127.0.0.1",
+              dist_timeout: float | None = None, probe: bool = True, address: str | None = None,
               min_size: int | None = None, last_call: float = 1.0) -> ClusterJob:
         """Join, wait for `world_size` members, td.dist.init. `address`: the interface this node's
-        rendezvous and mesh listen on, the one the other nodes reach (loopback by default; another
-        address needs TINYDIST_COORDINATOR_ALLOW_REMOTE=1, the bind policy of tinydist.dist).
+        rendezvous and mesh listen on, the one the other nodes reach (default `environment.node_host()`:
+        TINYDIST_NODE_HOST, the Slurm node's address, else loopback; a non-loopback one needs
+        TINYDIST_COORDINATOR_ALLOW_REMOTE=1, the bind policy of tinydist.dist).
         `min_size`: elastic, torchrun's `--nnodes MIN:MAX` with MAX = `world_size`: the job is the
         next rendezvous round (NodeAgent.rendezvous), of `min_size` to `world_size` nodes."""
         elastic = min_size is not None

@@ -37,7 +37,7 @@ import grpc
 
 from tinydist.scheduler._generated import cluster_pb2 as pb
 from tinydist.scheduler._generated import cluster_pb2_grpc as pb_grpc
-from tinydist.scheduler.errors import ClusterError, CoordinatorLost, MembershipError, NodeFailed
+from tinydist.scheduler.errors import ClusterError, CoordinatorLost, MembershipError, NodeFailed, SchedulerNameMismatch
 from tinydist.scheduler.membership import LinkRecord
 from tinydist.scheduler.topology import LinkModel, NodeSpec, Topology
 from tinydist.base.config import settings
@@ -52,6 +52,24 @@ def open_channel(target: str, credentials: Credentials | None) -> grpc.Channel:
             raise ClusterError(f"refusing an insecure channel to {target}: insecure mode is loopback-only")
         return grpc.insecure_channel(target)
     return grpc.secure_channel(target, credentials.channel_credentials())
+
+
+def name_mismatch(target: str, credentials: Credentials | None, exc: grpc.RpcError,
+                  who: str = "this node") -> SchedulerNameMismatch | None:
+    """A failed call to the scheduler at `target` as SchedulerNameMismatch when its certificate does not
+    name the address dialled (gRPC's UNAVAILABLE says only "Hostname Verification Check failed", and
+    retrying cannot cure it); None for anything else (a scheduler still starting: keep retrying)."""
+    if credentials is None or exc.code() != grpc.StatusCode.UNAVAILABLE or "connection refused" in (exc.details() or "").lower():
+        return None
+    from tinydist.security.diagnose import names_not_dialled, split_target
+    where = split_target(target)
+    names = None if where is None else names_not_dialled(*where)
+    if where is None or names is None:
+        return None
+    return SchedulerNameMismatch(
+        f"{who}: the scheduler at {target} presents a certificate for {names}, not {where[0]}, the address dialled, so "
+        f"TLS refuses it (gRPC: {exc.details()}); re-issue it on the scheduler's host with `tinydist certs server DIR "
+        f"--this-host` (or `--server-san {where[0]}`) and restart the scheduler, or dial one of those names")
 
 
 def coordinator_list(targets: str) -> list[str]:
@@ -71,6 +89,9 @@ def status(target: str, credentials: Credentials | None, timeout: float = 10.0) 
             try:
                 return pb_grpc.ClusterStub(channel).Status(pb.StatusRequest(), timeout=timeout)
             except grpc.RpcError as exc:
+                mismatch = name_mismatch(one, credentials, exc, "cluster status")
+                if mismatch is not None:
+                    raise mismatch from exc
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or i == len(targets) - 1:
                     raise
     raise AssertionError("unreachable: the loop returns or raises")
@@ -136,8 +157,12 @@ class CoordinatorWatch:
 
 class NodeAgent:
     def __init__(self, coordinator: str, node_id: str, devices: Sequence[str], *, rank: int = -1, world_size: int = 0,
-                 host_key: str | None = None, credentials: Credentials | None = None, address: str = "127.0.0.1",
+                 host_key: str | None = None, credentials: Credentials | None = None, address: str | None = None,
                  transports: Sequence[str] = ("mem", "shm", "tcp")) -> None:
+        """`address`: where this node's rendezvous binds and what it advertises to the other nodes (the
+        one they reach it at); default `environment.node_host()`: TINYDIST_NODE_HOST, the Slurm node's
+        address, else loopback."""
+        from tinydist.dist.environment import node_host
         from tinydist.dist.rendezvous import host_key as default_host_key
         self.coordinators = coordinator_list(coordinator)
         self.coordinator = self.coordinators[0]        # the one this agent talks to now
@@ -146,7 +171,7 @@ class NodeAgent:
         self.requested_rank = rank
         self.world_size = world_size
         self.host_key = host_key or default_host_key()
-        self.address = address
+        self.address = node_host() if address is None else address
         self.transports = tuple(transports)
         self.credentials = credentials
         self.channel = open_channel(self.coordinator, credentials)
@@ -188,6 +213,10 @@ class NodeAgent:
                                        timeout=max(0.1, min(5.0, deadline - time.monotonic())))
                 break
             except grpc.RpcError as exc:
+                mismatch = name_mismatch(self.coordinator, self.credentials, exc, f"node {self.node_id}")
+                if mismatch is not None:                   # waiting will not change the certificate
+                    self.close()
+                    raise mismatch from exc
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + delay > deadline:
                     self.close()
                     raise MembershipError(f"node {self.node_id}: join at {self.coordinator} failed: "

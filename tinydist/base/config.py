@@ -219,12 +219,17 @@ LAUNCH_VARIABLES: dict[str, str] = {
                                "starting the ranks; removed from the environment once used.",
     "TINYDIST_JOB_ID": "Names the job's shared-memory segments, so `tinydist launch` can sweep what a killed rank left.",
     "TINYDIST_PORT": "Rendezvous port on Slurm and Kubernetes, where the coordinator host comes from the scheduler "
-                     "(default 29400), and under torchrun (default MASTER_PORT + 1: torchrun's agent holds MASTER_PORT).",
+                     "(default 29400; on Slurm 29400 + 2 * (SLURM_JOB_ID mod 300), so jobs sharing a node differ), "
+                     "and under torchrun (default MASTER_PORT + 1: torchrun's agent holds MASTER_PORT).",
     "TINYDIST_K8S_SERVICE": "The headless Service that names rank 0's pod on Kubernetes (when TINYDIST_COORDINATOR is unset).",
     "TINYDIST_NODE_ID": "This node's id for the cluster scheduler (else the pod name, `<SLURMD_NODENAME>-<localid>` "
                         "or `node-<rank>`).",
     "TINYDIST_SCHEDULER": "HOST:PORT of the cluster scheduler (`tinydist scheduler serve`) to join.",
-    "TINYDIST_SCHEDULER_PORT": "The cluster scheduler's port on Slurm, on the job's first host (default 29500).",
+    "TINYDIST_SCHEDULER_PORT": "The cluster scheduler's port on Slurm, on the job's first host (default the port after "
+                               "the job's rendezvous port, 29401 + 2 * (SLURM_JOB_ID mod 300); 29500 outside Slurm).",
+    "TINYDIST_NODE_HOST": "The address (or name, resolved once) a cluster node's rendezvous binds and advertises to the "
+                          "job's other nodes (default: SLURMD_NODENAME resolved under Slurm, else 127.0.0.1); a "
+                          "non-loopback one needs TINYDIST_COORDINATOR_ALLOW_REMOTE=1.",
     "TINYDIST_CERT": "Client certificate (PEM path) for mutual TLS to a node or the cluster scheduler.",
     "TINYDIST_KEY": "The client certificate's private key (PEM path).",
     "TINYDIST_CA": "The CA certificate (PEM path) that node and scheduler certificates must chain to.",

@@ -48,6 +48,7 @@ underscore, never seen outside their module) are not drawn, but are TinydistErro
     │   └── NodeFailed [tinydist.scheduler.errors]           a node of the job died; .node_id, .rank
     ├── ClusterError [tinydist.scheduler.errors]             the cluster scheduler refused or could not do something
     │   ├── MembershipError                         a join, heartbeat or wait the coordinator refused
+    │   │   └── SchedulerNameMismatch               the scheduler's certificate does not name the address dialled
     │   ├── CoordinatorLost                         unreachable past TINYDIST_SCHEDULER_LOST_AFTER (retried with backoff)
     │   ├── MembershipStoreError                    the coordinator's membership store cannot be used (etcd unreachable, ...)
     │   │   ├── JournalError                        the coordinator's --state-dir is corrupt, locked or unwritable

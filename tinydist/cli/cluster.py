@@ -137,12 +137,16 @@ def format_status(st: Any, plan_bytes: int | None = None) -> str:
 def _status(args: argparse.Namespace) -> int:
     import grpc
 
+    from tinydist.scheduler.errors import SchedulerNameMismatch
     from tinydist.scheduler.node import status
     from tinydist.security.pki import PKIError
     try:
         st = status(args.coordinator, _credentials(args), timeout=args.timeout)
     except PKIError as exc:
         args.parser.error(str(exc))
+    except SchedulerNameMismatch as exc:
+        print(f"{args.parser.prog}: error: {exc}", file=sys.stderr)
+        return 1
     except grpc.RpcError as exc:
         print(f"{args.parser.prog}: error: {args.coordinator}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
@@ -249,9 +253,9 @@ def add_commands(subparsers: Any) -> None:
     join.add_argument("--devices", default="CPU:0", help="comma-separated local devices (default CPU:0)")
     join.add_argument("--rank", type=integer(-1), default=-1, help="the rank to ask for (default -1: the lowest free)")
     join.add_argument("--host-key", help="nodes with one host key share memory (default: this host's)")
-    join.add_argument("--address", default="127.0.0.1",
-                      help="interface the other nodes reach this one on (default loopback; another needs "
-                           "TINYDIST_COORDINATOR_ALLOW_REMOTE=1)")
+    join.add_argument("--address",
+                      help="interface the other nodes reach this one on (default TINYDIST_NODE_HOST, else the Slurm "
+                           "node's address, else loopback; a non-loopback one needs TINYDIST_COORDINATOR_ALLOW_REMOTE=1)")
     join.add_argument("--wait-timeout", type=seconds, default=60.0, help="seconds to wait for the members (default 60)")
     join.add_argument("--no-probe", action="store_true", help="do not measure the links at start")
     join.add_argument("--json", action="store_true", help="print the joined line as one JSON object")

@@ -30,7 +30,8 @@ def _serve(args: argparse.Namespace) -> int:
 def _sans(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     from tinydist.security import pki
     try:
-        return pki.split_sans(["localhost", "127.0.0.1", "::1", *args.server_san])
+        this_host = pki.this_host_sans() if args.this_host else []
+        return pki.split_sans(["localhost", "127.0.0.1", "::1", *this_host, *args.server_san])
     except pki.PKIError as exc:
         args.parser.error(str(exc))
         raise  # parser.error exits
@@ -214,15 +215,19 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     certs_commands = certs.add_subparsers(dest="certs_command", required=True, metavar="ACTION")
     san_help = ("another name a client dials the node by: a DNS name or an IP address (repeat, or comma-separate); "
                 "localhost, 127.0.0.1 and ::1 are always in")
+    this_host_help = ("also name this host: its hostname, FQDN and the addresses they resolve to (a scheduler or node "
+                      "the others dial at this host's name or address, e.g. a Slurm job's first node)")
     init = certs_commands.add_parser("init", help="create a lab CA, a server certificate and a starter policy")
     init.add_argument("dir")
     init.add_argument("--trust-domain", default="tinydist.lab", help="identities are spiffe://DOMAIN/user/NAME (default tinydist.lab)")
     init.add_argument("--server-san", action="append", default=[], metavar="NAME", help=san_help)
+    init.add_argument("--this-host", action="store_true", help=this_host_help)
     init.add_argument("--force", action="store_true", help="replace an existing CA")
     init.set_defaults(run=_certs_init)
     server = certs_commands.add_parser("server", help="reissue the server certificate (new names) with the lab's CA")
     server.add_argument("dir")
     server.add_argument("--server-san", action="append", default=[], metavar="NAME", help=san_help)
+    server.add_argument("--this-host", action="store_true", help=this_host_help)
     server.add_argument("--days", type=float, default=365.0, help="validity in days (default 365)")
     server.set_defaults(run=_certs_server)
     etcd = certs_commands.add_parser("etcd", help="issue an etcd server certificate (the scheduler's membership store "

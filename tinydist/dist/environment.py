@@ -21,7 +21,12 @@ batch script itself also has SLURM_PROCID=0 and SLURM_NTASKS=<the allocation's t
 SLURM_STEP_ID (seen under Slurm 22.05), and a script run there without srun is one process, not
 rank 0 of a group whose other ranks never start.
 
-TINYDIST_PORT defaults to 29400. Local rank: SLURM_LOCALID or LOCAL_RANK, else 0 (one pod per rank). The node id
+Ports (`job_ports()`): TINYDIST_PORT (the rendezvous) and TINYDIST_SCHEDULER_PORT (the cluster
+scheduler on the first host) when set; else, under Slurm, a pair chosen by the job, 29400 + 2 * (SLURM_JOB_ID
+mod 300) and the port after it (29400..29999), so two jobs sharing a node do not collide (two jobs whose
+ids are a multiple of 300 apart still would: set the ports); else 29400 and 29500. Where a node's own
+servers listen (`node_host()`, the NodeAgent's rendezvous and what it advertises): TINYDIST_NODE_HOST,
+else the Slurm node's name (SLURMD_NODENAME) resolved, else loopback. Local rank: SLURM_LOCALID or LOCAL_RANK, else 0 (one pod per rank). The node id
 for the cluster scheduler: TINYDIST_NODE_ID, else the pod name, else `<SLURMD_NODENAME>-<localid>`,
 else `node-<rank>`. Every integer is parsed by `tinydist.base.config.launch_int`, so a bad TINYDIST_RANK
 (or SLURM_PROCID, ...) raises the same LaunchError wherever it is read.
@@ -37,9 +42,12 @@ from dataclasses import dataclass
 
 from tinydist.base.config import launch_int
 from tinydist.base.errors import LaunchError
+from tinydist.security.bind import bind_policy
 
 DEFAULT_PORT = 29400
+DEFAULT_SCHEDULER_PORT = 29500
 DEFAULT_COORDINATOR = f"127.0.0.1:{DEFAULT_PORT}"
+SLURM_PORT_PAIRS = 300      # 29400 + 2 * 300 = 30000: the per-job pairs stay in 29400..29999
 
 
 @dataclass(frozen=True)
@@ -100,6 +108,32 @@ def _optional_int(env: MutableMapping[str, str], name: str, default: int) -> int
     return default if value is None else value
 
 
+def job_ports(env: MutableMapping[str, str] | None = None) -> tuple[int, int]:
+    """(rendezvous port, scheduler port) of this job: TINYDIST_PORT / TINYDIST_SCHEDULER_PORT where set,
+    else under Slurm 29400 + 2 * (SLURM_JOB_ID mod 300) and the next port (a fixed pair would make the
+    second job on a shared node fail with EADDRINUSE), else 29400 / 29500."""
+    env = os.environ if env is None else env
+    job = launch_int("SLURM_JOB_ID", env, required=False)
+    rendezvous, scheduler = ((DEFAULT_PORT, DEFAULT_SCHEDULER_PORT) if job is None else
+                             (DEFAULT_PORT + 2 * (job % SLURM_PORT_PAIRS), DEFAULT_PORT + 2 * (job % SLURM_PORT_PAIRS) + 1))
+    return _optional_int(env, "TINYDIST_PORT", rendezvous), _optional_int(env, "TINYDIST_SCHEDULER_PORT", scheduler)
+
+
+def node_host(env: MutableMapping[str, str] | None = None) -> str:
+    """The IP address this node's own servers (the NodeAgent's rendezvous) bind and advertise to the
+    job's other nodes: TINYDIST_NODE_HOST, else SLURMD_NODENAME (this task's node, as the others reach
+    it), else 127.0.0.1. A name is resolved once under tinydist.security.bind's policy (never the
+    wildcard); binding a non-loopback address still needs TINYDIST_COORDINATOR_ALLOW_REMOTE=1, which
+    the Slurm recipe sets."""
+    env = os.environ if env is None else env
+    for name in ("TINYDIST_NODE_HOST", "SLURMD_NODENAME"):
+        host = env.get(name, "").strip()
+        if host:
+            return bind_policy(host.strip("[]"), 0, resolve=True, what=name,
+                               wildcard_hint="set TINYDIST_NODE_HOST to the address the other nodes reach")[0]
+    return "127.0.0.1"
+
+
 def detect(env: MutableMapping[str, str] | None = None) -> JobEnvironment | None:
     """The job environment, or None outside any launcher. Raises ValueError on inconsistent variables."""
     env = os.environ if env is None else env
@@ -125,8 +159,9 @@ def detect(env: MutableMapping[str, str] | None = None) -> JobEnvironment | None
         first = expand_nodelist(nodelist)[0]
         local = _optional_int(env, "SLURM_LOCALID", 0)
         node_id = env.get("TINYDIST_NODE_ID") or f"{env.get('SLURMD_NODENAME', 'slurm')}-{local}"
-        return JobEnvironment("slurm", rank, world, local, env.get("TINYDIST_COORDINATOR", f"{first}:{port}"),
-                              node_id, scheduler or f"{first}:{_optional_int(env, 'TINYDIST_SCHEDULER_PORT', 29500)}")
+        rendezvous_port, scheduler_port = job_ports(env)
+        return JobEnvironment("slurm", rank, world, local, env.get("TINYDIST_COORDINATOR", f"{first}:{rendezvous_port}"),
+                              node_id, scheduler or f"{first}:{scheduler_port}")
     hostname = env.get("HOSTNAME", "")
     ordinal = re.match(r"^(.*)-(\d+)$", hostname)
     if "KUBERNETES_SERVICE_HOST" in env and ("JOB_COMPLETION_INDEX" in env or ordinal):

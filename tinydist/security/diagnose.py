@@ -149,12 +149,27 @@ def probe_server(host: str, port: int, credentials: ClientCredentials, timeout: 
     if cert.not_valid_after_utc < _now():
         problems.append(f"the node's certificate expired on {cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC; its admin renews it "
                         "(tinydist certs server DIR) and restarts the node")
-    dns, ips = _names(cert)
-    if not _covers(host, dns, ips):
-        names = ", ".join([f"DNS:{d}" for d in dns] + [f"IP:{i}" for i in ips]) or "no names"
+    names = _uncovered(host, cert)
+    if names is not None:
         problems.append(f"the node's certificate names {names}, not {host}, the address dialled; connect through one of "
                         f"those, or its admin adds it (tinydist certs server DIR --server-san {host}) and restarts the node")
     return problems
+
+
+def _uncovered(host: str, cert: x509.Certificate) -> str | None:
+    """The names `cert` carries (`DNS:a, IP:b`), when none of them is `host`; None when one is."""
+    dns, ips = _names(cert)
+    if _covers(host, dns, ips):
+        return None
+    return ", ".join([f"DNS:{d}" for d in dns] + [f"IP:{i}" for i in ips]) or "no names"
+
+
+def names_not_dialled(host: str, port: int, timeout: float = 3.0) -> str | None:
+    """The names in the certificate the server at host:port presents (`DNS:a, IP:b`) when none of
+    them is `host`, the address dialled (gRPC then says only "Hostname Verification Check failed");
+    None when one is, or when no handshake got that far."""
+    der = server_certificate(host, port, timeout)
+    return None if der is None else _uncovered(host, x509.load_der_x509_certificate(der))
 
 
 def explain(target: str, credentials: ClientCredentials, details: str) -> str:

@@ -9,8 +9,11 @@ Layout of DIR:
                                a node never needs; copy DIR to a node without ca/ (the node refuses a
                                DIR that holds ca.key itself, and warns while DIR/ca/ is there)
     ca.pem                     the lab CA's certificate: what the node and every client trust
-    server.pem server.key      the node's certificate: DNS localhost, IP 127.0.0.1 and ::1, and each
-                               `--server-san` (`certs init` or `certs server`: a node on a LAN address)
+    server.pem server.key      the node's (or the cluster scheduler's) certificate: DNS localhost, IP
+                               127.0.0.1 and ::1, each `--server-san` (`certs init` or `certs server`: a
+                               node on a LAN address), and with `--this-host` this host's names and the
+                               addresses they resolve to (`this_host_sans`: a scheduler the nodes dial
+                               at its host's name or address)
     etcd/server.pem server.key an etcd server's certificate (`certs etcd`, for the scheduler's membership
                                store over mutual TLS: docs/cluster.md), serverAuth and clientAuth
     policy.toml                identities → roles, method table, quotas (docs/remote.md)
@@ -27,6 +30,7 @@ import datetime as dt
 import ipaddress
 import os
 import re
+import socket
 import stat
 import tomllib
 from collections.abc import Sequence
@@ -268,6 +272,22 @@ def split_sans(names: Sequence[str]) -> tuple[list[str], list[str]]:
             raise PKIError(f"server name {name!r} is neither an IP address nor a DNS name (letters, digits, dashes, dots)")
         dns.append(name.lower())
     return list(dict.fromkeys(dns)), list(dict.fromkeys(ips))
+
+
+def this_host_sans() -> list[str]:
+    """The names a client may dial a server on this host by (`--this-host`): socket.gethostname() and
+    getfqdn(), and every address they resolve to now (an IPv6 scope `%eth0` dropped), as `--server-san`
+    values. A multi-host job dials its scheduler at the first node's name or address, which a
+    certificate for localhost alone fails ("Hostname Verification Check failed")."""
+    names = list(dict.fromkeys(n for n in (socket.gethostname(), socket.getfqdn()) if n))
+    addresses: list[str] = []
+    for name in names:
+        try:
+            infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+        except OSError:
+            continue  # a name with no address is still what a client may dial through its own resolver
+        addresses += [str(info[4][0]).partition("%")[0] for info in infos]
+    return names + list(dict.fromkeys(addresses))
 
 
 def _write_server(directory: Path, ca_cert: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey,
