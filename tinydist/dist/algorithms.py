@@ -71,8 +71,11 @@ def _chunk(itemsize: int) -> int:
     return max(1, CHUNK_BYTES // max(1, itemsize))
 
 
-async def naive(links: dict[int, Link], rank: int, world: int, x: np.ndarray, ufunc: Ufunc) -> np.ndarray:
-    out = np.empty_like(x)
+async def naive(links: dict[int, Link], rank: int, world: int, x: np.ndarray, ufunc: Ufunc,
+                out: np.ndarray | None = None) -> np.ndarray:
+    """The reduction of every rank's `x`, in `out` when given (its memory apart from `x`'s: `x` is sent
+    while `out` is written)."""
+    out = np.empty_like(x) if out is None else out
     chunks = chunk_bounds(0, x.size, _chunk(x.itemsize))
 
     async def sender(peer: int) -> None:
@@ -94,6 +97,13 @@ async def naive(links: dict[int, Link], rank: int, world: int, x: np.ndarray, uf
             if traced:
                 _step(f"reduce chunk {k}", rank, started, dst.nbytes * world, chunk=k)
 
+    if len(chunks) <= 1:
+        # one message a link, which every link takes without its receiver (see ProcessGroup._exchange):
+        # send, then reduce, without the task group's tasks (most of a small call's Python over TCP)
+        for peer in links:
+            await sender(peer)
+        await reducer()
+        return out
     async with anyio.create_task_group() as tg:
         for peer in links:
             tg.start_soon(sender, peer)

@@ -410,16 +410,16 @@ class ProcessGroup:
         return self._failure
 
     async def _exchange(self, header: dict[str, Any], into: dict[int, dict[str, Any]]) -> None:
+        """Send our header to every peer, then read theirs. One message a link, which every transport
+        takes without its receiver (a TCP link's reader drains the socket; a shared-memory link has a
+        free slot, the previous call's being consumed), so no rank waits on another's send, and there is
+        no task group: its tasks were most of a small call's Python over TCP."""
         blob = json.dumps(header).encode()
-
-        async def get(peer: int) -> None:
-            async with self.links[peer].recv() as view:
+        for link in self.links.values():
+            await link.send(blob)
+        for peer, link in self.links.items():
+            async with link.recv() as view:
                 into[peer] = json.loads(bytes(view))
-
-        async with anyio.create_task_group() as tg:
-            for peer, link in self.links.items():
-                tg.start_soon(link.send, blob)
-                tg.start_soon(get, peer)
 
     # ---- collectives (numpy in, numpy out) --------------------------------------------------
     # Each is prepared as a `Call` (`tinydist.dist.calls`); `name` runs it from async code,
