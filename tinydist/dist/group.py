@@ -57,7 +57,7 @@ from tinydist.dist import calls
 from tinydist.dist import shm_algorithms as shm
 from tinydist.dist.calls import PREPARE, Call
 from tinydist.dist.dispatch import Dispatch
-from tinydist.dist.errors import CollectiveError, CollectiveTimeout, RankFailed
+from tinydist.dist.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, RankFailed
 from tinydist.dist.headers import verdict
 from tinydist.dist.shm_fast import FastAllreduce
 from tinydist.dist.rendezvous import connect_mesh, coordinator_listener, register, serve_coordinator
@@ -364,8 +364,16 @@ class ProcessGroup:
         headers: dict[int, dict[str, Any]] = {self.rank: header}
 
         async def run() -> Any:
-            await self._exchange(header, headers)
-            verdict(name, headers)
+            await self._exchange(header, headers, call.eager)
+            try:
+                verdict(name, headers)
+            except CollectiveMismatch:
+                # the data a peer sent behind its header is not for any later call: read it off the link
+                for peer, theirs in headers.items():
+                    if peer != self.rank and theirs.get("eager"):
+                        async with self.links[peer].recv():
+                            pass
+                raise
             return await call.links(headers)
 
         return await self._guarded(name, run, lambda: sorted(set(range(self.world)) - set(headers)),
@@ -409,14 +417,17 @@ class ProcessGroup:
                                                  f"{self.rank}: {what} (TINYDIST_COLLECTIVE_TIMEOUT)")
         return self._failure
 
-    async def _exchange(self, header: dict[str, Any], into: dict[int, dict[str, Any]]) -> None:
-        """Send our header to every peer, then read theirs. One message a link, which every transport
-        takes without its receiver (a TCP link's reader drains the socket; a shared-memory link has a
-        free slot, the previous call's being consumed), so no rank waits on another's send, and there is
-        no task group: its tasks were most of a small call's Python over TCP."""
+    async def _exchange(self, header: dict[str, Any], into: dict[int, dict[str, Any]], eager: np.ndarray | None) -> None:
+        """Send our header (and `eager`, the call's data, right behind it) to every peer, then read their
+        headers. At most two messages a link, the data one chunk, which every transport takes without its
+        receiver (a TCP link's reader drains the socket; a shared-memory link has 8 slots, the previous
+        call's consumed; an RDMA link's ring holds many chunks), so no rank waits on another's send, and
+        there is no task group: its tasks were most of a small call's Python over TCP."""
         blob = json.dumps(header).encode()
         for link in self.links.values():
             await link.send(blob)
+            if eager is not None:
+                await link.send(eager)
         for peer, link in self.links.items():
             async with link.recv() as view:
                 into[peer] = json.loads(bytes(view))
