@@ -9,6 +9,8 @@ number, collective, op, dtype, shape, axis, root, resolved algorithm, local argu
 reads everyone's. All ranks therefore see the same headers and reach the same verdict: if they
 disagree, every rank raises the same `CollectiveMismatch` before any result is computed (and the
 group stays usable). The exchange doubles as the barrier, and tells allgather each rank's piece length.
+Over links a one-chunk naive allreduce sends its data right behind the header (`Call.eager`): one
+message round instead of two, and on a mismatch each rank drains the data its peers' headers announced.
 
 Two ways to run a collective:
 - ranks on one host (shared-memory links, x86-64 Linux) also map one group segment
