@@ -43,7 +43,7 @@ def _single_copy_permitted() -> bool:
 
 
 @pytest.mark.parametrize("nproc,transport,slot,single_copy", [
-    (2, "shm", None, "on"), (3, "tcp", None, "auto"), (4, "shm", None, "on"), (4, "tcp", None, "auto"),
+    (2, "shm", None, "on"), (2, "tcp", None, "auto"), (3, "tcp", None, "auto"), (4, "shm", None, "on"), (4, "tcp", None, "auto"),
     (3, "shm", "4096", "auto"), (4, "shm", None, "off")])
 def test_collectives_match_numpy(nproc, transport, slot, single_copy, no_shm_leak):
     """slot: a small TINYDIST_SHM_SLOT_BYTES makes most calls on the group segment take many rounds.

@@ -67,13 +67,17 @@ class Progress:
             await self._event.wait()
 
 
-def _chunk(itemsize: int) -> int:
+def chunk_elements(itemsize: int) -> int:
+    """Elements of `itemsize` bytes in one chunk."""
     return max(1, CHUNK_BYTES // max(1, itemsize))
 
 
-async def naive(links: dict[int, Link], rank: int, world: int, x: np.ndarray, ufunc: Ufunc) -> np.ndarray:
-    out = np.empty_like(x)
-    chunks = chunk_bounds(0, x.size, _chunk(x.itemsize))
+async def naive(links: dict[int, Link], rank: int, world: int, x: np.ndarray, ufunc: Ufunc,
+                out: np.ndarray | None = None, sent: bool = False) -> np.ndarray:
+    """The reduction of every rank's `x`, in `out` when given (its memory apart from `x`'s: `x` is sent
+    while `out` is written). `sent`: `x` already went to every peer (behind the header, one chunk)."""
+    out = np.empty_like(x) if out is None else out
+    chunks = chunk_bounds(0, x.size, chunk_elements(x.itemsize))
 
     async def sender(peer: int) -> None:
         for a, b in chunks:
@@ -94,6 +98,14 @@ async def naive(links: dict[int, Link], rank: int, world: int, x: np.ndarray, uf
             if traced:
                 _step(f"reduce chunk {k}", rank, started, dst.nbytes * world, chunk=k)
 
+    if len(chunks) <= 1:
+        # one message a link, which every link takes without its receiver (see ProcessGroup._exchange):
+        # send, then reduce, without the task group's tasks (most of a small call's Python over TCP)
+        if not sent:
+            for peer in links:
+                await sender(peer)
+        await reducer()
+        return out
     async with anyio.create_task_group() as tg:
         for peer in links:
             tg.start_soon(sender, peer)
@@ -113,7 +125,7 @@ async def ring(links: dict[int, Link], rank: int, world: int, out: np.ndarray, b
     """In place on `out`: at step s send segment (hold-s) right, receive segment (hold-s-1) from the left,
     reducing it for the first `reduce_steps` steps and copying it after that."""
     right, left = links[(rank + 1) % world], links[(rank - 1) % world]
-    step = _chunk(out.itemsize)
+    step = chunk_elements(out.itemsize)
     chunks = [chunk_bounds(a, b, step) for a, b in bounds]
     total = reduce_steps + gather_steps
     # start[s] = how many chunks the receiver has finished before step s
@@ -156,7 +168,7 @@ async def all2all(links: dict[int, Link], rank: int, world: int, x: np.ndarray, 
                   bounds: Sequence[tuple[int, int]], ufunc: Ufunc, gather: bool = True) -> None:
     """Reduce segment `rank` of every rank's `x` into `out` (peers send it straight here); with `gather`,
     send the reduced segment straight to every peer and place theirs."""
-    step = _chunk(x.itemsize)
+    step = chunk_elements(x.itemsize)
     chunks = [chunk_bounds(a, b, step) for a, b in bounds]
     mine = chunks[rank]
     a0, b0 = bounds[rank]
@@ -204,7 +216,7 @@ async def all2all(links: dict[int, Link], rank: int, world: int, x: np.ndarray, 
 
 async def direct_gather(links: dict[int, Link], rank: int, out: np.ndarray, bounds: Sequence[tuple[int, int]]) -> None:
     """Allgather in one step: send my piece (already in `out`) to every peer, place each peer's piece."""
-    step = _chunk(out.itemsize)
+    step = chunk_elements(out.itemsize)
     chunks = [chunk_bounds(a, b, step) for a, b in bounds]
 
     async def sender(peer: int) -> None:
@@ -224,7 +236,7 @@ async def direct_gather(links: dict[int, Link], rank: int, out: np.ndarray, boun
 
 async def broadcast(links: dict[int, Link], rank: int, src: int, out: np.ndarray) -> None:
     """The root sends its data to every peer directly; the others receive into `out`."""
-    chunks = chunk_bounds(0, out.size, _chunk(out.itemsize))
+    chunks = chunk_bounds(0, out.size, chunk_elements(out.itemsize))
     if rank == src:
         async def sender(peer: int) -> None:
             for a, b in chunks:

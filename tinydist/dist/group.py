@@ -9,6 +9,8 @@ number, collective, op, dtype, shape, axis, root, resolved algorithm, local argu
 reads everyone's. All ranks therefore see the same headers and reach the same verdict: if they
 disagree, every rank raises the same `CollectiveMismatch` before any result is computed (and the
 group stays usable). The exchange doubles as the barrier, and tells allgather each rank's piece length.
+Over links a one-chunk naive allreduce sends its data right behind the header (`Call.eager`): one
+message round instead of two, and on a mismatch each rank drains the data its peers' headers announced.
 
 Two ways to run a collective:
 - ranks on one host (shared-memory links, x86-64 Linux) also map one group segment
@@ -57,7 +59,7 @@ from tinydist.dist import calls
 from tinydist.dist import shm_algorithms as shm
 from tinydist.dist.calls import PREPARE, Call
 from tinydist.dist.dispatch import Dispatch
-from tinydist.dist.errors import CollectiveError, CollectiveTimeout, RankFailed
+from tinydist.dist.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, RankFailed
 from tinydist.dist.headers import verdict
 from tinydist.dist.shm_fast import FastAllreduce
 from tinydist.dist.rendezvous import connect_mesh, coordinator_listener, register, serve_coordinator
@@ -364,8 +366,16 @@ class ProcessGroup:
         headers: dict[int, dict[str, Any]] = {self.rank: header}
 
         async def run() -> Any:
-            await self._exchange(header, headers)
-            verdict(name, headers)
+            await self._exchange(header, headers, call.eager)
+            try:
+                verdict(name, headers)
+            except CollectiveMismatch:
+                # the data a peer sent behind its header is not for any later call: read it off the link
+                for peer, theirs in headers.items():
+                    if peer != self.rank and theirs.get("eager"):
+                        async with self.links[peer].recv():
+                            pass
+                raise
             return await call.links(headers)
 
         return await self._guarded(name, run, lambda: sorted(set(range(self.world)) - set(headers)),
@@ -409,17 +419,20 @@ class ProcessGroup:
                                                  f"{self.rank}: {what} (TINYDIST_COLLECTIVE_TIMEOUT)")
         return self._failure
 
-    async def _exchange(self, header: dict[str, Any], into: dict[int, dict[str, Any]]) -> None:
+    async def _exchange(self, header: dict[str, Any], into: dict[int, dict[str, Any]], eager: np.ndarray | None) -> None:
+        """Send our header (and `eager`, the call's data, right behind it) to every peer, then read their
+        headers. At most two messages a link, the data one chunk, which every transport takes without its
+        receiver (a TCP link's reader drains the socket; a shared-memory link has 8 slots, the previous
+        call's consumed; an RDMA link's ring holds many chunks), so no rank waits on another's send, and
+        there is no task group: its tasks were most of a small call's Python over TCP."""
         blob = json.dumps(header).encode()
-
-        async def get(peer: int) -> None:
-            async with self.links[peer].recv() as view:
+        for link in self.links.values():
+            await link.send(blob)
+            if eager is not None:
+                await link.send(eager)
+        for peer, link in self.links.items():
+            async with link.recv() as view:
                 into[peer] = json.loads(bytes(view))
-
-        async with anyio.create_task_group() as tg:
-            for peer, link in self.links.items():
-                tg.start_soon(link.send, blob)
-                tg.start_soon(get, peer)
 
     # ---- collectives (numpy in, numpy out) --------------------------------------------------
     # Each is prepared as a `Call` (`tinydist.dist.calls`); `name` runs it from async code,

@@ -67,6 +67,22 @@ def main() -> None:
                         raise AssertionError(f"{what}: differs from the out-of-place result")
                     check(into, ref(np.stack([data(q, case, size, dtype) for q in range(n)])), what)
                     count += 1
+    # into a separate out= of the input's dtype (naive and ring over links reduce straight into it): float64
+    # against numpy, the input untouched; 0 / 1 / prime / 1 MiB + 24 B, past the links' spare-buffer size
+    for algorithm in ("naive", "ring", "all2all", "auto"):
+        for size in (0, 1, 7919, (1 << 17) + 3):
+            case += 1
+            x = data(r, case, size, np.float64)
+            before = x.copy()
+            into = np.full_like(x, np.nan)
+            got = dist.all_reduce(x, op="sum", algorithm=algorithm, out=into)
+            what = f"all_reduce into a separate out= {algorithm} float64 {size}"
+            if got is not into:
+                raise AssertionError(f"{what}: returned {type(got).__name__}, not its out= array")
+            if not np.array_equal(x, before):
+                raise AssertionError(f"{what}: the input changed")
+            check(into, np.stack([data(q, case, size, np.float64) for q in range(n)]).sum(0), what)
+            count += 1
     # long enough for several pipelined chunks per ring segment, odd length
     for algorithm in ("naive", "ring", "all2all"):
         for dtype in (np.float32, np.int64):
