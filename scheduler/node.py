@@ -341,6 +341,12 @@ class NodeAgent:
                     self._fail(NodeFailed(self.node_id, self.rank, f"node {self.node_id!r} (rank {self.rank}) was "
                                                                    f"removed by the coordinator: {exc.details()}"))
                     return
+                # the coordinator moved to (_reopen) may present a certificate not naming the address
+                # dialled: that is not an outage, and waiting for it to end would only end in CoordinatorLost
+                mismatch = name_mismatch(self.coordinator, self.credentials, exc, f"node {self.node_id}")
+                if mismatch is not None:
+                    self._fail(mismatch)
+                    return
                 if exc.code() not in _UNREACHABLE:     # it answered, and refused: waiting will not change that
                     self._fail(MembershipError(f"node {self.node_id}: coordinator {self.coordinator} refused its "
                                                f"heartbeat: {exc.code().name}: {exc.details()}"))

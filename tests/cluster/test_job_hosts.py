@@ -153,3 +153,30 @@ def test_job_ports_per_slurm_job_and_explicit_settings_win():
             "SLURM_STEP_NODELIST": "gpu[01-02]", "SLURMD_NODENAME": "gpu02", "SLURM_LOCALID": "0"}
     found = environment.detect(task)
     assert found is not None and (found.coordinator, found.scheduler) == ("gpu01:29414", "gpu01:29415")
+
+
+def test_heartbeat_moved_to_a_coordinator_whose_certificate_lacks_the_dialled_name_fails_with_the_mismatch(
+        tmp_path, monkeypatch):
+    """A list of two coordinators: the first (127.0.0.1, named by the certificate) dies, the heartbeat
+    moves to the second (127.0.1.1, not named): that is the name mismatch join reports, at once, not an
+    outage that ends in CoordinatorLost once TINYDIST_SCHEDULER_LOST_AFTER passes."""
+    import threading
+    monkeypatch.setenv("TINYDIST_SCHEDULER_LOST_AFTER", "3")
+    directory = lab(tmp_path)
+    first = Coordinator(tmp_path, "--pki", str(directory))
+    second = Coordinator(tmp_path, "--pki", str(directory), listen="127.0.1.1:0")
+    failed = threading.Event()
+    try:
+        with NodeAgent(f"{first.address},{second.address}", "node-0", ["CPU:0"],
+                       credentials=credentials(directory)) as agent:
+            assert agent.join(timeout=20) == 0
+            agent.on_failure(lambda failure: failed.set())
+            first.kill()
+            assert failed.wait(30), "the agent never failed"
+            failure = agent.failure
+    finally:
+        first.stop()
+        second.stop()
+    assert isinstance(failure, SchedulerNameMismatch), repr(failure)
+    assert (f"node node-0: the scheduler at {second.address} presents a certificate for {OLD_NAMES}, not 127.0.1.1"
+            in str(failure)), failure
