@@ -424,15 +424,25 @@ class ProcessGroup:
         headers. At most two messages a link, the data one chunk, which every transport takes without its
         receiver (a TCP link's reader drains the socket; a shared-memory link has 8 slots, the previous
         call's consumed; an RDMA link's ring holds many chunks), so no rank waits on another's send, and
-        there is no task group: its tasks were most of a small call's Python over TCP."""
+        there is no task group for the sends: its tasks were most of a small call's Python over TCP.
+        With two or more peers their headers are read concurrently, so that a timeout blames only the
+        ranks whose header did not come (read in turn, a late rank 1 hid rank 2's header behind it)."""
         blob = json.dumps(header).encode()
         for link in self.links.values():
             await link.send(blob)
             if eager is not None:
                 await link.send(eager)
-        for peer, link in self.links.items():
-            async with link.recv() as view:
+
+        async def get(peer: int) -> None:
+            async with self.links[peer].recv() as view:
                 into[peer] = json.loads(bytes(view))
+
+        if len(self.links) == 1:
+            await get(next(iter(self.links)))
+            return
+        async with anyio.create_task_group() as tg:
+            for peer in self.links:
+                tg.start_soon(get, peer)
 
     # ---- collectives (numpy in, numpy out) --------------------------------------------------
     # Each is prepared as a `Call` (`tinydist.dist.calls`); `name` runs it from async code,
