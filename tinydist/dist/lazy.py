@@ -68,12 +68,17 @@ class Collective:
     def run(self, out_address: int | None, in_address: int | None) -> None:
         """The collective from the input's memory into the output's (the program's body), on the
         queue's thread. Any error fails the device, the one way out of a run of native code."""
+        device = get_engine().device(self.device)
+        _running.inside = True  # on whichever thread runs the queue's batch (its worker, or inline the caller)
         try:
-            self._run(_view(in_address, self.in_shape, self.in_dtype), _view(out_address, self.out_shape, self.out_dtype))
+            with device.waiting_elsewhere():  # the group's own deadline bounds the wait for the peers
+                self._run(_view(in_address, self.in_shape, self.in_dtype), _view(out_address, self.out_shape, self.out_dtype))
         except BaseException as exc:  # noqa: BLE001 - native code called us: the device's failure carries it
             failure = DeviceFailed(f"{self.device}: process collective {self.describe()} failed: {type(exc).__name__}: {exc}")
             failure.__cause__ = exc
-            get_engine().device(self.device).mark_failed(failure)
+            device.mark_failed(failure)
+        finally:
+            _running.inside = False
 
     def _run(self, x: np.ndarray, out: np.ndarray) -> None:
         import tinydist.dist as dist  # the facade: this module's package, named here to keep the import acyclic
@@ -102,19 +107,20 @@ def _view(address: int | None, shape: tuple[int, ...], dtype: str) -> np.ndarray
 
 # the devices whose queues have run (or may be running) a process collective
 _DEVICES: set[str] = set()
+# whether this thread is running a node's collective (a queue's worker, or a caller running a batch inline)
+_running = threading.local()
 
 
 def settle() -> None:
     """Wait until the process collectives submitted to the devices' queues have run, so that a
     collective this thread runs now comes after them on this rank, as on every other (the ranks
-    number their calls alike). Not on a queue's own thread (its collective is the one running)."""
-    if not _DEVICES:
+    number their calls alike). Not from a node's own collective: its batch is the one running."""
+    if not _DEVICES or getattr(_running, "inside", False):
         return
-    engine, here = get_engine(), threading.current_thread()
+    engine = get_engine()
     for name in list(_DEVICES):
         queue = engine.device(name).queues["compute"]
-        if queue.worker is not here:
-            queue.timeline.wait_blocking(queue.last_submitted)
+        queue.timeline.wait_blocking(queue.last_submitted)
 
 
 @functools.cache
