@@ -131,38 +131,54 @@ def eager_breakdown(name: str, steps: int = 200) -> str:
 
 
 def _measure_agreed(step, seconds: float, sync) -> list[float]:
-    """Like _measure, for ranks of one job: rank 0 times the warm-up and every rank then runs the
-    same number of steps per window (a time budget per rank would leave one in a collective)."""
+    """Like _measure, for ranks of one job (see _interleaved_agreed)."""
+    return _interleaved_agreed({"": (step, sync)}, seconds)[""]
+
+
+def _interleaved_agreed(configs: dict[str, tuple[Callable[[int], None], Callable[[], None]]],
+                        seconds: float) -> dict[str, list[float]]:
+    """_interleaved for ranks of one job: rank 0 times each config's warm-up and every rank then
+    runs the same number of steps per window (a time budget per rank would leave one in a
+    collective); five rounds of one window per config."""
     import numpy as np
 
     import tinydist as td
-    start = time.perf_counter()
-    for i in range(5):
-        step(i)
-    sync()
-    per_step = (time.perf_counter() - start) / 5
-    agreed = td.dist.broadcast(np.array([max(1, int(seconds / 5 / per_step))], np.int64), src=0)
-    steps = int(agreed.numpy()[0])
-    rates, i = [], 5
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(steps):
+    counts: dict[str, int] = {}
+    for label, (step, sync) in configs.items():
+        for i in range(2):      # warm-up: compiles, captures
             step(i)
-            i += 1
         sync()
-        rates.append(steps * BATCH / (time.perf_counter() - start))
+        start = time.perf_counter()
+        for i in range(2, 7):
+            step(i)
+        sync()
+        per_step = (time.perf_counter() - start) / 5
+        agreed = td.dist.broadcast(np.array([max(1, int(seconds / 5 / per_step))], np.int64), src=0)
+        counts[label] = int(agreed.numpy()[0])
+    rates: dict[str, list[float]] = {label: [] for label in configs}
+    i = 7
+    for _ in range(5):
+        for label, (step, sync) in configs.items():
+            start = time.perf_counter()
+            for _ in range(counts[label]):
+                step(i)
+                i += 1
+            sync()
+            rates[label].append(counts[label] * BATCH / (time.perf_counter() - start))
     return rates
 
 
-def jit_stepper(name: str, devices: int = 1) -> tuple[Callable[[int], None], Callable[[], None]]:
-    """The whole step (forward, backward, Adam; with 2 devices the gradient allreduce too)
-    captured with td.jit and replayed; returns (step, sync)."""
+def jit_stepper(name: str, devices: int = 1, rank: int = 0, world: int = 1) -> tuple[Callable[[int], None], Callable[[], None]]:
+    """The whole step (forward, backward, Adam; with 2 devices or processes the gradient allreduce
+    too: across processes each bucket's is a graph node, tinydist.dist.lazy) captured with td.jit
+    and replayed; returns (step, sync)."""
     import tinydist as td
     model = td_model(name)
-    if devices > 1:
-        model = td.parallel.DistributedDataParallel(model, devices=devices)
+    if devices > 1 or world > 1:
+        model = td.parallel.DistributedDataParallel(model, devices=devices if world == 1 else None)
     opt = td.optim.Adam(model.parameters(), lr=1e-3)
-    data = [(x, y) for x, y in batches(name, 8)]
+    local = BATCH // world
+    data = [(x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]) for x, y in batches(name, 8)]
 
     @td.jit
     def train_step(x: td.Tensor, y: td.Tensor) -> td.Tensor:
@@ -233,15 +249,31 @@ def _ratio(rates: dict[str, list[float]], over: str, under: str) -> float:
     return statistics.median(a / b for a, b in zip(rates[over], rates[under]))
 
 
-def run_processes(name: str, seconds: float) -> list[float] | None:
+def _print_processes(name: str, found: dict[str, list[float]]) -> None:
+    eager, jit = statistics.median(found["RATES"]), statistics.median(found["JIT_RATES"])
+    ratio = found["JIT_RATIO"][0]
+    print(f"{name:4s} tinydist 2 processes              {eager:10,.0f} samples/s")
+    print(f"{name:4s} tinydist 2 processes, td.jit step {jit:10,.0f} samples/s")
+    print(f"{name:4s} target: 2-process td.jit step vs eager {ratio:.2f}x {'>=1.3x: PASS' if ratio >= 1.3 else '>=1.3x: MISS'} "
+          f"(median of 5 interleaved rounds)")
+
+
+def run_processes(name: str, seconds: float) -> dict[str, list[float]] | None:
+    """Rank 0's samples/s of the eager and the captured 2-process step (RATES, JIT_RATES) and the
+    median per-round ratio (JIT_RATIO)."""
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "tinydist.cli", "launch", "--nproc", "2", "--timeout", str(60 + 10 * seconds),
            str(Path(__file__).resolve()), "--worker", name, "--seconds", str(seconds)]
     env = dict(os.environ, PYTHONPATH=str(root))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root)
+    found: dict[str, list[float]] = {}
     for line in proc.stdout.splitlines():
-        if "RATES" in line:
-            return [float(v) for v in line.split("RATES", 1)[1].split()]
+        for key in ("JIT_RATIO", "JIT_RATES", "RATES"):
+            if f"] {key} " in line:
+                found[key] = [float(v) for v in line.split(f"] {key} ", 1)[1].split()]
+                break
+    if len(found) == 3:
+        return found
     print(f"2-process run failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}", file=sys.stderr)
     return None
 
@@ -252,14 +284,27 @@ def main() -> None:
     parser.add_argument("--worker", default=None)
     parser.add_argument("--models", default="mlp,cnn")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--processes-only", action="store_true", help="only the 2-process rows: eager and td.jit step")
     args, _ = parser.parse_known_args()
-    if args.worker:  # one rank of the 2-process run
+    if args.worker:  # one rank of the 2-process run: the eager and the captured step, interleaved
         import tinydist as td
         td.dist.init()
-        rates = run_tinydist(args.worker, 1, args.seconds, td.dist.rank(), td.dist.world_size())
-        if td.dist.rank() == 0:
-            print("RATES " + " ".join(f"{r:.1f}" for r in rates), flush=True)
+        rank, world = td.dist.rank(), td.dist.world_size()
+        both = _interleaved_agreed({"RATES": eager_stepper(args.worker, 1, rank, world),
+                                    "JIT_RATES": jit_stepper(args.worker, 1, rank, world)}, args.seconds)
+        if rank == 0:
+            for label, rates in both.items():
+                print(f"{label} " + " ".join(f"{r:.1f}" for r in rates), flush=True)
+            print(f"JIT_RATIO {_ratio(both, 'JIT_RATES', 'RATES'):.3f}", flush=True)
         td.dist.barrier()
+        return
+    if args.processes_only:
+        print(f"batch {BATCH} over 2 processes, Adam, median samples/s over 5 interleaved windows "
+              f"({args.seconds:.0f} s per config); {os.cpu_count()} CPUs")
+        for name in args.models.split(","):
+            found = run_processes(name, args.seconds)
+            if found:
+                _print_processes(name, found)
         return
     results: list[dict[str, object]] = []
     try:
@@ -280,9 +325,10 @@ def main() -> None:
         rows["tinydist 1 device, td.jit step"] = statistics.median(interleaved["tinydist 1 device, td.jit step"])
         rows["tinydist 2 devices"] = statistics.median(run_tinydist(name, 2, args.seconds))
         rows["tinydist 2 devices, td.jit step"] = statistics.median(interleaved["tinydist 2 devices, td.jit step"])
-        rates = run_processes(name, args.seconds)
-        if rates:
-            rows["tinydist 2 processes"] = statistics.median(rates)
+        found = run_processes(name, args.seconds)
+        if found:
+            rows["tinydist 2 processes"] = statistics.median(found["RATES"])
+            rows["tinydist 2 processes, td.jit step"] = statistics.median(found["JIT_RATES"])
         if have_torch:
             rows["torch 1 thread"] = statistics.median(interleaved["torch 1 thread"])
         base = rows["tinydist 1 device"]
@@ -300,6 +346,8 @@ def main() -> None:
                   f"{'>=1.7x: PASS' if scaling >= 1.7 else '>=1.7x: MISS'} (median of 5 interleaved rounds)")
         else:
             print(f"{name:4s} 2-device scaling (td.jit steps) {scaling:.2f}x, no target (median of 5 interleaved rounds)")
+        if found:
+            _print_processes(name, found)
         if have_torch:
             versus = _ratio(interleaved, "tinydist 1 device, td.jit step", "torch 1 thread")
             print(f"{name:4s} target: one core, td.jit step vs torch 1 thread {versus:.2f}x "

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from tinydist.dist import lazy
 from tinydist.dist.environment import JobEnvironment, detect, launch
 from tinydist.dist.errors import CollectiveError, CollectiveMismatch, CollectiveTimeout, RankFailed
 from tinydist.dist.group import EXITED, EXITED_ON_ERROR, ProcessGroup
@@ -153,6 +154,7 @@ def run_on_loop(fn: Any, *args: Any) -> Any:
 
 def _call(collective: str, *args: Any, algorithm: str = "") -> Any:
     group = get_group()
+    lazy.settle()  # after the graph nodes' collectives already submitted: every rank numbers its calls alike
     # the latency histogram / error counter, without `metrics.time_collective`'s context manager
     # (~1 us of a ~3-5 us small allreduce on one host)
     start = time.perf_counter()
@@ -170,29 +172,55 @@ def _tensor(arr: np.ndarray) -> Any:
     return Tensor(arr)
 
 
+def _node_tensor(node: Any) -> Any:
+    get_group()  # refused now, not when the step's realize runs the node
+    from tinydist.frontend.tensor import Tensor
+    return Tensor(node)
+
+
 def all_reduce(t: Any, op: str = "sum", algorithm: str = "auto", out: np.ndarray | None = None) -> Any:
     """Reduce `t` over all ranks (op: sum, mean, prod, max, min); every rank gets the result, a new
     td.Tensor, or with `out=` (a writeable C-contiguous numpy array of the result's shape and dtype)
     written into `out`, which is returned. `all_reduce(x, out=x)` overwrites the numpy array `x`, as
     torch.distributed.all_reduce does, and saves allocating (and first touching) a result. A call whose
-    `out` does not qualify raises CollectiveMismatch on every rank and modifies nothing."""
+    `out` does not qualify raises CollectiveMismatch on every rank and modifies nothing.
+
+    An unrealized td.Tensor (without `out=`) gives a graph node: the collective runs when the result
+    is realized, on the device's queue, and inside a td.jit capture (`tinydist.dist.lazy`)."""
+    node = lazy.graph_node(t) if out is None else None
+    if node is not None:
+        return _node_tensor(lazy.all_reduce(node, op, algorithm))
     if out is None:
         return _tensor(_call("all_reduce", _array(t), op, algorithm, algorithm=algorithm))
     return _call("all_reduce", _array(t), op, algorithm, out, algorithm=algorithm)
 
 
-def all_gather(t: Any, axis: int = 0) -> Any:
-    """Concatenate every rank's `t` along `axis` in rank order; pieces may differ in length along `axis`."""
+def all_gather(t: Any, axis: int = 0, lengths: list[int] | None = None) -> Any:
+    """Concatenate every rank's `t` along `axis` in rank order; pieces may differ in length along `axis`.
+    An unrealized td.Tensor gives a graph node (see all_reduce), whose shape needs every rank's
+    length along `axis`: `lengths`, or this rank's for every rank when not given; a tensor of no
+    elements without `lengths` is gathered now (its peers' pieces may well have some)."""
+    node = lazy.graph_node(t)
+    if node is not None and (lengths is not None or node.numel):
+        return _node_tensor(lazy.all_gather(node, axis, world_size(), lengths))
     return _tensor(_call("all_gather", _array(t), axis))
 
 
 def reduce_scatter(t: Any, op: str = "sum", axis: int = 0, algorithm: str = "auto") -> Any:
-    """Reduce `t` over all ranks and keep this rank's piece along `axis` (np.array_split's pieces)."""
+    """Reduce `t` over all ranks and keep this rank's piece along `axis` (np.array_split's pieces).
+    An unrealized td.Tensor gives a graph node (see all_reduce)."""
+    node = lazy.graph_node(t)
+    if node is not None:
+        return _node_tensor(lazy.reduce_scatter(node, op, axis, algorithm, world_size(), rank()))
     return _tensor(_call("reduce_scatter", _array(t), op, axis, algorithm, algorithm=algorithm))
 
 
 def broadcast(t: Any, src: int = 0) -> Any:
-    """Every rank gets rank `src`'s tensor; other ranks may pass None (or a tensor of the same shape/dtype)."""
+    """Every rank gets rank `src`'s tensor; other ranks may pass None (or a tensor of the same shape/dtype).
+    An unrealized td.Tensor gives a graph node (see all_reduce); every rank then passes one."""
+    node = lazy.graph_node(t)
+    if node is not None:
+        return _node_tensor(lazy.broadcast(node, src))
     return _tensor(_call("broadcast", None if t is None else _array(t), src))
 
 

@@ -25,9 +25,13 @@ hold equal shares). Bucketing: parameters are grouped, last layer first, into bu
 and as soon as a bucket is complete its all-reduce is started — while backward goes on producing
 later buckets. In-process, the all-reduce is graph (copies on each device's copy queue, a fused
 add on its compute queue) that the optimizer step realizes together with everything else, so the
-runtime overlaps one bucket's copies with the next bucket's kernels. Across processes the bucket
-is realized (submitted) at once and a background thread reads it back and all-reduces it while
-the main thread builds and submits the next buckets; backward() waits for them at its end.
+runtime overlaps one bucket's copies with the next bucket's kernels. Across processes, on a
+device that runs host code of this process (the CPU), the all-reduce is a graph node too
+(`tinydist.dist.lazy`): the optimizer step's realize runs each bucket's collective on the device's
+queue in the schedule's order, and a td.jit capture of the step replays them with no Python per
+bucket. Elsewhere the bucket is realized (submitted) at once and a background thread reads it back
+and all-reduces it while the main thread builds and submits the next buckets; backward() waits for
+them at its end (such a step cannot be captured).
 
 Call `zero_grad()` every step (accumulated gradients would be reduced again).
 """
@@ -40,6 +44,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from tinydist.dist import lazy
 from tinydist.engine.realize import realize
 from tinydist.frontend import autograd
 from tinydist.frontend.autograd import no_grad, queue_callback, register_grad_hook
@@ -203,6 +208,10 @@ class DistributedDataParallel(Module):
                     self._scatter(r, bucket, reduced)
                 return
             flat = self._flat(0, bucket)
+            node = lazy.graph_node(flat)
+            if node is not None:  # a graph node: the step's realize (or a td.jit replay) runs the all-reduce
+                self._scatter(0, bucket, Tensor(lazy.all_reduce(node, "mean", self.algorithm)))
+                return
             from tinydist.frontend.tensor import _assign_observers
             if _assign_observers:
                 raise RuntimeError("process-level DistributedDataParallel cannot run inside a td.jit capture "

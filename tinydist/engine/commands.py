@@ -18,7 +18,7 @@ from tinydist.codegen.lowering import STREAMING_STORE_BYTES
 from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.device import Batch, Device
 from tinydist.runtime.program import Program
-from tinydist.schedule.items import Call, CopyCall, GatherCall, KernelCall, MatmulCall, SliceCall
+from tinydist.schedule.items import Call, CollectiveCall, CopyCall, GatherCall, KernelCall, MatmulCall, SliceCall
 
 # (buffer, written?) for every buffer a command touches
 Accesses = list[tuple[Buffer, bool]]
@@ -68,6 +68,9 @@ def lower_call(call: Call, buffers: Sequence[Buffer | None], device: Device, vie
         return [Launch(compiler.matmul(call.dtype, call.strided, call.prepacked),
                        (b[call.out], b[call.a], b[call.b], b[call.workspace], call.batch, call.m, call.n, call.k,
                         call.a_batch_stride, call.b_batch_stride, call.m * call.n))]
+    if isinstance(call, CollectiveCall):
+        # a side of no bytes has no buffer: the program takes 0 there (its signature says i64)
+        return [Launch(call.routine.program(), tuple(0 if b[n] is None else b[n] for n in (call.out, call.src)))]
     if isinstance(call, CopyCall):
         return [_copy(device, b[call.out], b[call.src], call.nbytes)]
     if isinstance(call, GatherCall):

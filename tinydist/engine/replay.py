@@ -37,15 +37,16 @@ from tinydist.runtime.buffer import Buffer
 from tinydist.runtime.command_queue import BUSY
 from tinydist.runtime.device import Completion, Device, host_address
 from tinydist.runtime.engine import get_engine
-from tinydist.schedule.items import Call, KernelCall, MatmulCall
+from tinydist.schedule.items import Call, CollectiveCall, KernelCall, MatmulCall
 
 if TYPE_CHECKING:
     from tinydist.engine.capture import Capture
 
 log = get_logger(layer="replay")
 
-# the calls an entry point links; copies, gathers and slice kernels replay as commands
-_LINKABLE = (KernelCall, MatmulCall)
+# the calls an entry point links (a process collective's program is host code called by address);
+# copies, gathers and slice kernels replay as commands
+_LINKABLE = (KernelCall, MatmulCall, CollectiveCall)
 
 class ReplayUnfit(TinydistError, ValueError):
     """A strategy that was forced does not apply to this capture (the message says why)."""

@@ -264,6 +264,11 @@ class Tensor:
                 return array
         out = np.empty(self.shape, self.dtype.np)
         if out.size == 0:
+            if node.op is Op.COLLECTIVE and buffer is None:
+                # no bytes here, but every rank of the process collective takes part, before what
+                # this thread does next (another collective, in the order every rank calls them)
+                self.realize()
+                synchronize()
             return out
         self.realize()
         buffer = self.node.buffer

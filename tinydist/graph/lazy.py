@@ -56,6 +56,7 @@ class Op(enum.Enum):
     COPY = "copy"            # srcs[0] moved to this node's device
     ASSIGN = "assign"        # srcs: (target BUFFER node, value): write value into target's memory
     ALLREDUCE = "allreduce"  # srcs: one per device, all alike; arg (reduce op, i): their reduction on srcs[i]'s device
+    COLLECTIVE = "collective"  # srcs: (x,); arg: a process collective (tinydist.dist.lazy) of x over every rank
 
 
 UNARY = frozenset({Op.NEG, Op.ABS, Op.NOT, Op.SQRT, Op.EXP, Op.EXP2, Op.LOG, Op.LOG2, Op.SIN, Op.COS, Op.CAST, Op.FLOOR,

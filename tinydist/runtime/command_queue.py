@@ -109,8 +109,8 @@ class CommandQueue:
 
         Returns `fn`'s result, or BUSY, having run nothing, when the queue has unfinished work,
         is closed or failed, or a tracer wants to see every batch. An error in `fn` fails the
-        device, as a failed batch does, and is raised as that failure; a KeyboardInterrupt is
-        raised as it is."""
+        device, as a failed batch does, and is raised as that failure (so is a failure that `fn`'s
+        native code had host code record, `Device.mark_failed`); a KeyboardInterrupt is raised as it is."""
         timeline = self.timeline
         if TRACER is not None or self._closed:
             return BUSY
@@ -118,7 +118,7 @@ class CommandQueue:
             if timeline.value != self._submitted or timeline.failure is not None:
                 return BUSY
             try:
-                return fn(*args)
+                result = fn(*args)
             except KeyboardInterrupt:
                 # Ctrl-C between two kernels of the caller's own run: nothing queued waits on it
                 # (the run takes no timeline value), so the device stays usable and the user's
@@ -128,6 +128,11 @@ class CommandQueue:
                 self.log.error("run on the calling thread failed", error=f"{type(exc).__name__}: {exc}")
                 raise self.device.mark_failed(
                     DeviceFailed(f"{self.name}: a run on the calling thread failed: {type(exc).__name__}: {exc}")) from exc
+            if timeline.failure is not None:
+                # host code that native code called failed the device without raising through it
+                # (a process collective's program, tinydist.dist.lazy): its failure is this run's
+                raise timeline.failure
+            return result
 
     def count_copied(self, nbytes: int) -> None:
         """Count a copy of this queue's device made outside any batch (`Device.read_now`)."""

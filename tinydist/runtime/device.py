@@ -14,13 +14,14 @@ failed device refuses new work with the error that failed it until it is closed.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import enum
 import math
 import threading
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -121,6 +122,7 @@ class Device(ABC):
         self._progress_lock = threading.Lock()
         self._progress_reading = 0
         self._progress_seen_at = -math.inf
+        self._waiting_elsewhere = 0  # runs of host code waiting on other processes (`waiting_elsewhere`)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, {self.state.value})"
@@ -171,11 +173,29 @@ class Device(ABC):
         """When (on `clock`) a reading of `kernel_progress` last found it changed: read now,
         and only by the hang rule when a deadline passes, never on the launch path."""
         with self._progress_lock:
+            if self._waiting_elsewhere:  # progress is the other processes' to make, under their own deadline
+                self._progress_seen_at = self.clock.now()
+                return self._progress_seen_at
             reading = self.kernel_progress()
             if reading != self._progress_reading:
                 self._progress_reading = reading
                 self._progress_seen_at = self.clock.now()
             return self._progress_seen_at
+
+    @contextlib.contextmanager
+    def waiting_elsewhere(self) -> Iterator[None]:
+        """While host code that a run of this device calls waits on other processes under a
+        deadline of its own (a process collective waits for its peers up to
+        TINYDIST_COLLECTIVE_TIMEOUT, `tinydist.dist.lazy`), the hang rule takes the device as
+        making progress: a peer that compiles its step for longer than the hang timeout is not
+        this device hanging."""
+        with self._progress_lock:
+            self._waiting_elsewhere += 1
+        try:
+            yield
+        finally:
+            with self._progress_lock:
+                self._waiting_elsewhere -= 1
 
     def reads_directly(self, other: Device) -> bool:
         """Whether kernels on this device may take `other`'s buffers as arguments: the same peer

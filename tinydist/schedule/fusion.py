@@ -36,7 +36,7 @@ from tinydist.graph.lazy import ELEMENTWISE, MAX_FUSED_OPS, TRANSCENDENTAL, Lazy
 from tinydist.graph.reduce_ops import ReduceOp
 from tinydist.graph.shape import ShapeTracker, prod
 from tinydist.runtime.registry import peer_group
-from tinydist.schedule.items import BufferSpec, Call, CopyCall, GatherCall, KernelCall, MatmulCall, SliceCall
+from tinydist.schedule.items import BufferSpec, Call, CollectiveCall, CopyCall, GatherCall, KernelCall, MatmulCall, SliceCall
 
 CHEAP_RECOMPUTE_OPS = 3
 
@@ -129,6 +129,11 @@ class _Fuser:
     def materialize(self, node: LazyNode) -> Step[int]:
         if id(node) in self.graph.number:
             return self.graph.number[id(node)]
+        if node.op is Op.COLLECTIVE:  # before the empty case: every rank takes part, whatever its bytes
+            src = yield self.buffer_of(node.srcs[0])
+            out = self._new_buffer(node, BufferSpec(node.nbytes, node.dtype, node.shape, node.device))
+            self.graph.calls.append(CollectiveCall(out, src, node.arg, node.device))
+            return out
         if node.numel == 0:  # nothing to compute: an empty buffer, no call
             return self._new_buffer(node, BufferSpec(0, node.dtype, node.shape, node.device))
         base = node.srcs[0] if node.op is Op.VIEW else None
@@ -247,7 +252,7 @@ class _Fuser:
             return True
         if node.op is Op.COPY and self._peer_copy(node):
             return False  # its readers load the source where it lives: no copy, no buffer
-        if node.op in (Op.MATMUL, Op.COPY, Op.ASSIGN, Op.CONTIGUOUS, Op.ALLREDUCE):
+        if node.op in (Op.MATMUL, Op.COPY, Op.ASSIGN, Op.CONTIGUOUS, Op.ALLREDUCE, Op.COLLECTIVE):
             return True
         if self.consumers[id(node)] > 1 and node.op not in (Op.VIEW, Op.CONST):
             return node.op is Op.REDUCE or _inline_cost(node, CHEAP_RECOMPUTE_OPS) > CHEAP_RECOMPUTE_OPS

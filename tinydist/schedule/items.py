@@ -8,12 +8,15 @@ graph walk met them; the rest are made by this schedule (its targets and its int
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from tinydist.codegen.kernel import KernelAST
 from tinydist.codegen.matmul_tiling import StridedOperand
 from tinydist.graph.dtypes import DType
 from tinydist.graph.shape import Shape
+
+if TYPE_CHECKING:  # a routine hands the engine a loaded program; the schedule only carries the routine
+    from tinydist.runtime.program import Program
 
 
 class _HasInputs(Protocol):
@@ -152,4 +155,36 @@ class SliceCall(_ReadsItsInputs):
         return f"slice kernel [{self.start}, {self.start + self.nbytes}) of {len(self.outs)} outputs: {self.ast.describe()}"
 
 
-Call = KernelCall | MatmulCall | CopyCall | GatherCall | SliceCall
+class HostRoutine(Protocol):
+    """Host code a schedule item runs on its device's queue (a process collective, tinydist.dist.lazy):
+    hashable and comparable, so the schedule cache tells two apart; its program takes (out, in)."""
+
+    def program(self) -> Program: ...
+
+    def describe(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class CollectiveCall(_ReadsItsInputs):
+    """A process collective of buffer `src` into buffer `out`, run by `routine`'s program (two
+    pointers: out, in) on the device's queue: inside a realize or a captured replay, so a step's
+    collectives need no Python of the step's own."""
+    out: int
+    src: int
+    routine: HostRoutine
+    device: str
+    queue: str = "compute"
+
+    @property
+    def inputs(self) -> tuple[int, ...]:
+        return (self.src,)
+
+    @property
+    def writes(self) -> tuple[int, ...]:
+        return (self.out,)
+
+    def describe(self) -> str:
+        return self.routine.describe()
+
+
+Call = KernelCall | MatmulCall | CopyCall | GatherCall | SliceCall | CollectiveCall

@@ -15,7 +15,7 @@ import heapq
 from collections.abc import Sequence
 
 from tinydist.base.errors import TinydistError
-from tinydist.schedule.items import BufferSpec, Call, CopyCall, KernelCall, MatmulCall, SliceCall
+from tinydist.schedule.items import BufferSpec, Call, CollectiveCall, CopyCall, KernelCall, MatmulCall, SliceCall
 
 
 class ScheduleCycleError(TinydistError, ValueError):
@@ -161,6 +161,6 @@ def _reading(call: Call, old: int, new: int) -> Call:
         return dataclasses.replace(call, inputs=tuple(swap(n) for n in call.inputs))
     if isinstance(call, MatmulCall):
         return dataclasses.replace(call, a=swap(call.a), b=swap(call.b))
-    if isinstance(call, CopyCall):
+    if isinstance(call, (CopyCall, CollectiveCall)):
         return dataclasses.replace(call, src=swap(call.src))
     return dataclasses.replace(call, srcs=tuple(swap(n) for n in call.srcs))
