@@ -16,8 +16,8 @@ from tinydist.base.config import settings
 from tinydist.base.errors import WorkTooLarge
 from tinydist.codegen.matmul_tiling import packed_b_elements
 from tinydist.frontend.autograd import custom_gradient, no_grad
-from tinydist.frontend.tensor import Tensor
 from tinydist.frontend.arguments import normalize_axes
+from tinydist.frontend.tensor import Tensor
 from tinydist.graph import dtypes
 from tinydist.graph.lazy import LazyNode, Op
 

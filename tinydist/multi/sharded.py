@@ -22,9 +22,9 @@ import numpy as np
 
 from tinydist.base.errors import TinydistError
 from tinydist.engine.realize import realize
-from tinydist.frontend.tensor import Tensor
 from tinydist.frontend.arguments import normalize_axes, normalize_axis
 from tinydist.frontend.movement import cat
+from tinydist.frontend.tensor import Tensor
 from tinydist.graph import dtypes
 from tinydist.graph.collectives import shard_sizes
 from tinydist.graph.dtypes import DType
