@@ -18,7 +18,8 @@ from tinydist.frontend.autograd import enable_grad, no_grad
 from tinydist.frontend.factories import (arange, empty, empty_like, eye, full, full_like, ones, ones_like, rand, randn,
                                          zeros, zeros_like)
 from tinydist.frontend.jit import JitError, TinyJit, jit
-from tinydist.frontend.tensor import Tensor, cat, manual_seed, stack, synchronize, where
+from tinydist.frontend.movement import cat, stack
+from tinydist.frontend.tensor import Tensor, manual_seed, synchronize, where
 from tinydist.graph import dtypes
 from tinydist.graph.dtypes import (
     DType, bool_, float16, float32, float64, int8, int16, int32, int64, uint8, uint16, uint32, uint64)

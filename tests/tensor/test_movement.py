@@ -163,6 +163,15 @@ def test_getitem_errors():
         t[::-1]
 
 
+def test_getitem_array_index_is_named():
+    """An integer-array index (advanced indexing, not supported) gets the frontend's IndexError naming
+    it. It was numpy's "truth value of an array ... is ambiguous" ValueError: the ellipsis check
+    compared each index item to `...` with ==."""
+    t = td.Tensor(X)
+    with pytest.raises(IndexError, match=r"unsupported index array\(\[0, 1\]\)"):
+        t[np.array([0, 1])]
+
+
 def test_getitem_chains():
     t = td.Tensor(X)
     check(t[1][2][3], X[1][2][3])

@@ -48,7 +48,8 @@ from tinydist.dist import lazy
 from tinydist.engine.realize import realize
 from tinydist.frontend import autograd
 from tinydist.frontend.autograd import no_grad, queue_callback, register_grad_hook
-from tinydist.frontend.tensor import Tensor, cat
+from tinydist.frontend.movement import cat
+from tinydist.frontend.tensor import Tensor
 from tinydist.graph.collectives import shard_sizes
 from tinydist.multi.allreduce import allreduce
 from tinydist.multi.sharded import MultiTensor

@@ -16,7 +16,8 @@ from tinydist.base.config import settings
 from tinydist.base.errors import WorkTooLarge
 from tinydist.codegen.matmul_tiling import packed_b_elements
 from tinydist.frontend.autograd import custom_gradient, no_grad
-from tinydist.frontend.tensor import Tensor, _normalize_axes
+from tinydist.frontend.arguments import normalize_axes
+from tinydist.frontend.tensor import Tensor
 from tinydist.graph import dtypes
 from tinydist.graph.lazy import LazyNode, Op
 
@@ -142,7 +143,7 @@ def log_softmax(x: Tensor, axis: int = -1) -> Tensor:
 
 def layernorm(x: Tensor, axis: int | Sequence[int] = -1, eps: float = 1e-5) -> Tensor:
     x = x.cast(dtypes.float_result(x.dtype))
-    axes = _normalize_axes(axis, x.ndim)
+    axes = normalize_axes(axis, x.ndim)
     mean = x.mean(axes, keepdim=True)
     centered = x - mean
     variance = (centered * centered).mean(axes, keepdim=True)

@@ -7,19 +7,27 @@
 Operations only build a graph (`tinydist.graph.lazy`); `realize()` schedules and runs it, `numpy()`
 realizes and reads back. Every argument is validated when the op is built, so shape, axis and
 dtype mistakes raise `ValueError` / `TypeError` naming the shapes — never deep inside codegen.
-Compound ops (matmul, convolution, pooling, softmax, layernorm) live in `tinydist.frontend.functional`.
+
+This file holds the class: construction and upload, reading back, devices, `assign`, the
+factories, and the primitives every op is built on (`_operand`, `_binary`, `_unary`, `cast`,
+`_reduce`, `_view`, `where`). The ops themselves are module functions in their topic's module,
+attached in the class body below, so `Tensor` stays one class with one API and its types checked:
+`frontend/arithmetic.py` (operators, elementwise math), `frontend/reductions.py`,
+`frontend/movement.py` (views, `cat`, `stack`), `frontend/indexing.py`, and the compound ops
+(matmul, convolution, pooling, softmax, layernorm) in `frontend/functional.py`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from tinydist.engine.realize import realize
+from tinydist.frontend import arithmetic, indexing, movement, reductions
+from tinydist.frontend.arguments import broadcast_shapes, normalize_axes, promote, shape_arg
 from tinydist.graph import dtypes
 from tinydist.graph.dtypes import DType, to_dtype
 from tinydist.graph.lazy import LazyNode, Op, broadcast_scalar, buffer_node, const_node, elementwise, view
@@ -51,70 +59,6 @@ def manual_seed(seed: int) -> None:
     """Seed `Tensor.rand` / `Tensor.randn` (a host-side generator; results are reproducible)."""
     global _rng
     _rng = np.random.default_rng(seed)
-
-
-def _normalize_axis(axis: int, ndim: int) -> int:
-    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
-        raise TypeError(f"axis must be an int, got {type(axis).__name__}")
-    if not -max(ndim, 1) <= axis < max(ndim, 1):   # a 0-d tensor has axis 0 (or -1), as in numpy
-        raise np.exceptions.AxisError(f"axis {axis} is out of bounds for tensor of dimension {ndim}")
-    return int(axis) % max(ndim, 1)
-
-
-def _normalize_axes(axis: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
-    """The axes a reduction runs over, sorted. As numpy's ufunc reductions, a 0-d tensor accepts
-    axis 0 or -1 and reduces over nothing."""
-    if axis is None:
-        return tuple(range(ndim))
-    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
-    result = tuple(sorted(_normalize_axis(a, ndim) for a in axes))
-    if ndim == 0:
-        return ()
-    if len(set(result)) != len(result):
-        raise ValueError(f"duplicate value in axis {axis}")
-    return result
-
-
-MAX_ELEMENTS = 1 << 48   # past this a kernel's loop would run for days, or its int64 offsets overflow
-
-
-def _shape_arg(shape: Sequence[Any], infer: bool = True) -> tuple[int, ...]:
-    """Dimensions given as `f(2, 3)` or `f((2, 3))`: integers, at least 0; `infer` allows one -1
-    (reshape's "whatever is left")."""
-    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
-        shape = shape[0]
-    if type(shape) is tuple and all([type(s) is int and s >= 0 for s in shape]) and math.prod(shape) <= MAX_ELEMENTS:
-        return shape  # the common case (the shapes a step's ops pass each other): one pass, nothing to convert
-    for s in shape:
-        if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
-            raise TypeError(f"dimensions must be integers, got {s!r} ({type(s).__name__}) in shape {tuple(shape)}")
-    result = tuple(int(s) for s in shape)
-    if any(s < 0 for s in result if not (infer and s == -1)):
-        what = "negative dimensions are not allowed" + ("" if infer else " (-1 is reshape's, not a factory's)")
-        raise ValueError(f"{what}: {result}")
-    count = abs(math.prod(result))   # reshape's -1 only flips the sign
-    if count > MAX_ELEMENTS:
-        raise ValueError(f"shape {result} has {count:,} elements, more than the "
-                         f"{MAX_ELEMENTS:,} a kernel can index (2**48): split the work into smaller tensors")
-    return result
-
-
-def _broadcast_shapes(x: tuple[int, ...], y: tuple[int, ...], a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
-    """numpy's broadcast of two shapes (`a`, `b`: the operands' own, for the error), without
-    numpy's machinery for any number of arrays (~5 us a call; a step's ops broadcast ~20 times)."""
-    if len(x) < len(y):
-        x = (1,) * (len(y) - len(x)) + x
-    elif len(y) < len(x):
-        y = (1,) * (len(x) - len(y)) + y
-    result = []
-    for p, q in zip(x, y):
-        if p == q or q == 1:
-            result.append(p)
-        elif p == 1:
-            result.append(q)
-        else:
-            raise ValueError(f"operands could not be broadcast together with shapes {a} {b}")
-    return tuple(result)
 
 
 _DEFAULT_DEVICE = canonical_name("CPU")
@@ -361,7 +305,7 @@ class Tensor:
 
     @staticmethod
     def full(shape: Sequence[int] | int, value: Scalar | np.number | np.bool_, dtype: Any = None, device: str | None = None) -> Tensor:
-        shape = _shape_arg((shape,) if isinstance(shape, int) else shape, infer=False)
+        shape = shape_arg((shape,) if isinstance(shape, int) else shape, infer=False)
         dtype = to_dtype(dtype) if dtype is not None else dtypes.result_type(value)
         device = canonical_name(device or "CPU")
         scalar = const_node(value, dtype, device)
@@ -369,11 +313,11 @@ class Tensor:
 
     @staticmethod
     def zeros(*shape: Any, dtype: Any = dtypes.float32, device: str | None = None) -> Tensor:
-        return Tensor.full(_shape_arg(shape, infer=False), 0, dtype, device)
+        return Tensor.full(shape_arg(shape, infer=False), 0, dtype, device)
 
     @staticmethod
     def ones(*shape: Any, dtype: Any = dtypes.float32, device: str | None = None) -> Tensor:
-        return Tensor.full(_shape_arg(shape, infer=False), 1, dtype, device)
+        return Tensor.full(shape_arg(shape, infer=False), 1, dtype, device)
 
     @staticmethod
     def arange(start: Scalar, stop: Scalar | None = None, step: Scalar = 1, dtype: Any = None, device: str | None = None) -> Tensor:
@@ -386,11 +330,11 @@ class Tensor:
 
     @staticmethod
     def rand(*shape: Any, dtype: Any = dtypes.float32, device: str | None = None) -> Tensor:
-        return Tensor(_rng.random(_shape_arg(shape), dtype=np.float64).astype(to_dtype(dtype).np), device)
+        return Tensor(_rng.random(shape_arg(shape), dtype=np.float64).astype(to_dtype(dtype).np), device)
 
     @staticmethod
     def randn(*shape: Any, dtype: Any = dtypes.float32, device: str | None = None) -> Tensor:
-        return Tensor(_rng.standard_normal(_shape_arg(shape)).astype(to_dtype(dtype).np), device)
+        return Tensor(_rng.standard_normal(shape_arg(shape)).astype(to_dtype(dtype).np), device)
 
     def _like(self, value: Scalar, dtype: DType | None = None) -> Tensor:
         return Tensor.full(self.shape, value, dtype or self.dtype, self.device)
@@ -426,8 +370,8 @@ class Tensor:
             raise ValueError(f"operands are on different devices: {a.device} and {b.device}; move one with .to()")
         shape = a_node.shape
         if b_node.shape != shape and b_node.shape:
-            shape = _broadcast_shapes(shape, b_node.shape, a.shape, b.shape)
-        common = operand_dtype or (a_node.dtype if a_node.dtype is b_node.dtype else _promote(a, b))
+            shape = broadcast_shapes(shape, b_node.shape, a.shape, b.shape)
+        common = operand_dtype or (a_node.dtype if a_node.dtype is b_node.dtype else promote(a, b))
         if common.is_bool:  # numpy: bool + bool is or, bool * bool is and, bool - bool is refused
             if op is Op.SUB:
                 raise TypeError("boolean subtract (-) is not supported, as in numpy; use ^ (xor) or logical_not")
@@ -461,148 +405,67 @@ class Tensor:
             return self
         return Tensor(elementwise(Op.BITCAST, (self.node,), dtype))
 
-    def __add__(self, other: Any) -> Tensor: return self._binary(other, Op.ADD)
-    def __radd__(self, other: Any) -> Tensor: return self._binary(other, Op.ADD, reverse=True)
-    def __sub__(self, other: Any) -> Tensor: return self._binary(other, Op.SUB)
-    def __rsub__(self, other: Any) -> Tensor: return self._binary(other, Op.SUB, reverse=True)
-    def __mul__(self, other: Any) -> Tensor: return self._binary(other, Op.MUL)
-    def __rmul__(self, other: Any) -> Tensor: return self._binary(other, Op.MUL, reverse=True)
-    def __truediv__(self, other: Any) -> Tensor: return self._true_divide(other, False)
-    def __rtruediv__(self, other: Any) -> Tensor: return self._true_divide(other, True)
-    def __floordiv__(self, other: Any) -> Tensor: return self._binary(other, Op.IDIV)
-    def __rfloordiv__(self, other: Any) -> Tensor: return self._binary(other, Op.IDIV, reverse=True)
-    def __mod__(self, other: Any) -> Tensor: return self._binary(other, Op.MOD)
-    def __rmod__(self, other: Any) -> Tensor: return self._binary(other, Op.MOD, reverse=True)
-    def __pow__(self, other: Any) -> Tensor: return self.pow(other)
-    def __rpow__(self, other: Any) -> Tensor: return self._operand(other).pow(self)
-    def __neg__(self) -> Tensor: return self.neg()
-    def __abs__(self) -> Tensor: return self.abs()
-    def __lt__(self, other: Any) -> Tensor: return self._compare(other, Op.CMPLT)
-    def __le__(self, other: Any) -> Tensor: return self._compare(other, Op.CMPLE)
-    def __gt__(self, other: Any) -> Tensor: return self._compare(other, Op.CMPLT, reverse=True)
-    def __ge__(self, other: Any) -> Tensor: return self._compare(other, Op.CMPLE, reverse=True)
-    def __eq__(self, other: Any) -> Tensor: return self._compare(other, Op.CMPEQ)  # type: ignore[override]
-    def __ne__(self, other: Any) -> Tensor: return self._compare(other, Op.CMPNE)  # type: ignore[override]
-    def __and__(self, other: Any) -> Tensor: return self._bitwise(other, Op.AND)
-    def __or__(self, other: Any) -> Tensor: return self._bitwise(other, Op.OR)
-    def __xor__(self, other: Any) -> Tensor: return self._bitwise(other, Op.XOR)
-    def __rand__(self, other: Any) -> Tensor: return self._bitwise(other, Op.AND)
-    def __ror__(self, other: Any) -> Tensor: return self._bitwise(other, Op.OR)
-    def __rxor__(self, other: Any) -> Tensor: return self._bitwise(other, Op.XOR)
-    def __lshift__(self, other: Any) -> Tensor: return self._shift(other, Op.SHL)
-    def __rshift__(self, other: Any) -> Tensor: return self._shift(other, Op.SHR)
-    def __rlshift__(self, other: Any) -> Tensor: return self._operand(other)._shift(self, Op.SHL)
-    def __rrshift__(self, other: Any) -> Tensor: return self._operand(other)._shift(self, Op.SHR)
-    def __invert__(self) -> Tensor:
-        if self.dtype.is_bool:
-            return self.logical_not()
-        return self._bitwise(self._like((1 << self.dtype.itemsize * 8) - 1 if self.dtype.is_unsigned else -1), Op.XOR)
+    # ---- operators and elementwise math (tinydist.frontend.arithmetic) --------------------------
+
+    __add__ = add = arithmetic.add
+    __radd__ = arithmetic.radd
+    __sub__ = sub = arithmetic.sub
+    __rsub__ = arithmetic.rsub
+    __mul__ = mul = arithmetic.mul
+    __rmul__ = arithmetic.rmul
+    __truediv__ = div = arithmetic.truediv
+    __rtruediv__ = arithmetic.rtruediv
+    __floordiv__ = arithmetic.floordiv
+    __rfloordiv__ = arithmetic.rfloordiv
+    __mod__ = arithmetic.mod
+    __rmod__ = arithmetic.rmod
+    __pow__ = arithmetic.pow
+    __rpow__ = arithmetic.rpow
+    __neg__ = neg = arithmetic.neg
+    __abs__ = abs = arithmetic.abs
+    __lt__ = arithmetic.lt
+    __le__ = arithmetic.le
+    __gt__ = arithmetic.gt
+    __ge__ = arithmetic.ge
+    __eq__ = arithmetic.eq  # type: ignore[assignment]
+    __ne__ = arithmetic.ne  # type: ignore[assignment]
     __hash__ = object.__hash__
-
-    def __matmul__(self, other: Any) -> Tensor:
-        return self.matmul(other)
-
-    def __rmatmul__(self, other: Any) -> Tensor:
-        return self._operand(other).matmul(self)
-
-    def _true_divide(self, other: Any, reverse: bool) -> Tensor:
-        other = self._operand(other)
-        common = dtypes.float_result(_promote(self, other))
-        return self._binary(other, Op.DIV, reverse=reverse, operand_dtype=common)
-
-    def _compare(self, other: Any, op: Op, reverse: bool = False) -> Tensor:
-        return self._binary(other, op, reverse=reverse, out_dtype=dtypes.bool_)
-
-    def _bitwise(self, other: Any, op: Op) -> Tensor:
-        other = self._operand(other)
-        if _promote(self, other).is_float:  # uint64 with a signed int promotes to float64, as in numpy
-            raise TypeError(f"bitwise {op.value} is not defined for {self.dtype.name} and {other.dtype.name}; use integer or bool tensors")
-        return self._binary(other, op)
-
-    def _shift(self, other: Any, op: Op) -> Tensor:
-        """numpy's left_shift / right_shift: a count outside [0, bits) gives 0 (-1 for a negative
-        value shifted right); right shifts of signed values are arithmetic."""
-        other = self._operand(other)
-        common = _promote(self, other)
-        if not common.is_int:
-            raise TypeError(f"shift is not defined for {self.dtype.name} and {other.dtype.name}; use integer tensors")
-        return self._binary(other, op, operand_dtype=common)
-
-    def add(self, other: Any) -> Tensor: return self + other
-    def sub(self, other: Any) -> Tensor: return self - other
-    def mul(self, other: Any) -> Tensor: return self * other
-    def div(self, other: Any) -> Tensor: return self / other
-
-    def neg(self) -> Tensor:
-        if self.dtype.is_bool:
-            raise TypeError("negation of a bool tensor is not supported; use ~x or logical_not()")
-        return self._unary(Op.NEG)
-
-    def abs(self) -> Tensor:
-        return self if self.dtype.is_bool else self._unary(Op.ABS)
-
-    def logical_not(self) -> Tensor:
-        return Tensor(elementwise(Op.NOT, (self.cast(dtypes.bool_).node,), dtypes.bool_))
-
-    def maximum(self, other: Any) -> Tensor: return self._binary(other, Op.MAX)
-    def minimum(self, other: Any) -> Tensor: return self._binary(other, Op.MIN)
+    __and__ = __rand__ = arithmetic.and_
+    __or__ = __ror__ = arithmetic.or_
+    __xor__ = __rxor__ = arithmetic.xor
+    __lshift__ = arithmetic.lshift
+    __rshift__ = arithmetic.rshift
+    __rlshift__ = arithmetic.rlshift
+    __rrshift__ = arithmetic.rrshift
+    __invert__ = arithmetic.invert
+    logical_not = arithmetic.logical_not
+    maximum = arithmetic.maximum
+    minimum = arithmetic.minimum
 
     def where(self, a: Any, b: Any) -> Tensor:
         return where(self, a, b)
 
-    def exp(self) -> Tensor: return self._unary(Op.EXP, float_only=True)
-    def exp2(self) -> Tensor: return self._unary(Op.EXP2, float_only=True)
-    def log(self) -> Tensor: return self._unary(Op.LOG, float_only=True)
-    def log2(self) -> Tensor: return self._unary(Op.LOG2, float_only=True)
-    def sqrt(self) -> Tensor: return self._unary(Op.SQRT, float_only=True)
-    def sin(self) -> Tensor: return self._unary(Op.SIN, float_only=True)
-    def cos(self) -> Tensor: return self._unary(Op.COS, float_only=True)
-    def floor(self) -> Tensor: return self if not self.dtype.is_float else self._unary(Op.FLOOR)
-    def reciprocal(self) -> Tensor: return 1 / self
-    def square(self) -> Tensor: return self * self
-    def isnan(self) -> Tensor: return self != self
+    exp = arithmetic.exp
+    exp2 = arithmetic.exp2
+    log = arithmetic.log
+    log2 = arithmetic.log2
+    sqrt = arithmetic.sqrt
+    sin = arithmetic.sin
+    cos = arithmetic.cos
+    floor = arithmetic.floor
+    reciprocal = arithmetic.reciprocal
+    square = arithmetic.square
+    isnan = arithmetic.isnan
+    relu = arithmetic.relu
+    sigmoid = arithmetic.sigmoid
+    tanh = arithmetic.tanh
+    pow = arithmetic.pow
+    clip = arithmetic.clip
 
-    def relu(self) -> Tensor:
-        return self.maximum(0)
-
-    def sigmoid(self) -> Tensor:
-        x = self.cast(dtypes.float_result(self.dtype))
-        return 1 / (1 + (-x).exp())
-
-    def tanh(self) -> Tensor:
-        # tanh(x) = sign(x) (1 - e) / (1 + e), e = exp(-2|x|) ≤ 1: never overflows
-        x = self.cast(dtypes.ufunc_float_result(self.dtype))
-        e = (x.abs() * -2).exp()
-        magnitude = (1 - e) / (1 + e)
-        return (x < 0).where(-magnitude, magnitude)
-
-    def pow(self, exponent: Any) -> Tensor:
-        exponent_t = self._operand(exponent)
-        common = _promote(self, exponent_t)
-        if common.is_bool:  # bool ** bool is int8, as in numpy
-            common = dtypes.int8
-        if not common.is_float:
-            if isinstance(exponent, int) and not isinstance(exponent, bool):
-                if exponent < 0:
-                    raise ValueError("integers to negative integer powers are not allowed")
-                return _int_power(self.cast(common), exponent)
-            # integer tensor exponents: exact through float64 while results stay below 2**53
-            result = self.cast(dtypes.float64)._binary(exponent_t.cast(dtypes.float64), Op.POW)
-            return result.cast(common)
-        return self._binary(exponent_t, Op.POW)
-
-    def clip(self, low: Any = None, high: Any = None) -> Tensor:
-        x = self
-        if low is not None:
-            x = x.maximum(low)
-        if high is not None:
-            x = x.minimum(high)
-        return x
-
-    # ---- reductions ---------------------------------------------------------------------------
+    # ---- reductions (tinydist.frontend.reductions) ----------------------------------------------
 
     def _reduce(self, op: str, axis: int | Sequence[int] | None, keepdim: bool, dtype: DType | None = None) -> Tensor:
-        axes = _normalize_axes(axis, self.ndim)
+        axes = normalize_axes(axis, self.ndim)
         x = self.cast(dtype) if dtype is not None else self
         if x.dtype.is_bool and op in ("max", "min"):
             return x.cast(dtypes.int32)._reduce(op, axis, keepdim).cast(dtypes.bool_)
@@ -619,207 +482,48 @@ class Tensor:
             return result
         return result.reshape(tuple(s for i, s in enumerate(self.shape) if i not in axes))
 
-    def sum(self, axis: int | Sequence[int] | None = None, keepdim: bool = False, dtype: Any = None) -> Tensor:
-        return self._reduce("sum", axis, keepdim, to_dtype(dtype) if dtype is not None else dtypes.sum_result(self.dtype))
+    sum = reductions.sum
+    prod = reductions.prod
+    max = reductions.max
+    min = reductions.min
+    mean = reductions.mean
+    var = reductions.var
+    std = reductions.std
+    any = reductions.any
+    all = reductions.all
+    argmax = reductions.argmax
+    argmin = reductions.argmin
 
-    def prod(self, axis: int | Sequence[int] | None = None, keepdim: bool = False, dtype: Any = None) -> Tensor:
-        return self._reduce("prod", axis, keepdim, to_dtype(dtype) if dtype is not None else dtypes.sum_result(self.dtype))
-
-    def max(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
-        return self._reduce("max", axis, keepdim)
-
-    def min(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
-        return self._reduce("min", axis, keepdim)
-
-    def mean(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
-        if self.ndim == 0 and axis is not None:   # numpy's mean, unlike its sum, has no axis 0 there
-            raise np.exceptions.AxisError(f"axis {axis} is out of bounds for a 0-d tensor (it has no axes; use axis=None)")
-        axes = _normalize_axes(axis, self.ndim)
-        count = math.prod(self.shape[a] for a in axes)
-        dtype = dtypes.float_result(self.dtype)
-        total = self.cast(dtype)._reduce("sum", axis, keepdim)
-        return total / count if count else total * float("nan")
-
-    def var(self, axis: int | Sequence[int] | None = None, keepdim: bool = False, correction: float | None = None,
-            *, ddof: float | None = None) -> Tensor:
-        """The variance, sum((x - mean)²) / (N - correction), in numpy's float result type.
-
-        `correction` is torch's name and `ddof` numpy's for the same number; the default is
-        numpy's, 0 (the population variance), where torch's is 1: pass `correction=1` for
-        torch's `x.var()`. Where N - correction <= 0 the result is inf (nan for an all-equal
-        or empty input), as in both."""
-        return self._centered_square_mean(axis, keepdim, _correction(correction, ddof, "var"))
-
-    def std(self, axis: int | Sequence[int] | None = None, keepdim: bool = False, correction: float | None = None,
-            *, ddof: float | None = None) -> Tensor:
-        """The standard deviation, sqrt of `var` with the same arguments (numpy's default correction 0)."""
-        return self._centered_square_mean(axis, keepdim, _correction(correction, ddof, "std")).sqrt()
-
-    def _centered_square_mean(self, axis: int | Sequence[int] | None, keepdim: bool, correction: float) -> Tensor:
-        axes = _normalize_axes(axis, self.ndim)
-        count = math.prod(self.shape[a] for a in axes)
-        centered = self - self.mean(axis, keepdim=True)
-        return (centered * centered).sum(axis, keepdim) / max(count - correction, 0)
-
-    def any(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
-        return self._truth("max", axis, keepdim)
-
-    def all(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
-        return self._truth("min", axis, keepdim)
-
-    def _truth(self, op: str, axis: int | Sequence[int] | None, keepdim: bool) -> Tensor:
-        """any (max) / all (min) of truth values; over no elements False / True, as numpy."""
-        axes = _normalize_axes(axis, self.ndim)
-        if any(self.shape[a] == 0 for a in axes):
-            kept = tuple(1 if i in axes else s for i, s in enumerate(self.shape))
-            empty = Tensor.full(kept, op == "min", dtypes.bool_, self.device)
-            return empty if keepdim else empty.reshape(tuple(s for i, s in enumerate(self.shape) if i not in axes))
-        return self.cast(dtypes.bool_)._reduce(op, axis, keepdim)
-
-    def _arg_reduce(self, op: str, axis: int | None, keepdim: bool) -> Tensor:
-        flat = axis is None
-        x = self.reshape(-1) if flat else self
-        axis = _normalize_axis(axis if axis is not None else 0, x.ndim)
-        if x.shape[axis] == 0:
-            raise ValueError(f"attempt to get arg{op} of an empty sequence")
-        extreme = x._reduce(op, axis, keepdim=True)
-        hit = (x == extreme) | x.isnan() if x.dtype.is_float else x == extreme
-        positions = Tensor.arange(x.shape[axis], dtype=dtypes.int64, device=self.device)
-        positions = positions.reshape(tuple(-1 if i == axis else 1 for i in range(x.ndim)))
-        first = hit.where(positions, x.shape[axis]).min(axis, keepdim=True)
-        if keepdim:
-            return first.reshape((1,) * self.ndim) if flat else first
-        return first.reshape(tuple(s for i, s in enumerate(x.shape) if i != axis))
-
-    def argmax(self, axis: int | None = None, keepdim: bool = False) -> Tensor:
-        return self._arg_reduce("max", axis, keepdim)
-
-    def argmin(self, axis: int | None = None, keepdim: bool = False) -> Tensor:
-        return self._arg_reduce("min", axis, keepdim)
-
-    # ---- movement -----------------------------------------------------------------------------
+    # ---- movement and indexing (tinydist.frontend.movement, tinydist.frontend.indexing) ----------
 
     def _view(self, movement: str, arg: Any) -> Tensor:
         return Tensor(view(self.node, movement, arg))
 
-    def reshape(self, *shape: Any) -> Tensor:
-        checked = _shape_arg(shape)
-        if -1 not in checked:  # most reshapes: the element count is all there is to check
-            if checked == self.node.shape:
-                return self
-            if math.prod(checked) != self.node.numel:
-                raise ValueError(f"cannot reshape tensor of shape {self.shape} into shape {checked}")
-            return Tensor(view(self.node, "reshape", checked))
-        new = list(checked)
-        if new.count(-1) > 1:
-            raise ValueError(f"can only specify one unknown dimension, got shape {tuple(new)}")
-        if -1 in new:
-            known = math.prod(s for s in new if s != -1)
-            if known == 0 or self.numel() % known:
-                raise ValueError(f"cannot reshape tensor of shape {self.shape} into shape {tuple(new)}")
-            new[new.index(-1)] = self.numel() // known
-        if math.prod(new) != self.numel():
-            raise ValueError(f"cannot reshape tensor of shape {self.shape} into shape {tuple(new)}")
-        return self if tuple(new) == self.shape else self._view("reshape", tuple(new))
-
-    def view(self, *shape: Any) -> Tensor:
-        """torch's `view`: `view(2, -1)` is `reshape(2, -1)`, `view(dtype)` is `bitcast(dtype)`.
-
-        torch refuses a view whose strides cannot express the new shape (a transposed tensor's
-        `view(-1)`) because the view must share the input's memory. No Tensor here aliases
-        memory a caller can write through (`assign()` refuses views; ops never write their
-        inputs), so sharing is never observable and every reshape is a valid view: the graph
-        moves data only where a kernel needs it contiguous."""
-        if len(shape) == 1 and not isinstance(shape[0], (int, np.integer, tuple, list)):
-            return self.bitcast(shape[0])
-        return self.reshape(*shape)
-
-    def permute(self, *order: Any) -> Tensor:
-        if len(order) == 1 and isinstance(order[0], (tuple, list)):
-            order = tuple(order[0])
-        ndim = len(self.node.shape)
-        if not all([type(a) is int and 0 <= a < ndim for a in order]):  # else: negative axes, or an error to name
-            order = tuple(_normalize_axis(a, ndim) for a in order)
-        if sorted(order) != list(range(ndim)):
-            raise ValueError(f"permute order {order} is not a permutation of the axes of shape {self.shape}")
-        return self if order == tuple(range(self.ndim)) else self._view("permute", order)
-
-    def transpose(self, *axes: int) -> Tensor:
-        """No axes: reverse them (numpy). Two axes: swap them (torch). Otherwise: a permutation."""
-        if not axes:
-            return self.permute(tuple(reversed(range(self.ndim))))
-        if len(axes) == 2 and self.ndim != 2:
-            a, b = (_normalize_axis(x, self.ndim) for x in axes)
-            order = list(range(self.ndim))
-            order[a], order[b] = order[b], order[a]
-            return self.permute(tuple(order))
-        return self.permute(*axes)
+    reshape = movement.reshape
+    view = movement.view
+    permute = movement.permute
+    transpose = movement.transpose
 
     @property
     def T(self) -> Tensor:
         return self.transpose()
 
-    def expand(self, *shape: Any) -> Tensor:
-        new = _shape_arg(shape)
-        if len(new) < self.ndim:
-            raise ValueError(f"cannot expand shape {self.shape} to {new}: fewer dimensions")
-        x = self.reshape((1,) * (len(new) - self.ndim) + self.shape) if len(new) > self.ndim else self
-        target = tuple(old if want == -1 else want for old, want in zip(x.shape, new))
-        for old, want in zip(x.shape, target):
-            if old != want and old != 1:
-                raise ValueError(f"cannot expand shape {self.shape} to {new}: only size-1 axes can expand")
-        return x if target == x.shape else x._view("expand", target)
+    expand = movement.expand
+    broadcast_to = movement.broadcast_to
+    flatten = movement.flatten
+    squeeze = movement.squeeze
+    unsqueeze = movement.unsqueeze
+    pad = movement.pad
+    shrink = movement.shrink
+    _as_strided = movement.as_strided
+    __getitem__ = indexing.getitem
+    __setitem__ = indexing.setitem
 
-    def broadcast_to(self, *shape: Any) -> Tensor:
-        return self.expand(*shape)
+    def __matmul__(self, other: Any) -> Tensor:
+        return self.matmul(other)
 
-    def flatten(self, start_axis: int = 0, end_axis: int = -1) -> Tensor:
-        if self.ndim == 0:
-            return self.reshape(1)
-        start, end = _normalize_axis(start_axis, self.ndim), _normalize_axis(end_axis, self.ndim)
-        return self.reshape(self.shape[:start] + (math.prod(self.shape[start:end + 1]),) + self.shape[end + 1:])
-
-    def squeeze(self, axis: int | Sequence[int] | None = None) -> Tensor:
-        if axis is None:
-            return self.reshape(tuple(s for s in self.shape if s != 1))
-        axes = _normalize_axes(axis, self.ndim)
-        for a in axes:
-            if self.shape[a] != 1:
-                raise ValueError(f"cannot squeeze axis {a} of shape {self.shape}: its size is {self.shape[a]}, not 1")
-        return self.reshape(tuple(s for i, s in enumerate(self.shape) if i not in axes))
-
-    def unsqueeze(self, axis: int) -> Tensor:
-        axis = _normalize_axis(axis, self.ndim + 1)
-        return self.reshape(self.shape[:axis] + (1,) + self.shape[axis:])
-
-    def pad(self, padding: Any, value: Scalar = 0) -> Tensor:
-        """Constant padding; `padding` as numpy's pad_width: int, (before, after), or one pair per axis."""
-        pairs = np.broadcast_to(np.asarray(padding, dtype=np.int64), (self.ndim, 2)) if self.ndim else np.zeros((0, 2), np.int64)
-        if (pairs < 0).any():
-            raise ValueError(f"negative padding {padding!r} is not supported")
-        pairs_t = tuple((int(b), int(a)) for b, a in pairs)
-        if not any(b or a for b, a in pairs_t):
-            return self
-        padded = self._view("pad", pairs_t)
-        if value == 0:
-            return padded
-        inside = Tensor.full(self.shape, True, dtypes.bool_, self.device)._view("pad", pairs_t)
-        return inside.where(padded, Tensor.full((), value, self.dtype, self.device))
-
-    def shrink(self, bounds: Sequence[tuple[int, int]]) -> Tensor:
-        bounds = tuple((int(lo), int(hi)) for lo, hi in bounds)
-        if len(bounds) != self.ndim or any(not 0 <= lo <= hi <= s for (lo, hi), s in zip(bounds, self.shape)):
-            raise ValueError(f"shrink bounds {bounds} do not fit shape {self.shape}")
-        return self if all(b == (0, s) for b, s in zip(bounds, self.shape)) else self._view("shrink", bounds)
-
-    def __getitem__(self, index: Any) -> Tensor:
-        return _getitem(self, index)
-
-    def __setitem__(self, index: Any, value: Any) -> None:
-        raise TypeError("item assignment is not supported; build the new tensor and use assign()")
-
-    def _as_strided(self, shape: tuple[int, ...], strides: tuple[int, ...], offset: int = 0) -> Tensor:
-        return self.contiguous()._view("as_strided", (shape, strides, offset))
+    def __rmatmul__(self, other: Any) -> Tensor:
+        return self._operand(other).matmul(self)
 
     # ---- compound ops (tinydist.frontend.functional) ---------------------------------------------------
 
@@ -856,34 +560,6 @@ class Tensor:
         return avg_pool2d(self, kernel_size, stride, padding)
 
 
-def _correction(correction: float | None, ddof: float | None, what: str) -> float:
-    """One number from torch's `correction` or numpy's `ddof` (0 when neither is given)."""
-    if correction is not None and ddof is not None:
-        raise TypeError(f"{what}() got both correction={correction!r} and ddof={ddof!r}: they are the same "
-                        "number (torch's and numpy's name); pass one")
-    value = correction if correction is not None else ddof if ddof is not None else 0
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{what}() correction must be a number, got {value!r} ({type(value).__name__})")
-    return value
-
-
-def _promote(a: Tensor, b: Tensor) -> DType:
-    """numpy promotion; a 0-d tensor made from a Python scalar already carries its weak dtype."""
-    return dtypes.result_type(a.dtype, b.dtype)
-
-
-def _int_power(x: Tensor, exponent: int) -> Tensor:
-    result: Tensor | None = None
-    base = x
-    while exponent:
-        if exponent & 1:
-            result = base if result is None else result * base
-        exponent >>= 1
-        if exponent:
-            base = base * base
-    return result if result is not None else x._like(1)
-
-
 def _upload(array: np.ndarray, dtype: DType, device: str) -> LazyNode:
     if array.size == 0:
         return Tensor.full(array.shape, 0, dtype, device).node
@@ -915,94 +591,7 @@ def where(condition: Any, a: Any, b: Any) -> Tensor:
         shape = tuple(np.broadcast_shapes(cond.shape, x.shape, y.shape))
     except ValueError:
         raise ValueError(f"operands could not be broadcast together with shapes {cond.shape} {x.shape} {y.shape}") from None
-    common = _promote(x, y)
+    common = promote(x, y)
     nodes = (cond.cast(dtypes.bool_)._broadcast_to(shape).node, x.cast(common)._broadcast_to(shape).node,
              y.cast(common)._broadcast_to(shape).node)
     return Tensor(elementwise(Op.WHERE, nodes, common))
-
-
-def cat(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
-    """Join tensors along an existing axis (each piece is a padded view; one fused kernel adds them)."""
-    tensors = list(tensors)
-    if not tensors:
-        raise ValueError("cat() needs at least one tensor")
-    first = tensors[0]
-    axis = _normalize_axis(axis, first.ndim)
-    for t in tensors[1:]:
-        if t.ndim != first.ndim or any(s != f for i, (s, f) in enumerate(zip(t.shape, first.shape)) if i != axis):
-            raise ValueError(f"cat(): shapes {[x.shape for x in tensors]} differ outside axis {axis}")
-        if t.device != first.device:
-            raise ValueError(f"cat(): tensors are on different devices: {sorted({x.device for x in tensors})}")
-    dtype = dtypes.result_type(*(t.dtype for t in tensors))   # empty pieces take part, as in numpy
-    total = sum(t.shape[axis] for t in tensors)
-    if total == 0 or any(s == 0 for i, s in enumerate(first.shape) if i != axis):
-        shape = list(first.shape)
-        shape[axis] = total
-        return Tensor.zeros(tuple(shape), dtype=dtype, device=first.device)
-    result: Tensor | None = None
-    offset = 0
-    for t in (t for t in tensors if t.shape[axis]):   # an empty piece adds nothing
-        pads = [(0, 0)] * first.ndim
-        pads[axis] = (offset, total - offset - t.shape[axis])
-        piece = t.cast(dtype).pad(pads)
-        if result is None:
-            result = piece
-        else:  # select, not add: -0.0 and NaN payloads come through unchanged
-            inside = Tensor.full(t.shape, True, dtypes.bool_, t.device).pad(pads)
-            result = inside.where(piece, result)
-        offset += t.shape[axis]
-    assert result is not None
-    return result
-
-
-def stack(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
-    tensors = list(tensors)
-    if not tensors:
-        raise ValueError("stack() needs at least one tensor")
-    if len({t.shape for t in tensors}) != 1:
-        raise ValueError(f"stack(): all tensors must have the same shape, got {[t.shape for t in tensors]}")
-    axis = _normalize_axis(axis, tensors[0].ndim + 1)
-    return cat([t.unsqueeze(axis) for t in tensors], axis)
-
-
-def _getitem(x: Tensor, index: Any) -> Tensor:
-    items = index if isinstance(index, tuple) else (index,)
-    if sum(1 for i in items if i is Ellipsis) > 1:
-        raise IndexError("an index can only have a single ellipsis ('...')")
-    consumed = sum(1 for i in items if i is not None and i is not Ellipsis)
-    if consumed > x.ndim:
-        raise IndexError(f"too many indices for tensor of dimension {x.ndim}")
-    if Ellipsis in [i for i in items if not isinstance(i, Tensor)]:
-        at = next(k for k, i in enumerate(items) if i is Ellipsis)
-        items = items[:at] + (slice(None),) * (x.ndim - consumed) + items[at + 1:]
-    else:
-        items = items + (slice(None),) * (x.ndim - consumed)
-    bounds, steps, final_shape, axis = [], [], [], 0
-    for item in items:
-        if item is None:
-            final_shape.append(1)
-            continue
-        size = x.shape[axis]
-        if isinstance(item, (int, np.integer)) and not isinstance(item, bool):
-            i = int(item)
-            if not -size <= i < size:
-                raise IndexError(f"index {i} is out of bounds for axis {axis} with size {size}")
-            i %= size
-            bounds.append((i, i + 1))
-            steps.append(1)
-        elif isinstance(item, slice):
-            start, stop, step = item.indices(size)
-            if step <= 0:
-                raise IndexError(f"slice step {item.step} is not supported: only positive steps")
-            stop = max(stop, start)
-            bounds.append((start, stop))
-            steps.append(step)
-            final_shape.append(len(range(start, stop, step)))
-        else:
-            raise IndexError(f"unsupported index {item!r}: use ints, slices with positive steps, None and ...")
-        axis += 1
-    result = x.shrink(bounds)
-    if any(s != 1 for s in steps):
-        result = result._view("step", tuple(steps))
-    return result.reshape(tuple(final_shape))
-

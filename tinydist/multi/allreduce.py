@@ -32,7 +32,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from tinydist.base.logs import get_logger
-from tinydist.frontend.tensor import Tensor, cat
+from tinydist.frontend.movement import cat
+from tinydist.frontend.tensor import Tensor
 from tinydist.graph.collectives import LEGAL, Algorithm, Medium, Topology, resolve, shard_bounds
 from tinydist.graph.lazy import LazyNode, Op
 from tinydist.graph.reduce_ops import reduce_op

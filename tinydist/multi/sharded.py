@@ -22,7 +22,9 @@ import numpy as np
 
 from tinydist.base.errors import TinydistError
 from tinydist.engine.realize import realize
-from tinydist.frontend.tensor import Tensor, _normalize_axes, _normalize_axis, cat
+from tinydist.frontend.arguments import normalize_axes, normalize_axis
+from tinydist.frontend.movement import cat
+from tinydist.frontend.tensor import Tensor
 from tinydist.graph import dtypes
 from tinydist.graph.collectives import shard_sizes
 from tinydist.graph.dtypes import DType
@@ -52,7 +54,7 @@ class MultiTensor:
             raise ValueError(f"shard() devices must be distinct, got {devices}")
         if axis is None:
             return MultiTensor([tensor.to(d) for d in devices], None)
-        axis = _normalize_axis(axis, tensor.ndim)
+        axis = normalize_axis(axis, tensor.ndim)
         sizes = shard_sizes(tensor.shape[axis], len(devices))
         shards, start = [], 0
         for device, size in zip(devices, sizes):
@@ -179,7 +181,7 @@ class MultiTensor:
     # ---- reductions ---------------------------------------------------------------------------
 
     def _reduce(self, op: str, axis: Any, keepdim: bool, algorithm: str) -> MultiTensor:
-        axes = _normalize_axes(axis, self.ndim)
+        axes = normalize_axes(axis, self.ndim)
         # Reducing a shard over an axis of size 1 (one row per device) is the identity: leave
         # those axes out, so the allreduce reads the shard itself instead of a copy of it.
         partial = [getattr(s, op)(axis=tuple(a for a in axes if s.shape[a] != 1), keepdim=True) if axes else s
@@ -209,7 +211,7 @@ class MultiTensor:
         return self._reduce("prod", axis, keepdim, algorithm)
 
     def mean(self, axis: Any = None, keepdim: bool = False, algorithm: str = "auto") -> MultiTensor:
-        axes = _normalize_axes(axis, self.ndim)
+        axes = normalize_axes(axis, self.ndim)
         count = math.prod(self.shape[a] for a in axes)
         total = self.cast(dtypes.float_result(self.dtype))._reduce("sum", axis, keepdim, algorithm)
         return total / count
@@ -230,14 +232,14 @@ class MultiTensor:
     def permute(self, *order: Any) -> MultiTensor:
         order_t = tuple(order[0]) if len(order) == 1 and isinstance(order[0], (tuple, list)) else tuple(order)
         shards = [s.permute(order_t) for s in self.shards]
-        axis = None if self.axis is None else [_normalize_axis(a, self.ndim) for a in order_t].index(self.axis)
+        axis = None if self.axis is None else [normalize_axis(a, self.ndim) for a in order_t].index(self.axis)
         return MultiTensor(shards, axis)
 
     def transpose(self, *axes: int) -> MultiTensor:
         if not axes:
             return self.permute(tuple(reversed(range(self.ndim))))
         order = list(range(self.ndim))
-        a, b = (_normalize_axis(x, self.ndim) for x in axes)
+        a, b = (normalize_axis(x, self.ndim) for x in axes)
         order[a], order[b] = order[b], order[a]
         return self.permute(tuple(order))
 

@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 
 import tinydist.frontend.tensor as _tensor_module
-from tinydist.frontend.tensor import Tensor, stack
+from tinydist.frontend.movement import stack
+from tinydist.frontend.tensor import Tensor
 
 __all__ = ["DataLoader", "Dataset", "TensorDataset", "default_collate"]
 

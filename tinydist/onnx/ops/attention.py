@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from tinydist.frontend.tensor import Tensor, cat
+from tinydist.frontend.movement import cat
+from tinydist.frontend.tensor import Tensor
 from tinydist.graph import dtypes
 from tinydist.onnx.ops._common import Value, as_tensor, gather_where, require_float
 from tinydist.onnx.ops.control import _run, _split_outer

@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from tinydist.frontend.tensor import Tensor, stack, where
+from tinydist.frontend.movement import stack
+from tinydist.frontend.tensor import Tensor, where
 from tinydist.onnx.ops._common import OUTER, Value, norm_axis, shrink_axis
 
 

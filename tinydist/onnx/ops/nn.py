@@ -10,7 +10,8 @@ import numpy as np
 
 from tinydist.codegen.matmul_packing import pack_b_array
 from tinydist.frontend.functional import conv2d, matmul_prepacked, prepacked_matmul_applies
-from tinydist.frontend.tensor import Tensor, cat, stack
+from tinydist.frontend.movement import cat, stack
+from tinydist.frontend.tensor import Tensor
 from tinydist.graph import dtypes
 from tinydist.onnx.ops._common import (
     Value, as_tensor, gather_where, ints, lowest, norm_axes, norm_axis, pad_or_crop, require_float,

@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from tinydist.frontend.tensor import Tensor, stack
+from tinydist.frontend.movement import stack
+from tinydist.frontend.tensor import Tensor
 from tinydist.graph import dtypes
 from tinydist.onnx.ops._common import Value, as_tensor, require_float, tanh
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from tinydist.frontend.tensor import Tensor, cat, stack
+from tinydist.frontend.movement import cat, stack
+from tinydist.frontend.tensor import Tensor
 from tinydist.onnx.ops._common import EMPTY, Value, ints, norm_axis, shrink_axis
 from tinydist.onnx.ops.control import _run, _split_outer
 

@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from tinydist.frontend.tensor import Tensor, cat
+from tinydist.frontend.movement import cat
+from tinydist.frontend.tensor import Tensor
 from tinydist.graph import dtypes
 from tinydist.onnx.ops._common import (
     Value, as_tensor, gather_where, highest, ints, lowest, norm_axes, norm_axis, pad_or_crop, require_float, scalar_like,
