@@ -7,6 +7,7 @@ vectorised.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import threading
 from dataclasses import dataclass
@@ -129,4 +130,7 @@ def _worker(opt_level: int) -> CompileWorker | None:
             return None
         if _the_worker is None:
             _the_worker = CompileWorker()
+            # ended with the process, its pipes closed: else the child outlives it until it reads EOF and
+            # Python warns of a Popen still running and two unclosed pipes at exit
+            atexit.register(_the_worker.close)
         return _the_worker
