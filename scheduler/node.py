@@ -266,6 +266,9 @@ class NodeAgent:
                     timeout=max(left, 0.0) + 5)
                 break
             except grpc.RpcError as exc:
+                mismatch = name_mismatch(self.coordinator, self.credentials, exc, f"node {self.node_id}")
+                if mismatch is not None:               # the coordinator moved to (_reopen): as in join
+                    raise mismatch from exc
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or left <= self.interval:
                     raise MembershipError(f"node {self.node_id}: rendezvous ({min_size}..{max_size} members) at "
                                           f"{self.coordinator} failed: {exc.code().name}: {exc.details()}") from exc

@@ -180,3 +180,23 @@ def test_heartbeat_moved_to_a_coordinator_whose_certificate_lacks_the_dialled_na
     assert isinstance(failure, SchedulerNameMismatch), repr(failure)
     assert (f"node node-0: the scheduler at {second.address} presents a certificate for {OLD_NAMES}, not 127.0.1.1"
             in str(failure)), failure
+
+
+def test_rendezvous_moved_to_a_coordinator_whose_certificate_lacks_the_dialled_name_fails_with_the_mismatch(tmp_path):
+    """As the heartbeat above: the rendezvous, moving along the list once the first coordinator died,
+    reports the second's certificate not naming 127.0.1.1 at once (it retried that as UNAVAILABLE until
+    its deadline and ended in a MembershipError blaming the rendezvous)."""
+    directory = lab(tmp_path)
+    first = Coordinator(tmp_path, "--pki", str(directory))
+    second = Coordinator(tmp_path, "--pki", str(directory), listen="127.0.1.1:0")
+    try:
+        with NodeAgent(f"{first.address},{second.address}", "node-0", ["CPU:0"],
+                       credentials=credentials(directory)) as agent:
+            assert agent.join(timeout=20) == 0
+            first.kill()
+            with pytest.raises(SchedulerNameMismatch, match=f"the scheduler at {second.address} presents a "
+                                                            f"certificate for .*, not 127.0.1.1"):
+                agent.rendezvous(1, 1, timeout=15)
+    finally:
+        first.stop()
+        second.stop()
