@@ -164,7 +164,7 @@ def _host_copy() -> tuple[float, float]:
 class Measured:
     """What the probe measured: every link of the job, each node's copy back to its devices (the
     planner's `Topology.copy_back`), and a naive dist.all_reduce over the whole group at SMALL and
-    at LARGE, `(bytes, seconds)` each, the median on the slowest rank (the input of
+    at LARGE, `(bytes, seconds)` each, the median on the rank that reached it last (the input of
     `tinydist.scheduler.plan.calibrate_call`)."""
     links: list[LinkRecord]
     copy_back: dict[str, LinkModel]
@@ -201,5 +201,8 @@ def measure_links(node_ids: list[str], reps: int = 20, devices: Sequence[str] = 
                 records.append(LinkRecord(node_ids[i], node_ids[j], KINDS[int(kind)], float(lat), float(bw)))
     copy_back = {node_ids[i]: LinkModel("copy", float(table[i, group.world + 1, 0]), 1.0 / float(table[i, group.world + 1, 1]))
                  for i in range(group.world)}
-    slowest = table[:, group.world, :2].max(axis=0)
-    return Measured(records, copy_back, (SMALL, float(slowest[0])), (LARGE, float(slowest[1])))
+    # the call follows stage 1 with no barrier, so a rank that finished stage 1 early waits in its call for
+    # the last one, and that wait is stage 1's, which the planner prices already; the last rank to arrive
+    # waits for nobody: its call is the call's own time
+    last_to_arrive = table[:, group.world, :2].min(axis=0)
+    return Measured(records, copy_back, (SMALL, float(last_to_arrive[0])), (LARGE, float(last_to_arrive[1])))
