@@ -39,14 +39,21 @@ from tinydist.schedule.items import Call, KernelCall, MatmulCall
 Piece = tuple[Any, tuple[int, ...]]
 
 # A phase ends in a wait: ~1-3 µs when the peer spins, ~10 µs when it must be woken; a piece must run
-# several times that. 4 MFLOP is ~20-40 µs of one core's GEMM (100-200 GFLOP/s); 64K elements is
-# ~20 µs of an elementwise kernel streaming from L2.
-MATMUL_SPLIT_FLOPS = 4_000_000
+# several times that. 2 MFLOP is ~10-20 µs of one core's GEMM (100-200 GFLOP/s): it takes in
+# bert6_384's 12-head attention products (3.1 MFLOP, 23 µs, left to one thread at 4 MFLOP). 32K
+# elements is ~10 µs of an elementwise kernel streaming from L2, and takes in its softmax kernels
+# (12x64x64, 49K elements with an exp: a serial run of them was 87 µs, longer than a wait spins,
+# so the idle thread slept through it and had to be woken).
+MATMUL_SPLIT_FLOPS = 2_000_000
 # a matmul whose pieces share no work is cut finer than one piece per thread: a thread that lost
 # its core for a while leaves less for the others to wait on (pieces of one program cost nothing
 # to compile; a kernel's pieces are programs of their own, so a kernel gets one per thread)
 MATMUL_PIECES_PER_THREAD = 2
-KERNEL_SPLIT_ELEMENTS = 65_536
+# ... but not into pieces of fewer rows than this (or one per thread): each piece of rows streams
+# all of the packed weight, so at bert6_384's M = 64 four pieces of 16 rows summed 1.18x the
+# unsplit product's time (K, N = 384, 1536: the weight is 2.4 MB), two pieces of 32 rows 1.05x
+MATMUL_PIECE_ROWS = 32
+KERNEL_SPLIT_ELEMENTS = 32_768
 _ALIGN = 64
 
 
@@ -145,7 +152,10 @@ def split(calls: Sequence[Call], buffers: Sequence[Buffer | None], device: Devic
         elif isinstance(call, MatmulCall):
             # a piece of rows packs all of an unpacked B itself (a convolution's columns): one per thread then
             finer = call.prepacked or call.batch >= 2
-            pieces = _split_matmul(call, buffers, device, threads * (MATMUL_PIECES_PER_THREAD if finer else 1), workspaces)
+            count = threads * (MATMUL_PIECES_PER_THREAD if finer else 1)
+            if call.batch == 1:  # pieces of rows: see MATMUL_PIECE_ROWS
+                count = max(threads, min(count, call.m // MATMUL_PIECE_ROWS))
+            pieces = _split_matmul(call, buffers, device, count, workspaces)
         if pieces is None:
             for command in lower_call(call, buffers, device, []):
                 assert isinstance(command, Launch), command
