@@ -9,7 +9,9 @@ parameters, so its frames are too small to show what threads do. Per model, batc
 process holds tinydist (`td.onnx.load(path, threads=T)`, called as users call it: captured with
 td.jit on its second call, then replayed, numpy in -> numpy out) and onnxruntime
 (`intra_op_num_threads=T`, `inter_op_num_threads=1`); the frames alternate between them, so a
-load spike on this shared machine falls on both sides. Every output is checked against
+load spike on this shared machine falls on both sides; at T > 1 in runs of `--block` (4) frames,
+each run once the process is idle (`settle`: onnxruntime's workers spin ~25 ms after each call,
+which took a core from tinydist's T-thread frames timed right after one). Every output is checked against
 onnxruntime first, with the coverage tests' tolerance (max |diff| <= 2e-5 * max |onnxruntime|).
 
 Printed per row: both p50s (µs), their ratio tinydist/onnxruntime, and at T > 1 each side's
@@ -17,7 +19,7 @@ speedup over its own 1-thread p50 of this run. Then the 1-thread median and wors
 the issue's targets, and the first call (load + capture + compile, in a fresh process) of the
 models `--first-call` names, with a cold and with a warm on-disk compile cache.
 
-    .venv/bin/python bench/architectures.py [--frames 200] [--warmup 20] [--seconds 2] [--batches 1,8]
+    .venv/bin/python bench/architectures.py [--frames 200] [--warmup 20] [--seconds 2] [--batches 1,8] [--block 4] [--no-settle]
                                             [--threads 1,2] [--models resnet,bert,...,bert6_384,resnet18]
                                             [--first-call resnet18,bert6_384,resnet,bert]
                                             [--first-call-threads 1,default]
@@ -203,20 +205,40 @@ def session(path: Path, threads: int) -> ort.InferenceSession:
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
-def alternating_p50(ours: Callable[[], Any], theirs: Callable[[], Any], frames: int, warmup: int) -> tuple[float, float]:
-    """p50 seconds of `ours()` and of `theirs()`, timed in alternation (warm-up calls first)."""
+def settle(limit: float = 0.25) -> None:
+    """Idle until this process's threads stop running (at most `limit` s). onnxruntime's intra-op
+    workers spin after every call: 24-31 ms of their CPU in the 100 ms after a bert6_384 or
+    resnet18 call at 2 threads (measured here), and 12-15 ms of it inside a 2-thread tinydist frame
+    timed right after an onnxruntime call. With T threads on T cores, a side timed in the other's
+    wake so runs with a core taken; tinydist's workers sleep ~40 µs after a frame, so only
+    tinydist's T > 1 rows lost to it."""
+    end = time.perf_counter() + limit
+    while time.perf_counter() < end:
+        cpu = time.process_time()
+        time.sleep(0.005)
+        if time.process_time() - cpu < 0.0005:
+            return
+
+
+def alternating_p50(ours: Callable[[], Any], theirs: Callable[[], Any], frames: int, warmup: int,
+                    block: int, settled: bool = True) -> tuple[float, float]:
+    """p50 seconds of `ours()` and of `theirs()`, timed in alternating blocks of `block` calls
+    (warm-up calls first), each block after `settle()` unless not `settled`: the other side's
+    workers have stopped spinning, and a side's own calls follow each other as in a user's loop."""
     for _ in range(warmup):
         ours()
         theirs()
-    a, b = np.empty(frames), np.empty(frames)
+    a: list[float] = []
+    b: list[float] = []
     clock = time.perf_counter
-    for i in range(frames):
-        start = clock()
-        ours()
-        a[i] = clock() - start
-        start = clock()
-        theirs()
-        b[i] = clock() - start
+    while len(a) < frames:
+        for call, times in ((ours, a), (theirs, b)):
+            if settled:
+                settle()
+            for _ in range(min(block, frames - len(times))):
+                start = clock()
+                call()
+                times.append(clock() - start)
     return float(np.median(a)), float(np.median(b))
 
 
@@ -257,6 +279,12 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=20, help="untimed frames per side first (default 20)")
     parser.add_argument("--batches", default="1,8", help="batch sizes (default 1,8)")
     parser.add_argument("--threads", default="1,2", help="thread counts, both sides (default 1,2)")
+    parser.add_argument("--block", type=int, default=4,
+                        help="in T > 1 rows, frames per side in a row, each run of them after the process idled "
+                             "(settle()); 1-thread rows alternate frame by frame (default 4)")
+    parser.add_argument("--no-settle", action="store_true",
+                        help="T > 1 rows too alternate frame by frame, without waiting for the other side's workers "
+                             "to stop spinning")
     parser.add_argument("--seconds", type=float, default=2.0,
                         help="at most this long per side and row: fewer frames for the full-size models (default 2)")
     parser.add_argument("--models", default=",".join([*ARCHITECTURES, *FULL_SIZE]),
@@ -271,8 +299,10 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
     thread_counts = [int(t) for t in args.threads.split(",")]
     print(f"# load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; {os.cpu_count()} CPUs")
-    print(f"# p50 per frame (µs), numpy in -> numpy out; up to {args.frames} alternating frames per side "
-          f"(at most {args.seconds:g} s) after up to {args.warmup} warm-up; ratio = tinydist / onnxruntime")
+    print(f"# p50 per frame (µs), numpy in -> numpy out; up to {args.frames} frames per side (at most {args.seconds:g} s) "
+          f"after up to {args.warmup} warm-up, the sides alternating frame by frame"
+          f"{'' if args.no_settle else f' (T > 1: every {args.block} frames, each run of them after the process idled)'}"
+          "; ratio = tinydist / onnxruntime")
     print(f"{'model':<16} {'batch':>5} {'thr':>3} {'onnxruntime':>12} {'tinydist':>10} {'ratio':>7} {'td xT':>7} {'ort xT':>7}")
     ratios: dict[tuple[int, int], dict[str, float]] = {}
     speedups: dict[int, dict[str, float]] = {}
@@ -289,8 +319,9 @@ def main() -> int:
                 model(feed)
                 theirs.run(None, feed)
                 frames = max(5, min(args.frames, int(args.seconds / (time.perf_counter() - start))))
-                ours_s, theirs_s = alternating_p50(lambda: model(feed), lambda: theirs.run(None, feed),
-                                                   frames, min(args.warmup, frames))
+                settled = threads > 1 and not args.no_settle  # only T > 1 sessions have workers that spin
+                ours_s, theirs_s = alternating_p50(lambda: model(feed), lambda: theirs.run(None, feed), frames,
+                                                   min(args.warmup, frames), args.block if settled else 1, settled)
                 ratio = ours_s / theirs_s
                 ratios.setdefault((batch, threads), {})[arch] = ratio
                 scaled = ""
