@@ -293,26 +293,31 @@ class ShmGroup:
     def post(self) -> int:
         """Complete one step: publish it to the peers and wake those sleeping on it. Raises Abandoned
         when a peer gave up on this rank first (its poison is in our word: the step never happens)."""
-        if self.steps is None:
-            raise LinkClosed(f"the group's shared memory is closed (rank {self.rank})")
+        self._open_steps()
         old = self._cas(self._words[self.rank], self.step, self.step + 1)  # and wakes
         if old != self.step:
-            raise self._abandoned(old)
+            raise self.abandoned(old)
         self.step += 1
         return self.step
 
-    def _abandoned(self, poison: int) -> Abandoned:
+    def _open_steps(self) -> np.ndarray:
+        """Every rank's step word; LinkClosed once this view of the segment is closed."""
         steps = self.steps
-        assert steps is not None
+        if steps is None:
+            raise LinkClosed(f"the group's shared memory is closed (rank {self.rank})")
+        return steps
+
+    def abandoned(self, poison: int) -> Abandoned:
+        """The Abandoned that `poison` (a step word's value with the poison bit) stands for, naming
+        every rank poisoned now; LinkClosed when this view is closed (the words are gone)."""
+        steps = self._open_steps()
         return Abandoned((poison & ~_POISON) >> 32, poison & 0xFFFFFFFF, [r for r in range(self.world) if int(steps[r]) & _POISON])
 
     def give_up(self, ranks: Sequence[int], step: int, reason: int, blamed: int) -> list[int]:
         """Poison the step word of each of `ranks` still short of `step` (wake its waiters); return
         the ranks whose words now hold a poison, ours or an earlier one. A rank that posted `step`
         meanwhile is left alone: it is not behind after all."""
-        steps = self.steps
-        if steps is None:
-            raise LinkClosed(f"the group's shared memory is closed (rank {self.rank})")
+        steps = self._open_steps()
         poisoned = []
         for r in ranks:
             while True:
@@ -351,11 +356,11 @@ class ShmGroup:
                 seen = int(steps[peer])
                 if seen >= step:
                     if seen & _POISON:
-                        raise self._abandoned(seen)
+                        raise self.abandoned(seen)
                     break
                 why = check(peer)
                 if why is not None and self.give_up([peer], step, *why):
-                    raise self._abandoned(int(steps[peer]))
+                    raise self.abandoned(int(steps[peer]))
                 left = deadline - time.monotonic()
                 if left <= 0:
                     behind = self.give_up([r for r in targets if int(steps[r]) < step or int(steps[r]) & _POISON],

@@ -170,3 +170,20 @@ def test_a_wait_whose_test_gives_up_poisons_the_peer(segment):
     assert (info.value.reason, info.value.blamed, info.value.ranks) == (3, 1, [1])
     with pytest.raises(Abandoned):
         b.post()
+
+
+def test_a_closed_view_reports_a_poison_as_link_closed(segment):
+    """Reading a poison (a native post that failed) after this view closed: the step words are gone,
+    so it is LinkClosed, naming the rank, as post / give_up / wait say it (an assert before)."""
+    from tinydist.transports.base import LinkClosed
+    from tinydist.transports.shm_group import TIMED_OUT, Abandoned
+    a, b, _ = segment
+    step = a.post()
+    assert a.give_up([1], step, TIMED_OUT, 0) == [1]
+    poison = int(b.steps[1])
+    assert isinstance(b.abandoned(poison), Abandoned)
+    b.close()
+    with pytest.raises(LinkClosed, match=r"closed \(rank 1\)"):
+        b.abandoned(poison)
+    with pytest.raises(LinkClosed):
+        b.post()

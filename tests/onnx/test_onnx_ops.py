@@ -155,11 +155,11 @@ def test_constant_weights_are_packed_once_at_load(rng, monkeypatch):
     """MatMul and Gemm (transB) by initializers: each weight is packed for the native kernel
     once, whatever the number of calls, and the outputs are onnxruntime's."""
     import tinydist.onnx as tdo
-    import tinydist.onnx.ops.nn as nn
+    import tinydist.onnx.ops.linalg as linalg
     from tests.onnx.conftest import make_model, reference
     packed = []
-    pack = nn.pack_b_array
-    monkeypatch.setattr(nn, "pack_b_array", lambda b: (packed.append(b.shape), pack(b))[1])
+    pack = linalg.pack_b_array
+    monkeypatch.setattr(linalg, "pack_b_array", lambda b: (packed.append(b.shape), pack(b))[1])
     nodes = [N("MatMul", ["x", "w"], ["h"]), N("Reshape", ["h", "s"], ["h2"]), N("Gemm", ["h2", "g", "c"], ["y"], transB=1)]
     inits = {"w": f(rng, 64, 96), "g": f(rng, 40, 96), "c": f(rng, 40), "s": np.array([-1, 96], np.int64)}
     model = tdo.load(make_model(nodes, {"x": f(rng, 2, 8, 64)}, ["y"], inits))

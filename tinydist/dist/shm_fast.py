@@ -448,7 +448,7 @@ class FastAllreduce:
         name = f"{collective} (call #{seq})"
         deadline = time.monotonic() + settings.COLLECTIVE_TIMEOUT
         if code == POST_FAILED:
-            raise group._abandoned(name, grp._abandoned(int(self.detail[0])), True) from None
+            raise group._abandoned(name, grp.abandoned(int(self.detail[0])), True) from None
         grp.step += 1
         if code in (NOT_YET, POISONED):
             self._wait(name, grp.step, deadline)

@@ -85,7 +85,9 @@ class Timeline:
         self._now = clock.now  # bound once: read on every signal
         self._value = 0
         self._progress_at = self._now()
-        self._failure: DeviceFailed | None = None
+        # set once, by `fail`; a plain attribute, not a property: every inline run of a replayed
+        # frame reads it twice (before, and after the run for a failure host code recorded)
+        self.failure: DeviceFailed | None = None
         self._lock = threading.Lock()
         self._waiters: list[_AsyncWaiter] = []
         # each woken only by the signal that reaches its target: a worker waiting for a later value
@@ -109,15 +111,11 @@ class Timeline:
     def value(self) -> int:
         return self._value
 
-    @property
-    def failure(self) -> DeviceFailed | None:
-        return self._failure
-
     def reached(self, value: int) -> bool:
         return self._value >= value
 
     def statistics(self) -> TimelineStatistics:
-        return TimelineStatistics(self._value, len(self._waiters), len(self._blocked), self._failure is not None)
+        return TimelineStatistics(self._value, len(self._waiters), len(self._blocked), self.failure is not None)
 
     # ---- signalling (any thread) -------------------------------------------------------------
 
@@ -178,9 +176,9 @@ class Timeline:
         """Wake every waiter with `error`; later waits raise it. Callbacks wait for `retire`: a
         kernel may still be running, and what it holds must not be given back underneath it."""
         with self._lock:
-            if self._failure is not None:
+            if self.failure is not None:
                 return
-            self._failure = error
+            self.failure = error
             waiters, self._waiters = self._waiters, []
             blocked, self._blocked = self._blocked, []
         for thread in blocked:
@@ -199,8 +197,8 @@ class Timeline:
         if self._value >= value:
             await asyncio.sleep(0)  # always a checkpoint, as trio's design rules ask
             return
-        if self._failure is not None:
-            raise self._failure
+        if self.failure is not None:
+            raise self.failure
         timeout = _default_timeout() if timeout is None else timeout
         loop = asyncio.get_running_loop()
         clock = self.clock
@@ -211,8 +209,8 @@ class Timeline:
             with self._lock:
                 if self._value >= value:
                     return
-                if self._failure is not None:
-                    raise self._failure
+                if self.failure is not None:
+                    raise self.failure
                 self._waiters.append(waiter)
             deadline = clock.call_at(window_start + timeout, _resolve, future, None, _DEADLINE)
             try:
@@ -238,8 +236,8 @@ class Timeline:
             with self._lock:
                 if self._value >= value:
                     return
-                if self._failure is not None:
-                    raise self._failure
+                if self.failure is not None:
+                    raise self.failure
                 thread = _BlockedThread(value, clock.wakeup())
                 self._blocked.append(thread)
             woken = False
@@ -250,7 +248,7 @@ class Timeline:
                     with self._lock:
                         if thread in self._blocked:
                             self._blocked.remove(thread)
-            if woken or self._value >= value or self._failure is not None:
+            if woken or self._value >= value or self.failure is not None:
                 # a signal reached the target, or the device failed: the top of the loop says which
                 continue
             moved = self._moved_at()
@@ -275,7 +273,7 @@ class Timeline:
                 self.device.contain(self)
             return first
         self.fail(error)
-        return self._failure or error
+        return self.failure or error
 
 
 def _wake(waiter: _AsyncWaiter, error: BaseException | None) -> None:

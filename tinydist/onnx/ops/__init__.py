@@ -37,23 +37,26 @@ from tinydist.onnx.ops.indexing import (
     op_cumprod, op_cumsum, op_gather_elements, op_tensor_scatter, op_reverse_sequence, op_gather_nd, op_one_hot, op_scatter_elements, op_scatter_nd, op_top_k, op_trilu,
 )
 from tinydist.onnx.ops.loss import op_nll_loss, op_softmax_cross_entropy
-from tinydist.onnx.ops.nn import (
-    _softmax_like, op_affine_grid, op_average_pool, op_col2im, op_det, op_grid_sample, op_max_unpool, op_stft, op_causal_conv_with_state, op_dft, op_lp_pool, op_batch_norm, op_conv, op_conv_transpose, op_gemm,
-    op_global_average_pool, op_global_max_pool, op_hardmax, op_layer_norm, op_matmul, op_max_pool, op_resize,
-    op_upsample,
-)
+from tinydist.onnx.ops.conv import op_causal_conv_with_state, op_col2im, op_conv, op_conv_transpose
+from tinydist.onnx.ops.linalg import op_det, op_gemm, op_matmul
 from tinydist.onnx.ops.norm import (
-    op_depth_to_space, op_group_norm, op_instance_norm, op_lp_norm, op_lrn, op_mean_variance_norm, op_rms_norm,
+    op_batch_norm, op_layer_norm, op_depth_to_space, op_group_norm, op_instance_norm, op_lp_norm, op_lrn, op_mean_variance_norm, op_rms_norm,
     op_space_to_depth,
 )
 from tinydist.onnx.ops.quant import (
     op_conv_integer, op_dequantize_linear, op_dynamic_quantize_linear, op_matmul_integer, op_qlinear_conv,
     op_qlinear_matmul, op_quantize_linear,
 )
+from tinydist.onnx.ops.pool import (
+    op_average_pool, op_global_average_pool, op_global_max_pool, op_lp_pool, op_max_pool, op_max_unpool,
+)
+from tinydist.onnx.ops.resize import op_resize, op_upsample
+from tinydist.onnx.ops.softmax import op_hardmax, op_log_softmax, op_softmax
+from tinydist.onnx.ops.spectral import op_dft, op_mel_weight_matrix, op_stft, op_window
 from tinydist.onnx.ops.ml import op_array_feature_extractor, op_binarizer, op_tree_ensemble
 from tinydist.onnx.ops.recurrent import op_recurrent
 from tinydist.onnx.ops.text import op_tfidf_vectorizer
-from tinydist.onnx.ops.vision import op_deform_conv, op_image_decoder, op_roi_align
+from tinydist.onnx.ops.vision import op_affine_grid, op_deform_conv, op_grid_sample, op_image_decoder, op_roi_align
 from tinydist.onnx.ops.sequence import (
     op_concat_from_sequence, op_optional, op_optional_get_element, op_optional_has_element, op_sequence_at,
     op_sequence_construct, op_sequence_empty, op_sequence_erase, op_sequence_insert, op_sequence_length,
@@ -61,7 +64,7 @@ from tinydist.onnx.ops.sequence import (
 )
 from tinydist.onnx.ops.training import op_adagrad, op_adam, op_momentum
 from tinydist.onnx.ops.shape import (
-    _arg, _reduce, op_center_crop_pad, op_eye_like, op_mel_weight_matrix, op_window, op_concat, op_constant, op_constant_of_shape, op_expand, op_flatten, op_gather,
+    _arg, _reduce, op_center_crop_pad, op_eye_like, op_concat, op_constant, op_constant_of_shape, op_expand, op_flatten, op_gather,
     op_pad, op_range, op_reshape, op_shape, op_size, op_slice, op_split, op_squeeze, op_tile,
     op_transpose, op_unsqueeze,
 )
@@ -172,8 +175,8 @@ OPS: dict[str, OpSpec] = {
     "BatchNormalization": OpSpec(op_batch_norm, params=(1, 2, 3, 4), attrs=("epsilon", "momentum", "training_mode", "spatial"),
                                   min_inputs=5),
     "LayerNormalization": OpSpec(op_layer_norm, attrs=("axis", "epsilon", "stash_type"), min_inputs=2),
-    "Softmax": OpSpec(lambda ctx, x: _softmax_like(ctx, x, False), attrs=("axis",)),
-    "LogSoftmax": OpSpec(lambda ctx, x: _softmax_like(ctx, x, True), attrs=("axis",)),
+    "Softmax": OpSpec(op_softmax, attrs=("axis",)),
+    "LogSoftmax": OpSpec(op_log_softmax, attrs=("axis",)),
     "Hardmax": OpSpec(op_hardmax, attrs=("axis",)),
     "ReduceSum": OpSpec(_reduce("sum", 13), static=(1,), attrs=_REDUCE),
     "ReduceMean": OpSpec(_reduce("mean", 18), static=(1,), attrs=_REDUCE),

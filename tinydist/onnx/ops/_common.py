@@ -1,4 +1,4 @@
-"""Helpers shared by the op handlers: static inputs, axes, dtypes, padding, erf."""
+"""Helpers shared by the op handlers: static inputs, axes, dtypes, padding and windows, erf."""
 
 from __future__ import annotations
 
@@ -72,6 +72,49 @@ def pad_or_crop(x: Tensor, pairs: Sequence[tuple[int, int]], value: Any = 0) -> 
     x = x.shrink(crop)
     grow = [(max(b, 0), max(a, 0)) for b, a in pairs]
     return x.pad(grow, value) if any(b or a for b, a in grow) else x
+
+
+def pad_value(x: Tensor, pairs: Sequence[tuple[int, int]], value: Any) -> Tensor:
+    """pad_or_crop with a fill value of x's own dtype (Tensor.pad(value=) promotes float32 to float64)."""
+    grow = [(max(b, 0), max(a, 0)) for b, a in pairs]
+    cropped = pad_or_crop(x, [(min(b, 0), min(a, 0)) for b, a in pairs])
+    if not any(b or a for b, a in grow):
+        return cropped
+    padded = cropped.pad(grow)
+    if value == 0:
+        return padded
+    inside = Tensor.full(cropped.shape, True, dtypes.bool_, x.device).pad(grow)
+    return inside.where(padded, Tensor.full((), value, x.dtype, x.device))
+
+
+def spatial_args(ctx: Any, nd: int, in_sizes: Sequence[int],
+                 kernel: Sequence[int]) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    """A windowed op's (conv, pool) strides, dilations and (before, after) pads per spatial axis,
+    from its attributes (auto_pad: SAME_UPPER / SAME_LOWER computed from the input sizes)."""
+    strides = list(ctx.attr("strides", [1] * nd))
+    dilations = list(ctx.attr("dilations", [1] * nd))
+    if len(strides) != nd or len(dilations) != nd:
+        raise ctx.error(f"strides {strides} / dilations {dilations} do not match {nd} spatial axes")
+    auto_pad = ctx.attr("auto_pad", "NOTSET")
+    if auto_pad == "NOTSET":
+        pads = list(ctx.attr("pads", [0] * (2 * nd)))
+        if len(pads) != 2 * nd:
+            raise ctx.error(f"pads {pads} do not match {nd} spatial axes")
+        pairs = [(pads[i], pads[i + nd]) for i in range(nd)]
+    elif auto_pad == "VALID":
+        pairs = [(0, 0)] * nd
+    elif auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        pairs = []
+        for size, k, s, d in zip(in_sizes, kernel, strides, dilations):
+            out = -(-size // s)
+            total = max(0, (out - 1) * s + (k - 1) * d + 1 - size)
+            small = total // 2
+            pairs.append((small, total - small) if auto_pad == "SAME_UPPER" else (total - small, small))
+    else:
+        raise ctx.error(f"auto_pad={auto_pad!r} is not supported")
+    if any(p < 0 for pair in pairs for p in pair):
+        raise ctx.error(f"negative pads {pairs} are not supported")
+    return strides, dilations, pairs
 
 
 def lowest(dtype: Any) -> Any:

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from tinydist.onnx.kinds import np_dtype_of
 from tinydist.onnx.ops._common import ints, norm_axis
 from tinydist.onnx.ops.shape import (
     _squeeze_axes, expand_shape, op_constant, op_constant_of_shape, op_range, op_shape, op_size,
@@ -57,7 +58,6 @@ def _fold_cast(ctx: Any, x: np.ndarray) -> np.ndarray:
     """numpy's cast, quietly: a float -inf / nan cast to an integer is the integer's lowest value
     here as in onnxruntime (x86's conversion), and graphs rely on masking it afterwards — T5's
     relative-position buckets take log(0) = -inf at distance 0, cast it, then Where it away."""
-    from tinydist.onnx.model import np_dtype_of
     with np.errstate(invalid="ignore"):
         return x.astype(np_dtype_of(ctx, ctx.attr("to")))
 

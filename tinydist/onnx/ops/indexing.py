@@ -17,8 +17,7 @@ import numpy as np
 
 from tinydist.frontend.tensor import Tensor
 from tinydist.graph import dtypes
-from tinydist.onnx.ops._common import Value, as_tensor, highest, ints, lowest, norm_axis, static
-from tinydist.onnx.ops.nn import pad_value
+from tinydist.onnx.ops._common import Value, as_tensor, highest, ints, lowest, norm_axis, pad_value, static
 
 
 def _index_tensor(ctx: Any, indices: Value, key: str) -> Tensor:

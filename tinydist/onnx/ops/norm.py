@@ -1,20 +1,73 @@
-"""Normalisations beyond BatchNorm/LayerNorm: Instance, Group, RMS, Lp, MeanVariance, LRN; and the
-block rearrangements DepthToSpace / SpaceToDepth."""
+"""Normalisations: Batch (inference, and training_mode's batch statistics), Layer, Instance, Group,
+RMS, Lp, MeanVariance, LRN; and the block rearrangements DepthToSpace / SpaceToDepth."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
+import numpy as np
+
 from tinydist.frontend.tensor import Tensor
-from tinydist.onnx.ops._common import (
-    Value,
-    as_tensor,
-    norm_axes,
-    norm_axis,
-    require_float,
-)
-from tinydist.onnx.ops.nn import pad_value
+from tinydist.onnx.ops._common import Value, as_tensor, norm_axes, norm_axis, pad_value, require_float
+
+
+def _batch_norm_training(ctx: Any, x: Tensor, scale: Value, bias: Value, mean: Value, var: Value) -> Any:
+    """training_mode=1 (14+): normalise with the batch's mean and (population) variance over every
+    axis but the channels; running_mean / running_var = input · momentum + batch · (1 − momentum)."""
+    require_float(ctx, x)
+    eps, momentum = ctx.attr("epsilon", 1e-5), ctx.attr("momentum", 0.9)
+    shape = (1, x.shape[1]) + (1,) * (x.ndim - 2)
+    axes = tuple(i for i in range(x.ndim) if i != 1)
+    batch_mean = x.mean(axes, keepdim=True)
+    centered = x - batch_mean
+    batch_var = (centered * centered).mean(axes, keepdim=True)
+    s, bi, m, v = (as_tensor(ctx, t, k).reshape(shape) for t, k in ((scale, "s"), (bias, "bi"), (mean, "m"), (var, "v")))
+    y = centered / (batch_var + eps).sqrt() * s + bi
+    running_mean = (m * momentum + batch_mean * (1.0 - momentum)).reshape(x.shape[1])
+    running_var = (v * momentum + batch_var * (1.0 - momentum)).reshape(x.shape[1])
+    return (y, running_mean, running_var)[:ctx.n_outputs] if ctx.n_outputs > 1 else y
+
+
+def op_batch_norm(ctx: Any, x: Tensor, scale: Value, bias: Value, mean: Value, var: Value) -> Any:
+    if ctx.attr("training_mode", 0):
+        if ctx.since < 14:
+            raise ctx.error("training_mode is an attribute of version 14 on")
+        return _batch_norm_training(ctx, x, scale, bias, mean, var)
+    if any(ctx.outputs_used[1:]):
+        raise ctx.error("the training outputs (running mean/var) are not supported")
+    require_float(ctx, x)
+    eps = ctx.attr("epsilon", 1e-5)
+    shape = (1, x.shape[1]) + (1,) * (x.ndim - 2)
+    if ctx.since < 9 and not ctx.attr("spatial", 1):  # version 7, spatial=0: parameters per (C, D1, …) element
+        shape = (1,) + x.shape[1:]
+    if all(isinstance(v, np.ndarray) for v in (scale, bias, mean, var)):
+        a = (scale / np.sqrt(var + var.dtype.type(eps))).astype(x.dtype.np)
+        b = (bias - mean * a).astype(x.dtype.np)
+        return x * ctx.lift("a", a.reshape(shape)) + ctx.lift("b", b.reshape(shape))
+    if ctx.since < 9 and not ctx.attr("spatial", 1):
+        raise ctx.error("spatial=0 with parameters computed at run time is not supported")
+    s, bi, m, v = (as_tensor(ctx, t, k).reshape(shape) for t, k in ((scale, "s"), (bias, "bi"), (mean, "m"), (var, "v")))
+    return (x - m) / (v + eps).sqrt() * s + bi
+
+
+def op_layer_norm(ctx: Any, x: Tensor, scale: Tensor, bias: Tensor | None = None) -> Any:
+    require_float(ctx, x)
+    if ctx.attr("stash_type", 1) != 1:
+        raise ctx.error("stash_type other than 1 (float32) is not supported")
+    axis = norm_axis(ctx, ctx.attr("axis", -1), x.ndim)
+    eps = ctx.attr("epsilon", 1e-5)
+    axes = tuple(range(axis, x.ndim))
+    mean = x.mean(axes, keepdim=True)
+    centered = x - mean
+    inv = ((centered * centered).mean(axes, keepdim=True) + eps).sqrt().reciprocal()
+    y = centered * inv * scale
+    if bias is not None:
+        y = y + bias
+    if ctx.n_outputs == 1:
+        return y
+    return (y, mean, inv)[:ctx.n_outputs]
+
 
 
 def _normalise(x: Tensor, axes: tuple[int, ...], eps: float) -> Tensor:

@@ -208,7 +208,7 @@ def op_qlinear_matmul(ctx: Any, a: Value, a_scale: Value, a_zero_point: Value, b
 
 
 def _integer_conv(ctx: Any, x: Value, w: Value, x_zero_point: Value, w_zero_point: Value, bias: Value = None) -> Tensor:
-    from tinydist.onnx.ops.nn import op_conv
+    from tinydist.onnx.ops.conv import op_conv
 
     oc = w.shape[0]
     xi = _centered(ctx, x, x_zero_point, "x", None, dtypes.float64)

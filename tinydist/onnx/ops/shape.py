@@ -12,10 +12,9 @@ from tinydist.frontend.movement import cat
 from tinydist.frontend.tensor import Tensor
 from tinydist.graph import dtypes
 from tinydist.onnx.ops._common import (
-    Value, as_tensor, gather_where, highest, ints, lowest, norm_axes, norm_axis, pad_or_crop, require_float, scalar_like,
-    shrink_axis, static,
+    Value, as_tensor, gather_where, highest, ints, lowest, norm_axes, norm_axis, pad_or_crop, pad_value, require_float,
+    scalar_like, shrink_axis, static,
 )
-from tinydist.onnx.ops.nn import pad_value
 
 
 # ---- reductions -----------------------------------------------------------------------------
@@ -375,49 +374,6 @@ def op_constant(ctx: Any) -> np.ndarray:
                 return v
             return np.array(v, dtype=np.float32 if "float" in name else np.int64)
     raise ctx.error("only value, value_float(s) and value_int(s) are supported")
-
-
-def op_window(kind: str) -> Callable[..., np.ndarray]:
-    """HannWindow / HammingWindow / BlackmanWindow (17): a constant of the size input's length."""
-    def handler(ctx: Any, size: Value) -> np.ndarray:
-        n = ints(ctx, size, "size")[0]
-        if n < 0:
-            raise ctx.error(f"window size {n} is negative")
-        period = n if ctx.attr("periodic", 1) else n - 1
-        phase = 2 * np.pi * np.arange(n, dtype=np.float64) / max(period, 1)
-        if kind == "hann":
-            w = 0.5 - 0.5 * np.cos(phase)
-        elif kind == "hamming":
-            w = 25.0 / 46.0 - (21.0 / 46.0) * np.cos(phase)
-        else:
-            w = 0.42 - 0.5 * np.cos(phase) + 0.08 * np.cos(2 * phase)
-        return w.astype(ctx.target_dtype(ctx.attr("output_datatype", 1)).np)
-    return handler
-
-
-def op_mel_weight_matrix(ctx: Any, bins: Value, dft_length: Value, rate: Value, low: Value, high: Value) -> np.ndarray:
-    """MelWeightMatrix (17): a constant (dft_length // 2 + 1, num_mel_bins) of triangular filters,
-    as onnx's reference (and onnxruntime) compute it: num_mel_bins + 2 edges spaced evenly in mel
-    by (high - low) / (num_mel_bins + 2), each rounded down to a spectrogram bin."""
-    n_mel, length, sample_rate = (ints(ctx, v, what)[0] for v, what in
-                                  ((bins, "num_mel_bins"), (dft_length, "dft_length"), (rate, "sample_rate")))
-    lo, hi = (static(ctx, v, what).reshape(()) for v, what in ((low, "lower_edge_hertz"), (high, "upper_edge_hertz")))
-    if n_mel <= 0 or length <= 0 or sample_rate <= 0 or not 0 <= lo < hi:
-        raise ctx.error(f"num_mel_bins {n_mel}, dft_length {length}, sample_rate {sample_rate} must be positive and "
-                        f"0 <= lower_edge_hertz {lo} < upper_edge_hertz {hi}")
-    low_mel, high_mel = (2595 * np.log1p(f / 700) / np.log(10) for f in (lo, hi))
-    edges = np.arange(0, n_mel + 2) * ((high_mel - low_mel) / (n_mel + 2)) + low_mel
-    edges = (((length + 1) * (700 * np.expm1(edges / 2595 * np.log(10)))) // sample_rate).astype(np.int64)
-    out = np.zeros((length // 2 + 1, n_mel))
-    for i in range(n_mel):
-        left, center, right = edges[i:i + 3]
-        if center == left:
-            out[center, i] = 1.0
-        else:
-            out[left:center + 1, i] = (np.arange(left, center + 1) - left) / (center - left)
-        if right > center:
-            out[center:right, i] = (right - np.arange(center, right)) / (right - center)
-    return out.astype(ctx.target_dtype(ctx.attr("output_datatype", 1)).np)
 
 
 def op_eye_like(ctx: Any, x: Value) -> np.ndarray:

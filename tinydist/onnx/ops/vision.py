@@ -1,9 +1,11 @@
-"""DeformConv (19, 22), RoiAlign (10, 16, 22) and ImageDecoder (20).
+"""AffineGrid (20), GridSample (16, 20, 22), DeformConv (19, 22), RoiAlign (10, 16, 22) and
+ImageDecoder (20).
 
-DeformConv and RoiAlign sample the input at positions computed at run time (offsets, boxes): each
-sampled axis becomes a (…, points, size) matrix of bilinear weights (one-hot compares with the
-pixel indices, as GridSample does), and one batched matmul reads the samples. O(points × pixels):
-sized for the detection heads and small feature maps these ops run on.
+GridSample, DeformConv and RoiAlign sample the input at positions computed at run time (a grid,
+offsets, boxes): each sampled axis becomes a (…, points, size) matrix of interpolation weights
+(one-hot compares with the pixel indices), and one batched matmul reads the samples.
+O(points × pixels): sized for the spatial transformers, detection heads and small feature maps
+these ops run on.
 """
 
 from __future__ import annotations
@@ -17,7 +19,116 @@ import numpy as np
 from tinydist.frontend.movement import cat
 from tinydist.frontend.tensor import Tensor
 from tinydist.graph import dtypes
-from tinydist.onnx.ops._common import Value, as_tensor, require_float
+from tinydist.onnx.ops._common import Value, as_tensor, ints, require_float, shrink_axis
+from tinydist.onnx.ops.elementwise import round_half_even
+
+
+def op_affine_grid(ctx: Any, theta: Tensor, size: Value) -> Tensor:
+    """AffineGrid (20): the sampling grid theta · (x, y[, z], 1) over normalised output coordinates
+    in [-1, 1] (pixel centres, or corners under align_corners), as one batched matmul with a
+    constant (H·W, 3) or (D·H·W, 4) base grid."""
+    dims = ints(ctx, size, "size")
+    spatial = dims[2:]
+    if len(spatial) not in (2, 3) or theta.shape[1:] != (len(spatial), len(spatial) + 1):
+        raise ctx.error(f"size {dims} and theta of shape {theta.shape} do not describe a 2-D or 3-D grid")
+    align = bool(ctx.attr("align_corners", 0))
+
+    def axis(n: int) -> np.ndarray:
+        if align:
+            return np.linspace(-1.0, 1.0, n) if n > 1 else np.zeros(1)
+        return (2.0 * np.arange(n) + 1.0) / n - 1.0
+
+    coords = np.meshgrid(*[axis(n) for n in spatial], indexing="ij")  # (D,) H, W
+    base = np.stack([c.reshape(-1) for c in reversed(coords)] + [np.ones(math.prod(spatial))], axis=1)
+    grid = ctx.lift(("grid", tuple(dims), align), base.astype(theta.dtype.np).reshape((1,) + base.shape))
+    out = grid.matmul(theta.permute(0, 2, 1))  # (N, points, rank)
+    return out.reshape((theta.shape[0],) + tuple(spatial) + (len(spatial),))
+
+
+def _reflect(v: Tensor, low: float, high: float) -> Tensor:
+    """Reflect coordinates by the near border until they lie in [low, high] (onnx's _gs_reflect)."""
+    span = high - low
+    if span <= 0:
+        return v * 0.0 + low
+    below, above = low - v, v - high
+    out = v
+    for dist, near, far, sign in ((below, low, high, 1.0), (above, high, low, -1.0)):
+        folds = (dist / span).floor()
+        rest = dist - folds * span
+        even = (folds - (folds * 0.5).floor() * 2.0) == 0.0
+        moved = even.where(rest * sign + near, far - rest * sign)
+        out = (dist > 0.0).where(moved, out)
+    return out
+
+
+def _cubic_coeffs(t: Tensor) -> list[Tensor]:
+    a = -0.75
+    x0, x1, x2, x3 = t + 1.0, t, 1.0 - t, 2.0 - t
+    return [((x0 * a - 5 * a) * x0 + 8 * a) * x0 - 4 * a, ((x1 * (a + 2)) - (a + 3)) * x1 * x1 + 1.0,
+            ((x2 * (a + 2)) - (a + 3)) * x2 * x2 + 1.0, ((x3 * a - 5 * a) * x3 + 8 * a) * x3 - 4 * a]
+
+
+def op_grid_sample(ctx: Any, x: Tensor, grid: Tensor) -> Tensor:
+    """GridSample (16, 20, 22) as onnx's reference: per spatial axis, the sampled coordinates'
+    neighbours (1 nearest, 2 linear, 4 cubic) with their weights and padded pixel indices become
+    an (N, points, size) weight matrix; the axes' matrices multiply into one (N, points, pixels)
+    matrix, applied to x with one batched matmul. O(points × pixels): for the small images and
+    grids of spatial transformers, not for resampling large images. Cubic with border padding
+    clamps only its taps, not the coordinate, as onnxruntime and PyTorch (the reference clamps
+    both; its node cases agree either way)."""
+    require_float(ctx, x)
+    spatial = x.shape[2:]
+    nd = len(spatial)
+    if grid.ndim != nd + 2 or grid.shape[-1] != nd or grid.shape[0] != x.shape[0]:
+        raise ctx.error(f"grid of shape {grid.shape} does not match input of shape {x.shape}")
+    raw_mode = ctx.attr("mode", "linear" if ctx.since >= 20 else "bilinear")
+    mode = {"bilinear": "linear", "bicubic": "cubic"}.get(raw_mode, raw_mode)  # version 16's names
+    padding = ctx.attr("padding_mode", "zeros")
+    if mode not in ("nearest", "linear", "cubic") or padding not in ("zeros", "border", "reflection"):
+        raise ctx.error(f"mode={mode!r} / padding_mode={padding!r} is not supported")
+    align = bool(ctx.attr("align_corners", 0))
+    n, out_spatial = x.shape[0], grid.shape[1:-1]
+    points = math.prod(out_spatial)
+    g = grid.reshape(n, points, nd).cast(x.dtype)
+    total: Tensor | None = None
+    for i, size in enumerate(spatial):
+        coord = shrink_axis(g, 2, nd - 1 - i, nd - i)  # (N, P, 1): the grid lists x (width) first
+        v = (coord + 1.0) * 0.5 * (size - 1) if align else ((coord + 1.0) * size - 1.0) * 0.5
+        low, high = (0.0, size - 1.0) if align else (-0.5, size - 0.5)
+        if mode == "nearest":
+            v = round_half_even(v)
+        outside = (v < low) | (v > high)
+        if padding == "border" and mode != "cubic":  # cubic clamps its taps only (onnxruntime, PyTorch)
+            v = outside.where(v.maximum(0.0).minimum(size - 1.0), v)
+        elif padding == "reflection":
+            v = outside.where(_reflect(v, low, high), v)
+        base = v.floor()
+        frac = v - base
+        taps: list[tuple[Tensor, Tensor | None]]
+        if mode == "nearest":
+            taps = [(v, None)]
+        elif mode == "linear":
+            taps = [(base, 1.0 - frac), (base + 1.0, frac)]
+        else:
+            taps = list(zip([base - 1.0, base, base + 1.0, base + 2.0], _cubic_coeffs(frac)))
+        pixels = ctx.lift(("pixels", size, x.dtype.name), np.arange(size, dtype=x.dtype.np).reshape(1, 1, size))
+        weights: Tensor | None = None
+        for j, w in taps:
+            if padding == "border":
+                j = j.maximum(0.0).minimum(size - 1.0)
+            elif padding == "reflection":
+                j = _reflect(j, low, high)
+            j = j.cast(dtypes.int64).cast(x.dtype)  # the reference's int(): toward zero
+            hit = j == pixels  # (N, P, size); out of range hits nothing: zero padding
+            term = hit.cast(x.dtype) if w is None else hit.where(w, 0.0)
+            weights = term if weights is None else weights + term
+        assert weights is not None
+        total = weights if total is None else (total.reshape(n, points, -1, 1) * weights.reshape(n, points, 1, size)).reshape(
+            n, points, -1)
+    assert total is not None
+    y = x.reshape(n, x.shape[1], -1).matmul(total.permute(0, 2, 1))  # (N, C, P)
+    return y.reshape((n, x.shape[1]) + tuple(out_spatial))
+
 
 
 def _bilinear_weights(ctx: Any, v: Tensor, size: int, key: str) -> Tensor:
