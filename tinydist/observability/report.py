@@ -67,6 +67,41 @@ def summarize(trace: dict[str, Any]) -> dict[str, Any]:
     return {"span_us": span, "names": names, "lanes": lanes}
 
 
+def _intersection(a: tuple[float, float], intervals: list[tuple[float, float]]) -> float:
+    """How much of interval `a` the union of `intervals` covers."""
+    return _union([(max(s, a[0]), min(t, a[1])) for s, t in intervals if s < a[1] and t > a[0]])
+
+
+def collective_overlap(trace: dict[str, Any], step: str = "step") -> list[dict[str, Any]]:
+    """Per span named `step` (a training step the caller marked, its device work waited for inside
+    it): how much of its process collectives' time ran while backward kernels ran, from the device
+    lanes' events. A collective is a graph node's program run on a queue (`td_dist_*`, the copy
+    queue's); backward kernels are the compute queue's kernels that ended by the time the step's
+    last collective started (that collective's input is the last gradient backward makes, so the
+    optimizer's kernels come after it). Returns per step: the span's `args`, `collectives` [(start, end) µs],
+    `collective_us` (their total), `overlap_us` (their time covered by backward kernels),
+    `backward_end` (the last backward kernel's end), `matmul_end` (the last backward matmul's end)
+    and `started_before_backward_end` (collectives that started before it)."""
+    _, threads = _names(trace)
+    xs = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    found = []
+    for mark in (e for e in xs if e["name"] == step and e.get("cat") == "span"):
+        lo, hi = mark["ts"], mark["ts"] + mark["dur"]
+        inside = [e for e in xs if lo <= e["ts"] <= hi and e.get("cat") == "kernel"]
+        collectives = sorted((e["ts"], e["ts"] + e["dur"]) for e in inside if e["name"].startswith("td_dist_"))
+        compute = [e for e in inside if threads.get((e["pid"], e["tid"])) == "compute" and not e["name"].startswith("td_dist_")]
+        last_start = collectives[-1][0] if collectives else hi
+        backward = [e for e in compute if e["ts"] + e["dur"] <= last_start]
+        spans = [(e["ts"], e["ts"] + e["dur"]) for e in backward]
+        end = max((t for _, t in spans), default=lo)
+        matmuls = [e["ts"] + e["dur"] for e in backward if e["name"].startswith("matmul")]
+        found.append({"args": mark.get("args", {}), "collectives": collectives, "collective_us": sum(t - s for s, t in collectives),
+                      "overlap_us": sum(_intersection(c, spans) for c in collectives), "backward_end": end,
+                      "matmul_end": max(matmuls, default=lo),
+                      "started_before_backward_end": sum(1 for s, _ in collectives if s < end)})
+    return found
+
+
 def _fmt_us(us: float) -> str:
     if us >= 1e6:
         return f"{us / 1e6:.3g} s"

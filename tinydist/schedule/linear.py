@@ -94,21 +94,39 @@ class _Graph:
         # has ready work makes each device's calls few long runs (submissions) instead of a run per
         # interleaving. Within a stream, calls another stream waits for come first, then the lowest
         # index (the fuser's order, when it is valid).
+        # A process collective (and the call making its input) is taken as soon as it is ready,
+        # from whichever stream: submitted then, it runs on its own queue while the calls after
+        # it in this order (the rest of a backward) run on theirs; the readers of its result come
+        # after the other ready calls of their stream, which would otherwise wait behind them.
         streams = [(call.device, call.queue) for call in calls]
         feeds_other = [any(streams[j] != streams[i] for j in edges[i]) for i in range(len(calls))]
-        ready: dict[tuple[str, str], list[tuple[bool, int]]] = {}
+        urgent = [isinstance(call, CollectiveCall) or any(isinstance(calls[j], CollectiveCall) for j in edges[i])
+                  for i, call in enumerate(calls)]
+        behind = [False] * len(calls)
+        for i, call in enumerate(calls):
+            if isinstance(call, CollectiveCall):
+                for j in edges[i]:
+                    behind[j] = streams[j] != streams[i]
+        ready: dict[tuple[str, str], list[tuple[bool, bool, bool, int]]] = {}
+        ready_urgent: list[int] = []
 
         def push(i: int) -> None:
-            heapq.heappush(ready.setdefault(streams[i], []), (not feeds_other[i], i))
+            heapq.heappush(ready.setdefault(streams[i], []), (not urgent[i], behind[i], not feeds_other[i], i))
+            if urgent[i]:
+                ready_urgent.append(i)
         for i, d in enumerate(indegree):
             if d == 0:
                 push(i)
         order: list[int] = []
         stream: tuple[str, str] | None = None
         while any(ready.values()):
+            if ready_urgent:
+                stream = streams[ready_urgent.pop()]
             if stream is None or not ready[stream]:
                 stream = min((s for s in ready if ready[s]), key=lambda s: ready[s][0])
-            _, i = heapq.heappop(ready[stream])
+            *_, i = heapq.heappop(ready[stream])
+            if urgent[i] and i in ready_urgent:
+                ready_urgent.remove(i)
             order.append(i)
             for j in edges[i]:
                 indegree[j] -= 1
