@@ -7,7 +7,8 @@ The node's schedule item (`CollectiveCall`) runs a program of two pointers (out,
 device's copy queue, in the schedule's order: a realize submits it as soon as the kernels making
 its input are submitted, and while it runs (waiting for the peers, reducing) the compute queue goes
 on with the kernels that do not read its result — a data-parallel step's later buckets of backward
-overlap the earlier buckets' all-reduces. A `td.jit` capture runs it by address, so a
+overlap the earlier buckets' all-reduces. (Where no kernel could run beside it, it runs on the
+compute queue, and a capture links it with the kernels.) A `td.jit` capture runs it by address, so a
 replayed data-parallel step runs every bucket's all-reduce with no Python of its own (the
 collective itself is `ProcessGroup.blocking`, the eager calls' path: on one host over the group
 segment on the queue's thread). The result lands in the node's own buffer (all_reduce in place
@@ -108,9 +109,10 @@ def _view(address: int | None, shape: tuple[int, ...], dtype: str) -> np.ndarray
     return np.frombuffer(memory, np.uint8).view(dt).reshape(shape)  # type: ignore[call-overload]
 
 
-# the queue a node's collective runs on (CollectiveCall's), and the devices whose queue has run
-# (or may be running) one
-QUEUE = CollectiveCall.queue
+# the queues a node's collective runs on (CollectiveCall's; the compute queue where nothing could
+# run beside it, `tinydist.schedule.linear`), and the devices whose queues have run (or may be
+# running) one
+QUEUES = (CollectiveCall.queue, "compute")
 _DEVICES: set[str] = set()
 # whether this thread is running a node's collective (a queue's worker, or a caller running a batch inline)
 _running = threading.local()
@@ -124,8 +126,9 @@ def settle() -> None:
         return
     engine = get_engine()
     for name in list(_DEVICES):
-        queue = engine.device(name).queues[QUEUE]
-        queue.timeline.wait_blocking(queue.last_submitted)
+        for kind in QUEUES:
+            queue = engine.device(name).queues[kind]
+            queue.timeline.wait_blocking(queue.last_submitted)
 
 
 @functools.cache
