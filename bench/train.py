@@ -345,7 +345,8 @@ def run_overlap(name: str, bucket_cap_mb: float, steps: int) -> None:
                 for k, s in enumerate(ours):
                     print(f"{name:4s} rank {rank} {mode:8s} step {k}: overlap: {s['overlap_us'] / 1000:.2f} ms of "
                           f"{s['collective_us'] / 1000:.2f} ms allreduce ran while backward kernels ran "
-                          f"({s['started_before_backward_end']} of {len(s['collectives'])} bucket all-reduces started before backward ended)")
+                          f"({s['started_before_backward_end']} of {len(s['collectives'])} bucket all-reduces started before backward ended; "
+                          f"queues let the first run beside the last backward matmul: {'yes' if s['ahead'] else 'NO'})")
                 share = [s["overlap_us"] / s["collective_us"] for s in ours if s["collective_us"]]
                 print(f"{name:4s} rank {rank} {mode:8s} median share of allreduce time overlapped with backward: "
                       f"{statistics.median(share) if share else 0:.0%} over {len(ours)} steps, {buckets} buckets "
