@@ -319,7 +319,7 @@ def overlap_worker(name: str, bucket_cap_mb: float, steps: int, path: str) -> No
     td.dist.barrier()
 
 
-def run_overlap(name: str, bucket_cap_mb: float, steps: int) -> None:
+def run_overlap(name: str, bucket_cap_mb: float, steps: int, png: str | None = None) -> None:
     """--overlap: per traced step of the 2-process DDP run (eager and td.jit), how much of the
     bucket all-reduces' time ran while backward kernels ran, read from each rank's trace
     (`tinydist.observability.report.collective_overlap`)."""
@@ -339,7 +339,16 @@ def run_overlap(name: str, bucket_cap_mb: float, steps: int) -> None:
             return
         buckets = next((line.split("BUCKETS ", 1)[1] for line in proc.stdout.splitlines() if "] BUCKETS " in line), "?")
         for rank in range(2):
-            found = [s for s in collective_overlap(load(Path(tmp) / f"trace.rank{rank}.json")) if s["args"].get("mode") != "warm-up"]
+            trace = load(Path(tmp) / f"trace.rank{rank}.json")
+            found = [s for s in collective_overlap(trace) if s["args"].get("mode") != "warm-up"]
+            if png and rank == 0:  # the eager step with the most overlap, zoomed
+                from tinydist.observability.report import plot_gantt
+                best = max((s for s in found if s["args"].get("mode") == "eager"), key=lambda s: s["overlap_us"])
+                t0 = min(e["ts"] for e in trace["traceEvents"] if e.get("ph") == "X")
+                plot_gantt(trace, png, title=f"{name}, 2-process DDP, rank 0: bucket all-reduces (copy queue) beside backward "
+                           f"(compute queue); lower panel: one eager step, {best['overlap_us'] / 1000:.2f} ms overlapped",
+                           zoom=(best["window"][0] - t0, best["window"][1] - t0))
+                print(f"{name:4s} wrote {png}")
             for mode in ("eager", "captured"):
                 ours = [s for s in found if s["args"].get("mode") == mode]
                 for k, s in enumerate(ours):
@@ -364,6 +373,7 @@ def main() -> None:
                         help="only the traced 2-process DDP steps: how much of the bucket all-reduces ran while backward kernels ran")
     parser.add_argument("--bucket-cap-mb", type=float, default=0.02, help="--overlap's DDP bucket size (default 0.02: 2 buckets)")
     parser.add_argument("--steps", type=int, default=5, help="--overlap's traced steps per mode (default 5)")
+    parser.add_argument("--png", default=None, help="--overlap: draw rank 0's trace here (the last model's), zoomed on an eager step")
     parser.add_argument("--overlap-worker", default=None)
     parser.add_argument("--trace", default=None)
     args, _ = parser.parse_known_args()
@@ -374,7 +384,7 @@ def main() -> None:
         print(f"batch {BATCH} over 2 processes, Adam, DDP buckets of <= {args.bucket_cap_mb} MB; {args.steps} traced steps "
               f"per mode, each waited for; overlap read from each rank's trace; {os.cpu_count()} CPUs")
         for name in args.models.split(","):
-            run_overlap(name, args.bucket_cap_mb, args.steps)
+            run_overlap(name, args.bucket_cap_mb, args.steps, args.png)
         return
     if args.worker:  # one rank of the 2-process run: the eager and the captured step, interleaved
         import tinydist as td

@@ -78,7 +78,7 @@ def collective_overlap(trace: dict[str, Any], step: str = "step") -> list[dict[s
     lanes' events. A collective is a graph node's program run on a queue (`td_dist_*`, the copy
     queue's); backward kernels are the compute queue's kernels that ended by the time the step's
     last collective started (that collective's input is the last gradient backward makes, so the
-    optimizer's kernels come after it). Returns per step: the span's `args`, `collectives` [(start, end) µs],
+    optimizer's kernels come after it). Returns per step: the span's `args` and `window` (µs), `collectives` [(start, end) µs],
     `collective_us` (their total), `overlap_us` (their time covered by backward kernels),
     `backward_end` (the last backward kernel's end), `matmul_end` (the last backward matmul's end)
     `started_before_backward_end` (collectives that started before it) and `ahead` (whether the
@@ -96,7 +96,7 @@ def collective_overlap(trace: dict[str, Any], step: str = "step") -> list[dict[s
         spans = [(e["ts"], e["ts"] + e["dur"]) for e in backward]
         end = max((t for _, t in spans), default=lo)
         matmuls = [e for e in backward if e["name"].startswith("matmul")]
-        found.append({"args": mark.get("args", {}), "collectives": collectives, "collective_us": sum(t - s for s, t in collectives),
+        found.append({"args": mark.get("args", {}), "window": (lo, hi), "collectives": collectives, "collective_us": sum(t - s for s, t in collectives),
                       "overlap_us": sum(_intersection(c, spans) for c in collectives), "backward_end": end,
                       "matmul_end": max((e["ts"] + e["dur"] for e in matmuls), default=lo),
                       "started_before_backward_end": sum(1 for s, _ in collectives if s < end),
