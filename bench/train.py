@@ -1,6 +1,7 @@
 """Training throughput (samples/s): the digits MLP and a small CNN, batch 256.
 
     .venv/bin/python bench/train.py [--seconds 3] [--json PATH]
+    .venv/bin/python bench/train.py --overlap [--bucket-cap-mb 0.02] [--steps 5]   # all-reduce vs backward, from traces
 
 Per model: tinydist on 1 device (eager, and with the whole step captured by td.jit), on 2 devices of one process (DistributedDataParallel), on 2
 processes (`tinydist launch --nproc 2`, each rank half the batch), and PyTorch CPU with
@@ -278,6 +279,89 @@ def run_processes(name: str, seconds: float) -> dict[str, list[float]] | None:
     return None
 
 
+def overlap_worker(name: str, bucket_cap_mb: float, steps: int, path: str) -> None:
+    """One rank of --overlap: `steps` eager and `steps` captured DDP steps, each traced with its
+    device work waited for inside a `step` span, the trace written to `path` (one file per rank).
+    The jit is captured while tracing, so its replay runs one command per kernel ('runs')."""
+    import tinydist as td
+    from tinydist.observability import span
+    td.dist.init()
+    rank, world = td.dist.rank(), td.dist.world_size()
+    local = BATCH // world
+    data = [(x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]) for x, y in batches(name, 8)]
+    steppers = {}
+    for mode in ("eager", "captured"):
+        ddp = td.dist.DistributedDataParallel(td_model(name), bucket_cap_mb=bucket_cap_mb)
+        opt = td.optim.Adam(ddp.parameters(), lr=1e-3)
+
+        def train_step(x: td.Tensor, y: td.Tensor, ddp=ddp, opt=opt) -> td.Tensor:
+            loss = td.nn.functional.cross_entropy(ddp(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return loss
+        steppers[mode] = td.jit(train_step) if mode == "captured" else train_step
+    for i in range(2):
+        x, y = data[i]
+        steppers["eager"](td.Tensor(x), td.Tensor(y))
+    td.synchronize()
+    plan = [("eager", steppers["eager"])] * steps + [("warm-up", steppers["captured"])] * 2 + [("captured", steppers["captured"])] * steps
+    with td.trace() as tracer:
+        for i, (mode, train_step) in enumerate(plan):
+            x, y = data[i % len(data)]
+            td.dist.barrier()  # the ranks start each step together: a collective's wait is then its own
+            with span("step", process=f"rank{rank}", lane="steps", mode=mode):
+                train_step(td.Tensor(x), td.Tensor(y))
+                td.synchronize()
+    tracer.write(path, rank=rank)
+    if rank == 0:
+        print(f"BUCKETS {len(ddp.buckets)}", flush=True)
+    td.dist.barrier()
+
+
+def run_overlap(name: str, bucket_cap_mb: float, steps: int, png: str | None = None) -> None:
+    """--overlap: per traced step of the 2-process DDP run (eager and td.jit), how much of the
+    bucket all-reduces' time ran while backward kernels ran, read from each rank's trace
+    (`tinydist.observability.report.collective_overlap`)."""
+    import tempfile
+
+    from tinydist.observability.chrome import load
+    from tinydist.observability.report import collective_overlap
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        cmd = [sys.executable, "-m", "tinydist.cli", "launch", "--nproc", "2", "--timeout", "180", str(Path(__file__).resolve()),
+               "--overlap-worker", name, "--bucket-cap-mb", str(bucket_cap_mb), "--steps", str(steps), "--trace", str(path)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(root)), cwd=root)
+        if proc.returncode != 0:
+            print(f"{name}: 2-process overlap run failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}",
+                  file=sys.stderr)
+            return
+        buckets = next((line.split("BUCKETS ", 1)[1] for line in proc.stdout.splitlines() if "] BUCKETS " in line), "?")
+        for rank in range(2):
+            trace = load(Path(tmp) / f"trace.rank{rank}.json")
+            found = [s for s in collective_overlap(trace) if s["args"].get("mode") != "warm-up"]
+            if png and rank == 0:  # the eager step with the most overlap, zoomed
+                from tinydist.observability.report import plot_gantt
+                best = max((s for s in found if s["args"].get("mode") == "eager"), key=lambda s: s["overlap_us"])
+                t0 = min(e["ts"] for e in trace["traceEvents"] if e.get("ph") == "X")
+                plot_gantt(trace, png, title=f"{name}, 2-process DDP, rank 0: bucket all-reduces (copy queue) beside backward "
+                           f"(compute queue); lower panel: one eager step, {best['overlap_us'] / 1000:.2f} ms overlapped",
+                           zoom=(best["window"][0] - t0, best["window"][1] - t0))
+                print(f"{name:4s} wrote {png}")
+            for mode in ("eager", "captured"):
+                ours = [s for s in found if s["args"].get("mode") == mode]
+                for k, s in enumerate(ours):
+                    print(f"{name:4s} rank {rank} {mode:8s} step {k}: overlap: {s['overlap_us'] / 1000:.2f} ms of "
+                          f"{s['collective_us'] / 1000:.2f} ms allreduce ran while backward kernels ran "
+                          f"({s['started_before_backward_end']} of {len(s['collectives'])} bucket all-reduces started before backward ended; "
+                          f"queues let the first run beside the last backward matmul: {'yes' if s['ahead'] else 'NO'})")
+                share = [s["overlap_us"] / s["collective_us"] for s in ours if s["collective_us"]]
+                print(f"{name:4s} rank {rank} {mode:8s} median share of allreduce time overlapped with backward: "
+                      f"{statistics.median(share) if share else 0:.0%} over {len(ours)} steps, {buckets} buckets "
+                      f"of <= {bucket_cap_mb} MB")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=3.0)
@@ -285,7 +369,23 @@ def main() -> None:
     parser.add_argument("--models", default="mlp,cnn")
     parser.add_argument("--json", default=None)
     parser.add_argument("--processes-only", action="store_true", help="only the 2-process rows: eager and td.jit step")
+    parser.add_argument("--overlap", action="store_true",
+                        help="only the traced 2-process DDP steps: how much of the bucket all-reduces ran while backward kernels ran")
+    parser.add_argument("--bucket-cap-mb", type=float, default=0.02, help="--overlap's DDP bucket size (default 0.02: 2 buckets)")
+    parser.add_argument("--steps", type=int, default=5, help="--overlap's traced steps per mode (default 5)")
+    parser.add_argument("--png", default=None, help="--overlap: draw rank 0's trace here (the last model's), zoomed on an eager step")
+    parser.add_argument("--overlap-worker", default=None)
+    parser.add_argument("--trace", default=None)
     args, _ = parser.parse_known_args()
+    if args.overlap_worker:
+        overlap_worker(args.overlap_worker, args.bucket_cap_mb, args.steps, args.trace)
+        return
+    if args.overlap:
+        print(f"batch {BATCH} over 2 processes, Adam, DDP buckets of <= {args.bucket_cap_mb} MB; {args.steps} traced steps "
+              f"per mode, each waited for; overlap read from each rank's trace; {os.cpu_count()} CPUs")
+        for name in args.models.split(","):
+            run_overlap(name, args.bucket_cap_mb, args.steps, args.png)
+        return
     if args.worker:  # one rank of the 2-process run: the eager and the captured step, interleaved
         import tinydist as td
         td.dist.init()

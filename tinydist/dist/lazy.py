@@ -4,8 +4,11 @@
     opt.step()                                # the realize runs it on the device's queue
 
 The node's schedule item (`CollectiveCall`) runs a program of two pointers (out, in) on the
-device's compute queue, in the schedule's order: a realize runs it between the kernels that make
-its input and read its result, and a `td.jit` capture links it into the replay by address, so a
+device's copy queue, in the schedule's order: a realize submits it as soon as the kernels making
+its input are submitted, and while it runs (waiting for the peers, reducing) the compute queue goes
+on with the kernels that do not read its result — a data-parallel step's later buckets of backward
+overlap the earlier buckets' all-reduces. (Where no kernel could run beside it, it runs on the
+compute queue, and a capture links it with the kernels.) A `td.jit` capture runs it by address, so a
 replayed data-parallel step runs every bucket's all-reduce with no Python of its own (the
 collective itself is `ProcessGroup.blocking`, the eager calls' path: on one host over the group
 segment on the queue's thread). The result lands in the node's own buffer (all_reduce in place
@@ -41,6 +44,7 @@ from tinydist.graph.lazy import LazyNode, Op
 from tinydist.graph.reduce_ops import MEAN
 from tinydist.runtime.engine import get_engine
 from tinydist.runtime.program import Program
+from tinydist.schedule.items import CollectiveCall
 
 # the program's C signature: (out, in), both pointers; no return (an error fails the device)
 _ROUTINE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)
@@ -105,7 +109,10 @@ def _view(address: int | None, shape: tuple[int, ...], dtype: str) -> np.ndarray
     return np.frombuffer(memory, np.uint8).view(dt).reshape(shape)  # type: ignore[call-overload]
 
 
-# the devices whose queues have run (or may be running) a process collective
+# the queues a node's collective runs on (CollectiveCall's; the compute queue where nothing could
+# run beside it, `tinydist.schedule.linear`), and the devices whose queues have run (or may be
+# running) one
+QUEUES = (CollectiveCall.queue, "compute")
 _DEVICES: set[str] = set()
 # whether this thread is running a node's collective (a queue's worker, or a caller running a batch inline)
 _running = threading.local()
@@ -119,8 +126,9 @@ def settle() -> None:
         return
     engine = get_engine()
     for name in list(_DEVICES):
-        queue = engine.device(name).queues["compute"]
-        queue.timeline.wait_blocking(queue.last_submitted)
+        for kind in QUEUES:
+            queue = engine.device(name).queues[kind]
+            queue.timeline.wait_blocking(queue.last_submitted)
 
 
 @functools.cache

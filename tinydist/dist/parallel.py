@@ -28,8 +28,8 @@ add on its compute queue) that the optimizer step realizes together with everyth
 runtime overlaps one bucket's copies with the next bucket's kernels. Across processes, on a
 device that runs host code of this process (the CPU), the all-reduce is a graph node too
 (`tinydist.dist.lazy`): the optimizer step's realize runs each bucket's collective on the device's
-queue in the schedule's order, and a td.jit capture of the step replays them with no Python per
-bucket. Elsewhere the bucket is realized (submitted) at once and a background thread reads it back
+copy queue as soon as its gradients are made, while the compute queue goes on with the rest of
+backward, and a td.jit capture of the step replays them so with no Python per bucket. Elsewhere the bucket is realized (submitted) at once and a background thread reads it back
 and all-reduces it while the main thread builds and submits the next buckets; backward() waits for
 them at its end (such a step cannot be captured).
 

@@ -84,6 +84,9 @@ class EntryReplay:
             return f"it runs on {len(devices)} devices ({', '.join(sorted(devices))})"
         if kinds:
             return f"it has calls an entry point cannot link ({', '.join(kinds)})"
+        queues = sorted({c.queue for c in capture.schedule.linear})
+        if len(queues) > 1:  # a process collective on the copy queue runs beside the kernels after it
+            return f"it runs on {len(queues)} queues ({', '.join(queues)}); an entry point runs them in turn"
         device = get_engine().device(next(iter(devices)))
         if not device.compiler.links:
             return f"{device.name}'s compiler does not link launches (it runs no host code of this process)"

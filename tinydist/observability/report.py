@@ -67,6 +67,62 @@ def summarize(trace: dict[str, Any]) -> dict[str, Any]:
     return {"span_us": span, "names": names, "lanes": lanes}
 
 
+def _intersection(a: tuple[float, float], intervals: list[tuple[float, float]]) -> float:
+    """How much of interval `a` the union of `intervals` covers."""
+    return _union([(max(s, a[0]), min(t, a[1])) for s, t in intervals if s < a[1] and t > a[0]])
+
+
+def collective_overlap(trace: dict[str, Any], step: str = "step") -> list[dict[str, Any]]:
+    """Per span named `step` (a training step the caller marked, its device work waited for inside
+    it): how much of its process collectives' time ran while backward kernels ran, from the device
+    lanes' events. A collective is a graph node's program run on a queue (`td_dist_*`, the copy
+    queue's); backward kernels are the compute queue's kernels that ended by the time the step's
+    last collective started (that collective's input is the last gradient backward makes, so the
+    optimizer's kernels come after it). Returns per step: the span's `args` and `window` (µs), `collectives` [(start, end) µs],
+    `collective_us` (their total), `overlap_us` (their time covered by backward kernels),
+    `backward_end` (the last backward kernel's end), `matmul_end` (the last backward matmul's end)
+    `started_before_backward_end` (collectives that started before it) and `ahead` (whether the
+    queues let the first collective run beside the last backward matmul, `_ahead`)."""
+    _, threads = _names(trace)
+    xs = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    found = []
+    for mark in (e for e in xs if e["name"] == step and e.get("cat") == "span"):
+        lo, hi = mark["ts"], mark["ts"] + mark["dur"]
+        inside = [e for e in xs if lo <= e["ts"] <= hi and e.get("cat") == "kernel"]
+        collectives = sorted((e["ts"], e["ts"] + e["dur"]) for e in inside if e["name"].startswith("td_dist_"))
+        compute = [e for e in inside if threads.get((e["pid"], e["tid"])) == "compute" and not e["name"].startswith("td_dist_")]
+        last_start = collectives[-1][0] if collectives else hi
+        backward = [e for e in compute if e["ts"] + e["dur"] <= last_start]
+        spans = [(e["ts"], e["ts"] + e["dur"]) for e in backward]
+        end = max((t for _, t in spans), default=lo)
+        matmuls = [e for e in backward if e["name"].startswith("matmul")]
+        found.append({"args": mark.get("args", {}), "window": (lo, hi), "collectives": collectives, "collective_us": sum(t - s for s, t in collectives),
+                      "overlap_us": sum(_intersection(c, spans) for c in collectives), "backward_end": end,
+                      "matmul_end": max((e["ts"] + e["dur"] for e in matmuls), default=lo),
+                      "started_before_backward_end": sum(1 for s, _ in collectives if s < end),
+                      "ahead": _ahead(inside, [e for e in xs if lo <= e["ts"] <= hi and e.get("cat") == "wait"], matmuls)})
+    return found
+
+
+def _ahead(kernels: list[dict[str, Any]], waits: list[dict[str, Any]], matmuls: list[dict[str, Any]]) -> bool:
+    """From the queues' batches and waits, not their timing: whether the step's first collective
+    ran on a queue of its own, its batch waited only for compute batches before the one running
+    backward's last matmul, and no compute work before that matmul waited for it — so it could
+    run while that matmul ran, however the threads were scheduled."""
+    collectives = [e for e in kernels if e["name"].startswith("td_dist_")]
+    if not collectives or not matmuls:
+        return False
+    first, last = min(collectives, key=lambda e: e["ts"]), max(matmuls, key=lambda e: e["ts"])
+    mine, theirs = first["args"], last["args"]
+    if mine.get("queue") == theirs.get("queue"):
+        return False
+    waited_for = [w["args"]["target"] for w in waits if w["args"]["value"] == mine["value"]
+                  and w["args"]["queue"] == mine["queue"] and w["args"]["timeline"] == theirs["timeline"]]
+    held = [w for w in waits if w["args"]["queue"] == theirs["queue"] and w["args"]["timeline"] == mine["timeline"]
+            and w["args"]["target"] >= mine["value"] and w["ts"] < last["ts"]]
+    return all(t < theirs["value"] for t in waited_for) and not held
+
+
 def _fmt_us(us: float) -> str:
     if us >= 1e6:
         return f"{us / 1e6:.3g} s"

@@ -167,13 +167,15 @@ class HostRoutine(Protocol):
 @dataclass(frozen=True)
 class CollectiveCall(_ReadsItsInputs):
     """A process collective of buffer `src` into buffer `out`, run by `routine`'s program (two
-    pointers: out, in) on the device's queue: inside a realize or a captured replay, so a step's
-    collectives need no Python of the step's own."""
+    pointers: out, in) on the device's copy queue: inside a realize or a captured replay, so a
+    step's collectives need no Python of the step's own. Off the compute queue, a collective that
+    waits for its peers holds up only the calls that read its result: the kernels after it (the
+    rest of a backward) run meanwhile (`linear` starts it as soon as its input is made)."""
     out: int
     src: int
     routine: HostRoutine
     device: str
-    queue: str = "compute"
+    queue: str = "copy"
 
     @property
     def inputs(self) -> tuple[int, ...]:

@@ -34,6 +34,8 @@ def linearize(calls: Sequence[Call], overwrites: dict[int, int], specs: list[Buf
     working = list(calls)
     for _ in range(len(working) * len(working) + 1):   # each round removes a WAR edge for good
         graph = _Graph(working, overwrites)
+        if graph.place_collectives(specs):
+            working = graph.calls
         order, stuck = graph.order()
         if not stuck:
             return [working[i] for i in order]
@@ -76,6 +78,30 @@ class _Graph:
                     if producer != i:
                         self._add(producer, i)                    # WAW: the older version is written first
 
+    def place_collectives(self, specs: Sequence[BufferSpec]) -> bool:
+        """Move each process collective to its device's compute queue where the compute calls of
+        that device independent of it (neither making its input nor reading its result) write
+        fewer bytes than it reduces: one bucket all-reduced after the whole backward has beside
+        it only the optimizer's scalar bookkeeping, too little to hide a queue hop, and on the
+        compute queue a capture links it into one entry point with the kernels. Elsewhere it stays
+        on the copy queue (CollectiveCall's), beside the calls that need not wait for it. Whether
+        any moved (edges do not depend on queues)."""
+        moved = False
+        before: list[set[int]] = [set() for _ in self.calls]
+        for i, targets in enumerate(self.edges):
+            for j in targets:
+                before[j].add(i)
+        for c, call in enumerate(self.calls):
+            if not isinstance(call, CollectiveCall) or call.queue == "compute":
+                continue
+            related = _reach(c, self.edges) | _reach(c, before)
+            beside = sum(specs[n].nbytes for i, other in enumerate(self.calls)
+                         if i not in related and other.device == call.device and other.queue == "compute" for n in other.writes)
+            if beside < specs[call.src].nbytes:
+                self.calls[c] = dataclasses.replace(call, queue="compute")
+                moved = True
+        return moved
+
     def _add(self, before: int, after: int, war_version: int | None = None) -> None:
         self.edges[before].add(after)
         if war_version is None:
@@ -94,21 +120,39 @@ class _Graph:
         # has ready work makes each device's calls few long runs (submissions) instead of a run per
         # interleaving. Within a stream, calls another stream waits for come first, then the lowest
         # index (the fuser's order, when it is valid).
+        # A process collective (and the call making its input) is taken as soon as it is ready,
+        # from whichever stream: submitted then, it runs on its own queue while the calls after
+        # it in this order (the rest of a backward) run on theirs; the readers of its result come
+        # after the other ready calls of their stream, which would otherwise wait behind them.
         streams = [(call.device, call.queue) for call in calls]
         feeds_other = [any(streams[j] != streams[i] for j in edges[i]) for i in range(len(calls))]
-        ready: dict[tuple[str, str], list[tuple[bool, int]]] = {}
+        urgent = [isinstance(call, CollectiveCall) or any(isinstance(calls[j], CollectiveCall) for j in edges[i])
+                  for i, call in enumerate(calls)]
+        behind = [False] * len(calls)
+        for i, call in enumerate(calls):
+            if isinstance(call, CollectiveCall):
+                for j in edges[i]:
+                    behind[j] = streams[j] != streams[i]
+        ready: dict[tuple[str, str], list[tuple[bool, bool, bool, int]]] = {}
+        ready_urgent: list[int] = []
 
         def push(i: int) -> None:
-            heapq.heappush(ready.setdefault(streams[i], []), (not feeds_other[i], i))
+            heapq.heappush(ready.setdefault(streams[i], []), (not urgent[i], behind[i], not feeds_other[i], i))
+            if urgent[i]:
+                ready_urgent.append(i)
         for i, d in enumerate(indegree):
             if d == 0:
                 push(i)
         order: list[int] = []
         stream: tuple[str, str] | None = None
         while any(ready.values()):
+            if ready_urgent:
+                stream = streams[ready_urgent.pop()]
             if stream is None or not ready[stream]:
                 stream = min((s for s in ready if ready[s]), key=lambda s: ready[s][0])
-            _, i = heapq.heappop(ready[stream])
+            *_, i = heapq.heappop(ready[stream])
+            if urgent[i] and i in ready_urgent:
+                ready_urgent.remove(i)
             order.append(i)
             for j in edges[i]:
                 indegree[j] -= 1
@@ -142,6 +186,17 @@ class _Graph:
             if (before, after) in self.war and (before, after) not in self.ordered:
                 return before, self.war[(before, after)]
         return None
+
+
+def _reach(start: int, edges: Sequence[set[int]]) -> set[int]:
+    """`start` and every call reachable from it along `edges`."""
+    seen, stack = {start}, [start]
+    while stack:
+        for j in edges[stack.pop()]:
+            if j not in seen:
+                seen.add(j)
+                stack.append(j)
+    return seen
 
 
 def _snapshot(calls: list[Call], reader: int, old: int, specs: list[BufferSpec]) -> list[Call]:
