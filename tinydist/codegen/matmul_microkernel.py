@@ -1,7 +1,7 @@
 """The matmul's micro-kernel: an MR×NR tile of C held in vector registers over a KC-long panel
 of A and B, one `llvm.fma` per vector per step of k (on AVX-512 at MR=8, NR=32: 2 aligned
-vmovaps, 8 vbroadcastss and 16 vfmadd231ps zmm per step, nothing spilled), with masked loads and
-stores of C only on an edge tile. The loops around it are the driver's (`tinydist.codegen.matmul`).
+vmovaps, 8 vbroadcastss and 16 vfmadd231ps zmm per step, nothing spilled, and 3 prefetches of
+B), with masked loads and stores of C only on an edge tile. The loops around it are the driver's (`tinydist.codegen.matmul`).
 """
 
 from __future__ import annotations
@@ -10,6 +10,13 @@ import llvmlite.ir as ir
 
 from tinydist.codegen.matmul_emit import I32, I64, PTR, MatmulModule, define, i64
 from tinydist.codegen.matmul_tiling import ALIGN
+
+BYTE = ir.IntType(8)
+LINE = 64               # bytes per cache line
+# How far ahead of its loads packed B is prefetched into L1. 1024, 2048, 4096 and 8192 bytes (8
+# to 64 steps of k at NR = 32 float32), with the next-panel prefetch, ran alike at M = 64,
+# K = N = 4096 (164-167 GFLOP/s medians) and 512 x 1536 (174-175); 4096 was best at M = 8, 1536.
+PREFETCH_BYTES = 4096
 
 
 def micro_kernel(m: MatmulModule, rows: int, panels: int = 1, direct: bool = False) -> ir.Function:
@@ -21,7 +28,9 @@ def micro_kernel(m: MatmulModule, rows: int, panels: int = 1, direct: bool = Fal
     long as the FMAs and compiled the module in 0.78 s instead of 0.49). b: `panels` NR-wide
     micro-panels side by side, panel p's row k at b[p*pstride + k*ldb]: packed (ldb = NR,
     pstride = kc*NR, 64-byte aligned, zero-padded past the operand's last column) or, `direct`,
-    B itself (ldb = N, pstride = NR). c: the tile, leading dimension ldc; accumulate: start
+    B itself (ldb = N, pstride = NR). A packed single panel is prefetched ahead of its loads,
+    and step k also prefetches next[k*next_step] (bytes) into L2: the caller's share of the
+    micro-panel of B read after this one. c: the tile, leading dimension ldc; accumulate: start
     from C, not zero. Columns ≥ `cols` are neither read nor written (masked vector loads and
     stores): an edge tile needs no buffer and no scalar loop, and nothing past B's last
     column is read. Several panels give a tile of few rows enough independent FMA chains to
@@ -31,8 +40,9 @@ def micro_kernel(m: MatmulModule, rows: int, panels: int = 1, direct: bool = Fal
     per_panel = m.t.nr // lanes
     fn, b = define(m.module, f"{m.name}.kernel{rows}x{panels}{'d' if direct else ''}",
                     [("kc", I64), ("a", PTR), ("b", PTR), ("ldb", I64), ("pstride", I64),
-                     ("c", PTR), ("ldc", I64), ("accumulate", ir.IntType(1)), ("cols", I64)])
-    kc, a_panel, b_panel, ldb, pstride, c, ldc, accumulate, cols = fn.args
+                     ("c", PTR), ("ldc", I64), ("accumulate", ir.IntType(1)), ("cols", I64),
+                     ("next", PTR), ("next_step", I64)])
+    kc, a_panel, b_panel, ldb, pstride, c, ldc, accumulate, cols, next_b, next_step = fn.args
     # Keep LLVM from inlining this into the loop nest: a standalone function gets the whole
     # register file for the tile, and the hot loop's layout does not depend on the callers.
     fn.attributes.add("noinline")
@@ -51,6 +61,13 @@ def micro_kernel(m: MatmulModule, rows: int, panels: int = 1, direct: bool = Fal
     # (12x64x32x64, kc = 32: all moves masked ran 67 GFLOP/s median, plain full-tile moves 134, in
     # runs minutes apart on the loaded 2-core machine; the old kernel ran 92-142 alongside them).
     full = b.icmp_signed("==", cols, i64(nv * lanes))
+    # A full tile's lines are asked for (for writing) before the k loop, so their misses overlap
+    # it rather than the stores' queueing at the end: that weighs where kc is short (attention's
+    # 32). An edge tile's are not: its row may end inside a line another writer owns.
+    with b.if_then(full):
+        for i in range(mr):
+            for line in range(0, nv * lanes * m.itemsize, LINE):
+                m.prefetch(b, b.gep(c_row(i), [i64(line)], source_etype=BYTE), 3, write=True)
     blocks = {n: fn.append_basic_block(n) for n in ("load_c", "load_full", "load_masked", "zero_c", "loop")}
     b.cbranch(accumulate, blocks["load_c"], blocks["zero_c"])
     b.position_at_end(blocks["load_c"])
@@ -80,6 +97,13 @@ def micro_kernel(m: MatmulModule, rows: int, panels: int = 1, direct: bool = Fal
         b_vecs = [m.masked_load(b, address, mask) for address, mask in zip(b_addresses, masks)]
     else:
         b_vecs = [b.load(address, typ=m.vec, align=ALIGN) for address in b_addresses]
+        # Packed B streams through L1 PREFETCH_BYTES ahead of its loads (a 128 KiB micro-panel
+        # does not fit in L1, so every call reads it from L2), and the next micro-panel is
+        # brought into L2 meanwhile, each call of the ir loop its share (`next`, `next_step` bytes
+        # per step of k): B is read once per MC block, from L3 or memory, and no call waits on it.
+        for line in range(0, m.t.nr * m.itemsize, LINE):
+            m.prefetch(b, b.gep(b_rows[0], [i64(PREFETCH_BYTES + line)], source_etype=BYTE), 3)
+        m.prefetch(b, b.gep(next_b, [b.mul(k, next_step)], source_etype=BYTE), 2)
     a_col = b.at(a_panel, b.mul(k, i64(m.t.mr)), m.elem)
     new_acc = []
     for i in range(mr):
