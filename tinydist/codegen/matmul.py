@@ -220,8 +220,8 @@ class _Driver:
                 with b.loop(i64(0), nc, width, "jr") as jr:
                     b.call(kernel, [kc, a_rows, b.at(b_source, b.mul(jr, kc), self.elem), i64(t.nr), b.mul(kc, i64(t.nr)),
                                     b.at(c_rows, jr, self.elem), N, accumulate, b.min(b.sub(nc, jr), i64(width)),
-                                    b.at(b_source, b.mul(b.add(jr, i64(width)), kc), self.elem),
-                                    i64(t.nr * self.itemsize)])
+                                    b.gep(b_source, [b.mul(b.add(jr, i64(width)), kc)], source_etype=self.elem),
+                                    i64(t.nr * self.itemsize)])   # (past the block after its last panel: a hint)
         self.by_row_parts(b, M, sweep)
 
     def panel_loops(self, b: Builder, kernels: dict[int, ir.Function], kc: ir.Value, nc: ir.Value, mc: ir.Value,
