@@ -214,11 +214,14 @@ class _Driver:
                         b.call(kernel, [b.min(b.sub(kc, kd), dkc), b.at(a_rows, b.mul(kd, i64(t.mr)), self.elem),
                                         b.at(b_source, b.add(b.mul(kd, N), jr), self.elem), N, i64(t.nr),
                                         b.at(c_rows, jr, self.elem), N,
-                                        b.or_(accumulate, b.icmp_signed(">", kd, i64(0))), b.min(b.sub(nc, jr), i64(width))])
+                                        b.or_(accumulate, b.icmp_signed(">", kd, i64(0))), b.min(b.sub(nc, jr), i64(width)),
+                                        ir.Constant(PTR, None), i64(0)])
             else:
                 with b.loop(i64(0), nc, width, "jr") as jr:
                     b.call(kernel, [kc, a_rows, b.at(b_source, b.mul(jr, kc), self.elem), i64(t.nr), b.mul(kc, i64(t.nr)),
-                                    b.at(c_rows, jr, self.elem), N, accumulate, b.min(b.sub(nc, jr), i64(width))])
+                                    b.at(c_rows, jr, self.elem), N, accumulate, b.min(b.sub(nc, jr), i64(width)),
+                                    b.gep(b_source, [b.mul(b.add(jr, i64(width)), kc)], source_etype=self.elem),
+                                    i64(t.nr * self.itemsize)])   # (past the block after its last panel: a hint)
         self.by_row_parts(b, M, sweep)
 
     def panel_loops(self, b: Builder, kernels: dict[int, ir.Function], kc: ir.Value, nc: ir.Value, mc: ir.Value,
@@ -226,23 +229,32 @@ class _Driver:
                     accumulate: ir.Value) -> None:
         """The jr and ir loops over one packed MC×KC block of A and KC×NC block of B."""
         t = self.t
+        # The ir loop's calls, between them, prefetch the micro-panel of B the next jr step reads
+        # (the block's first after its last: the next MC block starts there) into L2, each its
+        # share: `step` bytes per step of k.
+        tiles = b.sdiv(b.add(mc, i64(t.mr - 1)), i64(t.mr))
+        step = b.sdiv(b.add(i64(t.nr * self.itemsize), b.sub(tiles, i64(1))), tiles)
         with b.loop(i64(0), nc, t.nr, "jr") as jr:
             cols = b.min(b.sub(nc, jr), i64(t.nr))
             b_panel = b.at(b_packed, b.mul(jr, kc), self.elem)
+            following = b.add(jr, i64(t.nr))
+            next_panel = b.at(b_packed, b.mul(b.select(b.icmp_signed("<", following, nc), following, i64(0)), kc), self.elem)
             with b.loop(i64(0), mc, t.mr, "ir") as ir_:
                 rows = b.min(b.sub(mc, ir_), i64(t.mr))
                 c_tile = b.at(c_item, b.add(b.mul(b.add(ic, ir_), N), b.add(jc, jr)), self.elem)
+                share = b.gep(next_panel, [b.mul(b.sdiv(ir_, i64(t.mr)), b.mul(kc, step))], source_etype=ir.IntType(8))
                 self.call_tile(b, rows, kernels, [kc, b.at(a_packed, b.mul(ir_, kc), self.elem),
-                                                  b_panel, i64(t.nr), b.mul(kc, i64(t.nr)), c_tile, N, accumulate, cols])
+                                                  b_panel, i64(t.nr), b.mul(kc, i64(t.nr)), c_tile, N, accumulate, cols,
+                                                  share, step])
 
     def call_tile(self, b: Builder, rows: ir.Value, kernels: dict[int, ir.Function], args: list[ir.Value]) -> None:
         """The micro-kernel call(s) for a tile of `rows` rows, `args` as for a full one: an edge
         tile's rows go through the kernels of their parts, not a full tile into a buffer."""
-        kc, a_panel, b_panel, ldb, pstride, c_tile, ldc, accumulate, cols = args
+        kc, a_panel, b_panel, ldb, pstride, c_tile, ldc, accumulate, cols, next_b, next_step = args
 
         def part(size: int, first: ir.Value) -> None:
             b.call(kernels[size], [kc, b.at(a_panel, first, self.elem), b_panel, ldb, pstride,
-                                   b.at(c_tile, b.mul(first, ldc), self.elem), ldc, accumulate, cols])
+                                   b.at(c_tile, b.mul(first, ldc), self.elem), ldc, accumulate, cols, next_b, next_step])
         self.by_row_parts(b, rows, part)
 
 

@@ -92,6 +92,14 @@ class MatmulModule:
                                           f"llvm.masked.load.{suffix}")
         self.masked_store = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [self.vec, PTR, I32, mask]),
                                         f"llvm.masked.store.{suffix}")
+        self._prefetch: ir.Function | None = None
+
+    def prefetch(self, b: Builder, address: ir.Value, locality: int, write: bool = False) -> None:
+        """A read prefetch of the line at `address` (a hint: never faults, any address will do);
+        locality 3 is prefetcht0 (into L1), 2 prefetcht1 (into L2)."""
+        if self._prefetch is None:
+            self._prefetch = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [PTR, I32, I32, I32]), "llvm.prefetch.p0")
+        b.call(self._prefetch, [address, ir.Constant(I32, int(write)), ir.Constant(I32, locality), ir.Constant(I32, 1)])
 
     def zero_fill(self, b: Builder, dst: ir.Value, elements: ir.Value) -> None:
         nbytes = b.mul(elements, i64(self.itemsize))

@@ -1,7 +1,7 @@
 """The matmul's micro-kernel: an MR×NR tile of C held in vector registers over a KC-long panel
 of A and B, one `llvm.fma` per vector per step of k (on AVX-512 at MR=8, NR=32: 2 aligned
-vmovaps, 8 vbroadcastss and 16 vfmadd231ps zmm per step, nothing spilled), with masked loads and
-stores of C only on an edge tile. The loops around it are the driver's (`tinydist.codegen.matmul`).
+vmovaps, 8 vbroadcastss and 16 vfmadd231ps zmm per step, nothing spilled, and 3 prefetches of
+B), with masked loads and stores of C only on an edge tile. The loops around it are the driver's (`tinydist.codegen.matmul`).
 """
 
 from __future__ import annotations
@@ -10,6 +10,14 @@ import llvmlite.ir as ir
 
 from tinydist.codegen.matmul_emit import I32, I64, PTR, MatmulModule, define, i64
 from tinydist.codegen.matmul_tiling import ALIGN
+
+BYTE = ir.IntType(8)
+LINE = 64               # bytes per cache line
+# How far ahead of its loads packed B is prefetched into L1. 1024, 2048, 4096 and 8192 bytes (8
+# to 64 steps of k at NR = 32 float32), with the next-panel prefetch, ran alike at M = 64,
+# K = N = 4096 (164-167 GFLOP/s medians) and 512 x 1536 (174-175); 4096 was best at M = 8, 1536.
+PREFETCH_BYTES = 4096
+PREFETCH_MIN_KC = 128   # steps of k below which a packed panel's loop prefetches nothing
 
 
 def micro_kernel(m: MatmulModule, rows: int, panels: int = 1, direct: bool = False) -> ir.Function:
@@ -21,7 +29,9 @@ def micro_kernel(m: MatmulModule, rows: int, panels: int = 1, direct: bool = Fal
     long as the FMAs and compiled the module in 0.78 s instead of 0.49). b: `panels` NR-wide
     micro-panels side by side, panel p's row k at b[p*pstride + k*ldb]: packed (ldb = NR,
     pstride = kc*NR, 64-byte aligned, zero-padded past the operand's last column) or, `direct`,
-    B itself (ldb = N, pstride = NR). c: the tile, leading dimension ldc; accumulate: start
+    B itself (ldb = N, pstride = NR). A packed single panel is prefetched ahead of its loads,
+    and step k also prefetches next[k*next_step] (bytes) into L2: the caller's share of the
+    micro-panel of B read after this one. c: the tile, leading dimension ldc; accumulate: start
     from C, not zero. Columns ≥ `cols` are neither read nor written (masked vector loads and
     stores): an edge tile needs no buffer and no scalar loop, and nothing past B's last
     column is read. Several panels give a tile of few rows enough independent FMA chains to
@@ -31,8 +41,9 @@ def micro_kernel(m: MatmulModule, rows: int, panels: int = 1, direct: bool = Fal
     per_panel = m.t.nr // lanes
     fn, b = define(m.module, f"{m.name}.kernel{rows}x{panels}{'d' if direct else ''}",
                     [("kc", I64), ("a", PTR), ("b", PTR), ("ldb", I64), ("pstride", I64),
-                     ("c", PTR), ("ldc", I64), ("accumulate", ir.IntType(1)), ("cols", I64)])
-    kc, a_panel, b_panel, ldb, pstride, c, ldc, accumulate, cols = fn.args
+                     ("c", PTR), ("ldc", I64), ("accumulate", ir.IntType(1)), ("cols", I64),
+                     ("next", PTR), ("next_step", I64)])
+    kc, a_panel, b_panel, ldb, pstride, c, ldc, accumulate, cols, next_b, next_step = fn.args
     # Keep LLVM from inlining this into the loop nest: a standalone function gets the whole
     # register file for the tile, and the hot loop's layout does not depend on the callers.
     fn.attributes.add("noinline")
@@ -51,7 +62,24 @@ def micro_kernel(m: MatmulModule, rows: int, panels: int = 1, direct: bool = Fal
     # (12x64x32x64, kc = 32: all moves masked ran 67 GFLOP/s median, plain full-tile moves 134, in
     # runs minutes apart on the loaded 2-core machine; the old kernel ran 92-142 alongside them).
     full = b.icmp_signed("==", cols, i64(nv * lanes))
+    long_kc = b.icmp_signed(">=", kc, i64(PREFETCH_MIN_KC))
+    # A full tile's lines are asked for (for writing) before the k loop, so their misses overlap
+    # it rather than the stores' queueing at the end: that weighs where kc is short (attention's
+    # 32). An edge tile's are not: its row may end inside a line another writer owns.
+    with b.if_then(full):
+        for i in range(mr):
+            for line in range(0, nv * lanes * m.itemsize, LINE):
+                m.prefetch(b, b.gep(c_row(i), [i64(line)], source_etype=BYTE), 3, write=True)
     blocks = {n: fn.append_basic_block(n) for n in ("load_c", "load_full", "load_masked", "zero_c", "loop")}
+    # A packed panel's k loop prefetches B (below), but not a short one's (kc < PREFETCH_MIN_KC,
+    # e.g. attention's 32): that is in L1 already, and the three prefetches per step cost it 3-4 %.
+    prefetching_loop = None if direct or panels > 1 else fn.append_basic_block("loop_prefetching")
+
+    def enter_loop() -> None:
+        if prefetching_loop is None:
+            b.branch(blocks["loop"])
+        else:
+            b.cbranch(long_kc, prefetching_loop, blocks["loop"])
     b.cbranch(accumulate, blocks["load_c"], blocks["zero_c"])
     b.position_at_end(blocks["load_c"])
     b.cbranch(full, blocks["load_full"], blocks["load_masked"])
@@ -61,39 +89,64 @@ def micro_kernel(m: MatmulModule, rows: int, panels: int = 1, direct: bool = Fal
         starts[name] = [[m.masked_load(b, b.at(c_row(i), i64(v * lanes), m.elem), masks[v]) if masked
                          else b.load(b.at(c_row(i), i64(v * lanes), m.elem), typ=m.vec, align=m.itemsize)
                          for v in range(nv)] for i in range(mr)]
-        b.branch(blocks["loop"])
+        enter_loop()
     b.position_at_end(blocks["zero_c"])
     starts["zero_c"] = [[zero] * nv for _ in range(mr)]
-    b.branch(blocks["loop"])
+    enter_loop()
 
-    b.position_at_end(blocks["loop"])
-    k = b.phi(I64, name="k")
-    acc = [[b.phi(m.vec, name=f"c{i}_{v}") for v in range(nv)] for i in range(mr)]
-    for name, values in starts.items():
-        k.add_incoming(i64(0), blocks[name])
+    def k_loop(block: ir.Block, prefetching: bool) -> tuple[list[list[ir.Value]], ir.Block]:
+        """The k loop in `block`, entered from the start blocks: the tile after its last step,
+        and the block that leaves it."""
+        b.position_at_end(block)
+        k = b.phi(I64, name=f"{block.name}.k")
+        acc = [[b.phi(m.vec, name=f"{block.name}.c{i}_{v}") for v in range(nv)] for i in range(mr)]
+        for name, values in starts.items():
+            k.add_incoming(i64(0), blocks[name])
+            for i in range(mr):
+                for v in range(nv):
+                    acc[i][v].add_incoming(values[i][v], blocks[name])
+        b_rows = [b.at(start, b.mul(k, ldb), m.elem) for start in panel_starts]
+        b_addresses = [b.at(b_rows[v // per_panel], i64(v % per_panel * lanes), m.elem) for v in range(nv)]
+        if direct or panels > 1:   # a panel may lie (partly) past B's last column
+            b_vecs = [m.masked_load(b, address, mask) for address, mask in zip(b_addresses, masks)]
+        else:
+            b_vecs = [b.load(address, typ=m.vec, align=ALIGN) for address in b_addresses]
+        if prefetching:
+            # Packed B streams through L1 PREFETCH_BYTES ahead of its loads (a 128 KiB micro-panel
+            # does not fit in L1, so every call reads it from L2), and the next micro-panel is
+            # brought into L2 meanwhile, each call of the ir loop its share (`next`, `next_step`
+            # bytes per step of k): B is read once per MC block, from L3 or memory, and no call
+            # waits on it.
+            for line in range(0, m.t.nr * m.itemsize, LINE):
+                m.prefetch(b, b.gep(b_rows[0], [i64(PREFETCH_BYTES + line)], source_etype=BYTE), 3)
+            m.prefetch(b, b.gep(next_b, [b.mul(k, next_step)], source_etype=BYTE), 2)
+        a_col = b.at(a_panel, b.mul(k, i64(m.t.mr)), m.elem)
+        new_acc = []
+        for i in range(mr):
+            a_scalar = b.load(b.at(a_col, i64(i), m.elem), typ=m.elem, align=m.itemsize)
+            splat = b.shuffle_vector(b.insert_element(ir.Constant(m.vec, ir.Undefined), a_scalar, i64(0)),
+                                     ir.Constant(m.vec, ir.Undefined), ir.Constant(ir.VectorType(I32, lanes), None))
+            new_acc.append([b.call(m.fma, [splat, b_vecs[v], acc[i][v]]) for v in range(nv)])
+        k_next = b.add(k, i64(1), name=f"{block.name}.k.next")
         for i in range(mr):
             for v in range(nv):
-                acc[i][v].add_incoming(values[i][v], blocks[name])
-    b_rows = [b.at(start, b.mul(k, ldb), m.elem) for start in panel_starts]
-    b_addresses = [b.at(b_rows[v // per_panel], i64(v % per_panel * lanes), m.elem) for v in range(nv)]
-    if direct or panels > 1:   # a panel may lie (partly) past B's last column
-        b_vecs = [m.masked_load(b, address, mask) for address, mask in zip(b_addresses, masks)]
-    else:
-        b_vecs = [b.load(address, typ=m.vec, align=ALIGN) for address in b_addresses]
-    a_col = b.at(a_panel, b.mul(k, i64(m.t.mr)), m.elem)
-    new_acc = []
-    for i in range(mr):
-        a_scalar = b.load(b.at(a_col, i64(i), m.elem), typ=m.elem, align=m.itemsize)
-        splat = b.shuffle_vector(b.insert_element(ir.Constant(m.vec, ir.Undefined), a_scalar, i64(0)),
-                                 ir.Constant(m.vec, ir.Undefined), ir.Constant(ir.VectorType(I32, lanes), None))
-        new_acc.append([b.call(m.fma, [splat, b_vecs[v], acc[i][v]]) for v in range(nv)])
-    k_next = b.add(k, i64(1), name="k.next")
-    for i in range(mr):
-        for v in range(nv):
-            acc[i][v].add_incoming(new_acc[i][v], b.block)
-    k.add_incoming(k_next, b.block)
+                acc[i][v].add_incoming(new_acc[i][v], b.block)
+        k.add_incoming(k_next, b.block)
+        b.cbranch(b.icmp_signed("<", k_next, kc), block, store)
+        return new_acc, b.block
+
     store = fn.append_basic_block("store")
-    b.cbranch(b.icmp_signed("<", k_next, kc), blocks["loop"], store)
+    loops = [(blocks["loop"], False)] + ([(prefetching_loop, True)] if prefetching_loop is not None else [])
+    ends = [k_loop(block, prefetching) for block, prefetching in loops]
+    b.position_at_end(store)
+    if len(ends) == 1:
+        new_acc = ends[0][0]
+    else:
+        new_acc = [[b.phi(m.vec, name=f"c{i}_{v}") for v in range(nv)] for i in range(mr)]
+        for values, block in ends:
+            for i in range(mr):
+                for v in range(nv):
+                    new_acc[i][v].add_incoming(values[i][v], block)
 
     b.position_at_end(store)
     with b.if_else(full, likely=True) as (whole, edge):
