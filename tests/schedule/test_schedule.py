@@ -207,6 +207,17 @@ def test_prepacked_matmul_reads_the_packed_weight_as_it_is():
     assert schedule.specs[call.workspace].nbytes == workspace_bytes(40, 300, 64, prepacked=True) < workspace_bytes(40, 300, 64)
 
 
+def test_depthwise_conv_is_one_direct_kernel():
+    """A depthwise convolution (one input channel per group) reads its windows in place: no
+    im2col copy, no per-channel matmul; the activation after it fuses into the same kernel."""
+    rng = np.random.default_rng(3)
+    x = td.Tensor(rng.standard_normal((2, 8, 10, 10)).astype(np.float32)).realize()
+    w = td.Tensor(rng.standard_normal((8, 1, 3, 3)).astype(np.float32)).realize()
+    schedule, _ = create_schedule([x.conv2d(w, stride=2, groups=8).relu().node])
+    assert not [c for c in schedule.linear if isinstance(c, (MatmulCall, CopyCall))]
+    assert len(kernels(x.conv2d(w, stride=2, groups=8).relu())) == 1
+
+
 def test_single_row_matmul_is_one_fused_kernel():
     row = td.Tensor(np.ones((1, 64), np.float32))
     schedule, _ = create_schedule([(row @ td.Tensor(np.ones((64, 128), np.float32))).node])
