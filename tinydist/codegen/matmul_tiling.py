@@ -87,6 +87,28 @@ DEFAULT_TILINGS: dict[str, Tiling] = {
     "float64": Tiling(mr=6, nr=16, kc=512, mc=48, nc=2048),
 }
 
+# A gathered B (a convolution's im2col columns, packed from its padded input) in smaller blocks:
+# the packed KC×NC block of B (512 KiB) then stays in the L2 and each KC×NR micro-panel (32 KiB)
+# in the L1, where the default's 4.7 MiB block of a 64-channel 3x3 convolution's columns went out
+# to the L3 between packing and use. resnet18's convolutions, the kernel alone on one core, best
+# of 15 at batch 1 (4 at batch 8), GFLOP/s default -> this: 64 channels 56x56 121 -> 146 (batch 8:
+# 110 -> 136), 128 channels 28x28 99 -> 147 (106 -> 142), 256 channels 14x14 123 -> 132, 512
+# channels 7x7 101 -> 105; the 7x7 stem (K = 147) alike (111 -> 115). KC 512 or NC 256 each took
+# part of it, KC 256 with NC 512 the most.
+GATHERED_B_TILINGS: dict[str, Tiling] = {
+    "float32": Tiling(mr=8, nr=32, kc=256, mc=64, nc=512),
+}
+
+
+def tiling_for(dtype: str, strided: StridedOperand | None = None) -> Tiling:
+    """The blocking of the kernel for `dtype` reading `strided` (None: both operands plain): a B
+    gathered over more than one row and one column axis (a convolution's columns, not a
+    transposed matrix) is blocked by GATHERED_B_TILINGS."""
+    if (strided is not None and strided.operand == "b" and len(strided.rows) + len(strided.cols) > 2
+            and dtype in GATHERED_B_TILINGS):
+        return GATHERED_B_TILINGS[dtype]
+    return DEFAULT_TILINGS[dtype]
+
 
 
 def itemsize(dtype: str) -> int:
@@ -112,7 +134,7 @@ def workspace_bytes(M: int, N: int, K: int, dtype: str = "float32", tiling: Tili
     """
     tables = 4 * strided.table_entries if strided is not None else 0
     size = itemsize(dtype)
-    t = tiling or DEFAULT_TILINGS[dtype]
+    t = tiling or tiling_for(dtype, strided)
     kc, nc, mc = min(K, t.kc), min(round_up(N, t.nr), t.nc), min(round_up(M, t.mr), t.mc)
     regions = (0 if prepacked else kc * nc * size, mc * kc * size)
     return sum(round_up(size, ALIGN) for size in regions) + tables
