@@ -299,7 +299,10 @@ def _depthwise(padded: Tensor, weight: Tensor, bias: Tensor | None, stride: tupl
     oh, ow = windows.shape[2:4]
     taps = windows.reshape(n, c, 1, oh, ow, kh, kw) * weight.reshape(1, c, mult, 1, 1, kh, kw)
     out = taps.sum(axis=(5, 6)).reshape(n, oc, oh, ow)
-    return out if bias is None else out + bias.reshape(1, oc, 1, 1)
+    # computed once into its own buffer: left inline, a consumer reading it twice (SiLU's
+    # y * sigmoid(y)) recomputed the whole reduce in a second kernel (efficientnet, one thread,
+    # CPU time per frame: batch 8 0.54 -> 0.41 ms, batch 1 0.08 -> 0.06)
+    return (out if bias is None else out + bias.reshape(1, oc, 1, 1))._buffered()
 
 
 def _pool_args(kernel_size: Any, stride: Any, padding: Any, dilation: Any = 1) -> tuple[tuple[int, int], ...]:
