@@ -11,7 +11,9 @@ import pytest
 from tinydist.codegen.compiler import HostCompiler
 from tinydist.codegen.matmul import SIGNATURE, matmul_ir
 from tinydist.codegen.matmul_packing import PACK_B_SIGNATURE, pack_b_array, pack_b_ir
-from tinydist.codegen.matmul_tiling import DEFAULT_TILINGS, StridedOperand, Tiling, packed_b_elements, workspace_bytes
+from tinydist.codegen.matmul_tiling import (
+    DEFAULT_TILINGS, GATHERED_B_TILINGS, StridedOperand, Tiling, packed_b_elements, tiling_for, workspace_bytes,
+)
 from tinydist.runtime.cpu.loader import native_loader
 
 GUARD = 0xA5
@@ -167,6 +169,28 @@ def test_strided_operand_matches_numpy(dtype: str, small: bool, conv: tuple[int,
         c_out = np.full((M, N), np.nan, dtype)
         _run(kernel, a, b, c_out, 1, M, N, K, (0, 0, 0), tiling, strided)
         _check(c_out, columns if strided.operand == "a" else a, expected_b, dtype)
+
+
+@pytest.mark.parametrize("conv", [(1, 64, 34, 50, 3, 3, 1), (2, 72, 45, 47, 3, 3, 2)], ids=["64ch", "72ch_stride2"])
+def test_gathered_b_past_the_l2_is_blocked_smaller(conv: tuple[int, ...]) -> None:
+    """A convolution's columns whose default KC×NC block outgrows the L2 get GATHERED_B_TILINGS
+    (several KC and NC blocks here, partial ones too), and still match numpy; operand A, a
+    transposed matrix and a small convolution keep the default blocking."""
+    n, c, h, w, kh, kw, stride = conv
+    rng = np.random.default_rng(sum(conv))
+    x = rng.uniform(-1, 1, (n, c, h, w)).astype(np.float32)
+    columns, as_a, as_b = _columns_view(x, kh, kw, stride)
+    assert tiling_for("float32", as_b) == GATHERED_B_TILINGS["float32"]
+    assert tiling_for("float32", as_a) == tiling_for("float32", None) == DEFAULT_TILINGS["float32"]
+    assert tiling_for("float32", StridedOperand("b", ((4096, 1),), ((4096, 4096),), 0)) == DEFAULT_TILINGS["float32"]
+    assert tiling_for("float32", _columns_view(x[:, :4], kh, kw, stride)[2]) == DEFAULT_TILINGS["float32"]
+    rows, cols = columns.shape
+    name = f"test_gathered_b_{'_'.join(map(str, conv))}"
+    kernel = native_loader.load(HostCompiler().compile(matmul_ir(name, "float32", strided=as_b)), name, SIGNATURE).cfunc
+    a = _operands(rng, "float32", (20, rows))[0]
+    c_out = np.full((20, cols), np.nan, np.float32)
+    _run(kernel, a, x, c_out, 1, 20, cols, rows, (0, 0, 0), None, as_b)
+    _check(c_out, a, columns, "float32")
 
 
 def test_strided_operand_run() -> None:

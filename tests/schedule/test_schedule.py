@@ -207,6 +207,20 @@ def test_prepacked_matmul_reads_the_packed_weight_as_it_is():
     assert schedule.specs[call.workspace].nbytes == workspace_bytes(40, 300, 64, prepacked=True) < workspace_bytes(40, 300, 64)
 
 
+def test_depthwise_conv_is_one_direct_kernel():
+    """A depthwise convolution (one input channel per group) reads its windows in place: no
+    im2col copy, no per-channel matmul; one reduce kernel, computed once however often its
+    consumers read it (SiLU after a folded batch norm: z * sigmoid(z))."""
+    rng = np.random.default_rng(3)
+    x = td.Tensor(rng.standard_normal((2, 8, 10, 10)).astype(np.float32)).realize()
+    w = td.Tensor(rng.standard_normal((8, 1, 3, 3)).astype(np.float32)).realize()
+    z = x.conv2d(w, stride=2, groups=8) * 2 + 1   # batch norm, folded
+    schedule, _ = create_schedule([(z * z.sigmoid()).node])
+    assert not [c for c in schedule.linear if isinstance(c, (MatmulCall, CopyCall))]
+    reducing = [c for c in kernels(z * z.sigmoid()) if any(node.op == "reduce" for node in c.ast.root.walk())]
+    assert len(reducing) == 1
+
+
 def test_single_row_matmul_is_one_fused_kernel():
     row = td.Tensor(np.ones((1, 64), np.float32))
     schedule, _ = create_schedule([(row @ td.Tensor(np.ones((64, 128), np.float32))).node])

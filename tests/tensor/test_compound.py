@@ -202,6 +202,8 @@ CONV_CASES = [
     dict(x=(1, 2, 9, 8), w=(3, 2, 2, 3), dilation=(2, 1), padding=1, stride=2),
     dict(x=(2, 4, 6, 6), w=(6, 2, 3, 3), groups=2),
     dict(x=(1, 4, 5, 5), w=(4, 1, 3, 3), groups=4, padding=1),   # depthwise
+    dict(x=(2, 6, 9, 8), w=(12, 1, 5, 5), groups=6, padding=2, stride=2),          # depthwise, 2 per channel
+    dict(x=(1, 3, 9, 9), w=(3, 1, 3, 2), groups=3, padding=(1, 2), dilation=(2, 1)),
     dict(x=(2, 3, 4, 4), w=(5, 3, 1, 1)),                        # pointwise
     dict(x=(1, 2, 3, 3), w=(2, 2, 3, 3)),                        # output 1x1
 ]

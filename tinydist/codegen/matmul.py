@@ -65,7 +65,7 @@ from tinydist.codegen import progress
 from tinydist.codegen.matmul_emit import I32, I64, PTR, Builder, MatmulModule, define, i64
 from tinydist.codegen.matmul_microkernel import micro_kernel
 from tinydist.codegen.matmul_packing import offset_table, pack_a, pack_a_gathered, pack_b, pack_b_gathered, packed_block
-from tinydist.codegen.matmul_tiling import ALIGN, DEFAULT_TILINGS, StridedOperand, Tiling, itemsize
+from tinydist.codegen.matmul_tiling import ALIGN, StridedOperand, Tiling, itemsize, tiling_for
 
 SIGNATURE = ("w", "r", "r", "w", "i64", "i64", "i64", "i64", "i64", "i64", "i64")
 
@@ -275,5 +275,5 @@ def matmul_ir(name: str, dtype: str = "float32", tiling: Tiling | None = None,
     `packed_b_elements` keeps every item 64-byte aligned) and is not packed again.
     `publish_progress=False` leaves out the progress word (a program for a remote node)."""
     itemsize(dtype)
-    return _Driver(name, dtype, tiling or DEFAULT_TILINGS[dtype], strided, publish_progress, prepacked).generate()
+    return _Driver(name, dtype, tiling or tiling_for(dtype, strided), strided, publish_progress, prepacked).generate()
 

@@ -87,6 +87,37 @@ DEFAULT_TILINGS: dict[str, Tiling] = {
     "float64": Tiling(mr=6, nr=16, kc=512, mc=48, nc=2048),
 }
 
+# A gathered B (a convolution's im2col columns, packed from its padded input) in smaller blocks:
+# the packed KC×NC block of B (512 KiB) then stays in the L2 and each KC×NR micro-panel (32 KiB)
+# in the L1, where the default's 4.7 MiB block of a 64-channel 3x3 convolution's columns went out
+# to the L3 between packing and use. resnet18's convolutions, the kernel alone on one core, best
+# of 15 at batch 1 (4 at batch 8), GFLOP/s default -> this: 64 channels 56x56 121 -> 146 (batch 8:
+# 110 -> 136), 128 channels 28x28 99 -> 147 (106 -> 142), 256 channels 14x14 123 -> 132, 512
+# channels 7x7 101 -> 105; the 7x7 stem (K = 147) alike (111 -> 115). KC 512 or NC 256 each took
+# part of it, KC 256 with NC 512 the most.
+GATHERED_B_TILINGS: dict[str, Tiling] = {
+    "float32": Tiling(mr=8, nr=32, kc=256, mc=64, nc=512),
+}
+
+
+_L2_BYTES = 2 << 20   # the L2 of one core (Sapphire Rapids, Zen 4: 1-2 MiB)
+
+
+def tiling_for(dtype: str, strided: StridedOperand | None = None) -> Tiling:
+    """The blocking of the kernel for `dtype` reading `strided` (None: both operands plain): a B
+    gathered over more than one row and one column axis (a convolution's columns, not a
+    transposed matrix) whose default KC×NC block would not fit the L2 is blocked by
+    GATHERED_B_TILINGS. Where it fits there is nothing to gain (resnet18's 512-channel 7x7
+    convolution, a 256 KiB block: 101 and 105 GFLOP/s), so the default, with its fewer reloads of
+    the C tile and longer rows of A (the weights, read from L3 or memory at every call), stays."""
+    t = DEFAULT_TILINGS[dtype]
+    if (strided is None or strided.operand != "b" or len(strided.rows) + len(strided.cols) <= 2
+            or dtype not in GATHERED_B_TILINGS):
+        return t
+    k, n = math.prod(size for size, _ in strided.rows), math.prod(size for size, _ in strided.cols)
+    block = min(k, t.kc) * min(round_up(n, t.nr), t.nc) * ITEMSIZES[dtype]
+    return GATHERED_B_TILINGS[dtype] if block > _L2_BYTES else t
+
 
 
 def itemsize(dtype: str) -> int:
@@ -112,7 +143,7 @@ def workspace_bytes(M: int, N: int, K: int, dtype: str = "float32", tiling: Tili
     """
     tables = 4 * strided.table_entries if strided is not None else 0
     size = itemsize(dtype)
-    t = tiling or DEFAULT_TILINGS[dtype]
+    t = tiling or tiling_for(dtype, strided)
     kc, nc, mc = min(K, t.kc), min(round_up(N, t.nr), t.nc), min(round_up(M, t.mr), t.mc)
     regions = (0 if prepacked else kc * nc * size, mc * kc * size)
     return sum(round_up(size, ALIGN) for size in regions) + tables
