@@ -196,6 +196,29 @@ def test_cache_key_covers_ir_opt_level_and_target(tmp_path, monkeypatch) -> None
     assert (elsewhere.statistics.hits, elsewhere.statistics.misses) == (0, 1)
 
 
+def test_generated_kernel_hit_renders_no_ir(tmp_path, monkeypatch) -> None:
+    """A generated kernel is found by its request before any IR is rendered; a changed generator
+    (its code's fingerprint) or a changed request compiles again."""
+    compiler = HostCompiler()
+    cache = CompileCache(compiler, directory=tmp_path, enabled=True)
+    renders: list[str] = []
+
+    def render() -> str:
+        renders.append(SCALE_IR)
+        return SCALE_IR
+
+    first = cache.compile_generated("scale v1", render)
+    assert first.startswith(b"\x7fELF") and len(renders) == 1
+    fresh = CompileCache(compiler, directory=tmp_path, enabled=True)   # a new process over the same directory
+    assert fresh.compile_generated("scale v1", render) == first
+    assert len(renders) == 1 and (fresh.statistics.hits, fresh.statistics.misses) == (1, 0)
+    fresh.compile_generated("scale v2", render)
+    assert len(renders) == 2
+    monkeypatch.setattr("tinydist.codegen.compile_cache.generator_fingerprint", lambda: "another generator")
+    CompileCache(compiler, directory=tmp_path, enabled=True).compile_generated("scale v1", render)
+    assert len(renders) == 3
+
+
 def test_disabled_cache_always_compiles(tmp_path, monkeypatch) -> None:
     compiler = HostCompiler()
     calls: list[str] = []

@@ -101,13 +101,14 @@ def _split_matmul(call: MatmulCall, b: Sequence[Any], device: Device, pieces: in
     size = call.dtype.itemsize
     program = device.compiler.matmul(call.dtype, call.strided, call.prepacked)
     c, a, bb, w = (b[n].address for n in (call.out, call.a, call.b, call.workspace))
+    view = call.strided.arguments() if call.strided is not None else ()
     if call.batch >= 2 and call.strided is None:
         ranges = _bounds(call.batch, pieces)
 
         def args(lo: int, hi: int, work: int) -> tuple[int, ...]:
             return (c + lo * call.m * call.n * size, a + lo * call.a_batch_stride * size,
                     bb + lo * call.b_batch_stride * size, work, hi - lo, call.m, call.n, call.k,
-                    call.a_batch_stride, call.b_batch_stride, call.m * call.n)
+                    call.a_batch_stride, call.b_batch_stride, call.m * call.n, *view)
     elif call.batch == 1 and (call.strided is None or call.strided.operand == "b"):
         mr = DEFAULT_TILINGS[call.dtype.name].mr
         ranges = _bounds(call.m, pieces, mr)
@@ -116,7 +117,7 @@ def _split_matmul(call: MatmulCall, b: Sequence[Any], device: Device, pieces: in
 
         def args(lo: int, hi: int, work: int) -> tuple[int, ...]:
             return (c + lo * call.n * size, a + lo * call.k * size, bb, work, 1, hi - lo, call.n, call.k,
-                    call.a_batch_stride, call.b_batch_stride, (hi - lo) * call.n)
+                    call.a_batch_stride, call.b_batch_stride, (hi - lo) * call.n, *view)
     else:
         return None
     out = []
