@@ -229,9 +229,10 @@ def compile_glue(ir_text: str, straight_line: bool = False) -> bytes:
     """Object code for glue that calls kernels with addresses baked in (a capture's entry point,
     a stream's step function): O1 — it is calls and branches, nothing to vectorise — and never
     cached on disk, since its addresses are this process's. `straight_line` glue (a list of calls
-    and copies, no loop) at O0: there is nothing for a pass to do, and O0 skips the pipeline and
-    selects instructions fast (a resnet18 entry of 116 calls and its frame: 2.5-3.0 ms at O0,
-    11.7-13.6 ms at O1, besides the ~30 ms of setting up the O1 pipeline in a fresh process)."""
+    and copies, or of pieces of calls with only a claim and a spin-wait loop between them: a capture's
+    entry points) at O0: there is nothing for a pass to do, and O0 skips the pipeline and selects
+    instructions fast (a resnet18 entry of 116 calls and its frame: 2.5-3.0 ms at O0, 11.7-13.6 ms
+    at O1, besides the ~30 ms of setting up the O1 pipeline in a fresh process)."""
     return _glue_compiler(0 if straight_line else 1).compile(ir_text)
 
 

@@ -76,7 +76,8 @@ def _shrunk(ast: KernelAST, axis: int, lo: int, hi: int) -> KernelAST:
     return dataclasses.replace(ast, shape=shape, root=new[id(ast.root)])
 
 
-def _split_kernel(call: KernelCall, b: Sequence[Any], device: Device, threads: int) -> list[Piece] | None:
+def _kernel_pieces(call: KernelCall, b: Sequence[Any], threads: int) -> list[tuple[KernelAST, tuple[int, ...]]] | None:
+    """The kernels (each over a range of rows) and arguments of `call` split `threads` ways; None: not split."""
     ast = call.ast
     if ast.outputs != 1 or math.prod(ast.shape) < KERNEL_SPLIT_ELEMENTS:
         return None
@@ -91,7 +92,7 @@ def _split_kernel(call: KernelCall, b: Sequence[Any], device: Device, threads: i
     if len(ranges) < 2:
         return None
     out, inputs = b[call.out].address, tuple(b[i].address for i in call.inputs)
-    return [(device.compiler.kernel(_shrunk(ast, axis, lo, hi)), (out + lo * row_bytes, *inputs)) for lo, hi in ranges]
+    return [(_shrunk(ast, axis, lo, hi), (out + lo * row_bytes, *inputs)) for lo, hi in ranges]
 
 
 def _split_matmul(call: MatmulCall, b: Sequence[Any], device: Device, pieces: int,
@@ -139,10 +140,15 @@ def split(calls: Sequence[Call], buffers: Sequence[Buffer | None], device: Devic
     phases: list[list[list[Piece]]] = []
     serial: list[Piece] = []
     split_any = False
-    for call in calls:
+    kernel_pieces = {index: _kernel_pieces(call, buffers, threads) for index, call in enumerate(calls)
+                     if isinstance(call, KernelCall)}
+    # the pieces' kernels built at once, as the lowering builds the calls' (`DeviceCompiler.compile_ahead`)
+    device.compiler.compile_ahead([ast for found in kernel_pieces.values() for ast, _ in found or ()], [])
+    for index, call in enumerate(calls):
         pieces: list[Piece] | None = None
         if isinstance(call, KernelCall):
-            pieces = _split_kernel(call, buffers, device, threads)
+            found = kernel_pieces[index]
+            pieces = None if found is None else [(device.compiler.kernel(ast), args) for ast, args in found]
         elif isinstance(call, MatmulCall):
             # a piece of rows packs all of an unpacked B itself (a convolution's columns): one per thread then
             finer = call.prepacked or call.batch >= 2

@@ -225,7 +225,10 @@ class DeviceCompiler:
         calls = [[[_call(program, args) for program, args in piece] for piece in phase] for phase in phases]
         ir_text = parallel_entry_ir(name, workers.control, workers.post.address, calls)
         launches = [launch for phase in phases for piece in phase for launch in piece]
-        return self._build(lambda: self.device.load_program(compile_glue(ir_text), name, [],
+        # at O0 too (`compile_glue`): its loops are the claim and the spin-wait, a pause each turn; the bulk is
+        # the pieces' calls. bert6_384's entry: O1 988-1019 ms, O0 57-172 ms (load 6); frames at 2 threads,
+        # alternating, O0/O1 1.048 (bert6_384) and 1.004 (resnet18) at load 6-8, i.e. within the noise there
+        return self._build(lambda: self.device.load_program(compile_glue(ir_text, straight_line=True), name, [],
                                                             calls=[workers.post, *(program for program, _ in launches)]),
                            lambda: f"{threads} threads, " + _entry_label(launches))
 
