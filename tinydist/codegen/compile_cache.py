@@ -14,7 +14,7 @@ renews an entry's mtime) are deleted until it is back under nine tenths of the c
 
 A generated kernel (the matmul, whose IR takes ~0.1 s of Python to build and print) can be looked
 up before its IR exists (`compile_generated`): keyed by what the generator was asked for and a
-fingerprint of the generator's code (every module of `tinydist.codegen`), so a hit renders no IR
+fingerprint of the generator's code (every module of `tinydist.codegen` and of the layers below it), so a hit renders no IR
 and a changed generator never loads stale code.
 """
 
@@ -194,12 +194,20 @@ class CompileCache:
         return found
 
 
+# The code a generator's IR can depend on: this package and the layers below it (tests/test_layering.py
+# keeps codegen from importing anything above).
+_GENERATOR_PACKAGES = ("base", "graph", "security", "codegen")
+
+
 @functools.cache
 def generator_fingerprint() -> str:
-    """sha256 of the code generator's source (every module of this package, by name and bytes)."""
+    """sha256 of the code generators' source: every module of tinydist.codegen and of the layers it
+    may import, by path and bytes (~1 ms, once per process)."""
     digest = hashlib.sha256()
-    for module in sorted(Path(__file__).parent.glob("*.py")):
-        digest.update(module.name.encode() + b"\0" + module.read_bytes() + b"\0")
+    root = Path(__file__).parent.parent
+    for package in _GENERATOR_PACKAGES:
+        for module in sorted((root / package).rglob("*.py")):
+            digest.update(str(module.relative_to(root)).encode() + b"\0" + module.read_bytes() + b"\0")
     return digest.hexdigest()
 
 

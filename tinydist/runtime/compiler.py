@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import itertools
 import os
 import threading
@@ -171,8 +172,16 @@ class DeviceCompiler:
 
     def kernel(self, ast: KernelAST) -> Program:
         def build() -> Program:
-            name, ir_text = lower(ast, publish_progress=self.device.native_code)
-            return self.device.load_ir(ir_text, name, ["w"] * ast.outputs + ["r"] * len(ast.slot_dtypes), compile_kernel)
+            signature = ["w"] * ast.outputs + ["r"] * len(ast.slot_dtypes)
+            source = ast.source() if self.device.native_code else None
+            if source is None:
+                name, ir_text = lower(ast, publish_progress=self.device.native_code)
+                return self.device.load_ir(ir_text, name, signature, compile_kernel)
+            # looked up by the kernel itself (a warm cache lowers nothing); named by it too, as the IR is not at hand
+            source = f"lower publish_progress=True\n{source}"
+            name = "k_" + hashlib.sha256(source.encode()).hexdigest()[:20]
+            return self.device.load_generated(source, lambda: lower(ast, name=name)[1], name, signature,
+                                              compile_generated_kernel)
         return self._cached(ast, build, ast.label)
 
     def matmul(self, dtype: DType, strided: StridedOperand | None = None, prepacked: bool = False) -> Program:
