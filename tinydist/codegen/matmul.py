@@ -293,11 +293,15 @@ def strided_form(dtype: str, strided: StridedOperand | StridedForm | None, tilin
 
 
 def program_name(dtype: str, strided: StridedOperand | StridedForm | None = None, prepacked: bool = False) -> str:
-    """The matmul kernel's name: one per dtype, and one per form of view a strided operand is read through."""
+    """The matmul kernel's name: one per dtype, and one per form of view a strided operand is read
+    through (with its blocking where that is not the dtype's default)."""
     name = f"tinydist_matmul_{dtype}" + ("_prepacked" if prepacked else "")
     form = strided_form(dtype, strided)
     if form is not None:
         name += f"_strided_{form.operand}{form.chunk or ''}_{form.rows}x{form.cols}"
+        t = form.tiling
+        if t is not None and t != DEFAULT_TILINGS[dtype]:
+            name += f"_t{t.mr}x{t.nr}k{t.kc}m{t.mc}n{t.nc}d{t.direct_kc}"
     return name
 
 
@@ -311,6 +315,9 @@ def matmul_ir(name: str, dtype: str = "float32", tiling: Tiling | None = None,
     `packed_b_elements` keeps every item 64-byte aligned) and is not packed again.
     `publish_progress=False` leaves out the progress word (a program for a remote node)."""
     itemsize(dtype)
-    t = tiling or DEFAULT_TILINGS[dtype]
+    form_tiling = strided.tiling if isinstance(strided, StridedForm) else None
+    if tiling is not None and form_tiling is not None and tiling != form_tiling:
+        raise ValueError(f"tiling {tiling} differs from the one the strided form was made for ({form_tiling})")
+    t = tiling or form_tiling or DEFAULT_TILINGS[dtype]
     return _Driver(name, dtype, t, strided_form(dtype, strided, t), publish_progress, prepacked).generate()
 

@@ -56,6 +56,7 @@ class StridedForm:
     chunk: int
     rows: int
     cols: int
+    tiling: Tiling | None = None   # the blocking it is compiled with (None: the dtype's default)
 
     @property
     def arguments(self) -> int:
@@ -91,7 +92,8 @@ class StridedOperand:
     def form(self, tiling: Tiling) -> StridedForm:
         """The kernel this view is read by under `tiling` (A's pieces divide KC; B's are chosen at run time)."""
         chunk = math.gcd(self.run, tiling.kc) if self.operand == "a" else 0
-        return StridedForm(self.operand, chunk, max(VIEW_AXES, len(self.rows)), max(VIEW_AXES, len(self.cols)))
+        return StridedForm(self.operand, chunk, max(VIEW_AXES, len(self.rows)), max(VIEW_AXES, len(self.cols)),
+                           tiling)
 
     def arguments(self) -> tuple[int, ...]:
         """The view as its kernel's trailing arguments: the run and the offset, then (size, stride) of
