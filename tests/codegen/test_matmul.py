@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tinydist.codegen.compiler import HostCompiler
-from tinydist.codegen.matmul import SIGNATURE, matmul_ir
+from tinydist.codegen.matmul import SIGNATURE, matmul_ir, signature
 from tinydist.codegen.matmul_packing import PACK_B_SIGNATURE, pack_b_array, pack_b_ir
 from tinydist.codegen.matmul_tiling import (
     DEFAULT_TILINGS, GATHERED_B_TILINGS, StridedOperand, Tiling, packed_b_elements, tiling_for, workspace_bytes,
@@ -44,7 +44,8 @@ def _run(kernel, a: np.ndarray, b: np.ndarray, c: np.ndarray, batch: int, M: int
     size = workspace_bytes(M, N, K, dtype, tiling, strided)
     raw = np.full(size + 64 + 256, GUARD, np.uint8)
     start = -raw.ctypes.data % 64
-    kernel(c.ctypes.data, a.ctypes.data, b.ctypes.data, raw.ctypes.data + start, batch, M, N, K, *strides)
+    kernel(c.ctypes.data, a.ctypes.data, b.ctypes.data, raw.ctypes.data + start, batch, M, N, K, *strides,
+           *(strided.arguments() if strided is not None else ()))
     assert (raw[start + size:] == GUARD).all(), "kernel wrote past its workspace"
     assert (raw[:start] == GUARD).all(), "kernel wrote before its workspace"
 
@@ -159,16 +160,47 @@ def test_strided_operand_matches_numpy(dtype: str, small: bool, conv: tuple[int,
     tiling = SMALL_TILING[dtype] if small else None
     for strided in (as_a, as_b):
         name = f"test_strided_{dtype}_{'small' if small else 'default'}_{strided.operand}_{'_'.join(map(str, conv))}"
-        kernel = native_loader.load(HostCompiler().compile(matmul_ir(name, dtype, tiling, strided)), name, SIGNATURE).cfunc
-        if strided.operand == "b":   # weights @ columns, as a convolution's forward
-            a, b, M, N, K = _operands(rng, dtype, (7, rows))[0], x, 7, cols, rows
-            expected_b = columns
-        else:                        # columns @ output gradient, as its weight gradient
-            a, b, M, N, K = x, _operands(rng, dtype, (cols, 6))[0], rows, 6, cols
-            expected_b = b
-        c_out = np.full((M, N), np.nan, dtype)
-        _run(kernel, a, b, c_out, 1, M, N, K, (0, 0, 0), tiling, strided)
-        _check(c_out, columns if strided.operand == "a" else a, expected_b, dtype)
+        form = strided.form(tiling or DEFAULT_TILINGS[dtype])
+        kernel = native_loader.load(HostCompiler().compile(matmul_ir(name, dtype, tiling, strided)), name,
+                                    signature(form)).cfunc
+        _check_strided(kernel, rng, x, columns, strided, dtype, tiling)
+
+
+def _check_strided(kernel, rng: np.random.Generator, x: np.ndarray, columns: np.ndarray, strided: StridedOperand,
+                   dtype: str, tiling: Tiling | None) -> None:
+    rows, cols = columns.shape
+    if strided.operand == "b":   # weights @ columns, as a convolution's forward
+        a, b, M, N, K = _operands(rng, dtype, (7, rows))[0], x, 7, cols, rows
+        expected_b = columns
+    else:                        # columns @ output gradient, as its weight gradient
+        a, b, M, N, K = x, _operands(rng, dtype, (cols, 6))[0], rows, 6, cols
+        expected_b = b
+    c_out = np.full((M, N), np.nan, dtype)
+    _run(kernel, a, b, c_out, 1, M, N, K, (0, 0, 0), tiling, strided)
+    _check(c_out, columns if strided.operand == "a" else a, expected_b, dtype)
+
+
+@pytest.mark.parametrize("operand", ["a", "b"])
+def test_views_of_one_form_share_a_kernel(operand: str) -> None:
+    """One kernel, compiled from the form of one view, reads views of other sizes, strides and
+    offsets of that form (a network's convolutions): each against numpy."""
+    convs = [(2, 3, 9, 12, 3, 3, 2), (1, 5, 7, 7, 2, 3, 2), (3, 2, 12, 9, 1, 1, 2)]  # run 1 each: one form
+    if operand == "b":   # B's pieces are chosen from the run at run time: runs 8, 4, 7 and 16 are the same form
+        convs += [(1, 2, 10, 10, 3, 3, 1), (2, 3, 6, 6, 3, 3, 1), (1, 2, 9, 9, 3, 3, 1), (1, 1, 18, 18, 3, 3, 1)]
+    rng = np.random.default_rng(7)
+    views = []
+    for conv in convs:
+        n, c, h, w, kh, kw, stride = conv
+        x = rng.uniform(-1, 1, (n, c, h, w)).astype("float32")
+        columns, as_a, as_b = _columns_view(x, kh, kw, stride)
+        views.append((x, columns, as_a if operand == "a" else as_b))
+    forms = {view.form(DEFAULT_TILINGS["float32"]) for _, _, view in views}
+    assert len(forms) == 1
+    name = f"test_shared_form_{operand}"
+    kernel = native_loader.load(HostCompiler().compile(matmul_ir(name, "float32", strided=views[0][2])), name,
+                                signature(forms.pop())).cfunc
+    for x, columns, view in views:
+        _check_strided(kernel, rng, x, columns, view, "float32", None)
 
 
 @pytest.mark.parametrize("conv", [(1, 64, 34, 50, 3, 3, 1), (2, 72, 45, 47, 3, 3, 2)], ids=["64ch", "72ch_stride2"])
@@ -186,7 +218,8 @@ def test_gathered_b_past_the_l2_is_blocked_smaller(conv: tuple[int, ...]) -> Non
     assert tiling_for("float32", _columns_view(x[:, :4], kh, kw, stride)[2]) == DEFAULT_TILINGS["float32"]
     rows, cols = columns.shape
     name = f"test_gathered_b_{'_'.join(map(str, conv))}"
-    kernel = native_loader.load(HostCompiler().compile(matmul_ir(name, "float32", strided=as_b)), name, SIGNATURE).cfunc
+    kernel = native_loader.load(HostCompiler().compile(matmul_ir(name, "float32", strided=as_b)), name,
+                                signature(as_b.form(GATHERED_B_TILINGS["float32"]))).cfunc
     a = _operands(rng, "float32", (20, rows))[0]
     c_out = np.full((20, cols), np.nan, np.float32)
     _run(kernel, a, x, c_out, 1, 20, cols, rows, (0, 0, 0), None, as_b)

@@ -196,6 +196,78 @@ def test_cache_key_covers_ir_opt_level_and_target(tmp_path, monkeypatch) -> None
     assert (elsewhere.statistics.hits, elsewhere.statistics.misses) == (0, 1)
 
 
+def test_generated_kernel_hit_renders_no_ir(tmp_path, monkeypatch) -> None:
+    """A generated kernel is found by its request before any IR is rendered; a changed generator
+    (its code's fingerprint) or a changed request compiles again."""
+    compiler = HostCompiler()
+    cache = CompileCache(compiler, directory=tmp_path, enabled=True)
+    renders: list[str] = []
+
+    def render() -> str:
+        renders.append(SCALE_IR)
+        return SCALE_IR
+
+    first = cache.compile_generated("scale v1", render)
+    assert first.startswith(b"\x7fELF") and len(renders) == 1
+    fresh = CompileCache(compiler, directory=tmp_path, enabled=True)   # a new process over the same directory
+    assert fresh.compile_generated("scale v1", render) == first
+    assert len(renders) == 1 and (fresh.statistics.hits, fresh.statistics.misses) == (1, 0)
+    fresh.compile_generated("scale v2", render)
+    assert len(renders) == 2
+    monkeypatch.setattr("tinydist.codegen.compile_cache.generator_fingerprint", lambda: "another generator")
+    CompileCache(compiler, directory=tmp_path, enabled=True).compile_generated("scale v1", render)
+    assert len(renders) == 3
+
+
+def test_kernel_found_by_its_ast_lowers_nothing(tmp_path, monkeypatch) -> None:
+    """A kernel whose object code is on disk is loaded by its AST: a fresh process's compiler
+    (a new DeviceCompiler over the same cache) lowers no IR, and the kernel computes as numpy."""
+    import tinydist as td
+    import tinydist.runtime.compiler as device_compiler
+    from tinydist.runtime import get_engine
+    from tinydist.runtime.compiler import DeviceCompiler
+    from tinydist.schedule import create_schedule
+
+    x = np.arange(37, dtype=np.float32)
+    schedule, _ = create_schedule([(td.Tensor(x) * 3.0 - 1.25).node])
+    (call,) = schedule.linear
+    assert call.ast.source() is not None
+    monkeypatch.setattr(device_compiler, "compile_generated_kernel", CompileCache(HostCompiler(), tmp_path, True).compile_generated)
+    device = get_engine().device("CPU:0")
+    first = DeviceCompiler(device).kernel(call.ast)
+
+    def no_lowering(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("a cached kernel must not be lowered")
+
+    monkeypatch.setattr(device_compiler, "lower", no_lowering)
+    again = DeviceCompiler(device).kernel(call.ast)
+    assert again.name == first.name
+    out = np.zeros(64, np.float32)
+    src = np.zeros(64, np.float32)
+    o, s = out[(-out.ctypes.data % 64) // 4:][:37], src[(-src.ctypes.data % 64) // 4:][:37]
+    s[:] = x
+    again.cfunc(o.ctypes.data, s.ctypes.data)
+    np.testing.assert_array_equal(o, x * np.float32(3.0) - np.float32(1.25))
+
+
+def test_kernel_source_is_exact() -> None:
+    """The AST's key text tells kernels apart and declines an argument it cannot vouch for (any type
+    but plain values, dtypes and shape trackers: its repr might not determine it)."""
+    import tinydist as td
+    from tinydist.codegen.kernel import KNode, KernelAST, const
+    from tinydist.schedule import create_schedule
+
+    def ast(scale: float):  # type: ignore[no-untyped-def]
+        schedule, _ = create_schedule([(td.Tensor(np.arange(8, dtype=np.float32)) * scale).node])
+        return schedule.linear[0].ast
+
+    assert ast(2.0).source() == ast(2.0).source() != ast(3.0).source()
+    base = ast(2.0)
+    opaque = KernelAST(base.shape, base.reduce_axes, KNode("add", (base.root, const(object(), base.out_dtype)),
+                                                           None, base.out_dtype), base.slot_dtypes, base.out_dtype)
+    assert opaque.source() is None
+
+
 def test_disabled_cache_always_compiles(tmp_path, monkeypatch) -> None:
     compiler = HostCompiler()
     calls: list[str] = []

@@ -37,6 +37,12 @@ def aligned(values: np.ndarray) -> np.ndarray:
     return out
 
 
+def _compile_at_o0(monkeypatch: pytest.MonkeyPatch) -> None:
+    quick = HostCompiler(opt_level=0)
+    monkeypatch.setattr(device_compiler, "compile_kernel", quick.compile)
+    monkeypatch.setattr(device_compiler, "compile_generated_kernel", lambda source, render: quick.compile(render()))
+
+
 def _ast(n: int):  # type: ignore[no-untyped-def]
     schedule, _ = create_schedule([(td.Tensor(np.arange(n, dtype=np.float32)) * 2.0 + float(n)).node])
     (call,) = schedule.linear
@@ -51,6 +57,7 @@ def test_5000_distinct_shapes_plateau_in_mappings_and_rss(monkeypatch: pytest.Mo
     # tinydist.codegen.compile_worker, tests/codegen/test_compile_worker.py, bench/kernel_memory.py.)
     quick = HostCompiler(opt_level=0)
     monkeypatch.setattr(device_compiler, "compile_kernel", quick.compile)
+    monkeypatch.setattr(device_compiler, "compile_generated_kernel", lambda source, render: quick.compile(render()))
     compiler = DeviceCompiler(get_engine().device("CPU:0"), capacity=256)
     held = compiler.kernel(_ast(1))  # used by the test throughout, while the LRU drops it
     samples = {}
@@ -77,7 +84,7 @@ def test_5000_distinct_shapes_plateau_in_mappings_and_rss(monkeypatch: pytest.Mo
 
 
 def test_a_dropped_kernel_is_unloaded_once_its_last_holder_lets_go(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(device_compiler, "compile_kernel", HostCompiler(opt_level=0).compile)
+    _compile_at_o0(monkeypatch)
     compiler = DeviceCompiler(get_engine().device("CPU:0"), capacity=1)
     first = compiler.kernel(_ast(7001))
     gc.collect()
@@ -109,7 +116,7 @@ def test_the_heap_is_trimmed_every_trim_every_engines_disposed(monkeypatch: pyte
 
     monkeypatch.setattr(loader, "_malloc_trim", trim)
     monkeypatch.setattr(loader, "TRIM_EVERY", 4)
-    monkeypatch.setattr(device_compiler, "compile_kernel", HostCompiler(opt_level=0).compile)
+    _compile_at_o0(monkeypatch)
     compiler = DeviceCompiler(get_engine().device("CPU:0"), capacity=1)
     start = native_loader.disposed
     for n in range(7101, 7111):  # 10 kernels through an LRU of 1: each drops (and unloads) the last

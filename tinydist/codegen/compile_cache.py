@@ -11,6 +11,11 @@ segfault or abort before checksums) fails the check, is logged, deleted and comp
 
 The cache holds at most `COMPILE_CACHE_MAX_MB`: past that, the entries used longest ago (a hit
 renews an entry's mtime) are deleted until it is back under nine tenths of the cap.
+
+A generated kernel (the matmul, whose IR takes ~0.1 s of Python to build and print) can be looked
+up before its IR exists (`compile_generated`): keyed by what the generator was asked for and a
+fingerprint of the generator's code (every module of `tinydist.codegen` and of the layers below it), so a hit renders no IR
+and a changed generator never loads stale code.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import hashlib
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,22 +81,42 @@ class CompileCache:
             digest.update(b"\0")
         return digest.hexdigest()
 
+    def generated_key(self, source: str) -> str:
+        """The key of a generated kernel: the generator's request `source`, the generator's code,
+        the host and the opt level (never the IR, which is not rendered on a hit)."""
+        digest = hashlib.sha256()
+        for part in ("generated", source, generator_fingerprint(), *self.compiler.target.cache_key_parts(),
+                     f"O{self.compiler.opt_level}"):
+            digest.update(part.encode())
+            digest.update(b"\0")
+        return digest.hexdigest()
+
     def path(self, ir_text: str) -> Path:
-        key = self.key(ir_text)
+        return self._path(self.key(ir_text))
+
+    def _path(self, key: str) -> Path:
         return self.directory / key[:2] / f"{key}.o"
 
     def compile(self, ir_text: str) -> bytes:
         """Object code for `ir_text`: from disk when cached and intact, else compiled and stored."""
+        return self._compile(lambda: self.path(ir_text), lambda: ir_text)
+
+    def compile_generated(self, source: str, render: Callable[[], str]) -> bytes:
+        """Object code for the IR `render()` returns, looked up by `source` (a deterministic text
+        of everything the generator was asked for): `render` runs only on a miss."""
+        return self._compile(lambda: self._path(self.generated_key(source)), render)
+
+    def _compile(self, path_of: Callable[[], Path], render: Callable[[], str]) -> bytes:
         if not self.enabled:
             self.statistics.misses += 1
-            return self.compiler.compile(ir_text)
-        path = self.path(ir_text)
+            return self.compiler.compile(render())
+        path = path_of()
         code = self._read(path)
         if code is not None:
             self.statistics.hits += 1
             return code
         self.statistics.misses += 1
-        code = self.compiler.compile(ir_text)
+        code = self.compiler.compile(render())
         self._write(path, encode_entry(code))
         return code
 
@@ -168,14 +194,26 @@ class CompileCache:
         return found
 
 
+# The code a generator's IR can depend on: this package and the layers below it (tests/test_layering.py
+# keeps codegen from importing anything above).
+_GENERATOR_PACKAGES = ("base", "graph", "security", "codegen")
+
+
+@functools.cache
+def generator_fingerprint() -> str:
+    """sha256 of the code generators' source: every module of tinydist.codegen and of the layers it
+    may import, by path and bytes (~1 ms, once per process)."""
+    digest = hashlib.sha256()
+    root = Path(__file__).parent.parent
+    for package in _GENERATOR_PACKAGES:
+        for module in sorted((root / package).rglob("*.py")):
+            digest.update(str(module.relative_to(root)).encode() + b"\0" + module.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 @functools.cache
 def _kernel_cache() -> CompileCache:
     return CompileCache(HostCompiler())
-
-
-@functools.cache
-def _glue_compiler() -> HostCompiler:
-    return HostCompiler(opt_level=1)
 
 
 def compile_kernel(ir_text: str) -> bytes:
@@ -184,8 +222,35 @@ def compile_kernel(ir_text: str) -> bytes:
     return _kernel_cache().compile(ir_text)
 
 
-def compile_glue(ir_text: str) -> bytes:
+def compile_generated_kernel(source: str, render: Callable[[], str]) -> bytes:
+    """`compile_kernel(render())`, looked up by the generator's request `source` before any IR is
+    rendered (`CompileCache.compile_generated`)."""
+    return _kernel_cache().compile_generated(source, render)
+
+
+@functools.cache
+def _glue_compiler(opt_level: int) -> HostCompiler:
+    return HostCompiler(opt_level=opt_level)
+
+
+def compile_glue(ir_text: str, straight_line: bool = False) -> bytes:
     """Object code for glue that calls kernels with addresses baked in (a capture's entry point,
     a stream's step function): O1 — it is calls and branches, nothing to vectorise — and never
-    cached on disk, since its addresses are this process's."""
-    return _glue_compiler().compile(ir_text)
+    cached on disk, since its addresses are this process's. `straight_line` glue (a list of calls
+    and copies, or of pieces of calls with only a claim and a spin-wait loop between them: a capture's
+    entry points) at O0: there is nothing for a pass to do, and O0 skips the pipeline and selects
+    instructions fast (a resnet18 entry of 116 calls and its frame: 2.5-3.0 ms at O0, 11.7-13.6 ms
+    at O1, besides the ~30 ms of setting up the O1 pipeline in a fresh process)."""
+    return _glue_compiler(0 if straight_line else 1).compile(ir_text)
+
+
+@functools.cache
+def _glue_cache() -> CompileCache:
+    return CompileCache(_glue_compiler(1))
+
+
+def compile_portable_glue(ir_text: str) -> bytes:
+    """`compile_glue` for glue that bakes in no address of this process (the command interpreter
+    of `tinydist.engine.lowered`), so its object code is cached on disk like a kernel's: a warm
+    process never sets up LLVM's pipeline for it (~50 ms of a warm first call)."""
+    return _glue_cache().compile(ir_text)

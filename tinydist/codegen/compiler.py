@@ -67,7 +67,9 @@ RELOCATION, CODE_MODEL = "static", "jitdefault"
 
 
 class HostCompiler:
-    """Compiles LLVM IR for this machine's CPU. Thread-safe (one lock: LLVM contexts are not)."""
+    """Compiles LLVM IR for this machine's CPU. Thread-safe, and compiles on several threads at
+    once: each thread parses into an LLVM context and emits with a target machine of its own
+    (LLVM's contexts are not thread-safe; llvmlite releases the GIL inside LLVM)."""
 
     def __init__(self, opt_level: int = 3) -> None:
         if opt_level not in (0, 1, 2, 3):
@@ -75,24 +77,33 @@ class HostCompiler:
         _initialise_llvm()
         self.opt_level = opt_level
         self.target = host_target()
-        self._lock = threading.Lock()
-        self._machine = llvm.Target.from_triple(self.target.triple).create_target_machine(
-            cpu=self.target.cpu, features=self.target.features, opt=opt_level, reloc=RELOCATION, codemodel=CODE_MODEL)
+        self._local = threading.local()
+
+    @property
+    def _machine(self) -> llvm.TargetMachine:
+        machine = getattr(self._local, "machine", None)
+        if machine is None:
+            machine = self._local.machine = llvm.Target.from_triple(self.target.triple).create_target_machine(
+                cpu=self.target.cpu, features=self.target.features, opt=self.opt_level, reloc=RELOCATION,
+                codemodel=CODE_MODEL)
+            self._local.context = llvm.create_context()
+        return machine
 
     def optimise(self, ir_text: str) -> llvm.ModuleRef:
         """Parse, verify and run the O<n> pipeline with the host target machine."""
+        machine = self._machine
         try:
-            module = llvm.parse_assembly(ir_text)
+            module = llvm.parse_assembly(ir_text, self._local.context)
             module.verify()
         except RuntimeError as exc:
             raise CompileError(f"LLVM rejected the kernel IR: {exc}") from exc
-        module.triple = self._machine.triple
-        module.data_layout = str(self._machine.target_data)
+        module.triple = machine.triple
+        module.data_layout = str(machine.target_data)
         if self.opt_level:
             tuning = llvm.PipelineTuningOptions(speed_level=self.opt_level)
             tuning.loop_vectorization = True
             tuning.slp_vectorization = True
-            builder = llvm.create_pass_builder(self._machine, tuning)
+            builder = llvm.create_pass_builder(machine, tuning)
             builder.getModulePassManager().run(module, builder)
         return module
 
@@ -103,13 +114,11 @@ class HostCompiler:
         worker = _worker(self.opt_level)
         if worker is not None:
             return worker.compile(ir_text, self.opt_level)
-        with self._lock:
-            return self._machine.emit_object(self.optimise(ir_text))
+        return self._machine.emit_object(self.optimise(ir_text))
 
     def assembly(self, ir_text: str) -> str:
         """The optimised machine code as text, for inspection (e.g. checking vector registers)."""
-        with self._lock:
-            return self._machine.emit_assembly(self.optimise(ir_text))
+        return self._machine.emit_assembly(self.optimise(ir_text))
 
 
 _in_process = 0           # modules this process has optimised itself

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from tinydist.base.walk import postorder
 from tinydist.graph.dtypes import DType
 from tinydist.graph.shape import Shape, ShapeTracker
@@ -97,7 +99,27 @@ class KernelAST:
             shape += "→" + ("x".join(map(str, self.out_shape)) or "1")
         return f"{'+'.join(ops) or 'copy'} {shape} {short_dtype(self.out_dtype)}"
 
+    def source(self) -> str | None:
+        """A text naming this kernel exactly, for the compile cache's generated key (equal text,
+        equal IR: every field, and the tree node by node, iteratively: a fused chain may be
+        100,000 deep); None when an argument has no exact text (the IR is then the key)."""
+        nodes = self.root.walk()
+        if not all(_exact(node.arg) for node in nodes):
+            return None
+        number = {id(node): i for i, node in enumerate(nodes)}
+        head = repr((self.shape, self.reduce_axes, self.slot_dtypes, self.out_dtype, self.aliased_slots,
+                     self.outputs, self.stream_stores))
+        return "\n".join([head, *(f"{node.op} {node.dtype!r} {[number[id(src)] for src in node.srcs]} {node.arg!r}"
+                                   for node in nodes)])
+
     def describe(self) -> str:
         ops = sorted({node.op for node in self.root.walk() if node.op not in ("load", "const")})
         reduce = f" reduce{list(self.reduce_axes)}" if self.reduce_axes else ""
         return f"{self.out_dtype.name}{list(self.out_shape)} <- {'+'.join(ops) or 'copy'}{reduce} over {list(self.shape)}"
+
+
+def _exact(arg: Any) -> bool:
+    """Whether repr(arg) determines arg (no numpy array: its repr elides elements)."""
+    if isinstance(arg, tuple):
+        return all(_exact(item) for item in arg)
+    return arg is None or isinstance(arg, (str, int, float, bool, np.generic, DType, ShapeTracker))

@@ -555,13 +555,13 @@ def _entry_alloca(lowerer: _HasEntryBlock, t: ir.Type) -> ir.Value:
         return lowerer.b.alloca(t)
 
 
-def lower(ast: KernelAST, publish_progress: bool = True) -> tuple[str, str]:
-    """(entry name, LLVM IR text). The name is a hash of the IR, so equal kernels share code.
+def lower(ast: KernelAST, publish_progress: bool = True, name: str | None = None) -> tuple[str, str]:
+    """(entry name, LLVM IR text). The name is `name`, or a hash of the IR, so equal kernels share code.
     `publish_progress=False` leaves out the progress word (`tinydist.codegen.progress`): for a
     program shipped to a remote node, whose verifier admits no writable global or atomic."""
     lowerer = _Lowerer(ast) if publish_progress else _SilentLowerer(ast)
     text = lowerer.build()
-    name = "k_" + hashlib.sha256(text.encode()).hexdigest()[:20]
+    name = name or "k_" + hashlib.sha256(text.encode()).hexdigest()[:20]
     return name, text.replace('@"KERNEL', f'@"{name}').replace("@KERNEL", f"@{name}")
 
 

@@ -40,7 +40,10 @@ Where packing does not pay, an operand is read where it lies:
 A strided operand (`StridedOperand`, for a batch of one): A or B is not a contiguous matrix but a
 view of another buffer, e.g. a convolution's im2col columns over its padded input. Its packing
 gathers straight from that view, through tables of row and column offsets the driver fills in
-the workspace first, so the (often large) matrix is never written out and read back.
+the workspace first, so the (often large) matrix is never written out and read back. The kernel
+is compiled for the view's form (`StridedForm`: the operand, the vector width of its pieces, the
+axis counts); the view's offset, sizes and strides are trailing arguments (`signature`), so one
+kernel serves every view of its form.
 
 Numerics: no fast-math flags are used; the multiply-adds are explicit ``llvm.fma`` calls (what
 ``contract`` would produce: one rounding per multiply-add). The reduction order is *not* changed:
@@ -55,8 +58,6 @@ ordinary rounding error (worst case O(K·eps) relative), not bitwise.
 
 from __future__ import annotations
 
-import hashlib
-import math
 from collections.abc import Callable
 
 import llvmlite.ir as ir
@@ -65,9 +66,15 @@ from tinydist.codegen import progress
 from tinydist.codegen.matmul_emit import I32, I64, PTR, Builder, MatmulModule, define, i64
 from tinydist.codegen.matmul_microkernel import micro_kernel
 from tinydist.codegen.matmul_packing import offset_table, pack_a, pack_a_gathered, pack_b, pack_b_gathered, packed_block
-from tinydist.codegen.matmul_tiling import ALIGN, StridedOperand, Tiling, itemsize, tiling_for
+from tinydist.codegen.matmul_tiling import (ALIGN, DEFAULT_TILINGS, StridedForm, StridedOperand, Tiling, itemsize,
+                                            tiling_for)
 
 SIGNATURE = ("w", "r", "r", "w", "i64", "i64", "i64", "i64", "i64", "i64", "i64")
+
+
+def signature(strided: StridedForm | None = None) -> tuple[str, ...]:
+    """The kernel's signature: SIGNATURE, then a strided operand's view (`StridedOperand.arguments`)."""
+    return SIGNATURE + ("i64",) * (strided.arguments if strided is not None else 0)
 
 _SWEEP_BYTES = 128 << 10   # B bytes one small-M sweep spans (see small_loops)
 
@@ -76,7 +83,7 @@ class _Driver:
     """The loop nest around the micro-kernel: the batch, jc, pc and ic loops with their packing
     calls, then the jr/ir loops over packed blocks or the small-M sweeps over B in place."""
 
-    def __init__(self, name: str, dtype: str, tiling: Tiling, strided: StridedOperand | None,
+    def __init__(self, name: str, dtype: str, tiling: Tiling, strided: StridedForm | None,
                  publish_progress: bool = True, prepacked: bool = False) -> None:
         if prepacked and strided is not None and strided.operand == "b":
             raise ValueError("a prepacked B cannot also be read through a strided view")
@@ -97,7 +104,8 @@ class _Driver:
                  for rows, kernel in kernels.items()}
         gathered = self.strided.operand if self.strided is not None else None
         packs_a = pack_a_gathered(self.m) if gathered == "a" else pack_a(self.m)
-        packs_b = pack_b_gathered(self.m) if gathered == "b" else pack_b(self.m)
+        packs_b = ({chunk: pack_b_gathered(self.m, chunk) for chunk in self.b_chunks} if gathered == "b"
+                   else pack_b(self.m))
         self.driver(kernels, small, read_b_in_place, packs_a, packs_b)
         return str(self.module)
 
@@ -109,6 +117,25 @@ class _Driver:
         where the kernel before this change took 0.8-0.9 s; with the parts (and A's strides
         constant) 0.45-0.53 s against 0.28-0.29 s (each pair in one loaded minute)."""
         return [self.t.mr] + [1 << e for e in reversed(range(self.t.mr.bit_length())) if 1 << e < self.t.mr]
+
+    @property
+    def b_chunks(self) -> list[int]:
+        """The piece widths a gathered B is packed in: every power of two up to NR (a view's is
+        the largest dividing its run, `StridedForm`)."""
+        return [1 << e for e in range(self.t.nr.bit_length()) if 1 << e <= self.t.nr]
+
+    def by_chunk(self, b: Builder, chunk: ir.Value, packs: dict[int, ir.Function], args: list[ir.Value]) -> None:
+        """Call the packing for `chunk` (one of `b_chunks`; any other value: the one for 1)."""
+        done = b.append_basic_block("chunk.done")
+        blocks = {size: b.append_basic_block(f"chunk{size}") for size in packs}
+        switch = b.switch(chunk, blocks[1])
+        for size, block in blocks.items():
+            if size != 1:
+                switch.add_case(i64(size), block)
+            b.position_at_end(block)
+            b.call(packs[size], args)
+            b.branch(done)
+        b.position_at_end(done)
 
     def by_row_parts(self, b: Builder, rows: ir.Value, emit: Callable[[int, ir.Value], None]) -> None:
         """emit(size, first_row) for the parts of a tile of `rows` (1..MR) rows: all MR at once,
@@ -127,13 +154,17 @@ class _Driver:
         return max(1, 8 // (rows * (self.t.nr // self.lanes)))
 
     def driver(self, kernels: dict[int, ir.Function], small: dict[int, ir.Function], read_b_in_place: bool,
-               pack_a: ir.Function, pack_b: ir.Function) -> None:
+               pack_a: ir.Function, pack_b: ir.Function | dict[int, ir.Function]) -> None:
         t = self.t
+        strided = self.strided
+        view = [] if strided is None else [("view_run", I64), ("view_offset", I64)] + [
+            (f"{side}{d}_{what}", I64) for side, count in (("row", strided.rows), ("col", strided.cols))
+            for d in range(count) for what in ("size", "stride")]
         fn, b = define(self.module, self.name,
                         [("C", PTR), ("A", PTR), ("B", PTR), ("W", PTR), ("batch", I64), ("M", I64),
-                         ("N", I64), ("K", I64), ("strideA", I64), ("strideB", I64), ("strideC", I64)],
+                         ("N", I64), ("K", I64), ("strideA", I64), ("strideB", I64), ("strideC", I64), *view],
                         internal=False)
-        C, A, B, W, batch, M, N, K, stride_a, stride_b, stride_c = fn.args
+        C, A, B, W, batch, M, N, K, stride_a, stride_b, stride_c = fn.args[:len(SIGNATURE)]
 
         # The layout workspace_bytes describes, evaluated at run time.
         def round_up(value: ir.Value, multiple: int) -> ir.Value:
@@ -144,12 +175,19 @@ class _Driver:
         a_offset = i64(0) if self.prepacked else round_up(b.mul(b.mul(kc_max, nc_max), i64(self.itemsize)), ALIGN)
         tables_offset = b.add(a_offset, round_up(b.mul(b.mul(mc_max, kc_max), i64(self.itemsize)), ALIGN))
         b_packed, a_packed = W, b.at(W, a_offset, ir.IntType(8))
-        strided = self.strided
         if strided is not None:
+            view_run, view_offset, *axes = fn.args[len(SIGNATURE):]
+            # B's pieces: the largest power of two dividing the run, at most NR (run & -run: its lowest set bit)
+            b_chunk = b.min(b.and_(view_run, b.sub(i64(0), view_run)), i64(t.nr))
+            pairs = list(zip(axes[0::2], axes[1::2]))
+            rows_axes, cols_axes = pairs[:strided.rows], pairs[strided.rows:]
+            row_entries: ir.Value = i64(1)
+            for size, _ in rows_axes:
+                row_entries = b.mul(row_entries, size)
             row_table = b.at(W, tables_offset, ir.IntType(8))
-            col_table = b.at(row_table, i64(math.prod(size for size, _ in strided.rows)), I32)
-            offset_table(self.m, b, row_table, strided.rows, strided.offset)
-            offset_table(self.m, b, col_table, strided.cols, 0)
+            col_table = b.at(row_table, row_entries, I32)
+            offset_table(self.m, b, row_table, rows_axes, view_offset)
+            offset_table(self.m, b, col_table, cols_axes, i64(0))
         is_small = b.icmp_signed("<=", M, i64(t.mr))
         pack_b_now = b.not_(is_small) if read_b_in_place else ir.Constant(ir.IntType(1), 1)
 
@@ -168,8 +206,9 @@ class _Driver:
                         b_source = packed_block(self.m, b, b_item, jc, pc, nc, K)
                     else:
                         with b.if_then(pack_b_now):
-                            if strided is not None and strided.operand == "b":
-                                b.call(pack_b, [b_packed, b_item, b.at(row_table, pc, I32), b.at(col_table, jc, I32), kc, nc])
+                            if isinstance(pack_b, dict):   # a gathered B
+                                self.by_chunk(b, b_chunk, pack_b,
+                                              [b_packed, b_item, b.at(row_table, pc, I32), b.at(col_table, jc, I32), kc, nc])
                             else:
                                 b.call(pack_b, [b_packed, b_block, N, kc, nc])
                         b_source = b_packed
@@ -259,21 +298,39 @@ class _Driver:
 
 
 
-def program_name(dtype: str, strided: StridedOperand | None = None, prepacked: bool = False) -> str:
-    """The matmul kernel's name: one per dtype, and one per view a strided operand is read through."""
+def strided_form(dtype: str, strided: StridedOperand | StridedForm | None, tiling: Tiling | None = None) -> StridedForm | None:
+    """The form a strided operand's kernel is compiled for under `tiling` (`tiling_for`'s choice for that view)."""
+    if isinstance(strided, StridedOperand):
+        return strided.form(tiling or tiling_for(dtype, strided))
+    return strided
+
+
+def program_name(dtype: str, strided: StridedOperand | StridedForm | None = None, prepacked: bool = False) -> str:
+    """The matmul kernel's name: one per dtype, and one per form of view a strided operand is read
+    through (with its blocking where that is not the dtype's default)."""
     name = f"tinydist_matmul_{dtype}" + ("_prepacked" if prepacked else "")
-    if strided is not None:
-        name += "_strided_" + hashlib.sha256(repr(strided).encode()).hexdigest()[:16]
+    form = strided_form(dtype, strided)
+    if form is not None:
+        name += f"_strided_{form.operand}{form.chunk or ''}_{form.rows}x{form.cols}"
+        t = form.tiling
+        if t is not None and t != DEFAULT_TILINGS[dtype]:
+            name += f"_t{t.mr}x{t.nr}k{t.kc}m{t.mc}n{t.nc}d{t.direct_kc}"
     return name
 
 
 def matmul_ir(name: str, dtype: str = "float32", tiling: Tiling | None = None,
-              strided: StridedOperand | None = None, publish_progress: bool = True, prepacked: bool = False) -> str:
+              strided: StridedOperand | StridedForm | None = None, publish_progress: bool = True,
+              prepacked: bool = False) -> str:
     """LLVM IR text defining ``void @<name>(C, A, B, W, batch, M, N, K, strideA, strideB, strideC)``;
-    with `strided`, that operand is read through its view (M, N, K must match the view's sizes);
+    with `strided` (a view, or the form of one), that operand is read through a view passed after
+    those (`signature`, `StridedOperand.arguments`; M, N, K must match the view's sizes);
     with `prepacked`, B is the output of `pack_b_ir` (strideB counts its elements, a multiple of
     `packed_b_elements` keeps every item 64-byte aligned) and is not packed again.
     `publish_progress=False` leaves out the progress word (a program for a remote node)."""
     itemsize(dtype)
-    return _Driver(name, dtype, tiling or tiling_for(dtype, strided), strided, publish_progress, prepacked).generate()
+    form_tiling = strided.tiling if isinstance(strided, StridedForm) else None
+    if tiling is not None and form_tiling is not None and tiling != form_tiling:
+        raise ValueError(f"tiling {tiling} differs from the one the strided form was made for ({form_tiling})")
+    t = tiling or form_tiling or tiling_for(dtype, strided if isinstance(strided, StridedOperand) else None)
+    return _Driver(name, dtype, t, strided_form(dtype, strided, t), publish_progress, prepacked).generate()
 

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import llvmlite.ir as ir
 
-from tinydist.codegen.matmul_tiling import VECTOR_BYTES, StridedOperand, Tiling, itemsize
+from tinydist.codegen.matmul_tiling import VECTOR_BYTES, StridedForm, Tiling, itemsize
 
 I32, I64 = ir.IntType(32), ir.IntType(64)
 PTR = ir.PointerType()
@@ -67,10 +67,10 @@ def define(module: ir.Module, name: str, args: list[tuple[str, ir.Type]], intern
 
 
 class MatmulModule:
-    """One kernel's LLVM module, named `name`, for `dtype` under `tiling` (and `strided`'s view,
-    if any): the element type, its vector (one zmm register) and the intrinsics, declared once."""
+    """One kernel's LLVM module, named `name`, for `dtype` under `tiling` (and a strided operand's
+    form, if any): the element type, its vector (one zmm register) and the intrinsics, declared once."""
 
-    def __init__(self, name: str, dtype: str, tiling: Tiling, strided: StridedOperand | None) -> None:
+    def __init__(self, name: str, dtype: str, tiling: Tiling, strided: StridedForm | None) -> None:
         self.itemsize = itemsize(dtype)
         self.elem = ELEMENT_TYPES[self.itemsize]
         self.t = tiling

@@ -11,14 +11,14 @@ micro-kernel reads with aligned vector loads (B zero-padded past its last column
 
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
 from contextlib import ExitStack
 
 import llvmlite.ir as ir
 import numpy as np
 
 from tinydist.codegen.matmul_emit import I32, I64, PTR, Builder, MatmulModule, define, i64
-from tinydist.codegen.matmul_tiling import ALIGN, DEFAULT_TILINGS, Axes, Tiling, itemsize, packed_b_elements, round_up
+from tinydist.codegen.matmul_tiling import ALIGN, DEFAULT_TILINGS, Tiling, itemsize, packed_b_elements, round_up
 
 PACK_B_SIGNATURE = ("w", "r", "i64", "i64")
 
@@ -135,7 +135,7 @@ def pack_a_gathered(m: MatmulModule) -> ir.Function:
     # Every KC block starts on a multiple of KC and K is a multiple of the run, so a block's
     # columns come in whole pieces of `chunk` consecutive ones: one table lookup per piece.
     assert m.strided is not None
-    chunk = math.gcd(m.strided.run, m.t.kc)
+    chunk = m.strided.chunk
     full_panels_end = b.mul(b.sdiv(mc, i64(mr)), i64(mr))
     with b.loop(i64(0), full_panels_end, mr, "p") as p:
         panel = b.at(dst, b.mul(p, kc), m.elem)
@@ -163,15 +163,15 @@ def pack_a_gathered(m: MatmulModule) -> ir.Function:
     return fn
 
 
-def pack_b_gathered(m: MatmulModule) -> ir.Function:
+def pack_b_gathered(m: MatmulModule, chunk: int) -> ir.Function:
     """pack_b from a strided operand (tables as pack_a_gathered's). A full micro-panel is
-    copied in pieces of `chunk` columns, consecutive in memory (the view's innermost run,
-    e.g. one output row of a convolution): one column-table lookup per piece and row."""
+    copied in pieces of `chunk` columns (a power of two dividing NR and the view's run, its
+    consecutive columns: e.g. one output row of a convolution): one column-table lookup per
+    piece and row. The driver has one per chunk and calls the one the view's run allows."""
     assert m.strided is not None
     nr = m.t.nr
-    chunk = math.gcd(m.strided.run, nr)
     piece = ir.VectorType(m.elem, chunk) if chunk > 1 else m.elem
-    fn, b = define(m.module, f"{m.name}.pack_b_gathered",
+    fn, b = define(m.module, f"{m.name}.pack_b_gathered{chunk}",
                     [("dst", PTR), ("src", PTR), ("rows", PTR), ("cols", PTR), ("kc", I64), ("nc", I64)])
     dst, src, rows, cols, kc, nc = fn.args
 
@@ -205,14 +205,15 @@ def pack_b_gathered(m: MatmulModule) -> ir.Function:
     return fn
 
 
-def offset_table(m: MatmulModule, b: Builder, dst: ir.Value, axes: Axes, base: int) -> None:
-    """dst[i] = base + Σ index_d·stride_d, i running over the axes in row-major order (int32)."""
+def offset_table(m: MatmulModule, b: Builder, dst: ir.Value, axes: Sequence[tuple[ir.Value, ir.Value]], base: ir.Value) -> None:
+    """dst[i] = base + Σ index_d·stride_d, i running over the axes (size, stride: the kernel's
+    view arguments) in row-major order (int32)."""
     with ExitStack() as nest:
-        flat, offset = i64(0), i64(base)
+        flat, offset = i64(0), base
         for d, (size, stride) in enumerate(axes):
-            index = nest.enter_context(b.loop(i64(0), i64(size), 1, f"table{d}"))
-            flat = b.add(b.mul(flat, i64(size)), index)
-            offset = b.add(offset, b.mul(index, i64(stride)))
+            index = nest.enter_context(b.loop(i64(0), size, 1, f"table{d}"))
+            flat = b.add(b.mul(flat, size), index)
+            offset = b.add(offset, b.mul(index, stride))
         b.store(b.trunc(offset, I32), b.at(dst, flat, I32), align=4)
 
 

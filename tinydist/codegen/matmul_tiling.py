@@ -36,6 +36,33 @@ class Tiling:
 
 Axes = tuple[tuple[int, int], ...]   # (size, stride) per axis, outermost first
 
+# A strided kernel takes its view's row and column axes as arguments, each list padded to this
+# many (a view with more has as many): a convolution's columns have 3 row axes (channel, kernel
+# row, kernel column) and 2-3 column axes (batch, output rows, output columns).
+VIEW_AXES = 4
+
+
+@dataclass(frozen=True)
+class StridedForm:
+    """What a kernel reading a `StridedOperand` is compiled for: the operand, how many consecutive
+    columns A's packing reads as one vector (`chunk`: a divisor of the view's run and of KC; 0 for
+    B, whose kernel packs with a piece for each power of two up to NR and picks one from the view's
+    run at run time) and how many row and column axes its view argument has. The view itself (run,
+    offset, sizes, strides) comes as the kernel's trailing arguments (`StridedOperand.arguments`),
+    so every view of one form shares one kernel: resnet18's eleven im2col views (all B) are one
+    kernel, not eleven (~0.5 s of LLVM each)."""
+
+    operand: str
+    chunk: int
+    rows: int
+    cols: int
+    tiling: Tiling | None = None   # the blocking it is compiled with (None: the dtype's default)
+
+    @property
+    def arguments(self) -> int:
+        """How many i64 arguments the view takes: its run and offset, then a size and a stride per axis."""
+        return 2 + 2 * (self.rows + self.cols)
+
 
 @dataclass(frozen=True)
 class StridedOperand:
@@ -61,6 +88,19 @@ class StridedOperand:
                 break
             run *= size
         return run
+
+    def form(self, tiling: Tiling) -> StridedForm:
+        """The kernel this view is read by under `tiling` (A's pieces divide KC; B's are chosen at run time)."""
+        chunk = math.gcd(self.run, tiling.kc) if self.operand == "a" else 0
+        return StridedForm(self.operand, chunk, max(VIEW_AXES, len(self.rows)), max(VIEW_AXES, len(self.cols)),
+                           tiling)
+
+    def arguments(self) -> tuple[int, ...]:
+        """The view as its kernel's trailing arguments: the run and the offset, then (size, stride) of
+        each row axis and of each column axis, each list padded in front to VIEW_AXES with (1, 0)."""
+        def padded(axes: Axes) -> Axes:
+            return ((1, 0),) * (VIEW_AXES - len(axes)) + axes
+        return (self.run, self.offset, *(value for axis in padded(self.rows) + padded(self.cols) for value in axis))
 
     @property
     def table_entries(self) -> int:

@@ -10,7 +10,7 @@ gather's views and the choice of a streaming copy used to be spelled out by ever
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +56,24 @@ class Copy:
 Command = Launch | Copy
 
 
+def compile_ahead(calls: Sequence[Call], device_of: Callable[[str], Device], also: Sequence[Callable[[], object]] = ()) -> None:
+    """Have each device build the kernels and matmuls `calls` will launch, several at once
+    (`DeviceCompiler.compile_ahead`, with `also` on the first device's pool), before they are
+    lowered one by one."""
+    wanted: dict[str, tuple[Device, list[Any], list[Any]]] = {}
+    for call in calls:
+        if isinstance(call, KernelCall | MatmulCall):
+            device = device_of(call.device)
+            _, kernels, matmuls = wanted.setdefault(device.name, (device, [], []))
+            if isinstance(call, KernelCall):
+                kernels.append(call.ast)
+            else:
+                matmuls.append((call.dtype, call.strided, call.prepacked))
+    for device, kernels, matmuls in wanted.values():
+        device.compiler.compile_ahead(kernels, matmuls, also)
+        also = ()
+
+
 def lower_call(call: Call, buffers: Sequence[Buffer | None], device: Device, views: list[Buffer]) -> list[Command]:
     """The commands running `call` on `device` with the schedule's buffers bound; the views it
     makes of them (a gather's pieces, a slice kernel's ranges) are appended to `views` for the
@@ -67,7 +85,8 @@ def lower_call(call: Call, buffers: Sequence[Buffer | None], device: Device, vie
     if isinstance(call, MatmulCall):
         return [Launch(compiler.matmul(call.dtype, call.strided, call.prepacked),
                        (b[call.out], b[call.a], b[call.b], b[call.workspace], call.batch, call.m, call.n, call.k,
-                        call.a_batch_stride, call.b_batch_stride, call.m * call.n))]
+                        call.a_batch_stride, call.b_batch_stride, call.m * call.n,
+                        *(call.strided.arguments() if call.strided is not None else ())))]
     if isinstance(call, CollectiveCall):
         # a side of no bytes has no buffer: the program takes 0 there (its signature says i64)
         return [Launch(call.routine.program(), tuple(0 if b[n] is None else b[n] for n in (call.out, call.src)))]

@@ -44,8 +44,8 @@ from typing import Any, cast
 
 from tinydist.base.errors import DeviceError, TinydistError
 from tinydist.base.logs import get_logger
-from tinydist.codegen.compile_cache import compile_glue
-from tinydist.engine.commands import Launch, lower_call
+from tinydist.codegen.compile_cache import compile_portable_glue
+from tinydist.engine.commands import Launch, compile_ahead, lower_call
 from tinydist.graph.lazy import LazyNode
 from tinydist.runtime import command_queue
 from tinydist.runtime.buffer import Buffer
@@ -285,7 +285,8 @@ def _lower(schedule: Schedule, inputs: Sequence[LazyNode], engine: Engine) -> Lo
         where[version] = where[memory]
     zero = first_owned + len(owned)
 
-    # every call's commands, checked as `Batch.launch` and `Batch.copy` check them
+    # every call's commands, checked as `Batch.launch` and `Batch.copy` check them (their programs built first, in parallel)
+    compile_ahead(schedule.linear, device, (_interpreter,) if _CALLING_CONVENTION_FITS else ())
     runs: list[_Building] = []
     for call in schedule.linear:
         on = device(call.device)
@@ -555,4 +556,4 @@ exit:
   ret void
 }}
 """
-    return compile_glue(ir)
+    return compile_portable_glue(ir)

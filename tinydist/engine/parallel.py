@@ -83,7 +83,8 @@ def _shrunk(ast: KernelAST, axis: int, lo: int, hi: int) -> KernelAST:
     return dataclasses.replace(ast, shape=shape, root=new[id(ast.root)])
 
 
-def _split_kernel(call: KernelCall, b: Sequence[Any], device: Device, threads: int) -> list[Piece] | None:
+def _kernel_pieces(call: KernelCall, b: Sequence[Any], threads: int) -> list[tuple[KernelAST, tuple[int, ...]]] | None:
+    """The kernels (each over a range of rows) and arguments of `call` split `threads` ways; None: not split."""
     ast = call.ast
     if ast.outputs != 1 or math.prod(ast.shape) < KERNEL_SPLIT_ELEMENTS:
         return None
@@ -98,7 +99,7 @@ def _split_kernel(call: KernelCall, b: Sequence[Any], device: Device, threads: i
     if len(ranges) < 2:
         return None
     out, inputs = b[call.out].address, tuple(b[i].address for i in call.inputs)
-    return [(device.compiler.kernel(_shrunk(ast, axis, lo, hi)), (out + lo * row_bytes, *inputs)) for lo, hi in ranges]
+    return [(_shrunk(ast, axis, lo, hi), (out + lo * row_bytes, *inputs)) for lo, hi in ranges]
 
 
 def _split_matmul(call: MatmulCall, b: Sequence[Any], device: Device, pieces: int,
@@ -108,13 +109,14 @@ def _split_matmul(call: MatmulCall, b: Sequence[Any], device: Device, pieces: in
     size = call.dtype.itemsize
     program = device.compiler.matmul(call.dtype, call.strided, call.prepacked)
     c, a, bb, w = (b[n].address for n in (call.out, call.a, call.b, call.workspace))
+    view = call.strided.arguments() if call.strided is not None else ()
     if call.batch >= 2 and call.strided is None:
         ranges = _bounds(call.batch, pieces)
 
         def args(lo: int, hi: int, work: int) -> tuple[int, ...]:
             return (c + lo * call.m * call.n * size, a + lo * call.a_batch_stride * size,
                     bb + lo * call.b_batch_stride * size, work, hi - lo, call.m, call.n, call.k,
-                    call.a_batch_stride, call.b_batch_stride, call.m * call.n)
+                    call.a_batch_stride, call.b_batch_stride, call.m * call.n, *view)
     elif call.batch == 1 and (call.strided is None or call.strided.operand == "b"):
         mr = DEFAULT_TILINGS[call.dtype.name].mr
         ranges = _bounds(call.m, pieces, mr)
@@ -123,7 +125,7 @@ def _split_matmul(call: MatmulCall, b: Sequence[Any], device: Device, pieces: in
 
         def args(lo: int, hi: int, work: int) -> tuple[int, ...]:
             return (c + lo * call.n * size, a + lo * call.k * size, bb, work, 1, hi - lo, call.n, call.k,
-                    call.a_batch_stride, call.b_batch_stride, (hi - lo) * call.n)
+                    call.a_batch_stride, call.b_batch_stride, (hi - lo) * call.n, *view)
     else:
         return None
     out = []
@@ -145,10 +147,15 @@ def split(calls: Sequence[Call], buffers: Sequence[Buffer | None], device: Devic
     phases: list[list[list[Piece]]] = []
     serial: list[Piece] = []
     split_any = False
-    for call in calls:
+    kernel_pieces = {index: _kernel_pieces(call, buffers, threads) for index, call in enumerate(calls)
+                     if isinstance(call, KernelCall)}
+    # the pieces' kernels built at once, as the lowering builds the calls' (`DeviceCompiler.compile_ahead`)
+    device.compiler.compile_ahead([ast for found in kernel_pieces.values() for ast, _ in found or ()], [])
+    for index, call in enumerate(calls):
         pieces: list[Piece] | None = None
         if isinstance(call, KernelCall):
-            pieces = _split_kernel(call, buffers, device, threads)
+            found = kernel_pieces[index]
+            pieces = None if found is None else [(device.compiler.kernel(ast), args) for ast, args in found]
         elif isinstance(call, MatmulCall):
             # a piece of rows packs all of an unpacked B itself (a convolution's columns): one per thread then
             finer = call.prepacked or call.batch >= 2

@@ -24,24 +24,27 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import itertools
+import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tinydist.base.config import settings
 from tinydist.base.errors import DeviceError
-from tinydist.codegen.compile_cache import compile_glue, compile_kernel
+from tinydist.codegen.compile_cache import compile_generated_kernel, compile_glue, compile_kernel
 from tinydist.codegen.copy import SIGNATURE as STREAM_COPY_SIGNATURE
 from tinydist.codegen.copy import stream_copy_ir
 from tinydist.codegen.kernel import KernelAST, short_dtype
 from tinydist.codegen.lowering import lower
-from tinydist.codegen.matmul import SIGNATURE as MATMUL_SIGNATURE
-from tinydist.codegen.matmul import matmul_ir, program_name
+from tinydist.codegen.matmul import matmul_ir, program_name, strided_form
+from tinydist.codegen.matmul import signature as matmul_signature
 from tinydist.codegen.matmul_tiling import StridedOperand
 from tinydist.codegen.parallel import entry_ir as parallel_entry_ir
 from tinydist.codegen.reduce import reduce_ir
@@ -68,8 +71,9 @@ class DeviceCompiler:
     def __init__(self, device: Device, capacity: int | None = None) -> None:
         self.device = device
         self.capacity = settings.LOADED_KERNELS if capacity is None else capacity
-        self._lock = threading.Lock()  # one build at a time, so a kernel is built once
+        self._lock = threading.Lock()
         self._programs: OrderedDict[Hashable, Program] = OrderedDict()
+        self._building: dict[Hashable, Future[Program]] = {}   # builds under way, so each is built once
         self.evicted = 0  # programs dropped from the LRU
 
     @property
@@ -100,13 +104,57 @@ class DeviceCompiler:
             return program
         with self._lock:
             program = self._lookup(key)
-            if program is None:
-                program = self._programs[key] = self._build(build, label)
-                while len(self._programs) > self.capacity:
-                    _, dropped = self._programs.popitem(last=False)
-                    LABELS.pop(dropped.name, None)  # bounded with the programs (one still loaded elsewhere traces by symbol)
-                    self.evicted += 1
+            if program is not None:
+                return program
+            pending = self._building.get(key)
+            building = pending is None
+            if pending is None:
+                pending = self._building[key] = Future()
+        if not building:
+            return pending.result()   # another thread builds it: a kernel is built once
+        try:
+            program = self._build(build, label)
+        except BaseException as exc:
+            with self._lock:
+                del self._building[key]
+            pending.set_exception(exc)
+            raise
+        with self._lock:
+            self._programs[key] = program
+            del self._building[key]
+            while len(self._programs) > self.capacity:
+                _, dropped = self._programs.popitem(last=False)
+                LABELS.pop(dropped.name, None)  # bounded with the programs (one still loaded elsewhere traces by symbol)
+                self.evicted += 1
+        pending.set_result(program)
         return program
+
+    def compile_ahead(self, kernels: Sequence[KernelAST], matmuls: Sequence[tuple[DType, StridedOperand | None, bool]],
+                      also: Sequence[Callable[[], object]] = ()) -> None:
+        """Build the programs of `kernels` and of `matmuls` ((dtype, strided, prepacked) as `matmul`
+        takes them) not built yet, on up to one thread per CPU at once: LLVM runs without the GIL,
+        so one kernel compiles while the next one's IR is rendered and another compiles. A schedule's
+        lowering asks for them all first, then takes them one by one. `also`: other (cached) builds
+        the caller is about to need, run in the same pool when there is one. The matmuls go first
+        (one is ~0.5 s of LLVM, an elementwise kernel ~50 ms: the longest first keeps both threads
+        busy to the end). Only a device compiling host code here (`native_code`); a failed build
+        raises when its program is asked for again."""
+        if not self.device.native_code:
+            return
+        todo: dict[Hashable, Callable[[], object]] = {}
+        for dtype, strided, prepacked in matmuls:
+            key = ("matmul", dtype.name, strided_form(dtype.name, strided), prepacked)
+            if key not in self._programs:
+                todo.setdefault(key, functools.partial(self.matmul, dtype, strided, prepacked))
+        for ast in kernels:
+            if ast not in self._programs:
+                todo.setdefault(ast, functools.partial(self.kernel, ast))
+        threads = min(len(todo), _cpus())
+        if threads < 2:
+            return
+        with ThreadPoolExecutor(threads, thread_name_prefix="tinydist-compile") as pool:
+            for done in [pool.submit(build) for build in (*todo.values(), *also)]:
+                done.exception()   # wait; the error is raised again where the program is asked for
 
     def _build(self, build: Callable[[], Program], label: Callable[[], str] | None) -> Program:
         """`build()`, filing the program's label (`program.LABELS`); while tracing, also a span on
@@ -124,19 +172,33 @@ class DeviceCompiler:
 
     def kernel(self, ast: KernelAST) -> Program:
         def build() -> Program:
-            name, ir_text = lower(ast, publish_progress=self.device.native_code)
-            return self.device.load_ir(ir_text, name, ["w"] * ast.outputs + ["r"] * len(ast.slot_dtypes), compile_kernel)
+            signature = ["w"] * ast.outputs + ["r"] * len(ast.slot_dtypes)
+            source = ast.source() if self.device.native_code else None
+            if source is None:
+                name, ir_text = lower(ast, publish_progress=self.device.native_code)
+                return self.device.load_ir(ir_text, name, signature, compile_kernel)
+            # looked up by the kernel itself (a warm cache lowers nothing); named by it too, as the IR is not at hand
+            source = f"lower publish_progress=True\n{source}"
+            name = "k_" + hashlib.sha256(source.encode()).hexdigest()[:20]
+            return self.device.load_generated(source, lambda: lower(ast, name=name)[1], name, signature,
+                                              compile_generated_kernel)
         return self._cached(ast, build, ast.label)
 
     def matmul(self, dtype: DType, strided: StridedOperand | None = None, prepacked: bool = False) -> Program:
-        """The matmul kernel; with `strided`, one specialised to read that operand through its view;
+        """The matmul kernel; with `strided`, the one for that operand's form of view (one for every
+        view of that form: the view is its trailing arguments, `StridedOperand.arguments`);
         `prepacked`, one reading B packed at load (`pack_b_array`)."""
+        form = strided_form(dtype.name, strided)
+
         def build() -> Program:
-            name = program_name(dtype.name, strided, prepacked)
-            ir_text = matmul_ir(name, dtype.name, strided=strided, publish_progress=self.device.native_code,
-                                prepacked=prepacked)
-            return self.device.load_ir(ir_text, name, MATMUL_SIGNATURE, compile_kernel)
-        return self._cached(("matmul", dtype.name, strided, prepacked), build,
+            name = program_name(dtype.name, form, prepacked)
+            publish = self.device.native_code
+            # the request in full (the generator's code is in the cache key too): a warm cache renders no IR
+            source = f"matmul_ir {name} {dtype.name} strided={form!r} publish_progress={publish} prepacked={prepacked}"
+            return self.device.load_generated(
+                source, lambda: matmul_ir(name, dtype.name, strided=form, publish_progress=publish, prepacked=prepacked),
+                name, matmul_signature(form), compile_generated_kernel)
+        return self._cached(("matmul", dtype.name, form, prepacked), build,
                             lambda: f"matmul {short_dtype(dtype)}{' strided' if strided is not None else ''}"
                                     f"{' prepacked' if prepacked else ''}")
 
@@ -155,7 +217,7 @@ class DeviceCompiler:
         lines = [f"  {_call(program, args)}" for program, args in launches]
         name = f"tinydist_entry_{next(_entry_ids)}"
         ir_text = f"define void @{name}() {{\nentry:\n" + "\n".join(lines) + "\n  ret void\n}\n"
-        return self._build(lambda: self.device.load_program(compile_glue(ir_text), name, [],
+        return self._build(lambda: self.device.load_program(compile_glue(ir_text, straight_line=True), name, [],
                                                             calls=[program for program, _ in launches]),
                            lambda: _entry_label(launches))
 
@@ -172,7 +234,10 @@ class DeviceCompiler:
         calls = [[[_call(program, args) for program, args in piece] for piece in phase] for phase in phases]
         ir_text = parallel_entry_ir(name, workers.control, workers.post.address, calls)
         launches = [launch for phase in phases for piece in phase for launch in piece]
-        return self._build(lambda: self.device.load_program(compile_glue(ir_text), name, [],
+        # at O0 too (`compile_glue`): its loops are the claim and the spin-wait, a pause each turn; the bulk is
+        # the pieces' calls. bert6_384's entry: O1 988-1019 ms, O0 57-172 ms (load 6); frames at 2 threads,
+        # alternating, O0/O1 1.048 (bert6_384) and 1.004 (resnet18) at load 6-8, i.e. within the noise there
+        return self._build(lambda: self.device.load_program(compile_glue(ir_text, straight_line=True), name, [],
                                                             calls=[workers.post, *(program for program, _ in launches)]),
                            lambda: f"{threads} threads, " + _entry_label(launches))
 
@@ -195,9 +260,16 @@ class DeviceCompiler:
                   for i, (address, nbytes) in enumerate(copies_out)]
         name = f"tinydist_frame_{next(_entry_ids)}"
         ir_text = f"define void @{name}({', '.join(params)}) {{\nentry:\n" + "\n".join(lines) + "\n  ret void\n}\n"
-        return self._build(lambda: self.device.load_program(compile_glue(ir_text), name,
+        return self._build(lambda: self.device.load_program(compile_glue(ir_text, straight_line=True), name,
                                                             ["r"] * len(copies_in) + ["w"] * len(copies_out), calls=[entry]),
                            lambda: f"frame: {LABELS.get(entry.name, entry.name)}")
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on every platform
+        return os.cpu_count() or 1
 
 
 def _call(program: Program, args: Sequence[int]) -> str:

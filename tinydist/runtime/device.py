@@ -163,6 +163,13 @@ class Device(ABC):
         compile cache) and load the object code; a remote back end ships the IR to its node instead."""
         return self.load_program(compile(ir_text), entry, signature)
 
+    def load_generated(self, source: str, render: Callable[[], str], entry: str, signature: Sequence[str],
+                       compile: Callable[[str, Callable[[], str]], bytes]) -> Program:
+        """`load_ir(render(), ...)` for a generated kernel: local back ends look its object code up
+        by the generator's request `source` (`compile`: the caller's cache) and render the IR only
+        on a miss; a back end that takes IR (a remote node) renders it and calls load_ir."""
+        return self.load_program(compile(source, render), entry, signature)
+
     def kernel_progress(self) -> int:
         """A number that changes while a kernel of this device runs and publishes progress
         (`tinydist.codegen.progress`); back ends whose kernels publish none leave it at 0, and

@@ -125,16 +125,19 @@ def _make_device(name: str) -> Device:
         return getattr(importlib.import_module(module), attr)(canonical)
     kind = canonical.split(":")[0]
     backend = BACKENDS.get(kind)
-    usable = [info.name for info in discover() if info.usable]
+
+    def usable() -> str:
+        # every back end probed only for the message: discovering CUDA runs ldconfig (~15 ms of a first call)
+        return ", ".join(info.name for info in discover() if info.usable)
     if backend is None:
-        raise DeviceNotFound(f"no device back end {kind!r} (from {name!r}); available devices: {', '.join(usable)}")
+        raise DeviceNotFound(f"no device back end {kind!r} (from {name!r}); available devices: {usable()}")
     infos = backend.discover()
     match = [info for info in infos if info.name == canonical]
     if not match or backend.make is None:
         reasons = "; ".join(f"{info.name}: {info.detail}" for info in infos if not info.usable)
         if reasons:
-            raise DeviceUnavailable(f"{canonical} cannot open here ({reasons}); available devices: {', '.join(usable)}")
-        raise DeviceNotFound(f"no device {canonical}; available devices: {', '.join(usable)}")
+            raise DeviceUnavailable(f"{canonical} cannot open here ({reasons}); available devices: {usable()}")
+        raise DeviceNotFound(f"no device {canonical}; available devices: {usable()}")
     device = backend.make(canonical)
     device.peer_group = backend.peer_group
     return device

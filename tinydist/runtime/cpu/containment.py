@@ -18,7 +18,6 @@ watching a thread's state until it changes.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import platform
 import signal
@@ -101,7 +100,7 @@ def _install() -> Program:
     """Install the parking handler for PARK_SIGNAL (once). Returns its program, which the cache
     keeps for the life of the process: the kernel holds only the handler's address, and code whose
     last holder goes is unloaded (the next signal would jump into unmapped memory)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc = ctypes.CDLL(None, use_errno=True)  # the process's own symbols, libc's among them (find_library runs ldconfig: ~12 ms)
     pause = ctypes.cast(libc.pause, ctypes.c_void_p).value
     holds_gil = ctypes.cast(ctypes.pythonapi.PyGILState_Check, ctypes.c_void_p).value
     assert pause and holds_gil

@@ -333,6 +333,10 @@ class CUDADevice(Device):
     def load_ir(self, ir_text: str, entry: str, signature: Sequence[str], compile: Callable[[str], bytes]) -> Program:
         raise DeviceError(f"{self.name} cannot run host LLVM IR ({entry}); kernels reach it as kernel ASTs through dev.compiler.kernel")
 
+    def load_generated(self, source: str, render: Callable[[], str], entry: str, signature: Sequence[str],
+                       compile: Callable[[str, Callable[[], str]], bytes]) -> Program:
+        raise DeviceError(f"{self.name} cannot run host LLVM IR ({entry}); kernels reach it as kernel ASTs through dev.compiler.kernel")
+
     def _cached(self, key: Any, make: Callable[[], ptx.PTXKernel]) -> Program:
         program = self._programs.get(key)
         if program is None:

@@ -176,6 +176,10 @@ class RemoteDevice(Device):
                                                               llvm_ir=ir_text, entry=entry, signature=list(signature)))
         return Program(entry, signature, _Launcher(self, reply.program_id, signature), 0)
 
+    def load_generated(self, source: str, render: Callable[[], str], entry: str, signature: Sequence[str],
+                       compile: Callable[[str, Callable[[], str]], bytes] | None = None) -> Program:
+        return self.load_ir(render(), entry, signature)
+
     def host_copy(self) -> Callable[[int, int, int], None]:
         return self._copy
 
