@@ -20,6 +20,7 @@ receiver (the step ends when its last chunk is in and reduced): ring's `reduce-s
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import anyio
@@ -28,6 +29,7 @@ import numpy as np
 from tinydist.observability import tracing
 from tinydist.transports.base import Link
 from tinydist.transports.shm import SLOT_BYTES
+from tinydist.transports.tcp import Expect
 
 CHUNK_BYTES = SLOT_BYTES
 
@@ -248,3 +250,68 @@ async def broadcast(links: dict[int, Link], rank: int, src: int, out: np.ndarray
     for a, b in chunks:
         async with links[src].recv() as view:
             out[a:b] = _view(view, out.dtype, b - a)
+
+
+# ---- direct: the same algorithms run on the calling thread over paused TCP links ----------------
+# (`ProcessGroup._direct`). The same chunk plan and frames as above, so a rank running them meets a
+# peer running the async ones; `move(sends, expects)` is `tinydist.transports.tcp.pump` within the
+# call's deadline, `scratch(key, count, dtype)` a buffer the group keeps for the next call.
+
+Move = Callable[[dict[int, list[tuple[memoryview, int]]], dict[int, list[Expect]]], None]
+Scratch = Callable[[str, int, np.dtype], np.ndarray]
+
+
+def _bytes(arr: np.ndarray) -> memoryview:
+    return arr.reshape(-1).view(np.uint8).data
+
+
+def naive_direct(move: Move, scratch: Scratch, peers: Sequence[int], rank: int, world: int, x: np.ndarray,
+                 ufunc: Ufunc, out: np.ndarray, sent: bool = False) -> np.ndarray:
+    """`naive` on this thread: every peer's chunks land in a buffer of its own, and chunk k is reduced in
+    rank order (bitwise the same on every rank) once the last peer's chunk k is in; into `out` (its
+    memory apart from `x`'s, which is still being sent)."""
+    chunks = chunk_bounds(0, x.size, chunk_elements(x.itemsize))
+    theirs = {p: scratch(f"naive{p}", x.size, x.dtype) for p in peers}
+    counts = [0] * len(chunks)
+
+    def arrived(k: int, _: memoryview) -> None:
+        counts[k] += 1
+        if counts[k] == world - 1:
+            a, b = chunks[k]
+            dst = out[a:b]
+            for j in range(world):
+                _combine(ufunc, dst, x[a:b] if j == rank else theirs[j][a:b], j == 0)
+
+    sends = {} if sent else {p: [(_bytes(x[a:b]), 0) for a, b in chunks] for p in peers}
+    move(sends, {p: [Expect(_bytes(theirs[p][a:b]), functools.partial(arrived, k)) for k, (a, b) in enumerate(chunks)]
+                 for p in peers})
+    return out
+
+
+def ring_direct(move: Move, scratch: Scratch, rank: int, world: int, out: np.ndarray, bounds: Sequence[tuple[int, int]],
+                hold: int, reduce_steps: int, gather_steps: int, ufunc: Ufunc | None) -> None:
+    """`ring` on this thread: chunk k of step s goes right once chunk k of step s-1 is in (the pump
+    counts), chunks being reduced land in a scratch chunk and chunks being gathered straight in `out`."""
+    step = chunk_elements(out.itemsize)
+    chunks = [chunk_bounds(a, b, step) for a, b in bounds]
+    total = reduce_steps + gather_steps
+    tmp = scratch("ring", step, out.dtype)
+
+    def reduce_into(a: int, b: int, _: memoryview) -> None:
+        assert ufunc is not None
+        ufunc(out[a:b], tmp[:b - a], out=out[a:b])
+
+    sends: list[tuple[memoryview, int]] = []
+    expects: list[Expect] = []
+    before = 0                     # messages received before this step
+    for s in range(total):
+        mine = chunks[(hold - s) % world]
+        sends.extend((_bytes(out[a:b]), before - len(chunks[(hold - s) % world]) + k + 1 if s else 0)
+                     for k, (a, b) in enumerate(mine))
+        for a, b in chunks[(hold - s - 1) % world]:
+            if s < reduce_steps:
+                expects.append(Expect(_bytes(tmp[:b - a]), functools.partial(reduce_into, a, b)))
+            else:
+                expects.append(Expect(_bytes(out[a:b])))
+        before += len(chunks[(hold - s - 1) % world])
+    move({(rank + 1) % world: sends}, {(rank - 1) % world: expects})

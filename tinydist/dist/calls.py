@@ -37,6 +37,8 @@ class Call:
     # takes one message round, not the header's then the data's; the header says `eager` so that, on a
     # mismatch, each rank knows which peers' data to drain
     eager: np.ndarray | None = None
+    # over TCP links: the body on the calling thread, the links' readers paused (`ProcessGroup._direct`)
+    direct: Callable[[dict[int, dict[str, Any]]], Any] | None = None
 
 
 def all_reduce(group: ProcessGroup, x: np.ndarray, op: str, algorithm: str, out: np.ndarray | None = None) -> Call:
@@ -100,7 +102,34 @@ def all_reduce(group: ProcessGroup, x: np.ndarray, op: str, algorithm: str, out:
         run(session, x.reshape(-1), acc, rop)
         return _result(_finish(acc, op, group.world, flat_out), x.shape, out)
 
-    return Call(header, body, segment if on_segment else None, x.nbytes, x.reshape(-1) if eager else None)
+    def direct(_: dict[int, dict[str, Any]]) -> np.ndarray:
+        flat = x.reshape(-1)
+        own = flat_out is not None and flat_out.ctypes.data == flat.ctypes.data
+        if chosen is Algorithm.NAIVE:
+            # naive sends its input while it reduces: into `out` only when apart from the input, else a
+            # buffer the group keeps (out=x) or a new one (no out: it is the result)
+            if flat_out is not None and flat_out.dtype == x.dtype and not own:
+                into = flat_out
+            elif flat_out is not None:
+                into = group.scratch("naive-out", flat.size, x.dtype)
+            else:
+                into = np.empty_like(flat)
+            acc = algo.naive_direct(group.move, group.scratch, list(group.links), group.rank, group.world, flat,
+                                    rop.ufunc, into, sent=eager)
+        else:
+            if flat_out is not None and flat_out.dtype == x.dtype:
+                acc = flat_out
+                if not own:
+                    np.copyto(acc, flat)
+            else:
+                acc = flat.copy()
+            algo.ring_direct(group.move, group.scratch, group.rank, group.world, acc, shard_bounds(flat.size, group.world),
+                             group.rank, group.world - 1, group.world - 1, rop.ufunc)
+        return _result(_finish(acc, op, group.world, flat_out), x.shape, out)
+
+    direct_ok = group.shm is None and group.world > 1 and not error and chosen in (Algorithm.NAIVE, Algorithm.RING)
+    return Call(header, body, segment if on_segment else None, x.nbytes, x.reshape(-1) if eager else None,
+                direct if direct_ok else None)
 
 
 def all_gather(group: ProcessGroup, x: np.ndarray, axis: int) -> Call:
@@ -224,7 +253,9 @@ def broadcast(group: ProcessGroup, x: np.ndarray | None, src: int) -> Call:
 def barrier(group: ProcessGroup) -> Call:
     async def body(_: dict[int, dict[str, Any]]) -> None:
         return None
-    return Call({"coll": "barrier"}, body, shm.barrier if group.shm is not None else None)
+    def direct(_: dict[int, dict[str, Any]]) -> None:
+        return None
+    return Call({"coll": "barrier"}, body, shm.barrier if group.shm is not None else None, direct=direct)
 
 
 # what `ProcessGroup.blocking(name, ...)` prepares
