@@ -373,11 +373,12 @@ class Stalled(TransportError):
 
 
 class Expect:
-    """One message `pump` is to receive: into `into` (exactly its size) or a new buffer, then `done(view)`."""
+    """One message `pump` is to receive: into `into` (exactly its size) or a new buffer, then `done(view)`,
+    which may return further messages to expect from the same link next (data a header announces)."""
 
     __slots__ = ("into", "done")
 
-    def __init__(self, into: memoryview | None, done: Callable[[memoryview], None] | None = None) -> None:
+    def __init__(self, into: memoryview | None, done: Callable[[memoryview], Any] | None = None) -> None:
         self.into, self.done = into, done
 
 
@@ -385,12 +386,13 @@ class _Wire:
     """`pump`'s state for one link: frames to send (and how many received messages each waits for), the
     frame being read."""
 
-    __slots__ = ("link", "out", "iov", "expect", "head", "got", "body", "target", "kind")
+    __slots__ = ("link", "out", "iov", "ends", "expect", "head", "got", "body", "target", "kind")
 
     def __init__(self, link: SocketLink) -> None:
         self.link = link
         self.out: collections.deque[tuple[int, bytes, memoryview | None]] = collections.deque()
         self.iov: list[memoryview] = []        # what is left of frames already started
+        self.ends: collections.deque[int] = collections.deque()   # iov entries up to each started frame's end
         self.expect: collections.deque[Expect] = collections.deque()
         self.head = memoryview(bytearray(HEADER.size))
         self.got = 0                           # bytes of the current header, then of its payload
@@ -401,7 +403,7 @@ class _Wire:
 
 def pump(links: dict[int, SocketLink], sends: dict[int, Sequence[tuple[memoryview, int]]],
          expects: dict[int, Sequence[Expect]], deadline: float, wake_fd: int = -1,
-         interrupted: Callable[[], None] | None = None) -> None:
+         interrupted: Callable[[], None] | None = None, sent: list[int] | None = None) -> None:
     """On the calling thread, which holds every link's `direct_lock` with its reader paused: send each
     `sends[peer]` message (a payload and the count of received messages it waits for, over all links)
     as a DATA frame, and receive the `expects[peer]` messages, in order, calling each one's `done` when
@@ -409,7 +411,8 @@ def pump(links: dict[int, SocketLink], sends: dict[int, Sequence[tuple[memoryvie
     overlap and no rank waits on its own send. Frames from any link that nothing here expects (a peer
     ahead of us) go to its inbox, as the reader would put them; messages already in an inbox are taken
     first. A BYE, ABORT or EOF raises PeerFailed (recorded on the link, as the reader would); the
-    deadline raises Stalled; a byte on `wake_fd` calls `interrupted` (which raises to stop)."""
+    deadline raises Stalled; a byte on `wake_fd` calls `interrupted` (which raises to stop). `sent[0]`
+    counts the messages wholly handed to the kernel (their buffers may change from then on)."""
     wires = {peer: _Wire(link) for peer, link in links.items()}
     received = 0
     for peer, msgs in sends.items():
@@ -421,10 +424,8 @@ def pump(links: dict[int, SocketLink], sends: dict[int, Sequence[tuple[memoryvie
         while inbox and wire.expect:
             _fill(wire, wire.expect.popleft(), inbox.popleft())
             received += 1
-    by_fd = {w.link.sock.fileno(): w for w in wires.values()}
-    poller = select.poll()
-    if wake_fd >= 0:
-        poller.register(wake_fd, select.POLLIN)
+    poller: Any = None
+    woke: set[int] = set()        # sockets poll said are readable
     while True:
         busy = False
         for wire in wires.values():
@@ -436,26 +437,39 @@ def pump(links: dict[int, SocketLink], sends: dict[int, Sequence[tuple[memoryvie
                 while wire.out and wire.out[0][0] <= received and len(wire.iov) < 16:
                     _, head, view = wire.out.popleft()
                     wire.iov.append(memoryview(head))
+                    wire.ends.append(len(wire.iov))
                     if view is not None and len(view):
                         wire.iov.append(view)
+                        wire.ends[-1] += 1
                 try:
                     n = link.sock.sendmsg(wire.iov)
                 except (BlockingIOError, InterruptedError):
                     n = 0
                 except OSError as exc:
                     raise _broken(link, f"send failed: {exc.__class__.__name__}: {exc}") from None
-                link.bytes_sent += n
-                while n and wire.iov:
-                    first = wire.iov[0]
-                    if n >= len(first):
-                        n -= len(first)
-                        wire.iov.pop(0)
-                    else:
-                        wire.iov[0] = first[n:]
-                        n = 0
-                busy = True
-            # read whatever has come
-            if not link.peer_closed:
+                if n:
+                    busy = True
+                    link.bytes_sent += n
+                    done = 0
+                    while n and wire.iov:
+                        first = wire.iov[0]
+                        if n >= len(first):
+                            n -= len(first)
+                            wire.iov.pop(0)
+                            done += 1
+                        else:
+                            wire.iov[0] = first[n:]
+                            n = 0
+                    # `ends`: the iov entries, counted from the front, up to each started frame's end
+                    ends = wire.ends
+                    while ends and ends[0] <= done:
+                        ends.popleft()
+                        if sent is not None:
+                            sent[0] += 1
+                    if done and ends:
+                        wire.ends = collections.deque(e - done for e in ends)
+            # read whatever has come, from links something is owed by (or poll woke)
+            if not link.peer_closed and (wire.expect or wire.got or wire.body is not None or link.sock.fileno() in woke):
                 got = _read(wire)
                 while got:
                     received += got
@@ -463,29 +477,36 @@ def pump(links: dict[int, SocketLink], sends: dict[int, Sequence[tuple[memoryvie
                     got = _read(wire)
             if wire.expect and link.peer_closed and not wire.got and wire.body is None:
                 raise _broken(link, "the peer closed the link", bye=True)
+        woke.clear()
         # done when nothing is owed either way and no frame is half read (the reader goes on at a boundary)
         if not any(w.expect or w.iov or w.out or w.got or w.body is not None for w in wires.values()):
             return
         if busy:
             continue
-        for fd, wire in by_fd.items():
+        if poller is None:
+            poller = select.poll()
+            if wake_fd >= 0:
+                poller.register(wake_fd, select.POLLIN)
+        for wire in wires.values():
             mask = 0 if wire.link.peer_closed else select.POLLIN
             if wire.iov or (wire.out and wire.out[0][0] <= received):
                 mask |= select.POLLOUT
             if mask:
-                poller.register(fd, mask)
+                poller.register(wire.link.sock.fileno(), mask)
             else:
                 with contextlib.suppress(KeyError):
-                    poller.unregister(fd)
+                    poller.unregister(wire.link.sock.fileno())
         left = deadline - time.monotonic()
         if left <= 0:
             raise Stalled(sorted(p for p, w in wires.items() if w.expect or w.iov or w.out or w.got or w.body is not None))
-        for fd, _ in poller.poll(min(left, 3600.0) * 1000):
+        for fd, events in poller.poll(min(left, 3600.0) * 1000):
             if fd == wake_fd:
                 with contextlib.suppress(BlockingIOError):
                     os.read(wake_fd, 8)
                 if interrupted is not None:
                     interrupted()
+            elif events & (select.POLLIN | select.POLLHUP | select.POLLERR):
+                woke.add(fd)
 
 
 def _broken(link: SocketLink, reason: str, bye: bool = False, blamed: int | None = None, code: int = 0) -> PeerFailed:
@@ -504,8 +525,8 @@ def _fill(wire: _Wire, exp: Expect, buf: Any) -> None:
                                  f"were expected (ranks out of step)")
         exp.into[:] = view
         view = exp.into
-    if exp.done is not None:
-        exp.done(view.toreadonly())
+    if exp.done is not None and (more := exp.done(view.toreadonly())):
+        wire.expect.extendleft(reversed(more))
 
 
 def _read(wire: _Wire) -> int:
@@ -560,8 +581,8 @@ def _read(wire: _Wire) -> int:
     wire.body, wire.target, wire.got = None, None, 0
     if isinstance(target, Expect):
         wire.expect.popleft()
-        if target.done is not None:
-            target.done(body.toreadonly())
+        if target.done is not None and (more := target.done(body.toreadonly())):
+            wire.expect.extendleft(reversed(more))
         return 1
     link.inbox.items.append(target)
     return 0

@@ -257,7 +257,7 @@ async def broadcast(links: dict[int, Link], rank: int, src: int, out: np.ndarray
 # peer running the async ones; `move(sends, expects)` is `tinydist.transports.tcp.pump` within the
 # call's deadline, `scratch(key, count, dtype)` a buffer the group keeps for the next call.
 
-Move = Callable[[dict[int, list[tuple[memoryview, int]]], dict[int, list[Expect]]], None]
+Move = Callable[..., None]   # (sends, expects, sent=None): `ProcessGroup.move`
 Scratch = Callable[[str, int, np.dtype], np.ndarray]
 
 
@@ -265,27 +265,57 @@ def _bytes(arr: np.ndarray) -> memoryview:
     return arr.reshape(-1).view(np.uint8).data
 
 
-def naive_direct(move: Move, scratch: Scratch, peers: Sequence[int], rank: int, world: int, x: np.ndarray,
-                 ufunc: Ufunc, out: np.ndarray, sent: bool = False) -> np.ndarray:
+class NaiveDirect:
     """`naive` on this thread: every peer's chunks land in a buffer of its own, and chunk k is reduced in
-    rank order (bitwise the same on every rank) once the last peer's chunk k is in; into `out` (its
-    memory apart from `x`'s, which is still being sent)."""
-    chunks = chunk_bounds(0, x.size, chunk_elements(x.itemsize))
-    theirs = {p: scratch(f"naive{p}", x.size, x.dtype) for p in peers}
-    counts = [0] * len(chunks)
+    rank order (bitwise the same on every rank) once the last peer's chunk k is in; into `out`, whose
+    memory is apart from `x`'s, or is `x` itself with one peer and a commutative `ufunc` (x op theirs is
+    theirs op x): then chunk k is reduced once it has also left (`move` counts sent messages).
+    `expects(peer)`: the messages `peer` sends, for the header exchange to expect right behind an
+    agreeing header when the data went with it (`sent`); `run()` moves the rest and returns `out`."""
 
-    def arrived(k: int, _: memoryview) -> None:
-        counts[k] += 1
-        if counts[k] == world - 1:
-            a, b = chunks[k]
-            dst = out[a:b]
-            for j in range(world):
-                _combine(ufunc, dst, x[a:b] if j == rank else theirs[j][a:b], j == 0)
+    def __init__(self, move: Move, scratch: Scratch, peers: Sequence[int], rank: int, world: int, x: np.ndarray,
+                 ufunc: Ufunc, out: np.ndarray, sent: bool = False) -> None:
+        self.move, self.peers, self.rank, self.world, self.x, self.ufunc, self.out = move, peers, rank, world, x, ufunc, out
+        self.chunks = chunk_bounds(0, x.size, chunk_elements(x.itemsize))
+        self.theirs = {p: scratch(f"naive{p}", x.size, x.dtype) for p in peers}
+        self.counts = [0] * len(self.chunks)
+        self.in_place = out is x
+        self.sent = sent
+        self.gone = [len(self.chunks) if sent else 0]      # our chunks handed to the kernel (in order)
+        self.later: list[int] = []
+        self.expected: set[int] = set()
 
-    sends = {} if sent else {p: [(_bytes(x[a:b]), 0) for a, b in chunks] for p in peers}
-    move(sends, {p: [Expect(_bytes(theirs[p][a:b]), functools.partial(arrived, k)) for k, (a, b) in enumerate(chunks)]
-                 for p in peers})
-    return out
+    def expects(self, peer: int) -> list[Expect]:
+        self.expected.add(peer)
+        theirs = self.theirs[peer]
+        return [Expect(_bytes(theirs[a:b]), functools.partial(self._arrived, k)) for k, (a, b) in enumerate(self.chunks)]
+
+    def _reduce(self, k: int) -> None:
+        a, b = self.chunks[k]
+        dst, x, ufunc = self.out[a:b], self.x, self.ufunc
+        if self.in_place:
+            (p,) = self.peers
+            ufunc(dst, self.theirs[p][a:b], out=dst)
+            return
+        for j in range(self.world):
+            _combine(ufunc, dst, x[a:b] if j == self.rank else self.theirs[j][a:b], j == 0)
+
+    def _arrived(self, k: int, _: memoryview) -> None:
+        self.counts[k] += 1
+        if self.counts[k] == self.world - 1:
+            if self.in_place and self.gone[0] <= k:
+                self.later.append(k)             # still to be sent: reduced once the move is over
+            else:
+                self._reduce(k)
+
+    def run(self) -> np.ndarray:
+        sends = {} if self.sent else {p: [(_bytes(self.x[a:b]), 0) for a, b in self.chunks] for p in self.peers}
+        expects = {p: self.expects(p) for p in self.peers if p not in self.expected}
+        if sends or expects:
+            self.move(sends, expects, self.gone)
+        for k in self.later:
+            self._reduce(k)
+        return self.out
 
 
 def ring_direct(move: Move, scratch: Scratch, rank: int, world: int, out: np.ndarray, bounds: Sequence[tuple[int, int]],

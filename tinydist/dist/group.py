@@ -305,9 +305,10 @@ class ProcessGroup:
         for link in self.links.values():
             await link.pause_reader()   # type: ignore[attr-defined]
 
-    def move(self, sends: dict[int, list[tuple[memoryview, int]]], expects: dict[int, list[Expect]]) -> None:
+    def move(self, sends: dict[int, list[tuple[memoryview, int]]], expects: dict[int, list[Expect]],
+             sent: list[int] | None = None) -> None:
         """Send and receive a direct call's messages (`tcp.pump`) within the call's deadline."""
-        pump(self.links, sends, expects, self._deadline, self._wake_fd, self._interrupted)   # type: ignore[arg-type]
+        pump(self.links, sends, expects, self._deadline, self._wake_fd, self._interrupted, sent)   # type: ignore[arg-type]
 
     def scratch(self, key: str, count: int, dtype: np.dtype) -> np.ndarray:
         """A buffer of `count` elements kept for the next direct call (no page faults on reuse)."""
@@ -328,20 +329,18 @@ class ProcessGroup:
         blobs: dict[int, bytes] = {self.rank: blob}
         stage_headers = True
 
-        def got_header(peer: int, view: memoryview) -> None:
-            blobs[peer] = bytes(view)
+        def got_header(peer: int, view: memoryview) -> list[Expect] | None:
+            # the data behind a header: into the call when the header agrees, else read off the link
+            blobs[peer] = theirs = bytes(view)
+            if theirs == blob:
+                return None if call.early is None else call.early(peer)
+            return [Expect(None)] if json.loads(theirs).get("eager") else None
 
         try:
             first = [(memoryview(blob), 0)] + ([] if call.eager is None else [(as_bytes(call.eager), 0)])
             self.move({p: list(first) for p in self.links},
                       {p: [Expect(None, functools.partial(got_header, p))] for p in self.links})
-            try:
-                headers = self._agree(name, header, blob, blobs)
-            except CollectiveMismatch:
-                # the data a peer sent behind its header is not for any later call: read it off the link
-                theirs = {r: json.loads(b) for r, b in blobs.items()}
-                self.move({}, {p: [Expect(None)] for p, h in theirs.items() if p != self.rank and h.get("eager")})
-                raise
+            headers = self._agree(name, header, blob, blobs)   # data behind a disagreeing header was drained
             stage_headers = False
             return call.direct(headers)
         except Stalled:
