@@ -446,7 +446,8 @@ def pump(links: dict[int, SocketLink], sends: dict[int, Sequence[tuple[memoryvie
                 except (BlockingIOError, InterruptedError):
                     n = 0
                 except OSError as exc:
-                    raise _broken(link, f"send failed: {exc.__class__.__name__}: {exc}") from None
+                    # a peer that gave up and left may have said why first (an ABORT, a BYE): that story wins
+                    raise _last_word(wire) or _broken(link, f"send failed: {exc.__class__.__name__}: {exc}") from None
                 if n:
                     busy = True
                     link.bytes_sent += n
@@ -514,6 +515,40 @@ def _broken(link: SocketLink, reason: str, bye: bool = False, blamed: int | None
     if link.failure is None and not bye:
         link.failure = PeerFailed(link.peer, reason, blamed, code)
     return link.failure or PeerFailed(link.peer, reason)
+
+
+def catch_up(links: dict[int, SocketLink], deadline: float) -> None:
+    """Read, on the calling thread, what came on the paused links while no call was running, as the
+    reader would have at once: DATA to the inbox, a BYE noted, an ABORT or EOF raised as PeerFailed
+    (so a call after its peers gave up on it refuses, as it does on the loop)."""
+    for link in links.values():
+        wire = _Wire(link)
+        while not link.peer_closed and link.failure is None:
+            if not wire.got and wire.body is None:
+                try:
+                    if link.sock.recv(1, socket.MSG_PEEK) == b"" and link.peer_closed:
+                        break
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError as exc:
+                    raise _broken(link, f"{exc.__class__.__name__}: {exc}") from None
+            _read(wire)
+            if (wire.got or wire.body is not None) and not select.select([link.sock], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                raise Stalled([link.peer])
+
+
+def _last_word(wire: _Wire) -> PeerFailed | None:
+    """What the frames still to be read from a link we can no longer send to say about its peer."""
+    try:
+        for _ in range(64):
+            _read(wire)
+            if wire.link.peer_closed:
+                return _broken(wire.link, "the peer closed the link", bye=True)
+    except PeerFailed as exc:
+        return exc
+    except TransportError:
+        pass
+    return None
 
 
 def _fill(wire: _Wire, exp: Expect, buf: Any) -> None:

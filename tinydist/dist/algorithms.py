@@ -271,17 +271,20 @@ class NaiveDirect:
     memory is apart from `x`'s, or is `x` itself with one peer and a commutative `ufunc` (x op theirs is
     theirs op x): then chunk k is reduced once it has also left (`move` counts sent messages).
     `expects(peer)`: the messages `peer` sends, for the header exchange to expect right behind an
-    agreeing header when the data went with it (`sent`); `run()` moves the rest and returns `out`."""
+    agreeing header when the data went with it (`sent`, counted in `gone`); `run()` moves the rest and
+    returns `out`."""
 
     def __init__(self, move: Move, scratch: Scratch, peers: Sequence[int], rank: int, world: int, x: np.ndarray,
-                 ufunc: Ufunc, out: np.ndarray, sent: bool = False) -> None:
+                 ufunc: Ufunc, out: np.ndarray, sent: bool = False, gone: list[int] | None = None) -> None:
         self.move, self.peers, self.rank, self.world, self.x, self.ufunc, self.out = move, peers, rank, world, x, ufunc, out
         self.chunks = chunk_bounds(0, x.size, chunk_elements(x.itemsize))
         self.theirs = {p: scratch(f"naive{p}", x.size, x.dtype) for p in peers}
         self.counts = [0] * len(self.chunks)
         self.in_place = out is x
         self.sent = sent
-        self.gone = [len(self.chunks) if sent else 0]      # our chunks handed to the kernel (in order)
+        # our chunks handed to the kernel, in order; `sent`: the header exchange's pump counts them in
+        # `gone`, from -1 (the header frame goes first)
+        self.gone = gone if gone is not None else [0]
         self.later: list[int] = []
         self.expected: set[int] = set()
 

@@ -42,6 +42,7 @@ class Call:
     # with `eager`, on this thread: the messages a peer's data comes in, expected right behind its header
     # when that header agrees with ours
     early: Callable[[int], list[Any]] | None = None
+    sent: list[int] | None = None      # counts the header exchange's sent messages for `early`'s reduce
 
 
 def all_reduce(group: ProcessGroup, x: np.ndarray, op: str, algorithm: str, out: np.ndarray | None = None) -> Call:
@@ -106,6 +107,7 @@ def all_reduce(group: ProcessGroup, x: np.ndarray, op: str, algorithm: str, out:
         return _result(_finish(acc, op, group.world, flat_out), x.shape, out)
 
     plan: list[algo.NaiveDirect] = []
+    gone = [-1]     # with `eager`: the messages of the header exchange sent (the header, then the data)
 
     def naive_plan() -> algo.NaiveDirect:
         """The naive call on this thread, made once (the header exchange may ask first, for `early`)."""
@@ -123,7 +125,7 @@ def all_reduce(group: ProcessGroup, x: np.ndarray, op: str, algorithm: str, out:
             else:
                 into = np.empty_like(flat)
             plan.append(algo.NaiveDirect(group.move, group.scratch, list(group.links), group.rank, group.world, flat,
-                                         rop.ufunc, into, sent=eager))
+                                         rop.ufunc, into, sent=eager, gone=gone if eager else None))
         return plan[0]
 
     def direct(_: dict[int, dict[str, Any]]) -> np.ndarray:
@@ -144,7 +146,8 @@ def all_reduce(group: ProcessGroup, x: np.ndarray, op: str, algorithm: str, out:
 
     direct_ok = group.shm is None and group.world > 1 and not error and chosen in (Algorithm.NAIVE, Algorithm.RING)
     return Call(header, body, segment if on_segment else None, x.nbytes, x.reshape(-1) if eager else None,
-                direct if direct_ok else None, (lambda peer: naive_plan().expects(peer)) if direct_ok and eager else None)
+                direct if direct_ok else None, (lambda peer: naive_plan().expects(peer)) if direct_ok and eager else None,
+                gone if direct_ok and eager else None)
 
 
 def all_gather(group: ProcessGroup, x: np.ndarray, axis: int) -> Call:

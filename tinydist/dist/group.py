@@ -67,7 +67,7 @@ from tinydist.dist.rendezvous import connect_mesh, coordinator_listener, registe
 from tinydist.graph.collectives import Medium
 from tinydist.observability import tracing
 from tinydist.transports.base import Link, PeerFailed, TransportError, as_bytes
-from tinydist.transports.tcp import ABORT, Expect, Stalled, TcpLink, pump, send_now
+from tinydist.transports.tcp import ABORT, Expect, Stalled, TcpLink, catch_up, pump, send_now
 from tinydist.transports.shm_group import TIMED_OUT, Abandoned, ShmGroup, WaitTimeout, open_group
 
 T = TypeVar("T")
@@ -283,7 +283,8 @@ class ProcessGroup:
         links' readers are paused (once; the loop takes a link back when it next reads it) and this thread
         holds each link's `direct_lock` for the call. Same frames and chunk plans as on the loop, same errors."""
         with self._thread_lock:
-            header, name = self._begin(call)
+            if self._failure is not None:
+                raise self._failure
             links = self.links
             held: list[TcpLink] = []
             try:
@@ -295,11 +296,30 @@ class ProcessGroup:
                     run_async(self._pause_links)
                 if self._wake_fd < 0:
                     self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+                try:
+                    catch_up(self.links, time.monotonic() + settings.COLLECTIVE_TIMEOUT)   # type: ignore[arg-type]
+                except PeerFailed as exc:
+                    self._peer_failed(exc, held)
+                except Stalled:
+                    pass      # a frame half sent: the call's own pump reads on (and times out)
+                header, name = self._begin(call)
                 with self._traced(header, call, "links"):
                     return self._direct_call(call, header, name, held)
             finally:
                 for link in held:
                     link.direct_lock.release()
+
+    def _peer_failed(self, exc: PeerFailed, links: list[TcpLink]) -> None:
+        """Record what a direct call learnt of a peer (as `_on_link_failure` does on the loop) and tell
+        the other peers with ABORTs (bounded: 1 s)."""
+        if self._failure is not None:
+            return
+        code = self._record_peer_failure(exc.peer, exc.reason, exc.blamed)
+        self.log.warning("dist.rank_failed", failed_rank=exc.blamed, noticed_via=exc.peer, reason=exc.reason)
+        until = time.monotonic() + 1.0
+        for link in links:
+            if link.peer not in (exc.peer, exc.blamed):
+                send_now(link, ABORT, exc.blamed | code << 16, until)
 
     async def _pause_links(self) -> None:
         for link in self.links.values():
@@ -339,7 +359,7 @@ class ProcessGroup:
         try:
             first = [(memoryview(blob), 0)] + ([] if call.eager is None else [(as_bytes(call.eager), 0)])
             self.move({p: list(first) for p in self.links},
-                      {p: [Expect(None, functools.partial(got_header, p))] for p in self.links})
+                      {p: [Expect(None, functools.partial(got_header, p))] for p in self.links}, call.sent)
             headers = self._agree(name, header, blob, blobs)   # data behind a disagreeing header was drained
             stage_headers = False
             return call.direct(headers)
@@ -353,13 +373,7 @@ class ProcessGroup:
                     send_now(link, ABORT, rank | TIMED_OUT << 16, until)
             raise error from None
         except PeerFailed as exc:
-            if self._failure is None:
-                code = self._record_peer_failure(exc.peer, exc.reason, exc.blamed)
-                self.log.warning("dist.rank_failed", failed_rank=exc.blamed, noticed_via=exc.peer, reason=exc.reason)
-                until = time.monotonic() + 1.0
-                for link in links:
-                    if link.peer not in (exc.peer, exc.blamed):
-                        send_now(link, ABORT, exc.blamed | code << 16, until)
+            self._peer_failed(exc, links)
             self._check_failure(name)
             raise
         except CollectiveError:
