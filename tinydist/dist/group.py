@@ -17,7 +17,9 @@ Two ways to run a collective:
   (`tinydist.transports.shm_group`): the header sits in shared memory next to the data, and the collective
   runs on the caller's thread (`blocking`), reading peers' regions directly
   (`tinydist.dist.shm_algorithms`). An explicit `ring` still moves its data over the links.
-- otherwise headers and data go as link messages, on the event loop (`_collective`).
+- otherwise headers and data go as link messages: over TCP links an allreduce (naive, ring) and a
+  barrier on the caller's thread, the links' readers paused (`_direct`, `tcp.pump`); the rest on the
+  event loop (`_collective`).
 
 Failures: a link that sees EOF/reset without a BYE (or an ABORT naming a rank) calls back here; the
 group records `RankFailed(rank)`, cancels the collective in flight, and tells the other peers with
@@ -255,7 +257,8 @@ class ProcessGroup:
     def blocking(self, collective: str, *args: Any, run_async: Callable[..., Any]) -> Any:
         """Run `collective` (all_reduce, all_gather, reduce_scatter, broadcast, barrier) from a thread
         that is not the group's event loop; `run_async(fn, *args)` runs a coroutine function there
-        (a blocking portal's `call`). On the group segment the collective runs on this thread."""
+        (a blocking portal's `call`). On the group segment the collective runs on this thread, and over
+        TCP links an allreduce (naive, ring) or a barrier does too (`_direct`)."""
         if self.fast is not None:
             if collective == "all_reduce":
                 done = self.fast.all_reduce(*args)
