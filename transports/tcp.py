@@ -17,9 +17,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import os
+import select
 import socket
 import struct
-from collections.abc import AsyncIterator
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -97,6 +101,13 @@ class SocketLink(Link):
         self._serve_scope: anyio.CancelScope | None = None
         self.bytes_sent = 0
         self._spare: list[np.ndarray] = []   # delivered buffers, given out again to messages of their size
+        # a calling thread's direct use of the socket (`pump`): held by that thread for its whole call and by
+        # the loop around each frame it sends; the reader is paused (parked at a frame boundary) meanwhile
+        self.direct_lock = threading.Lock()
+        self.paused = False
+        self._parked: anyio.Event | None = None
+        self._resume: anyio.Event | None = None
+        self._idle_scope: anyio.CancelScope | None = None
 
     # ---- sending ----------------------------------------------------------------------------
 
@@ -104,7 +115,7 @@ class SocketLink(Link):
         loop = asyncio.get_running_loop()
         n = 0 if payload is None else len(payload)
         head = HEADER.pack(kind, aux, n)
-        async with self.send_lock:
+        async with self.send_lock, self._frame_owner():
             try:
                 if payload is None or n == 0:
                     await loop.sock_sendall(self.sock, head)
@@ -118,6 +129,16 @@ class SocketLink(Link):
                 self._check()
                 raise
         self.bytes_sent += n
+
+    @contextlib.asynccontextmanager
+    async def _frame_owner(self) -> AsyncIterator[None]:
+        """Hold `direct_lock` around one frame the loop sends, so it never interleaves with a thread's."""
+        if not self.direct_lock.acquire(blocking=False):
+            await anyio.to_thread.run_sync(self.direct_lock.acquire)
+        try:
+            yield
+        finally:
+            self.direct_lock.release()
 
     async def send(self, data: Any) -> None:
         self._check()
@@ -133,6 +154,8 @@ class SocketLink(Link):
     async def recv(self) -> AsyncIterator[memoryview]:
         traced = tracing.active_tracer() is not None
         started = tracing.clock() if traced else 0
+        if self.paused:
+            await self.resume_reader()
         while True:
             if not self.inbox.items and self.failure is None:
                 self._poll_inbox()
@@ -185,7 +208,13 @@ class SocketLink(Link):
         head = bytearray(HEADER.size)
         try:
             while True:
-                if not await recv_exactly(self.sock, memoryview(head)):
+                if self.paused:
+                    await self._park()
+                    continue
+                got = await self._next_header(memoryview(head))
+                if got is None:
+                    continue             # paused while waiting for the next frame
+                if not got:
                     if not self.peer_closed:
                         self._fail("connection closed without BYE (process died?)")
                     return
@@ -213,6 +242,61 @@ class SocketLink(Link):
         finally:
             self.done.set()
             self.inbox.wake()
+            if self._parked is not None:
+                self._parked.set()
+
+    async def _next_header(self, view: memoryview) -> bool | None:
+        """Read a frame header into `view`: True; False on EOF before its first byte; None when the reader
+        was paused while waiting for it (no byte of it read: the wait, not a read, is what gets cancelled)."""
+        while True:
+            try:
+                got = self.sock.recv_into(view)
+                break
+            except (BlockingIOError, InterruptedError):
+                pass
+            with anyio.CancelScope() as self._idle_scope:
+                await anyio.wait_readable(self.sock)
+            self._idle_scope = None
+            if self.paused:
+                return None
+        if got == 0:
+            return False
+        if got < len(view) and not await recv_exactly(self.sock, view[got:]):
+            raise ConnectionResetError(f"connection closed after {got} of {len(view)} bytes")
+        return True
+
+    async def _park(self) -> None:
+        self._resume = anyio.Event()
+        if self._parked is not None:
+            self._parked.set()
+        await self._resume.wait()
+
+    # ---- a calling thread's direct use (tinydist.dist's TCP path) ------------------------------
+
+    async def pause_reader(self) -> None:
+        """Stop the reader at its next frame boundary (on the loop), so a thread holding `direct_lock`
+        may read and write the socket itself (`pump`); frames read before stay in the inbox."""
+        if self.paused:
+            return
+        self.paused = True
+        self._parked = anyio.Event()
+        if self._idle_scope is not None:
+            self._idle_scope.cancel()
+        if not self.done.is_set():
+            await self._parked.wait()
+
+    async def resume_reader(self) -> None:
+        """Give the socket back to the reader (on the loop), once no thread is inside a direct call."""
+        if not self.paused:
+            return
+        if not self.direct_lock.acquire(blocking=False):
+            await anyio.to_thread.run_sync(self.direct_lock.acquire)
+        try:
+            self.paused = False
+            if self._resume is not None:
+                self._resume.set()
+        finally:
+            self.direct_lock.release()
 
     # ---- closing ----------------------------------------------------------------------------
 
@@ -223,6 +307,8 @@ class SocketLink(Link):
                 self._serve_scope.cancel()
             self._release()
             return
+        with anyio.move_on_after(linger):
+            await self.resume_reader()
         already = self.closing
         self.closing = True
         if not already and self.failure is None:
@@ -274,3 +360,277 @@ async def connected_pair() -> tuple[socket.socket, socket.socket]:
     finally:
         listener.close()
     return client, server
+
+
+# ---- direct use: a calling thread moves a collective's frames itself ------------------------------
+
+class Stalled(TransportError):
+    """`pump` reached its deadline still waiting for frames from (or room towards) `peers`."""
+
+    def __init__(self, peers: list[int]) -> None:
+        self.peers = peers
+        super().__init__(f"no progress from ranks {peers} before the deadline")
+
+
+class Expect:
+    """One message `pump` is to receive: into `into` (exactly its size) or a new buffer, then `done(view)`,
+    which may return further messages to expect from the same link next (data a header announces)."""
+
+    __slots__ = ("into", "done")
+
+    def __init__(self, into: memoryview | None, done: Callable[[memoryview], Any] | None = None) -> None:
+        self.into, self.done = into, done
+
+
+class _Wire:
+    """`pump`'s state for one link: frames to send (and how many received messages each waits for), the
+    frame being read."""
+
+    __slots__ = ("link", "out", "iov", "ends", "expect", "head", "got", "body", "target", "kind")
+
+    def __init__(self, link: SocketLink) -> None:
+        self.link = link
+        self.out: collections.deque[tuple[int, bytes, memoryview | None]] = collections.deque()
+        self.iov: list[memoryview] = []        # what is left of frames already started
+        self.ends: collections.deque[int] = collections.deque()   # iov entries up to each started frame's end
+        self.expect: collections.deque[Expect] = collections.deque()
+        self.head = memoryview(bytearray(HEADER.size))
+        self.got = 0                           # bytes of the current header, then of its payload
+        self.body: memoryview | None = None    # the payload being read (None: reading a header)
+        self.target: Any = None                # the Expect it fills, or the inbox buffer
+        self.kind = 0
+
+
+def pump(links: dict[int, SocketLink], sends: dict[int, Sequence[tuple[memoryview, int]]],
+         expects: dict[int, Sequence[Expect]], deadline: float, wake_fd: int = -1,
+         interrupted: Callable[[], None] | None = None, sent: list[int] | None = None) -> None:
+    """On the calling thread, which holds every link's `direct_lock` with its reader paused: send each
+    `sends[peer]` message (a payload and the count of received messages it waits for, over all links)
+    as a DATA frame, and receive the `expects[peer]` messages, in order, calling each one's `done` when
+    it is in (a reduce). Non-blocking sockets and poll, so sending, receiving and the kernel's copies
+    overlap and no rank waits on its own send. Frames from any link that nothing here expects (a peer
+    ahead of us) go to its inbox, as the reader would put them; messages already in an inbox are taken
+    first. A BYE, ABORT or EOF raises PeerFailed (recorded on the link, as the reader would); the
+    deadline raises Stalled; a byte on `wake_fd` calls `interrupted` (which raises to stop). `sent[0]`
+    counts the messages wholly handed to the kernel (their buffers may change from then on)."""
+    wires = {peer: _Wire(link) for peer, link in links.items()}
+    received = 0
+    for peer, msgs in sends.items():
+        wires[peer].out.extend((need, HEADER.pack(DATA, 0, len(view)), view) for view, need in msgs)
+    for peer, exp in expects.items():
+        wire = wires[peer]
+        wire.expect.extend(exp)
+        inbox = wire.link.inbox.items
+        while inbox and wire.expect:
+            _fill(wire, wire.expect.popleft(), inbox.popleft())
+            received += 1
+    poller: Any = None
+    woke: set[int] = set()        # sockets poll said are readable
+    while True:
+        busy = False
+        for wire in wires.values():
+            link = wire.link
+            if wire.expect and link.failure is not None:
+                raise link.failure
+            # send what is ready, several frames in one sendmsg
+            if wire.iov or (wire.out and wire.out[0][0] <= received):
+                while wire.out and wire.out[0][0] <= received and len(wire.iov) < 16:
+                    _, head, view = wire.out.popleft()
+                    wire.iov.append(memoryview(head))
+                    wire.ends.append(len(wire.iov))
+                    if view is not None and len(view):
+                        wire.iov.append(view)
+                        wire.ends[-1] += 1
+                try:
+                    n = link.sock.sendmsg(wire.iov)
+                except (BlockingIOError, InterruptedError):
+                    n = 0
+                except OSError as exc:
+                    # a peer that gave up and left may have said why first (an ABORT, a BYE): that story wins
+                    raise _last_word(wire) or _broken(link, f"send failed: {exc.__class__.__name__}: {exc}") from None
+                if n:
+                    busy = True
+                    link.bytes_sent += n
+                    done = 0
+                    while n and wire.iov:
+                        first = wire.iov[0]
+                        if n >= len(first):
+                            n -= len(first)
+                            wire.iov.pop(0)
+                            done += 1
+                        else:
+                            wire.iov[0] = first[n:]
+                            n = 0
+                    # `ends`: the iov entries, counted from the front, up to each started frame's end
+                    ends = wire.ends
+                    while ends and ends[0] <= done:
+                        ends.popleft()
+                        if sent is not None:
+                            sent[0] += 1
+                    if done and ends:
+                        wire.ends = collections.deque(e - done for e in ends)
+            # read whatever has come, from links something is owed by (or poll woke)
+            if not link.peer_closed and (wire.expect or wire.got or wire.body is not None or link.sock.fileno() in woke):
+                got = _read(wire)
+                while got:
+                    received += got
+                    busy = True
+                    got = _read(wire)
+            if wire.expect and link.peer_closed and not wire.got and wire.body is None:
+                raise _broken(link, "the peer closed the link", bye=True)
+        woke.clear()
+        # done when nothing is owed either way and no frame is half read (the reader goes on at a boundary)
+        if not any(w.expect or w.iov or w.out or w.got or w.body is not None for w in wires.values()):
+            return
+        if busy:
+            continue
+        if poller is None:
+            poller = select.poll()
+            if wake_fd >= 0:
+                poller.register(wake_fd, select.POLLIN)
+        for wire in wires.values():
+            mask = 0 if wire.link.peer_closed else select.POLLIN
+            if wire.iov or (wire.out and wire.out[0][0] <= received):
+                mask |= select.POLLOUT
+            if mask:
+                poller.register(wire.link.sock.fileno(), mask)
+            else:
+                with contextlib.suppress(KeyError):
+                    poller.unregister(wire.link.sock.fileno())
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise Stalled(sorted(p for p, w in wires.items() if w.expect or w.iov or w.out or w.got or w.body is not None))
+        for fd, events in poller.poll(min(left, 3600.0) * 1000):
+            if fd == wake_fd:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake_fd, 8)
+                if interrupted is not None:
+                    interrupted()
+            elif events & (select.POLLIN | select.POLLHUP | select.POLLERR):
+                woke.add(fd)
+
+
+def _broken(link: SocketLink, reason: str, bye: bool = False, blamed: int | None = None, code: int = 0) -> PeerFailed:
+    """Record on `link` what the reader would have (without calling its owner back: the caller raises it)."""
+    if link.failure is None and not bye:
+        link.failure = PeerFailed(link.peer, reason, blamed, code)
+    return link.failure or PeerFailed(link.peer, reason)
+
+
+def catch_up(links: dict[int, SocketLink], deadline: float) -> None:
+    """Read, on the calling thread, what came on the paused links while no call was running, as the
+    reader would have at once: DATA to the inbox, a BYE noted, an ABORT or EOF raised as PeerFailed
+    (so a call after its peers gave up on it refuses, as it does on the loop)."""
+    for link in links.values():
+        wire = _Wire(link)
+        while not link.peer_closed and link.failure is None:
+            if not wire.got and wire.body is None:
+                try:
+                    if link.sock.recv(1, socket.MSG_PEEK) == b"" and link.peer_closed:
+                        break
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError as exc:
+                    raise _broken(link, f"{exc.__class__.__name__}: {exc}") from None
+            _read(wire)
+            if (wire.got or wire.body is not None) and not select.select([link.sock], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                raise Stalled([link.peer])
+
+
+def _last_word(wire: _Wire) -> PeerFailed | None:
+    """What the frames still to be read from a link we can no longer send to say about its peer."""
+    try:
+        for _ in range(64):
+            _read(wire)
+            if wire.link.peer_closed:
+                return _broken(wire.link, "the peer closed the link", bye=True)
+    except PeerFailed as exc:
+        return exc
+    except TransportError:
+        pass
+    return None
+
+
+def _fill(wire: _Wire, exp: Expect, buf: Any) -> None:
+    """Deliver `buf`, a whole message, to `exp`."""
+    view = memoryview(buf).cast("B")
+    if exp.into is not None:
+        if len(exp.into) != len(view):
+            raise TransportError(f"received {len(view)} bytes from rank {wire.link.peer} where {len(exp.into)} "
+                                 f"were expected (ranks out of step)")
+        exp.into[:] = view
+        view = exp.into
+    if exp.done is not None and (more := exp.done(view.toreadonly())):
+        wire.expect.extendleft(reversed(more))
+
+
+def _read(wire: _Wire) -> int:
+    """Read from `wire`'s socket without blocking: 1 when a message for an Expect completed, else 0
+    (nothing to read, or a frame not finished yet, or one that went to the inbox)."""
+    link, sock = wire.link, wire.link.sock
+    try:
+        if wire.body is None:
+            n = sock.recv_into(wire.head[wire.got:])
+            if n == 0:
+                if wire.got == 0 and link.peer_closed:
+                    return 0
+                raise _broken(link, "connection closed without BYE (process died?)" if wire.got == 0 else
+                              "connection closed inside a frame header")
+            wire.got += n
+            if wire.got < HEADER.size:
+                return 0
+            kind, aux, nbytes = HEADER.unpack(wire.head)
+            wire.got = 0
+            if kind == BYE:
+                link.peer_closed, link.peer_bye = True, aux
+                return 0
+            if kind == ABORT:
+                raise _broken(link, f"rank {link.peer} reported rank {aux & 0xFFFF} failed", blamed=aux & 0xFFFF,
+                              code=aux >> 16)
+            if kind != DATA or nbytes > MAX_MESSAGE:
+                raise _broken(link, f"frame kind {kind} of {nbytes} bytes from rank {link.peer} on a direct call")
+            if wire.expect and not link.inbox.items:
+                exp = wire.expect[0]
+                if exp.into is not None and len(exp.into) != nbytes:
+                    raise TransportError(f"received {nbytes} bytes from rank {link.peer} where {len(exp.into)} "
+                                         f"were expected (ranks out of step)")
+                wire.target = exp          # taken off `expect` once it is in
+                wire.body = exp.into if exp.into is not None else memoryview(bytearray(nbytes))
+            else:
+                wire.target = link._buffer(nbytes) if nbytes >= SPARE_MIN else np.empty(nbytes, np.uint8)
+                wire.body = wire.target.data
+            if nbytes:
+                return 0
+        else:
+            n = sock.recv_into(wire.body[wire.got:])
+            if n == 0:
+                raise _broken(link, "connection closed inside a message")
+            wire.got += n
+            if wire.got < len(wire.body):
+                return 0
+    except (BlockingIOError, InterruptedError):
+        return 0
+    except OSError as exc:
+        raise _broken(link, f"{exc.__class__.__name__}: {exc}") from None
+    body, target = wire.body, wire.target
+    wire.body, wire.target, wire.got = None, None, 0
+    if isinstance(target, Expect):
+        wire.expect.popleft()
+        if target.done is not None and (more := target.done(body.toreadonly())):
+            wire.expect.extendleft(reversed(more))
+        return 1
+    link.inbox.items.append(target)
+    return 0
+
+
+def send_now(link: SocketLink, kind: int, aux: int, deadline: float) -> None:
+    """One payload-less frame (an ABORT) from a thread holding `direct_lock`, best effort until `deadline`."""
+    data = memoryview(HEADER.pack(kind, aux, 0))
+    with contextlib.suppress(OSError):
+        while data:
+            try:
+                data = data[link.sock.send(data):]
+            except (BlockingIOError, InterruptedError):
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([], [link.sock], [], left)[1]:
+                    return

@@ -117,3 +117,12 @@ def test_async_api_on_the_group_segment(no_shm_leak):
     for rank, (rc, out) in enumerate(results):
         assert rc == 0, out
         assert f"OK async rank {rank}" in out, out
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_tcp_collectives_run_on_the_calling_thread(nproc):
+    """Over TCP an allreduce (naive, ring) or barrier moves its frames from the caller's thread, not
+    through the event loop: they complete, equal to numpy, while a task holds the loop's thread."""
+    result = launch(nproc, "loop_held.py", env={"TINYDIST_TRANSPORT": "tcp", "TINYDIST_COLLECTIVE_TIMEOUT": "20"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("HELD True EQUAL True") == nproc, result.stdout[-3000:]

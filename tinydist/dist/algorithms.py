@@ -20,6 +20,7 @@ receiver (the step ends when its last chunk is in and reduced): ring's `reduce-s
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import anyio
@@ -28,6 +29,7 @@ import numpy as np
 from tinydist.observability import tracing
 from tinydist.transports.base import Link
 from tinydist.transports.shm import SLOT_BYTES
+from tinydist.transports.tcp import Expect
 
 CHUNK_BYTES = SLOT_BYTES
 
@@ -248,3 +250,101 @@ async def broadcast(links: dict[int, Link], rank: int, src: int, out: np.ndarray
     for a, b in chunks:
         async with links[src].recv() as view:
             out[a:b] = _view(view, out.dtype, b - a)
+
+
+# ---- direct: the same algorithms run on the calling thread over paused TCP links ----------------
+# (`ProcessGroup._direct`). The same chunk plan and frames as above, so a rank running them meets a
+# peer running the async ones; `move(sends, expects)` is `tinydist.transports.tcp.pump` within the
+# call's deadline, `scratch(key, count, dtype)` a buffer the group keeps for the next call.
+
+Move = Callable[..., None]   # (sends, expects, sent=None): `ProcessGroup.move`
+Scratch = Callable[[str, int, np.dtype], np.ndarray]
+
+
+def _bytes(arr: np.ndarray) -> memoryview:
+    return arr.reshape(-1).view(np.uint8).data
+
+
+class NaiveDirect:
+    """`naive` on this thread: every peer's chunks land in a buffer of its own, and chunk k is reduced in
+    rank order (bitwise the same on every rank) once the last peer's chunk k is in; into `out`, whose
+    memory is apart from `x`'s, or is `x` itself with one peer and a commutative `ufunc` (x op theirs is
+    theirs op x): then chunk k is reduced once it has also left (`move` counts sent messages).
+    `expects(peer)`: the messages `peer` sends, for the header exchange to expect right behind an
+    agreeing header when the data went with it (`sent`, counted in `gone`); `run()` moves the rest and
+    returns `out`."""
+
+    def __init__(self, move: Move, scratch: Scratch, peers: Sequence[int], rank: int, world: int, x: np.ndarray,
+                 ufunc: Ufunc, out: np.ndarray, sent: bool = False, gone: list[int] | None = None) -> None:
+        self.move, self.peers, self.rank, self.world, self.x, self.ufunc, self.out = move, peers, rank, world, x, ufunc, out
+        self.chunks = chunk_bounds(0, x.size, chunk_elements(x.itemsize))
+        self.theirs = {p: scratch(f"naive{p}", x.size, x.dtype) for p in peers}
+        self.counts = [0] * len(self.chunks)
+        self.in_place = out is x
+        self.sent = sent
+        # our chunks handed to the kernel, in order; `sent`: the header exchange's pump counts them in
+        # `gone`, from -1 (the header frame goes first)
+        self.gone = gone if gone is not None else [0]
+        self.later: list[int] = []
+        self.expected: set[int] = set()
+
+    def expects(self, peer: int) -> list[Expect]:
+        self.expected.add(peer)
+        theirs = self.theirs[peer]
+        return [Expect(_bytes(theirs[a:b]), functools.partial(self._arrived, k)) for k, (a, b) in enumerate(self.chunks)]
+
+    def _reduce(self, k: int) -> None:
+        a, b = self.chunks[k]
+        dst, x, ufunc = self.out[a:b], self.x, self.ufunc
+        if self.in_place:
+            (p,) = self.peers
+            ufunc(dst, self.theirs[p][a:b], out=dst)
+            return
+        for j in range(self.world):
+            _combine(ufunc, dst, x[a:b] if j == self.rank else self.theirs[j][a:b], j == 0)
+
+    def _arrived(self, k: int, _: memoryview) -> None:
+        self.counts[k] += 1
+        if self.counts[k] == self.world - 1:
+            if self.in_place and self.gone[0] <= k:
+                self.later.append(k)             # still to be sent: reduced once the move is over
+            else:
+                self._reduce(k)
+
+    def run(self) -> np.ndarray:
+        sends = {} if self.sent else {p: [(_bytes(self.x[a:b]), 0) for a, b in self.chunks] for p in self.peers}
+        expects = {p: self.expects(p) for p in self.peers if p not in self.expected}
+        if sends or expects:
+            self.move(sends, expects, self.gone)
+        for k in self.later:
+            self._reduce(k)
+        return self.out
+
+
+def ring_direct(move: Move, scratch: Scratch, rank: int, world: int, out: np.ndarray, bounds: Sequence[tuple[int, int]],
+                hold: int, reduce_steps: int, gather_steps: int, ufunc: Ufunc | None) -> None:
+    """`ring` on this thread: chunk k of step s goes right once chunk k of step s-1 is in (the pump
+    counts), chunks being reduced land in a scratch chunk and chunks being gathered straight in `out`."""
+    step = chunk_elements(out.itemsize)
+    chunks = [chunk_bounds(a, b, step) for a, b in bounds]
+    total = reduce_steps + gather_steps
+    tmp = scratch("ring", step, out.dtype)
+
+    def reduce_into(a: int, b: int, _: memoryview) -> None:
+        assert ufunc is not None
+        ufunc(out[a:b], tmp[:b - a], out=out[a:b])
+
+    sends: list[tuple[memoryview, int]] = []
+    expects: list[Expect] = []
+    before = 0                     # messages received before this step
+    for s in range(total):
+        mine = chunks[(hold - s) % world]
+        sends.extend((_bytes(out[a:b]), before - len(chunks[(hold - s) % world]) + k + 1 if s else 0)
+                     for k, (a, b) in enumerate(mine))
+        for a, b in chunks[(hold - s - 1) % world]:
+            if s < reduce_steps:
+                expects.append(Expect(_bytes(tmp[:b - a]), functools.partial(reduce_into, a, b)))
+            else:
+                expects.append(Expect(_bytes(out[a:b])))
+        before += len(chunks[(hold - s - 1) % world])
+    move({(rank + 1) % world: sends}, {(rank - 1) % world: expects})

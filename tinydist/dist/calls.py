@@ -37,6 +37,12 @@ class Call:
     # takes one message round, not the header's then the data's; the header says `eager` so that, on a
     # mismatch, each rank knows which peers' data to drain
     eager: np.ndarray | None = None
+    # over TCP links: the body on the calling thread, the links' readers paused (`ProcessGroup._direct`)
+    direct: Callable[[dict[int, dict[str, Any]]], Any] | None = None
+    # with `eager`, on this thread: the messages a peer's data comes in, expected right behind its header
+    # when that header agrees with ours
+    early: Callable[[int], list[Any]] | None = None
+    sent: list[int] | None = None      # counts the header exchange's sent messages for `early`'s reduce
 
 
 def all_reduce(group: ProcessGroup, x: np.ndarray, op: str, algorithm: str, out: np.ndarray | None = None) -> Call:
@@ -100,7 +106,48 @@ def all_reduce(group: ProcessGroup, x: np.ndarray, op: str, algorithm: str, out:
         run(session, x.reshape(-1), acc, rop)
         return _result(_finish(acc, op, group.world, flat_out), x.shape, out)
 
-    return Call(header, body, segment if on_segment else None, x.nbytes, x.reshape(-1) if eager else None)
+    plan: list[algo.NaiveDirect] = []
+    gone = [-1]     # with `eager`: the messages of the header exchange sent (the header, then the data)
+
+    def naive_plan() -> algo.NaiveDirect:
+        """The naive call on this thread, made once (the header exchange may ask first, for `early`)."""
+        if not plan:
+            flat = x.reshape(-1)
+            own = flat_out is not None and flat_out.ctypes.data == flat.ctypes.data
+            # naive sends its input while it reduces: into `out` only when apart from the input, or in
+            # place with one peer and sum or prod; else a buffer the group keeps (out=x) or a new one
+            if flat_out is not None and flat_out.dtype == x.dtype and not own:
+                into = flat_out
+            elif own and group.world == 2 and rop in (ReduceOp.SUM, ReduceOp.PROD):
+                into = flat                 # x op theirs in place, as theirs op x on the peer
+            elif flat_out is not None:
+                into = group.scratch("naive-out", flat.size, x.dtype)
+            else:
+                into = np.empty_like(flat)
+            plan.append(algo.NaiveDirect(group.move, group.scratch, list(group.links), group.rank, group.world, flat,
+                                         rop.ufunc, into, sent=eager, gone=gone if eager else None))
+        return plan[0]
+
+    def direct(_: dict[int, dict[str, Any]]) -> np.ndarray:
+        flat = x.reshape(-1)
+        if chosen is Algorithm.NAIVE:
+            acc = naive_plan().run()
+        else:
+            own = flat_out is not None and flat_out.ctypes.data == flat.ctypes.data
+            if flat_out is not None and flat_out.dtype == x.dtype:
+                acc = flat_out
+                if not own:
+                    np.copyto(acc, flat)
+            else:
+                acc = flat.copy()
+            algo.ring_direct(group.move, group.scratch, group.rank, group.world, acc, shard_bounds(flat.size, group.world),
+                             group.rank, group.world - 1, group.world - 1, rop.ufunc)
+        return _result(_finish(acc, op, group.world, flat_out), x.shape, out)
+
+    direct_ok = group.shm is None and group.world > 1 and not error and chosen in (Algorithm.NAIVE, Algorithm.RING)
+    return Call(header, body, segment if on_segment else None, x.nbytes, x.reshape(-1) if eager else None,
+                direct if direct_ok else None, (lambda peer: naive_plan().expects(peer)) if direct_ok and eager else None,
+                gone if direct_ok and eager else None)
 
 
 def all_gather(group: ProcessGroup, x: np.ndarray, axis: int) -> Call:
@@ -224,7 +271,9 @@ def broadcast(group: ProcessGroup, x: np.ndarray | None, src: int) -> Call:
 def barrier(group: ProcessGroup) -> Call:
     async def body(_: dict[int, dict[str, Any]]) -> None:
         return None
-    return Call({"coll": "barrier"}, body, shm.barrier if group.shm is not None else None)
+    def direct(_: dict[int, dict[str, Any]]) -> None:
+        return None
+    return Call({"coll": "barrier"}, body, shm.barrier if group.shm is not None else None, direct=direct)
 
 
 # what `ProcessGroup.blocking(name, ...)` prepares

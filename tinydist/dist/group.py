@@ -17,7 +17,9 @@ Two ways to run a collective:
   (`tinydist.transports.shm_group`): the header sits in shared memory next to the data, and the collective
   runs on the caller's thread (`blocking`), reading peers' regions directly
   (`tinydist.dist.shm_algorithms`). An explicit `ring` still moves its data over the links.
-- otherwise headers and data go as link messages, on the event loop (`_collective`).
+- otherwise headers and data go as link messages: over TCP links an allreduce (naive, ring) and a
+  barrier on the caller's thread, the links' readers paused (`_direct`, `tcp.pump`); the rest on the
+  event loop (`_collective`).
 
 Failures: a link that sees EOF/reset without a BYE (or an ABORT naming a rank) calls back here; the
 group records `RankFailed(rank)`, cancels the collective in flight, and tells the other peers with
@@ -44,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import socket
 import threading
 import time
@@ -65,7 +68,8 @@ from tinydist.dist.shm_fast import FastAllreduce
 from tinydist.dist.rendezvous import connect_mesh, coordinator_listener, register, serve_coordinator
 from tinydist.graph.collectives import Medium
 from tinydist.observability import tracing
-from tinydist.transports.base import Link, PeerFailed, TransportError
+from tinydist.transports.base import Link, PeerFailed, TransportError, as_bytes
+from tinydist.transports.tcp import ABORT, Expect, Stalled, TcpLink, catch_up, pump, send_now
 from tinydist.transports.shm_group import TIMED_OUT, Abandoned, ShmGroup, WaitTimeout, open_group
 
 T = TypeVar("T")
@@ -104,6 +108,10 @@ class ProcessGroup:
         self._scope: anyio.CancelScope | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self.dispatch = Dispatch(self)            # which algorithm each collective runs, and the log saying so
+        self._direct_ok: bool | None = None       # collectives on the caller's thread over TCP (`_direct`)
+        self._wake_fd = -1                        # wakes a direct call's poll when the group fails from outside
+        self._deadline = 0.0
+        self._scratch: dict[str, np.ndarray] = {}
 
     @property
     def medium(self) -> Medium:
@@ -188,6 +196,9 @@ class ProcessGroup:
                 tg.start_soon(functools.partial(link.close, linger=2.0, abort_blame=blamed, bye=self.leaving))
         if self.shm is not None:
             self.shm.close()
+        if self._wake_fd >= 0:
+            os.close(self._wake_fd)
+            self._wake_fd = -1
 
     def fail(self, rank: int, reason: str) -> None:
         """Declare `rank` failed from outside (the cluster scheduler saw its node die): same path as a
@@ -203,6 +214,8 @@ class ProcessGroup:
             self._scope.cancel()
         if self.shm is not None:
             self.shm.wake_all()          # a caller's thread asleep on a peer's step rechecks now
+        if self._wake_fd >= 0:
+            os.eventfd_write(self._wake_fd, 1)   # a direct call's poll rechecks now
         if self._tg is not None:
             for p, other in self.links.items():
                 if p not in (peer, blamed):
@@ -244,7 +257,8 @@ class ProcessGroup:
     def blocking(self, collective: str, *args: Any, run_async: Callable[..., Any]) -> Any:
         """Run `collective` (all_reduce, all_gather, reduce_scatter, broadcast, barrier) from a thread
         that is not the group's event loop; `run_async(fn, *args)` runs a coroutine function there
-        (a blocking portal's `call`). On the group segment the collective runs on this thread."""
+        (a blocking portal's `call`). On the group segment the collective runs on this thread, and over
+        TCP links an allreduce (naive, ring) or a barrier does too (`_direct`)."""
         if self.fast is not None:
             if collective == "all_reduce":
                 done = self.fast.all_reduce(*args)
@@ -254,8 +268,129 @@ class ProcessGroup:
                 return None
         call = PREPARE[collective](self, *args)
         if self.shm is None:
+            if call.direct is not None and self._direct_links():
+                return self._direct(call, run_async)
             return run_async(self._collective, call)
         return self._on_segment(call, run_async)
+
+    # ---- over TCP links, on the calling thread ----------------------------------------------
+
+    def _direct_links(self) -> bool:
+        """Whether collectives may run on the caller's thread: every link a plain TCP link."""
+        if self._direct_ok is None:
+            self._direct_ok = self.world > 1 and all(type(link) is TcpLink for link in self.links.values())
+        return self._direct_ok
+
+    def _direct(self, call: Call, run_async: Callable[..., Any]) -> Any:
+        """`call` on this thread over the TCP links, header exchange included, without the event loop: the
+        links' readers are paused (once; the loop takes a link back when it next reads it) and this thread
+        holds each link's `direct_lock` for the call. Same frames and chunk plans as on the loop, same errors."""
+        with self._thread_lock:
+            if self._failure is not None:
+                raise self._failure
+            links = self.links
+            held: list[TcpLink] = []
+            try:
+                for link in links.values():
+                    assert isinstance(link, TcpLink)
+                    link.direct_lock.acquire()
+                    held.append(link)
+                if not all(link.paused for link in held):
+                    run_async(self._pause_links)
+                if self._wake_fd < 0:
+                    self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+                try:
+                    catch_up(self.links, time.monotonic() + settings.COLLECTIVE_TIMEOUT)   # type: ignore[arg-type]
+                except PeerFailed as exc:
+                    self._peer_failed(exc, held)
+                except Stalled:
+                    pass      # a frame half sent: the call's own pump reads on (and times out)
+                header, name = self._begin(call)
+                with self._traced(header, call, "links"):
+                    return self._direct_call(call, header, name, held)
+            finally:
+                for link in held:
+                    link.direct_lock.release()
+
+    def _peer_failed(self, exc: PeerFailed, links: list[TcpLink]) -> None:
+        """Record what a direct call learnt of a peer (as `_on_link_failure` does on the loop) and tell
+        the other peers with ABORTs (bounded: 1 s)."""
+        if self._failure is not None:
+            return
+        code = self._record_peer_failure(exc.peer, exc.reason, exc.blamed)
+        self.log.warning("dist.rank_failed", failed_rank=exc.blamed, noticed_via=exc.peer, reason=exc.reason)
+        until = time.monotonic() + 1.0
+        for link in links:
+            if link.peer not in (exc.peer, exc.blamed):
+                send_now(link, ABORT, exc.blamed | code << 16, until)
+
+    async def _pause_links(self) -> None:
+        for link in self.links.values():
+            await link.pause_reader()   # type: ignore[attr-defined]
+
+    def move(self, sends: dict[int, list[tuple[memoryview, int]]], expects: dict[int, list[Expect]],
+             sent: list[int] | None = None) -> None:
+        """Send and receive a direct call's messages (`tcp.pump`) within the call's deadline."""
+        pump(self.links, sends, expects, self._deadline, self._wake_fd, self._interrupted, sent)   # type: ignore[arg-type]
+
+    def scratch(self, key: str, count: int, dtype: np.dtype) -> np.ndarray:
+        """A buffer of `count` elements kept for the next direct call (no page faults on reuse)."""
+        nbytes = count * np.dtype(dtype).itemsize
+        buf = self._scratch.get(key)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._scratch[key] = np.empty(max(nbytes, 64), np.uint8)
+        return buf[:nbytes].view(dtype)
+
+    def _interrupted(self) -> None:
+        if self._failure is not None:
+            raise PeerFailed(self._failure.rank if isinstance(self._failure, RankFailed) else self.rank, str(self._failure))
+
+    def _direct_call(self, call: Call, header: dict[str, Any], name: str, links: list[TcpLink]) -> Any:
+        assert call.direct is not None
+        self._deadline = time.monotonic() + settings.COLLECTIVE_TIMEOUT
+        blob = json.dumps(header).encode()
+        blobs: dict[int, bytes] = {self.rank: blob}
+        stage_headers = True
+
+        def got_header(peer: int, view: memoryview) -> list[Expect] | None:
+            # the data behind a header: into the call when the header agrees, else read off the link
+            blobs[peer] = theirs = bytes(view)
+            if theirs == blob:
+                return None if call.early is None else call.early(peer)
+            return [Expect(None)] if json.loads(theirs).get("eager") else None
+
+        try:
+            first = [(memoryview(blob), 0)] + ([] if call.eager is None else [(as_bytes(call.eager), 0)])
+            self.move({p: list(first) for p in self.links},
+                      {p: [Expect(None, functools.partial(got_header, p))] for p in self.links}, call.sent)
+            headers = self._agree(name, header, blob, blobs)   # data behind a disagreeing header was drained
+            stage_headers = False
+            return call.direct(headers)
+        except Stalled:
+            absent = sorted(set(range(self.world)) - set(blobs)) if stage_headers else []
+            error = self._timed_out(name, absent or sorted(self.links), bool(absent))
+            # tell every peer before raising, so a rank that calls later fails the same way (bounded: 1 s)
+            until = time.monotonic() + 1.0
+            for link in links:
+                for rank in error.ranks:
+                    send_now(link, ABORT, rank | TIMED_OUT << 16, until)
+            raise error from None
+        except PeerFailed as exc:
+            self._peer_failed(exc, links)
+            self._check_failure(name)
+            raise
+        except CollectiveError:
+            raise
+        except BaseException as exc:
+            # this rank stopped part way through (a message of the wrong size, an interrupt): the links'
+            # streams are out of step, so the group takes no more collectives and the peers are told
+            if self._failure is None:
+                self._failure = CollectiveError(f"{name} broke off on rank {self.rank} ({type(exc).__name__}: {exc}); "
+                                                f"the ranks are out of step, so the group takes no more collectives")
+                until = time.monotonic() + 1.0
+                for link in links:
+                    send_now(link, ABORT, self.rank | BROKE_OFF << 16, until)
+            raise
 
     def _traced(self, header: dict[str, Any], call: Call, where: str) -> contextlib.AbstractContextManager[Any]:
         """The collective's span on this rank's `collective` lane: name, algorithm, bytes, world,
