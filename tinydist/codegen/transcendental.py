@@ -79,7 +79,15 @@ class _Format:
     bits: int
     mant: int                         # explicit mantissa bits
     bias: int
-    exp2_clamp: tuple[float, float]   # beyond these exp2 certainly overflows / rounds to zero
+    # Beyond these exp2 / exp certainly overflow / round to zero. The lower bounds are far below
+    # the underflow threshold on purpose: there n = 1 - 2*bias, and ldexp's first power of two,
+    # 2**(n >> 1) = 2**-bias, has an all-zero bit pattern: +0.0, so the result is 0 * p * 2**(1-bias),
+    # exact, with no multiply that underflows. An underflowing multiply costs an x86 core a
+    # ~100-cycle microcode assist per lane: with the bound at the threshold (-104 for float32 exp),
+    # every lane of a softmax over a causal mask of -3.4e38 (GPT-2's) took one, 5 ns per element
+    # instead of 0.4. Arguments between the threshold and the bound still underflow (to 0 or a
+    # subnormal: correctly, and slowly).
+    exp2_clamp: tuple[float, float]
     exp_clamp: tuple[float, float]
     ln2: tuple[float, float]          # for fma Cody–Waite in exp: hi is just ln2 rounded
     ln2_split: tuple[float, float]    # k*hi exact for every exponent k of a (subnormal) input
@@ -100,10 +108,10 @@ class _Format:
         return 2.0 ** (1 - self.bias)
 
 
-_F32 = _Format(32, 23, 127, (-151.0, 129.0), (-104.0, 89.5),
+_F32 = _Format(32, 23, 127, (-253.0, 129.0), (-175.5, 89.5),
                _pair("0x1.62e43p-1", "-0x1.05c61p-29"), _pair("0x1.62e4p-1", "0x1.7f7d1cp-20"),
                _pair("0x1.716p+0", "-0x1.7135a8p-13"), 0xFFFFF000, 24)
-_F64 = _Format(64, 52, 1023, (-1076.0, 1025.0), (-746.0, 710.0),
+_F64 = _Format(64, 52, 1023, (-2045.0, 1025.0), (-1417.5, 710.0),
                _pair("0x1.62e42fefa39efp-1", "0x1.abc9e3b39803fp-56"),
                _pair("0x1.62e42fefa3800p-1", "0x1.ef35793c76730p-45"),
                _pair("0x1.7154765200000p+0", "0x1.705fc2eefa200p-33"), 0xFFFFFFFF00000000, 54)
@@ -222,7 +230,7 @@ class _Emitter:
     def ldexp(self, p: ir.Value, n: ir.Value) -> ir.Value:
         """p * 2**n for a float-held integer n inside fmt.exp2_clamp. Two factors keep each power
         of two normal; the last multiply rounds once, so subnormal results are correctly rounded
-        from p."""
+        from p. At the clamp's lower bound n = 1 - 2*bias the first factor is +0.0 (see _Format)."""
         k = self.b.fptosi(n, self.ity)
         k1 = self.b.ashr(k, self.ci(1))
         return self.mul(self.mul(p, self.pow2i(k1)), self.pow2i(self.b.sub(k, k1)))
