@@ -106,7 +106,7 @@ def _worker(repeats: int, sample_ms: float, clock: str) -> dict:
 
     compiler = HostCompiler()
     kernel = native_loader.load(compiler.compile(matmul_ir("bench_gemm", "float32")), "bench_gemm", SIGNATURE).cfunc
-    prepacked = native_loader.load(compiler.compile(matmul_ir("bench_gemm_packed", "float32", prepacked=True)),
+    prepacked = native_loader.load(compiler.compile(matmul_ir("bench_gemm_packed", "float32", prepacked="b")),
                                    "bench_gemm_packed", SIGNATURE).cfunc
     packer = native_loader.load(compiler.compile(pack_b_ir("bench_gemm_pack", "float32")),
                                 "bench_gemm_pack", PACK_B_SIGNATURE).cfunc

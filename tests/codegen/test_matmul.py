@@ -10,9 +10,10 @@ import pytest
 
 from tinydist.codegen.compiler import HostCompiler
 from tinydist.codegen.matmul import SIGNATURE, matmul_ir, signature
-from tinydist.codegen.matmul_packing import PACK_B_SIGNATURE, pack_b_array, pack_b_ir
+from tinydist.codegen.matmul_packing import PACK_B_SIGNATURE, pack_a_array, pack_b_array, pack_b_ir
 from tinydist.codegen.matmul_tiling import (
-    DEFAULT_TILINGS, GATHERED_B_TILINGS, StridedOperand, Tiling, packed_b_elements, tiling_for, workspace_bytes,
+    DEFAULT_TILINGS, GATHERED_B_TILINGS, StridedOperand, Tiling, packed_a_elements, packed_b_elements, tiling_for,
+    workspace_bytes,
 )
 from tinydist.runtime.cpu.loader import native_loader
 
@@ -115,7 +116,8 @@ def test_workspace_covers_every_block() -> None:
     t = DEFAULT_TILINGS["float32"]
     small = workspace_bytes(1, 1, 1)
     assert small >= 4 * (t.nr + t.mr)   # one micro-panel of B and one of A
-    assert workspace_bytes(100, 300, 200, prepacked=True) < workspace_bytes(100, 300, 200)   # no B block
+    assert workspace_bytes(100, 300, 200, prepacked="b") < workspace_bytes(100, 300, 200)   # no B block
+    assert workspace_bytes(100, 300, 200, prepacked="a") < workspace_bytes(100, 300, 200)   # no A block
     # Big problems are blocked: the workspace stops growing once every block is full size.
     assert workspace_bytes(10 * t.mc, 10 * t.nc, 10 * t.kc) == workspace_bytes(t.mc, t.nc, t.kc)
     assert workspace_bytes(10, 10, 10, "float64") > workspace_bytes(10, 10, 10, "float32")
@@ -235,7 +237,7 @@ def test_strided_operand_run() -> None:
 
 def _compile_packed(dtype: str, tiling: Tiling | None):
     suffix = f"{dtype}_{'small' if tiling else 'default'}"
-    matmul = native_loader.load(HostCompiler().compile(matmul_ir(f"test_prepacked_{suffix}", dtype, tiling, prepacked=True)),
+    matmul = native_loader.load(HostCompiler().compile(matmul_ir(f"test_prepacked_{suffix}", dtype, tiling, prepacked="b")),
                                 f"test_prepacked_{suffix}", SIGNATURE).cfunc
     pack = native_loader.load(HostCompiler().compile(pack_b_ir(f"test_pack_b_{suffix}", dtype, tiling)),
                               f"test_pack_b_{suffix}", PACK_B_SIGNATURE).cfunc
@@ -272,7 +274,7 @@ def test_prepacked_b_matches_packing_per_call(kernels, packed_kernels, dtype: st
         pack(raw.ctypes.data + start + item * per_item * itemsize, b[item].ctypes.data, K, N)
     assert (raw[start + batch * per_item * itemsize:] == GUARD).all(), "pack_b wrote past packed_b_elements"
     packed_c = np.full((batch, M, N), np.nan, dtype)
-    size = workspace_bytes(M, N, K, dtype, tiling, prepacked=True)
+    size = workspace_bytes(M, N, K, dtype, tiling, prepacked="b")
     workspace = np.full(size + 64 + 256, GUARD, np.uint8)
     w = -workspace.ctypes.data % 64
     matmul(packed_c.ctypes.data, a.ctypes.data, raw.ctypes.data + start, workspace.ctypes.data + w, batch, M, N, K,
@@ -298,9 +300,86 @@ def test_pack_b_array_is_pack_b_ir(packed_kernels, dtype: str, small: bool, K: i
     np.testing.assert_array_equal(pack_b_array(b, tiling), generated)
 
 
-def test_prepacked_b_cannot_be_strided() -> None:
-    with pytest.raises(ValueError, match="prepacked"):
-        matmul_ir("never_compiled", "float32", strided=StridedOperand("b", ((4, 1),), ((8, 4),), 0), prepacked=True)
+def test_prepacked_operand_cannot_be_strided() -> None:
+    with pytest.raises(ValueError, match="prepacked B"):
+        matmul_ir("never_compiled", "float32", strided=StridedOperand("b", ((4, 1),), ((8, 4),), 0), prepacked="b")
+    with pytest.raises(ValueError, match="prepacked A"):
+        matmul_ir("never_compiled", "float32", strided=StridedOperand("a", ((4, 1),), ((8, 4),), 0), prepacked="a")
+    with pytest.raises(ValueError, match="'a' or 'b'"):
+        matmul_ir("never_compiled", "float32", prepacked="c")
+
+
+def _run_prepacked_a(kernel, packed: np.ndarray, b: np.ndarray, batch: int, M: int, N: int, K: int, b_stride: int,
+                     tiling: Tiling | None, strided: StridedOperand | None = None) -> np.ndarray:
+    """The prepacked-A kernel on `packed` (items `packed_a_elements` apart) with a workspace of exactly
+    workspace_bytes(prepacked="a") followed by guard bytes; C."""
+    dtype = str(b.dtype)
+    c = np.full((batch, M, N), np.nan, dtype)
+    size = workspace_bytes(M, N, K, dtype, tiling, strided, prepacked="a")
+    raw = np.full(size + 64 + 256, GUARD, np.uint8)
+    start = -raw.ctypes.data % 64
+    per_item = packed_a_elements(M, K, dtype, tiling) if batch > 1 else 0
+    kernel(c.ctypes.data, packed.ctypes.data, b.ctypes.data, raw.ctypes.data + start, batch, M, N, K, per_item, b_stride,
+           M * N, *(strided.arguments() if strided is not None else ()))
+    assert (raw[start + size:] == GUARD).all(), "kernel wrote past its workspace"
+    return c
+
+
+@pytest.fixture(scope="module")
+def prepacked_a_kernels():
+    def load(dtype: str, small: bool):
+        name = f"test_prepacked_a_{dtype}_{'small' if small else 'default'}"
+        ir_text = matmul_ir(name, dtype, SMALL_TILING[dtype] if small else None, prepacked="a")
+        return native_loader.load(HostCompiler().compile(ir_text), name, SIGNATURE).cfunc
+    return {(dtype, small): load(dtype, small) for dtype in ("float32", "float64") for small in (False, True)}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("small", [False, True], ids=["default_tiling", "small_tiling"])
+@pytest.mark.parametrize("batch,M,N,K", PACKED_SHAPES, ids=["x".join(map(str, s)) for s in PACKED_SHAPES])
+def test_prepacked_a_matches_packing_per_call(kernels, prepacked_a_kernels, dtype: str, small: bool,
+                                              batch: int, M: int, N: int, K: int) -> None:
+    """A packed once by pack_a_array (a convolution's weight at load), read by the prepacked-A
+    kernel: the same bits as the kernel that packs A per call, and numpy's product within rounding;
+    nothing past the packed rows is read (a guard of NaNs after the packed items)."""
+    tiling = SMALL_TILING[dtype] if small else None
+    kernel = prepacked_a_kernels[dtype, small]
+    a, b = _operands(np.random.default_rng(batch * 5 + M * 11 + N + K), dtype, (batch, M, K), (batch, K, N))
+    packed = np.concatenate([pack_a_array(item, tiling) for item in a] + [np.full(64, np.nan, dtype)])
+    assert packed.size - 64 == batch * packed_a_elements(M, K, dtype, tiling)
+    c = _run_prepacked_a(kernel, packed, b, batch, M, N, K, K * N, tiling)
+    per_call = np.full((batch, M, N), np.nan, dtype)
+    _run(kernels[dtype, small], a, b, per_call, batch, M, N, K, (M * K, K * N, M * N), tiling)
+    np.testing.assert_array_equal(c, per_call)
+    _check(c, a, b, dtype)
+
+
+@pytest.mark.parametrize("small", [False, True], ids=["default_tiling", "small_tiling"])
+@pytest.mark.parametrize("conv", CONVOLUTIONS + [(1, 72, 12, 12, 3, 3, 1), (1, 64, 34, 50, 3, 3, 1)],
+                         ids=["x".join(map(str, conv)) for conv in CONVOLUTIONS] + ["72ch", "64ch_gathered_tiling"])
+def test_prepacked_a_times_strided_b(small: bool, conv: tuple[int, ...]) -> None:
+    """A convolution's forward as it runs: its weight packed at load times the columns gathered from
+    its input, whichever blocking the columns' view gets (GATHERED_B_TILINGS past the L2, with its
+    KC of 256 over K = 576): bitwise the kernel that packs the weight per call, and numpy's within rounding."""
+    n, c, h, w, kh, kw, stride = conv
+    rng = np.random.default_rng(sum(conv) + 1)
+    x = rng.uniform(-1, 1, (n, c, h, w)).astype(np.float32)
+    columns, _, as_b = _columns_view(x, kh, kw, stride)
+    K, N = columns.shape
+    M = 20
+    tiling = SMALL_TILING["float32"] if small else None
+    form = as_b.form(tiling or tiling_for("float32", as_b))
+    kernels = {}
+    for prepacked in (None, "a"):
+        name = f"test_conv_prepacked_{prepacked}_{'small' if small else 'default'}_{'_'.join(map(str, conv))}"
+        kernels[prepacked] = native_loader.load(HostCompiler().compile(
+            matmul_ir(name, "float32", tiling, as_b, prepacked=prepacked)), name, signature(form)).cfunc
+    weight = _operands(rng, "float32", (M, K))[0]
+    packed = _run_prepacked_a(kernels["a"], pack_a_array(weight, tiling), x, 1, M, N, K, 0, tiling, as_b)[0]
+    per_call = np.full((M, N), np.nan, np.float32)
+    _run(kernels[None], weight, x, per_call, 1, M, N, K, (0, 0, 0), tiling, as_b)
+    np.testing.assert_array_equal(packed, per_call)
+    _check(packed, weight, columns, "float32")
 
 
 _PROT_NONE = 0   # not in Python's mmap module

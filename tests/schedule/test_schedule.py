@@ -202,9 +202,29 @@ def test_prepacked_matmul_reads_the_packed_weight_as_it_is():
     packed = td.Tensor(pack_b_array(weight)).realize()
     schedule, _ = create_schedule([matmul_prepacked(x * 2, packed, 64, 300).node])
     (call,) = [c for c in schedule.linear if isinstance(c, MatmulCall)]
-    assert call.prepacked and (call.batch, call.m, call.n, call.k, call.b_batch_stride) == (3, 40, 300, 64, 0)
+    assert call.prepacked == "b" and (call.batch, call.m, call.n, call.k, call.b_batch_stride) == (3, 40, 300, 64, 0)
     assert not [c for c in schedule.linear if isinstance(c, CopyCall)]
-    assert schedule.specs[call.workspace].nbytes == workspace_bytes(40, 300, 64, prepacked=True) < workspace_bytes(40, 300, 64)
+    assert schedule.specs[call.workspace].nbytes == workspace_bytes(40, 300, 64, prepacked="b") < workspace_bytes(40, 300, 64)
+
+
+def test_conv_with_a_packed_weight_reads_it_and_gathers_its_columns():
+    """A convolution given its weight packed at load (an ONNX Conv's constant weight): one matmul,
+    A the packed weight buffer itself and B gathered from the padded input through the columns'
+    view (no im2col copy, no A block in the workspace); the output equals numpy's within rounding."""
+    from tinydist.codegen.matmul_packing import pack_a_array
+    from tinydist.frontend.functional import conv2d
+    rng = np.random.default_rng(4)
+    x_np = rng.standard_normal((1, 16, 12, 12)).astype(np.float32)
+    w_np = rng.standard_normal((24, 16, 3, 3)).astype(np.float32)
+    packed = td.Tensor(pack_a_array(w_np.reshape(24, -1))).realize()
+    y = conv2d(td.Tensor(x_np) * 1, td.Tensor(w_np), padding=1, packed_weight=packed)
+    schedule, _ = create_schedule([y.node])
+    (call,) = [c for c in schedule.linear if isinstance(c, MatmulCall)]
+    assert call.prepacked == "a" and call.strided is not None and call.strided.operand == "b"
+    assert (call.batch, call.m, call.n, call.k, call.a_batch_stride) == (1, 24, 144, 144, 0)
+    windows = np.lib.stride_tricks.sliding_window_view(np.pad(x_np, ((0, 0), (0, 0), (1, 1), (1, 1))), (3, 3), axis=(2, 3))
+    expected = np.einsum("nchwij,ocij->nohw", windows.astype(np.float64), w_np.astype(np.float64))
+    np.testing.assert_allclose(y.numpy(), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_depthwise_conv_is_one_direct_kernel():

@@ -35,7 +35,10 @@ Where packing does not pay, an operand is read where it lies:
   (row streams in order) under the column mask; tiles of 1-2 rows span several NR panels, so
   8 FMA chains are in flight, not 2.
 - B, when it is a weight: `pack_b_ir` / `pack_b_array` pack it once (at load), and the kernel of
-  `matmul_ir(prepacked=True)` reads that layout with no B packing and no B workspace.
+  `matmul_ir(prepacked="b")` reads that layout with no B packing and no B workspace.
+- A, when it is a weight (a convolution's, times its gathered columns): `pack_a_array` packs it
+  once into MR-tall micro-panels the length of K, and `matmul_ir(prepacked="a")` reads its MC×KC
+  blocks there (any KC and MC: panel p is at p·MR·K), with no A packing and no A workspace.
 
 A strided operand (`StridedOperand`, for a batch of one): A or B is not a contiguous matrix but a
 view of another buffer, e.g. a convolution's im2col columns over its padded input. Its packing
@@ -84,9 +87,11 @@ class _Driver:
     calls, then the jr/ir loops over packed blocks or the small-M sweeps over B in place."""
 
     def __init__(self, name: str, dtype: str, tiling: Tiling, strided: StridedForm | None,
-                 publish_progress: bool = True, prepacked: bool = False) -> None:
-        if prepacked and strided is not None and strided.operand == "b":
-            raise ValueError("a prepacked B cannot also be read through a strided view")
+                 publish_progress: bool = True, prepacked: str | None = None) -> None:
+        if prepacked not in (None, "a", "b"):
+            raise ValueError(f"prepacked names the operand packed at load, 'a' or 'b' (or None), got {prepacked!r}")
+        if prepacked is not None and strided is not None and strided.operand == prepacked:
+            raise ValueError(f"a prepacked {prepacked.upper()} cannot also be read through a strided view")
         self.publish_progress = publish_progress
         self.prepacked = prepacked
         self.m = m = MatmulModule(name, dtype, tiling, strided)
@@ -98,7 +103,7 @@ class _Driver:
         # M <= MR: one panel of A, so each element of B is used once per call. B is read in place
         # unless it is prepacked or gathered (a strided view); a tile of few rows spans several
         # panels of B.
-        read_b_in_place = not self.prepacked and not (self.strided is not None and self.strided.operand == "b")
+        read_b_in_place = self.prepacked != "b" and not (self.strided is not None and self.strided.operand == "b")
         small = {rows: kernel if self.panels_for(rows) == 1 and not read_b_in_place
                  else micro_kernel(self.m, rows, self.panels_for(rows), read_b_in_place)
                  for rows, kernel in kernels.items()}
@@ -172,8 +177,9 @@ class _Driver:
         kc_max = b.min(K, i64(t.kc))
         nc_max = b.min(round_up(N, t.nr), i64(t.nc))
         mc_max = b.min(round_up(M, t.mr), i64(t.mc))
-        a_offset = i64(0) if self.prepacked else round_up(b.mul(b.mul(kc_max, nc_max), i64(self.itemsize)), ALIGN)
-        tables_offset = b.add(a_offset, round_up(b.mul(b.mul(mc_max, kc_max), i64(self.itemsize)), ALIGN))
+        a_offset = i64(0) if self.prepacked == "b" else round_up(b.mul(b.mul(kc_max, nc_max), i64(self.itemsize)), ALIGN)
+        a_bytes = i64(0) if self.prepacked == "a" else round_up(b.mul(b.mul(mc_max, kc_max), i64(self.itemsize)), ALIGN)
+        tables_offset = b.add(a_offset, a_bytes)
         b_packed, a_packed = W, b.at(W, a_offset, ir.IntType(8))
         if strided is not None:
             view_run, view_offset, *axes = fn.args[len(SIGNATURE):]
@@ -202,7 +208,7 @@ class _Driver:
                     kc = b.min(b.sub(K, pc), i64(t.kc))
                     accumulate = b.icmp_signed(">", pc, i64(0))
                     b_block = b.at(b_item, b.add(b.mul(pc, N), jc), self.elem)
-                    if self.prepacked:
+                    if self.prepacked == "b":
                         b_source = packed_block(self.m, b, b_item, jc, pc, nc, K)
                     else:
                         with b.if_then(pack_b_now):
@@ -216,16 +222,23 @@ class _Driver:
                         if published is not None:  # per MC x KC x NC block: at most 2.7e8 flops (float32 tiling)
                             progress.bump(b, published)
                         mc = b.min(b.sub(M, ic), i64(t.mc))
-                        if strided is not None and strided.operand == "a":
-                            b.call(pack_a, [a_packed, a_item, b.at(row_table, ic, I32), b.at(col_table, pc, I32), mc, kc])
+                        if self.prepacked == "a":   # panel p (rows p·MR…) at p·MR·K, its column pc at pc·MR
+                            a_block = b.at(a_item, b.add(b.mul(ic, K), b.mul(pc, i64(t.mr))), self.elem)
                         else:
-                            b.call(pack_a, [a_packed, b.at(a_item, b.add(b.mul(ic, K), pc), self.elem), K, mc, kc])
+                            if strided is not None and strided.operand == "a":
+                                b.call(pack_a, [a_packed, a_item, b.at(row_table, ic, I32), b.at(col_table, pc, I32), mc, kc])
+                            else:
+                                b.call(pack_a, [a_packed, b.at(a_item, b.add(b.mul(ic, K), pc), self.elem), K, mc, kc])
+                            a_block = a_packed
+                        # elements from one micro-panel of A to the next, per row: kc packed per call, K prepacked
+                        a_panel_rows = K if self.prepacked == "a" else kc
                         with b.if_else(is_small) as (then, otherwise):
                             with then:
-                                self.small_loops(b, small, read_b_in_place, M, kc, nc, a_packed,
+                                self.small_loops(b, small, read_b_in_place, M, kc, nc, a_block,
                                                  b_block if read_b_in_place else b_source, c_item, jc, N, accumulate)
                             with otherwise:
-                                self.panel_loops(b, kernels, kc, nc, mc, a_packed, b_source, c_item, ic, jc, N, accumulate)
+                                self.panel_loops(b, kernels, kc, nc, mc, a_block, a_panel_rows, b_source, c_item, ic, jc,
+                                                 N, accumulate)
         b.ret_void()
 
     def small_loops(self, b: Builder, kernels: dict[int, ir.Function], in_place: bool, M: ir.Value, kc: ir.Value,
@@ -264,9 +277,10 @@ class _Driver:
         self.by_row_parts(b, M, sweep)
 
     def panel_loops(self, b: Builder, kernels: dict[int, ir.Function], kc: ir.Value, nc: ir.Value, mc: ir.Value,
-                    a_packed: ir.Value, b_packed: ir.Value, c_item: ir.Value, ic: ir.Value, jc: ir.Value, N: ir.Value,
-                    accumulate: ir.Value) -> None:
-        """The jr and ir loops over one packed MC×KC block of A and KC×NC block of B."""
+                    a_packed: ir.Value, a_panel_rows: ir.Value, b_packed: ir.Value, c_item: ir.Value, ic: ir.Value,
+                    jc: ir.Value, N: ir.Value, accumulate: ir.Value) -> None:
+        """The jr and ir loops over one packed MC×KC block of A (micro-panel r/MR at
+        r·a_panel_rows) and KC×NC block of B."""
         t = self.t
         # The ir loop's calls, between them, prefetch the micro-panel of B the next jr step reads
         # (the block's first after its last: the next MC block starts there) into L2, each its
@@ -282,7 +296,7 @@ class _Driver:
                 rows = b.min(b.sub(mc, ir_), i64(t.mr))
                 c_tile = b.at(c_item, b.add(b.mul(b.add(ic, ir_), N), b.add(jc, jr)), self.elem)
                 share = b.gep(next_panel, [b.mul(b.sdiv(ir_, i64(t.mr)), b.mul(kc, step))], source_etype=ir.IntType(8))
-                self.call_tile(b, rows, kernels, [kc, b.at(a_packed, b.mul(ir_, kc), self.elem),
+                self.call_tile(b, rows, kernels, [kc, b.at(a_packed, b.mul(ir_, a_panel_rows), self.elem),
                                                   b_panel, i64(t.nr), b.mul(kc, i64(t.nr)), c_tile, N, accumulate, cols,
                                                   share, step])
 
@@ -305,10 +319,10 @@ def strided_form(dtype: str, strided: StridedOperand | StridedForm | None, tilin
     return strided
 
 
-def program_name(dtype: str, strided: StridedOperand | StridedForm | None = None, prepacked: bool = False) -> str:
-    """The matmul kernel's name: one per dtype, and one per form of view a strided operand is read
-    through (with its blocking where that is not the dtype's default)."""
-    name = f"tinydist_matmul_{dtype}" + ("_prepacked" if prepacked else "")
+def program_name(dtype: str, strided: StridedOperand | StridedForm | None = None, prepacked: str | None = None) -> str:
+    """The matmul kernel's name: one per dtype and operand packed at load, and one per form of view
+    a strided operand is read through (with its blocking where that is not the dtype's default)."""
+    name = f"tinydist_matmul_{dtype}" + {None: "", "b": "_prepacked", "a": "_prepacked_a"}[prepacked]
     form = strided_form(dtype, strided)
     if form is not None:
         name += f"_strided_{form.operand}{form.chunk or ''}_{form.rows}x{form.cols}"
@@ -320,12 +334,13 @@ def program_name(dtype: str, strided: StridedOperand | StridedForm | None = None
 
 def matmul_ir(name: str, dtype: str = "float32", tiling: Tiling | None = None,
               strided: StridedOperand | StridedForm | None = None, publish_progress: bool = True,
-              prepacked: bool = False) -> str:
+              prepacked: str | None = None) -> str:
     """LLVM IR text defining ``void @<name>(C, A, B, W, batch, M, N, K, strideA, strideB, strideC)``;
     with `strided` (a view, or the form of one), that operand is read through a view passed after
     those (`signature`, `StridedOperand.arguments`; M, N, K must match the view's sizes);
-    with `prepacked`, B is the output of `pack_b_ir` (strideB counts its elements, a multiple of
-    `packed_b_elements` keeps every item 64-byte aligned) and is not packed again.
+    with `prepacked="b"`, B is the output of `pack_b_ir` (strideB counts its elements, a multiple of
+    `packed_b_elements` keeps every item 64-byte aligned) and is not packed again; with
+    `prepacked="a"`, A is `pack_a_array`'s (strideA: a multiple of `packed_a_elements`).
     `publish_progress=False` leaves out the progress word (a program for a remote node)."""
     itemsize(dtype)
     form_tiling = strided.tiling if isinstance(strided, StridedForm) else None

@@ -6,7 +6,8 @@ micro-kernel reads with aligned vector loads (B zero-padded past its last column
   im2col columns over its padded input), through tables of row and column offsets
   (`offset_table`) the driver fills in the workspace first, so the matrix is never written out;
 - `pack_b_ir` / `pack_b_array`: a whole constant B (a weight) packed once at load, in native code
-  or in numpy, bit for bit the same; `packed_block` finds a block in it.
+  or in numpy, bit for bit the same; `packed_block` finds a block in it;
+- `pack_a_array`: a whole constant A (a convolution's weight) packed once at load, in numpy.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import llvmlite.ir as ir
 import numpy as np
 
 from tinydist.codegen.matmul_emit import I32, I64, PTR, Builder, MatmulModule, define, i64
-from tinydist.codegen.matmul_tiling import ALIGN, DEFAULT_TILINGS, Tiling, itemsize, packed_b_elements, round_up
+from tinydist.codegen.matmul_tiling import (ALIGN, DEFAULT_TILINGS, Tiling, itemsize, packed_a_elements, packed_b_elements,
+                                            round_up)
 
 PACK_B_SIGNATURE = ("w", "r", "i64", "i64")
 
@@ -242,6 +244,21 @@ def pack_b_array(b: np.ndarray, tiling: Tiling | None = None) -> np.ndarray:
             panels = padded[pc:pc + kc].reshape(kc, -1, t.nr).transpose(1, 0, 2).reshape(-1)
             start = jc * K + pc * padded.shape[1]
             packed[start:start + panels.size] = panels
+    return packed
+
+
+def pack_a_array(a: np.ndarray, tiling: Tiling | None = None) -> np.ndarray:
+    """A constant M×K float32/float64 A packed at load for `matmul_ir(prepacked="a")`, as a 1-D
+    array of `packed_a_elements(M, K)`: MR-tall micro-panels the whole length of K, panel p
+    (rows p·MR…, zero past M) at p·MR·K, its element (i, k) at k·MR + i — the layout `pack_a`
+    writes per MC×KC block, so any KC and MC blocking reads its blocks in place. Only MR
+    matters (the same for the default and the gathered-B tilings)."""
+    M, K = a.shape
+    mr = (tiling or DEFAULT_TILINGS[str(a.dtype)]).mr
+    padded = np.zeros((round_up(M, mr), K), a.dtype)
+    padded[:M] = a
+    packed = np.ascontiguousarray(padded.reshape(-1, mr, K).transpose(0, 2, 1)).reshape(-1)
+    assert packed.size == packed_a_elements(M, K, str(a.dtype), tiling)
     return packed
 
 

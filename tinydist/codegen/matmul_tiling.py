@@ -4,7 +4,7 @@ The kernel (`tinydist.codegen.matmul`) computes an MR×NR tile of C per micro-ke
 NC columns of B, KC of the reduction and MC rows of A (the five loops in its docstring). This
 module holds those sizes (`Tiling`, `DEFAULT_TILINGS`, with the measurements that chose them), the
 operand a kernel may read through a view (`StridedOperand`), and the sizes the caller allocates:
-the workspace (`workspace_bytes`) and a prepacked B (`packed_b_elements`). Plain Python, no LLVM:
+the workspace (`workspace_bytes`) and a prepacked B or A (`packed_b_elements`, `packed_a_elements`). Plain Python, no LLVM:
 the scheduler and the frontend size buffers with it without importing the code generator.
 """
 
@@ -173,11 +173,11 @@ def round_up(value: int, multiple: int) -> int:
 
 
 def workspace_bytes(M: int, N: int, K: int, dtype: str = "float32", tiling: Tiling | None = None,
-                    strided: StridedOperand | None = None, prepacked: bool = False) -> int:
+                    strided: StridedOperand | None = None, prepacked: str | None = None) -> int:
     """Bytes of workspace the kernel for (M, N, K) needs.
 
     Layout (mirrored in the generated driver): the packed KC×NC block of B at offset 0 (none for
-    a prepacked B), the packed MC×KC block of A, then a strided operand's offset tables (int32,
+    a prepacked B), the packed MC×KC block of A (none for a prepacked A), then a strided operand's offset tables (int32,
     rows then columns); each region starts on a 64-byte boundary. Blocks shrink to the problem,
     so small problems need little.
     """
@@ -185,8 +185,14 @@ def workspace_bytes(M: int, N: int, K: int, dtype: str = "float32", tiling: Tili
     size = itemsize(dtype)
     t = tiling or tiling_for(dtype, strided)
     kc, nc, mc = min(K, t.kc), min(round_up(N, t.nr), t.nc), min(round_up(M, t.mr), t.mc)
-    regions = (0 if prepacked else kc * nc * size, mc * kc * size)
+    regions = (0 if prepacked == "b" else kc * nc * size, 0 if prepacked == "a" else mc * kc * size)
     return sum(round_up(size, ALIGN) for size in regions) + tables
+
+
+def packed_a_elements(M: int, K: int, dtype: str = "float32", tiling: Tiling | None = None) -> int:
+    """Elements of a prepacked M×K operand A (`pack_a_array`): its rows rounded up to MR."""
+    itemsize(dtype)
+    return round_up(M, (tiling or DEFAULT_TILINGS[dtype]).mr) * K
 
 
 def packed_b_elements(K: int, N: int, dtype: str = "float32", tiling: Tiling | None = None) -> int:

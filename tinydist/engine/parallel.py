@@ -123,6 +123,7 @@ def _split_matmul(call: MatmulCall, b: Sequence[Any], device: Device, pieces: in
         if len(ranges) < 2:
             return None
 
+        # rows lo… of A start at lo·K elements, plain or prepacked (lo a multiple of MR: panel lo/MR, MR·K long)
         def args(lo: int, hi: int, work: int) -> tuple[int, ...]:
             return (c + lo * call.n * size, a + lo * call.k * size, bb, work, 1, hi - lo, call.n, call.k,
                     call.a_batch_stride, call.b_batch_stride, (hi - lo) * call.n, *view)
@@ -158,7 +159,7 @@ def split(calls: Sequence[Call], buffers: Sequence[Buffer | None], device: Devic
             pieces = None if found is None else [(device.compiler.kernel(ast), args) for ast, args in found]
         elif isinstance(call, MatmulCall):
             # a piece of rows packs all of an unpacked B itself (a convolution's columns): one per thread then
-            finer = call.prepacked or call.batch >= 2
+            finer = call.prepacked == "b" or call.batch >= 2
             count = threads * (MATMUL_PIECES_PER_THREAD if finer else 1)
             if call.batch == 1:  # pieces of rows: see MATMUL_PIECE_ROWS
                 count = max(threads, min(count, call.m // MATMUL_PIECE_ROWS))

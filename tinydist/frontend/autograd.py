@@ -362,8 +362,8 @@ def _elementwise_rule(node: LazyNode, g: Tensor) -> list[tuple[LazyNode, Tensor 
 def _matmul_rule(node: LazyNode, g: Tensor) -> list[tuple[LazyNode, Tensor | None]]:
     a_node, b_node = node.srcs                     # a [Ba, M, K], b [Bb, K, N], out [B, M, N]
     if node.arg is not None:
-        raise NotImplementedError("no gradient through matmul_prepacked (its B is packed for inference): "
-                                  "use matmul with the unpacked weight to train")
+        raise NotImplementedError(f"no gradient through matmul_prepacked (its {node.arg[0].upper()} is packed for "
+                                  "inference): use matmul with the unpacked weight to train")
     count, m, n = node.shape
     k = a_node.shape[2]
     a, b = _t(a_node), _t(b_node)

@@ -14,7 +14,7 @@ import numpy as np
 
 from tinydist.base.config import settings
 from tinydist.base.errors import WorkTooLarge
-from tinydist.codegen.matmul_tiling import packed_b_elements
+from tinydist.codegen.matmul_tiling import packed_a_elements, packed_b_elements
 from tinydist.frontend.autograd import custom_gradient, no_grad
 from tinydist.frontend.arguments import normalize_axes
 from tinydist.frontend.tensor import Tensor
@@ -108,8 +108,31 @@ def matmul_prepacked(a: Tensor, packed: Tensor, k: int, n: int) -> Tensor:
     count, m = math.prod(a.shape[:-2]), a.shape[-2]
     _check_work(a.shape, (k, n), count, m, k, n)
     left = a.reshape(count, m, k).contiguous()
-    node = LazyNode(Op.MATMUL, (left.node, packed.node), (k, n), a.dtype, (count, m, n), a.device)
+    node = LazyNode(Op.MATMUL, (left.node, packed.node), ("b", k, n), a.dtype, (count, m, n), a.device)
     return Tensor(node).reshape(a.shape[:-1] + (n,))
+
+
+def matmul_prepacked_a(packed: Tensor, b: Tensor, m: int, k: int) -> Tensor:
+    """A @ b (G, K, N), A a constant M×K weight — or G of them, one per item — packed once at load by
+    `tinydist.codegen.matmul_packing.pack_a_array` (`packed`: its 1-D result(s), concatenated and
+    uploaded): a convolution's weight times its columns, the kernel reading its blocks where they lie
+    where `matmul` would pack them again on every call. The same bits as `A.matmul(b)`. Host (CPU)
+    devices only; no gradient flows into a packed weight, nor through this product."""
+    if b.ndim != 3 or b.shape[1] != k:
+        raise ValueError(f"matmul_prepacked_a: B must be (G, {k}, N), got shape {b.shape}")
+    if b.dtype != packed.dtype or b.dtype not in (dtypes.float32, dtypes.float64):
+        raise ValueError(f"matmul_prepacked_a: the packed A and B must both be float32 or both float64, "
+                         f"got {packed.dtype} and {b.dtype}")
+    per_item = packed_a_elements(m, k, b.dtype.name)
+    count, n = b.shape[0], b.shape[2]
+    if packed.shape not in ((per_item,), (count * per_item,)):
+        raise ValueError(f"matmul_prepacked_a: a packed {m}x{k} A has shape ({per_item},) (or {count} of them), "
+                         f"got {packed.shape}: pack it with tinydist.codegen.matmul_packing.pack_a_array")
+    if b.device != packed.device:
+        raise ValueError(f"matmul_prepacked_a: operands are on different devices: {packed.device} and {b.device}")
+    _check_work((m, k), b.shape, count, m, k, n)
+    node = LazyNode(Op.MATMUL, (packed.node, b.node), ("a", m, k), b.dtype, (count, m, n), b.device)
+    return Tensor(node)
 
 
 def _native_matmul(x: Tensor, y: Tensor, batch: tuple[int, ...], m: int, k: int, n: int) -> Tensor:
@@ -214,8 +237,12 @@ def _col2im(cols: Tensor, shape: tuple[int, ...], out_hw: tuple[int, int], kerne
 
 
 def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
-           dilation: Any = 1, groups: int = 1) -> Tensor:
+           dilation: Any = 1, groups: int = 1, packed_weight: Tensor | None = None) -> Tensor:
     """2-D cross-correlation (as torch.nn.functional.conv2d): im2col, then weights @ columns.
+
+    `packed_weight`: the weight, a constant, packed at load per group (`pack_a_array` of each
+    (OC/G, Cg·KH·KW) matrix, concatenated): where nothing needs a gradient and the product runs
+    the native kernel, it reads that (`matmul_prepacked_a`) instead of packing the weight per call.
 
     Its gradient is its own rule (autograd.custom_gradient), all matmuls on the packed kernel:
     weight gradient = columns @ output-gradientᵀ, input gradient = col2im(weightsᵀ @ output-gradient).
@@ -241,7 +268,11 @@ def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 
         padded = xs.pad(((0, 0), (0, 0), (ph, ph), (pw, pw)))
         cols = _im2col(padded, (kh, kw), stride2, dilation2, groups)             # G K (N OH OW)
         oh, ow = _windows_out(padded.shape, (kh, kw), stride2, dilation2)
-        out = ws.reshape(groups, ocg, k).matmul(cols)                            # G OCg (N OH OW)
+        if (packed_weight is not None and not any(t is not None and t.requires_grad for t in (xs, ws, bs))
+                and prepacked_matmul_applies(groups * ocg, k, cols.shape[2], dtype)):
+            out = matmul_prepacked_a(packed_weight, cols, ocg, k)
+        else:
+            out = ws.reshape(groups, ocg, k).matmul(cols)                        # G OCg (N OH OW)
         out = out.reshape(oc, n, oh, ow).permute(1, 0, 2, 3)
         if bs is not None:
             out = out + bs.reshape(1, oc, 1, 1)

@@ -129,7 +129,7 @@ class DeviceCompiler:
         pending.set_result(program)
         return program
 
-    def compile_ahead(self, kernels: Sequence[KernelAST], matmuls: Sequence[tuple[DType, StridedOperand | None, bool]],
+    def compile_ahead(self, kernels: Sequence[KernelAST], matmuls: Sequence[tuple[DType, StridedOperand | None, str | None]],
                       also: Sequence[Callable[[], object]] = ()) -> None:
         """Build the programs of `kernels` and of `matmuls` ((dtype, strided, prepacked) as `matmul`
         takes them) not built yet, on up to one thread per CPU at once: LLVM runs without the GIL,
@@ -184,10 +184,10 @@ class DeviceCompiler:
                                               compile_generated_kernel)
         return self._cached(ast, build, ast.label)
 
-    def matmul(self, dtype: DType, strided: StridedOperand | None = None, prepacked: bool = False) -> Program:
+    def matmul(self, dtype: DType, strided: StridedOperand | None = None, prepacked: str | None = None) -> Program:
         """The matmul kernel; with `strided`, the one for that operand's form of view (one for every
         view of that form: the view is its trailing arguments, `StridedOperand.arguments`);
-        `prepacked`, one reading B packed at load (`pack_b_array`)."""
+        `prepacked` "b" ("a"), one reading that operand packed at load (`pack_b_array`, `pack_a_array`)."""
         form = strided_form(dtype.name, strided)
 
         def build() -> Program:
@@ -200,7 +200,7 @@ class DeviceCompiler:
                 name, matmul_signature(form), compile_generated_kernel)
         return self._cached(("matmul", dtype.name, form, prepacked), build,
                             lambda: f"matmul {short_dtype(dtype)}{' strided' if strided is not None else ''}"
-                                    f"{' prepacked' if prepacked else ''}")
+                                    f"{f' {prepacked.upper()} prepacked' if prepacked else ''}")
 
     def stream_copy(self) -> Program:
         """A copy with non-temporal stores, for copies bigger than the last-level cache."""

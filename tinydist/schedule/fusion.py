@@ -29,7 +29,7 @@ from tinydist.base.walk import Step, drive, postorder
 from tinydist.codegen import kernel as K
 from tinydist.codegen.kernel import KernelAST, KNode
 from tinydist.codegen.lowering import STREAMING_STORE_BYTES, VECTOR_BYTES
-from tinydist.codegen.matmul_tiling import StridedOperand, workspace_bytes
+from tinydist.codegen.matmul_tiling import StridedOperand, packed_a_elements, workspace_bytes
 from tinydist.graph import dtypes
 from tinydist.graph.collectives import shard_bounds
 from tinydist.graph.lazy import ELEMENTWISE, MAX_FUSED_OPS, TRANSCENDENTAL, LazyNode, Op
@@ -309,17 +309,34 @@ class _Fuser:
 
     def _prepacked_matmul(self, node: LazyNode) -> Step[int]:
         """A matmul whose B is a weight packed at load (`functional.matmul_prepacked`): one packed
-        operand for the whole batch, read as it is (no B block in the workspace)."""
+        operand for the whole batch, read as it is (no B block in the workspace); or whose A is
+        (`functional.matmul_prepacked_a`, a convolution's weight): one packed item per batch item
+        or one for all, times a B that may be read through a strided view (the columns)."""
         a_node, b_node = node.srcs
         count, m, n = node.shape
-        k = a_node.shape[2]
-        a = yield self.buffer_of(a_node)
-        b = yield self.buffer_of(b_node)
-        workspace = self._new_buffer(None, BufferSpec(workspace_bytes(m, n, k, node.dtype.name, prepacked=True),
+        operand = node.arg[0]
+        strided: StridedOperand | None = None
+        if operand == "a":
+            k = b_node.shape[1]
+            found = self._strided_view(b_node, "b") if peer_group(node.device) == "host" else None
+            b_source = b_node
+            if found is not None:
+                b_source, strided = found
+            a = yield self.buffer_of(a_node)
+            b = yield self.buffer_of(b_source)
+            per_item = packed_a_elements(m, k, node.dtype.name)
+            strides = (0 if a_node.numel == per_item else per_item, 0 if b_node.shape[0] == 1 else k * n)
+        else:
+            k = a_node.shape[2]
+            a = yield self.buffer_of(a_node)
+            b = yield self.buffer_of(b_node)
+            strides = (0 if a_node.shape[0] == 1 else m * k, 0)
+        workspace = self._new_buffer(None, BufferSpec(workspace_bytes(m, n, k, node.dtype.name, strided=strided,
+                                                                      prepacked=operand),
                                                       dtypes.bool_, (), node.device))
         out = self._new_buffer(node, BufferSpec(node.nbytes, node.dtype, node.shape, node.device))
-        self.graph.calls.append(MatmulCall(out, a, b, workspace, count, m, n, k, 0 if a_node.shape[0] == 1 else m * k,
-                                           0, node.dtype, node.device, prepacked=True))
+        self.graph.calls.append(MatmulCall(out, a, b, workspace, count, m, n, k, *strides, node.dtype, node.device,
+                                           strided=strided, prepacked=operand))
         return out
 
     def _strided_view(self, operand: LazyNode, which: str) -> tuple[LazyNode, StridedOperand] | None:

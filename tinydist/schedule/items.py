@@ -73,7 +73,7 @@ class MatmulCall(_ReadsItsInputs):
     device: str
     queue: str = "compute"
     strided: StridedOperand | None = None   # a or b is read through this view of its buffer
-    prepacked: bool = False                 # b is a weight packed at load (codegen.matmul_packing.pack_b_array)
+    prepacked: str | None = None            # "b" ("a"): that operand is a weight packed at load (pack_b_array, pack_a_array)
 
     @property
     def inputs(self) -> tuple[int, ...]:
@@ -85,7 +85,7 @@ class MatmulCall(_ReadsItsInputs):
 
     def describe(self) -> str:
         gathered = f" ({self.strided.operand.upper()} strided)" if self.strided is not None else ""
-        gathered += " (B prepacked)" if self.prepacked else ""
+        gathered += f" ({self.prepacked.upper()} prepacked)" if self.prepacked else ""
         return f"matmul {self.dtype.name} {self.batch}x[{self.m}x{self.k}]@[{self.k}x{self.n}]{gathered}"
 
 

@@ -396,13 +396,13 @@ class CUDACompiler(DeviceCompiler):
     def kernel(self, ast: KernelAST) -> Program:
         return self.device._cached(ast, lambda: ptx.lower_kernel(ast))
 
-    def matmul(self, dtype: DType, strided: StridedOperand | None = None, prepacked: bool = False) -> Program:
+    def matmul(self, dtype: DType, strided: StridedOperand | None = None, prepacked: str | None = None) -> Program:
         """The tiled matmul, same arguments as the CPU one (`codegen.matmul.SIGNATURE`)."""
         if strided is not None:
             raise DeviceError(f"{self.device.name} reads matmul operands contiguous only; the schedule gave a strided one")
         if prepacked:
-            raise DeviceError(f"{self.device.name} reads B as a plain matrix; a B packed for the CPU kernel "
-                              "(matmul_prepacked) runs on host devices only: multiply by the unpacked weight")
+            raise DeviceError(f"{self.device.name} reads operands as plain matrices; a {prepacked.upper()} packed for the "
+                              "CPU kernel (matmul_prepacked) runs on host devices only: multiply by the unpacked weight")
         return self.device._cached(("matmul", dtype.name), lambda: ptx.matmul_kernel(dtype.name))
 
     def stream_copy(self) -> Program:
