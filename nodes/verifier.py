@@ -8,7 +8,8 @@ What a program may contain (everything else is refused with the reason):
 - declarations only of allowlisted `llvm.*` intrinsics (math, min/max, bit ops, saturating casts,
   vector reductions, memset/memcpy/memmove, masked vector loads and stores: the matmul's edge
   tiles; they touch only the selected lanes at the address given, less than a plain vector load
-  or store there would); no other external function, no external or writable
+  or store there would; prefetches: the matmul's packed-B stream; a hint that reads nothing into
+  the program and cannot fault); no other external function, no external or writable
   global variable, no initializer that points at anything, no aliases or ifuncs;
 - no inline or module-level assembly, no indirect calls, no invoke/callbr/landingpad/indirectbr,
   no address-space casts;
@@ -47,7 +48,7 @@ _INTRINSICS = re.compile(
     r"maximum|copysign|exp|exp2|exp10|log|log2|log10|sin|cos|pow|powi|ldexp|frexp|smax|smin|umax|umin|abs|"
     r"ctpop|ctlz|cttz|bswap|bitreverse|fshl|fshr|fptosi\.sat|fptoui\.sat|is\.fpclass|"
     r"[su](add|sub|mul)\.with\.overflow|[su](add|sub)\.sat|vector\.reduce\.[a-z]+|memset|memcpy|memmove|"
-    r"masked\.(load|store)|assume|lifetime\.(start|end)|experimental\.noalias\.scope\.decl)(\.[A-Za-z0-9_.]+)?$")
+    r"masked\.(load|store)|prefetch|assume|lifetime\.(start|end)|experimental\.noalias\.scope\.decl)(\.[A-Za-z0-9_.]+)?$")
 
 _BASE_OPCODES = frozenset("""
 ret br switch unreachable fneg add fadd sub fsub mul fmul udiv sdiv fdiv urem srem frem shl lshr ashr and
