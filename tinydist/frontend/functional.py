@@ -326,10 +326,17 @@ def _depthwise(padded: Tensor, weight: Tensor, bias: Tensor | None, stride: tupl
     n, c = padded.shape[:2]
     oc, _, kh, kw = weight.shape
     mult = oc // c
+    # float16 taps are multiplied and summed in float32 and rounded once, as the matmul path does
+    # (onnxruntime's CausalConvWithState fp16 cases differ in the last bit otherwise)
+    narrow = padded.dtype if padded.dtype.is_narrow_float else None
+    if narrow is not None:
+        padded, weight = padded.cast(dtypes.float32), weight.cast(dtypes.float32)
     windows = _windows(padded, (kh, kw), stride, dilation)                      # N C OH OW KH KW
     oh, ow = windows.shape[2:4]
     taps = windows.reshape(n, c, 1, oh, ow, kh, kw) * weight.reshape(1, c, mult, 1, 1, kh, kw)
     out = taps.sum(axis=(5, 6)).reshape(n, oc, oh, ow)
+    if narrow is not None:
+        out = out.cast(narrow)
     # computed once into its own buffer: left inline, a consumer reading it twice (SiLU's
     # y * sigmoid(y)) recomputed the whole reduce in a second kernel (efficientnet, one thread,
     # CPU time per frame: batch 8 0.54 -> 0.41 ms, batch 1 0.08 -> 0.06)
