@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -118,7 +119,10 @@ def test_model_run_has_compile_host_and_kernel_lanes_with_op_names() -> None:
     compiles = _spans(trace, "compile")
     host = _spans(trace, "schedule") + _spans(trace, "python")
     kernels = _spans(trace, "kernel")
-    assert compiles and {lane(e) for e in compiles} == {"host/compile"}
+    # kernels compile in parallel (runtime.compiler.prepare): overlapping compiles take the lanes
+    # "compile", "compile 2", ... of the host
+    assert compiles and "host/compile" in {lane(e) for e in compiles}
+    assert all(re.fullmatch(r"host/compile( \d+)?", lane(e)) for e in compiles), {lane(e) for e in compiles}
     assert {"host/host", "host/jit"} <= {lane(e) for e in host}
     assert {e["name"] for e in host} >= {"schedule", "bind + submit", "jit run outputs", "jit capture outputs",
                                          "jit replay outputs"}
