@@ -66,6 +66,7 @@ underscore, never seen outside their module) are not drawn, but are TinydistErro
         ├── PeerGone [tinydist.transports.cma]               the peer process died under a cross-memory copy
         ├── WaitTimeout [tinydist.transports.shm_group]      a shared-memory wait passed its deadline: .ranks, .step
         ├── Abandoned [tinydist.transports.shm_group]        a rank gave up on the group's step: .reason, .blamed, .ranks
+        ├── Stalled [tinydist.transports.tcp]                a thread moving frames itself met its deadline: .peers
         └── RdmaError [tinydist.transports.rdma_bnxt.errors]    .recovery, .hint (fields: that module's docstring)
             ├── Timeout                             firmware or a completion gave no answer in its budget
             ├── FirmwareError                       firmware answered with a non-zero code
