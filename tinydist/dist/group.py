@@ -342,8 +342,18 @@ class ProcessGroup:
         return buf[:nbytes].view(dtype)
 
     def _interrupted(self) -> None:
+        """Raise inside a direct call's pump once the group failed from outside (`fail`: the scheduler
+        declared a rank dead). The ABORTs `_on_link_failure` starts on the loop wait for the links this
+        thread holds, and the process may exit before they go (the peers then blamed this rank for its
+        EOF), so this thread tells the other peers first (bounded: 1 s)."""
         if self._failure is not None:
-            raise PeerFailed(self._failure.rank if isinstance(self._failure, RankFailed) else self.rank, str(self._failure))
+            blamed = self._failure.rank if isinstance(self._failure, RankFailed) else self.rank
+            if blamed != self.rank:
+                until = time.monotonic() + 1.0
+                for link in self.links.values():
+                    if link.peer != blamed:
+                        send_now(link, ABORT, blamed | self._failure_code << 16, until)  # type: ignore[arg-type]
+            raise PeerFailed(blamed, str(self._failure))
 
     def _direct_call(self, call: Call, header: dict[str, Any], name: str, links: list[TcpLink]) -> Any:
         assert call.direct is not None
