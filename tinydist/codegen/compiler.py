@@ -8,12 +8,15 @@ vectorised.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import functools
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import llvmlite
 import llvmlite.binding as llvm
+from llvmlite.binding import ffi
 
 from tinydist.base.config import settings
 from tinydist.base.errors import CompileError
@@ -66,6 +69,16 @@ def host_target() -> HostTarget:
 RELOCATION, CODE_MODEL = "static", "jitdefault"
 
 
+def _unlocked(name: str) -> Any:
+    """llvmlite's C function `name` without llvmlite's lock. llvmlite serialises every call into
+    LLVM on one process-wide lock, so "one compile thread per CPU" ran one pipeline at a time: two
+    resnet18 matmul modules (~0.5 s of LLVM each) took as long on two threads as on one. LLVM itself
+    runs concurrently on separate contexts (its documented threading model); the two calls taken out
+    of the lock — the module pipeline and the object emission, the whole of a compile's time — only
+    touch the calling thread's module, context, pass builder and target machine (`HostCompiler._machine`)."""
+    return getattr(ffi.lib, name)._cfn
+
+
 class HostCompiler:
     """Compiles LLVM IR for this machine's CPU. Thread-safe, and compiles on several threads at
     once: each thread parses into an LLVM context and emits with a target machine of its own
@@ -104,8 +117,19 @@ class HostCompiler:
             tuning.loop_vectorization = True
             tuning.slp_vectorization = True
             builder = llvm.create_pass_builder(machine, tuning)
-            builder.getModulePassManager().run(module, builder)
+            _unlocked("LLVMPY_RunNewModulePassManager")(builder.getModulePassManager(), module, builder)
         return module
+
+    def _emit_object(self, module: llvm.ModuleRef) -> bytes:
+        """`TargetMachine.emit_object`, outside llvmlite's lock (`_unlocked`)."""
+        with ffi.OutputString() as error:
+            buffer = _unlocked("LLVMPY_TargetMachineEmitToMemory")(self._machine, module, 1, error)
+            if not buffer:
+                raise CompileError(f"LLVM could not emit object code for the kernel: {error}")
+        try:
+            return ctypes.string_at(ffi.lib.LLVMPY_GetBufferStart(buffer), ffi.lib.LLVMPY_GetBufferSize(buffer))
+        finally:
+            ffi.lib.LLVMPY_DisposeMemoryBuffer(buffer)
 
     def compile(self, ir_text: str) -> bytes:
         """IR text → relocatable object code (ELF on Linux); in the compile worker once this process
@@ -114,7 +138,7 @@ class HostCompiler:
         worker = _worker(self.opt_level)
         if worker is not None:
             return worker.compile(ir_text, self.opt_level)
-        return self._machine.emit_object(self.optimise(ir_text))
+        return self._emit_object(self.optimise(ir_text))
 
     def assembly(self, ir_text: str) -> str:
         """The optimised machine code as text, for inspection (e.g. checking vector registers)."""
