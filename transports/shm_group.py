@@ -13,6 +13,7 @@ use alternate slots, so a rank may fill round k+1's slot while a slow peer still
         [8:40)     uint64 pid, probe address, probe verdict, single-copy threshold (`negotiate_single_copy`)
         [40:48)    uint64 sleeping: 1 while r is in (or entering) a FUTEX_WAIT on a peer's step word
         [64:...)   two header slots (round parity): uint32 length, then a JSON blob
+        [-8:)      uint64 1 + the CPU r's last native call ran on (`CPU_WORD`)
 
 Signalling: a rank fills its data (and header), then moves its `step` on by a compare-and-swap,
 then FUTEX_WAKEs the word. x86-64 keeps stores in program order (glibc's non-temporal memcpy ends with an sfence), so a
@@ -70,8 +71,12 @@ CONTROL_BYTES = 16384
 # consistent (and the kernel reads the futex word after a full barrier), so one of the two sees the
 # other's write. The group's own posts (`post`, `give_up`) and `wake_all` always wake.
 SLEEPING_WORD = 5
+# The control page's last word: 1 + the CPU a rank's native call last ran on (0: not known), so a
+# waiter can tell that its peer last ran on the waiter's own CPU and hand it the CPU instead of
+# spinning (`tinydist.dist.shm_fast`).
+CPU_WORD = CONTROL_BYTES // 8 - 1
 HEADER_OFFSET = 64
-HEADER_BYTES = (CONTROL_BYTES - HEADER_OFFSET) // 2
+HEADER_BYTES = (CONTROL_BYTES - HEADER_OFFSET - 8) // 2
 SLOT_BYTES = 4 << 20
 # busy-wait this long before sleeping in the kernel, when no thread is queued for a CPU (`_crowded`).
 # Measured (2 ranks, 4 KiB..1 MiB, 2-vCPU VM): a peer on the other core usually answers within it,

@@ -19,7 +19,8 @@ CALLS, NATIVE = 256, 256 - 64
 
 @pytest.mark.parametrize("nproc", [2, 3, 4])
 def test_native_allreduce_equals_numpy(nproc, no_shm_leak):
-    """Bitwise numpy's rank-order reduction, every size from 0 to 1 MiB + 12 B, and every compiled call native."""
+    """Bitwise numpy's rank-order reduction, every size from 0 to 1 MiB + 12 B, naive and all2all (which
+    splits the data into parts, one per rank), and every compiled call native."""
     result = launch(nproc, "shm_fast.py", "numpy", env={"TINYDIST_TRANSPORT": "shm"}, timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for rank in range(nproc):
@@ -62,10 +63,12 @@ def test_a_mismatch_on_the_fast_path_raises_on_every_rank(nproc, no_shm_leak):
 
 
 def test_a_late_peer_hands_the_wait_over_and_still_adds_up(no_shm_leak):
-    """Rank 1 arrives 0.3 s late, past the native wait: ShmGroup.wait takes over, then the native reduce."""
+    """Rank 1 arrives 0.3 s late, past the native wait: ShmGroup.wait takes over, then the native reduce
+    (all2all: and its second step)."""
     result = launch(2, "shm_fast.py", "late", env={"TINYDIST_TRANSPORT": "shm"}, timeout=120)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert result.stdout.count("RESULT 3.0") == 6, result.stdout
+    assert result.stdout.count("RESULT naive 3.0 3.0") == 6, result.stdout
+    assert result.stdout.count("RESULT all2all 3.0 3.0") == 6, result.stdout
 
 
 def test_a_peer_killed_during_a_fast_call_is_a_rank_failure(no_shm_leak):

@@ -1,10 +1,11 @@
 """The native small allreduce (tinydist.dist.shm_fast) in real processes; run by tests/dist/test_shm_fast.py.
 
-    shm_fast.py numpy       every compiled op and dtype, sizes 0 / 1 / prime / uneven shapes / 1 MiB + odd,
+    shm_fast.py numpy       every compiled op and dtype, sizes 0 / 1 / prime / uneven shapes / 1 MiB + odd, auto and all2all,
                             in place and into a new array, against numpy; prints how many calls went native,
                             then how many of 3 barriers did
     shm_fast.py mismatch    ranks that disagree on the fast path: every rank raises CollectiveMismatch
     shm_fast.py late        rank 1 calls 0.3 s after its peers (past the native wait): the group's wait takes over
+                            (naive and all2all)
     shm_fast.py kill        rank 1 is SIGKILLed while its peers wait in a fast call: RankFailed on every survivor
 """
 
@@ -45,12 +46,16 @@ def numpy_mode(r: int, n: int) -> None:
     before = fast_calls()
     for dtype in (np.float32, np.float64, np.int32, np.int64):
         for op in OPS:
-            for shape in [0, 1, 2, 13, 1021, (3, 5), (7, 11, 2), (1 << 18) + 3]:
+            for i, shape in enumerate([0, 1, 2, 13, 1021, (3, 5), (7, 11, 2), (1 << 18) + 3]):
+                # every other shape asks for all2all (parts of 0 elements at 2 elements on 3-4 ranks, uneven
+                # parts); auto picks it for the last (1 MiB + 12 B in float32), naive for the rest
+                algorithm = "all2all" if i % 2 == 0 else "auto"
                 for in_place in (True, False):
                     case += 1
                     x = data(r, case, shape, dtype)
                     want = reference(op, [data(q, case, shape, dtype) for q in range(n)])
-                    got = dist.all_reduce(x, op=op, out=x) if in_place else dist.all_reduce(x, op=op).numpy()
+                    got = (dist.all_reduce(x, op=op, algorithm=algorithm, out=x) if in_place
+                           else dist.all_reduce(x, op=op, algorithm=algorithm).numpy())
                     if got.shape != want.shape or got.dtype != want.dtype or not np.array_equal(got, want):
                         raise AssertionError(f"{op} {np.dtype(dtype)} {shape} in place {in_place}: "
                                              f"{got.ravel()[:4]} != {want.ravel()[:4]}")
@@ -102,13 +107,14 @@ def main() -> None:
         mismatch_mode(r, n)
     elif mode == "late":
         x = np.full(100, r + 1.0)
-        for _ in range(3):
-            dist.barrier()
-            if r == 1:
-                time.sleep(0.3)
-            dist.all_reduce(x, out=x)
-            print("RESULT", x[0], flush=True)
-            x.fill(r + 1.0)
+        for algorithm in ("naive", "all2all"):      # all2all: the handed-over wait is its first step's
+            for _ in range(3):
+                dist.barrier()
+                if r == 1:
+                    time.sleep(0.3)
+                dist.all_reduce(x, algorithm=algorithm, out=x)
+                print("RESULT", algorithm, x[0], x[-1], flush=True)
+                x.fill(r + 1.0)
     elif mode == "kill":
         x = np.full(100, r + 1.0)
         dist.all_reduce(x, out=x)
