@@ -255,8 +255,12 @@ def pack_a_array(a: np.ndarray, tiling: Tiling | None = None) -> np.ndarray:
     matters (the same for the default and the gathered-B tilings)."""
     M, K = a.shape
     mr = (tiling or DEFAULT_TILINGS[str(a.dtype)]).mr
-    padded = np.zeros((round_up(M, mr), K), a.dtype)
-    padded[:M] = a
+    padded = np.ascontiguousarray(a)
+    if M % mr:
+        # rows past M are zero; where MR divides M (every resnet18 layer) there is no copy to pay:
+        # at load each fresh buffer costs its page faults (resnet18's 44 MB of weights, ~0.1 s)
+        padded = np.zeros((round_up(M, mr), K), a.dtype)
+        padded[:M] = a
     packed = np.ascontiguousarray(padded.reshape(-1, mr, K).transpose(0, 2, 1)).reshape(-1)
     assert packed.size == packed_a_elements(M, K, str(a.dtype), tiling)
     return packed

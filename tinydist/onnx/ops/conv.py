@@ -79,6 +79,8 @@ def _packed_weight(ctx: Any, x: Tensor, w: Value, groups: int) -> Tensor | None:
             or (w.shape[1] == 1 and groups > 1)):
         return None
     matrices = np.ascontiguousarray(w).reshape(groups, w.shape[0] // groups, -1)
+    if groups == 1:
+        return ctx.lift_made(("W packed A", groups), lambda: pack_a_array(matrices[0]))
     return ctx.lift_made(("W packed A", groups), lambda: np.concatenate([pack_a_array(m) for m in matrices]))
 
 
