@@ -50,7 +50,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Container, Iterable, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -88,6 +88,15 @@ _STORY = {
     DECLARED: "was declared failed (ProcessGroup.fail: the cluster scheduler saw its node die)",
 }
 
+
+def _abort(links: Iterable[TcpLink], aborts: Sequence[int], skip: Container[int] = ()) -> None:
+    """ABORT frames (`aborts`, each a blamed rank and its code) to every peer of `links` but `skip`, from
+    the thread holding their `direct_lock`s: best effort, 1 s for them all."""
+    until = time.monotonic() + 1.0
+    for link in links:
+        if link.peer not in skip:
+            for aux in aborts:
+                send_now(link, ABORT, aux, until)
 
 class ProcessGroup:
     """All ranks of one job, connected pairwise. Use `ProcessGroup.open(...)` (an async context manager)."""
@@ -319,10 +328,7 @@ class ProcessGroup:
             return
         code = self._record_peer_failure(exc.peer, exc.reason, exc.blamed)
         self.log.warning("dist.rank_failed", failed_rank=exc.blamed, noticed_via=exc.peer, reason=exc.reason)
-        until = time.monotonic() + 1.0
-        for link in links:
-            if link.peer not in (exc.peer, exc.blamed):
-                send_now(link, ABORT, exc.blamed | code << 16, until)
+        _abort(links, [exc.blamed | code << 16], skip=(exc.peer, exc.blamed))
 
     async def _pause_links(self) -> None:
         for link in self.links.values():
@@ -349,10 +355,7 @@ class ProcessGroup:
         if self._failure is not None:
             blamed = self._failure.rank if isinstance(self._failure, RankFailed) else self.rank
             if blamed != self.rank:
-                until = time.monotonic() + 1.0
-                for link in self.links.values():
-                    if link.peer != blamed:
-                        send_now(link, ABORT, blamed | self._failure_code << 16, until)  # type: ignore[arg-type]
+                _abort(self.links.values(), [blamed | self._failure_code << 16], skip=(blamed,))  # type: ignore[arg-type]
             raise PeerFailed(blamed, str(self._failure))
 
     def _direct_call(self, call: Call, header: dict[str, Any], name: str, links: list[TcpLink]) -> Any:
@@ -379,11 +382,8 @@ class ProcessGroup:
         except Stalled:
             absent = sorted(set(range(self.world)) - set(blobs)) if stage_headers else []
             error = self._timed_out(name, absent or sorted(self.links), bool(absent))
-            # tell every peer before raising, so a rank that calls later fails the same way (bounded: 1 s)
-            until = time.monotonic() + 1.0
-            for link in links:
-                for rank in error.ranks:
-                    send_now(link, ABORT, rank | TIMED_OUT << 16, until)
+            # tell every peer before raising, so a rank that calls later fails the same way
+            _abort(links, [rank | TIMED_OUT << 16 for rank in error.ranks])
             raise error from None
         except PeerFailed as exc:
             self._peer_failed(exc, links)
@@ -394,13 +394,18 @@ class ProcessGroup:
         except BaseException as exc:
             # this rank stopped part way through (a message of the wrong size, an interrupt): the links'
             # streams are out of step, so the group takes no more collectives and the peers are told
-            if self._failure is None:
-                self._failure = CollectiveError(f"{name} broke off on rank {self.rank} ({type(exc).__name__}: {exc}); "
-                                                f"the ranks are out of step, so the group takes no more collectives")
-                until = time.monotonic() + 1.0
-                for link in links:
-                    send_now(link, ABORT, self.rank | BROKE_OFF << 16, until)
+            if self._broke_off(name, exc):
+                _abort(links, [self.rank | BROKE_OFF << 16])
             raise
+
+    def _broke_off(self, name: str, exc: BaseException) -> bool:
+        """Fail the group: this rank stopped `name` part way through, so the ranks are out of step.
+        False where the group had failed already (its first failure is the one it keeps)."""
+        if self._failure is not None:
+            return False
+        self._failure = CollectiveError(f"{name} broke off on rank {self.rank} ({type(exc).__name__}: {exc}); "
+                                        f"the ranks are out of step, so the group takes no more collectives")
+        return True
 
     def _traced(self, header: dict[str, Any], call: Call, where: str) -> contextlib.AbstractContextManager[Any]:
         """The collective's span on this rank's `collective` lane: name, algorithm, bytes, world,
@@ -451,9 +456,7 @@ class ProcessGroup:
         except BaseException as exc:
             # this rank stopped part way through its steps: the peers' step counts no longer match ours,
             # so it poisons its own word (the peers waiting for its next step raise at once, told why)
-            if self._failure is None:
-                self._failure = CollectiveError(f"{name} broke off on rank {self.rank} ({type(exc).__name__}: {exc}); "
-                                                f"the ranks are out of step, so the group takes no more collectives")
+            if self._broke_off(name, exc):
                 with contextlib.suppress(TransportError):
                     self.shm.give_up([self.rank], self.shm.step + 1, BROKE_OFF, self.rank)
             raise
