@@ -72,6 +72,16 @@ def all_reduce(group: ProcessGroup, x: np.ndarray, op: str, algorithm: str, out:
     # `out` passed `check_out`: C-contiguous, so its flat view shares its memory
     flat_out = None if out is None else out.reshape(-1)
 
+    def ring_buffer(flat: np.ndarray) -> np.ndarray:
+        """Where ring reduces: it works in place, so straight in `out` when it has the input's dtype (the
+        input itself when out=x): no copy of the input in and of the result out (two passes over the
+        data, a sixth of a 2-rank 64 MiB ring over TCP)."""
+        if flat_out is not None and flat_out.dtype == x.dtype:
+            if flat_out.ctypes.data != flat.ctypes.data:
+                np.copyto(flat_out, flat)
+            return flat_out
+        return flat.copy()
+
     async def body(_: dict[int, dict[str, Any]]) -> np.ndarray:
         flat = x.reshape(-1)
         ufunc = rop.ufunc
@@ -83,15 +93,7 @@ def all_reduce(group: ProcessGroup, x: np.ndarray, op: str, algorithm: str, out:
             into = flat_out if flat_out is not None and flat_out.dtype == x.dtype and not own else None
             acc = await algo.naive(group.links, group.rank, group.world, flat, ufunc, into, sent=eager)
         elif chosen == "ring":
-            # ring works in place, so straight in `out` when it has the input's dtype (the input itself when
-            # out=x): no copy of the input in and of the result out (two passes over the data, a sixth of a
-            # 2-rank 64 MiB ring over TCP)
-            if flat_out is not None and flat_out.dtype == x.dtype:
-                acc = flat_out
-                if not own:
-                    np.copyto(acc, flat)
-            else:
-                acc = flat.copy()
+            acc = ring_buffer(flat)
             await algo.ring(group.links, group.rank, group.world, acc, shard_bounds(flat.size, group.world),
                             group.rank, group.world - 1, group.world - 1, ufunc)
         else:
@@ -133,13 +135,7 @@ def all_reduce(group: ProcessGroup, x: np.ndarray, op: str, algorithm: str, out:
         if chosen is Algorithm.NAIVE:
             acc = naive_plan().run()
         else:
-            own = flat_out is not None and flat_out.ctypes.data == flat.ctypes.data
-            if flat_out is not None and flat_out.dtype == x.dtype:
-                acc = flat_out
-                if not own:
-                    np.copyto(acc, flat)
-            else:
-                acc = flat.copy()
+            acc = ring_buffer(flat)
             algo.ring_direct(group.move, group.scratch, group.rank, group.world, acc, shard_bounds(flat.size, group.world),
                              group.rank, group.world - 1, group.world - 1, rop.ufunc)
         return _result(_finish(acc, op, group.world, flat_out), x.shape, out)
