@@ -92,7 +92,9 @@ def test_auto_rule_is_deterministic_and_sees_size_world_and_link():
     def pick(world: int, nbytes: int, same_host: bool, cpus: int | None = None) -> str:
         return choose(Medium.SHM if same_host else Medium.NETWORK, world, nbytes, Topology(cpus=cpus))[0]
     assert pick(4, 1024, True) == "naive"
-    assert pick(4, 1 << 20, True, cpus=2) == "naive"       # ranks outnumber CPUs: one step is dear
+    assert pick(4, 512 << 10, True, cpus=2) == "naive"     # ranks outnumber CPUs: one step is dear
+    assert pick(4, 512 << 10, True, cpus=8) == "all2all"
+    assert pick(4, 1 << 20, True, cpus=2) == "all2all"     # until naive's fourfold reading costs more
     assert pick(4, 1 << 20, True, cpus=8) == "all2all"
     assert pick(2, 256 << 10, True, cpus=2) == "all2all"
     assert pick(2, 128 << 10, True, cpus=2) == "naive"

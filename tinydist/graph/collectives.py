@@ -68,8 +68,13 @@ NETWORK_SMALL_BYTES = 64 * 1024
 # (2 ranks, 2 vCPUs: 64 KiB naive 0.043 ms vs all2all 0.051; 256 KiB 0.096 vs 0.076; 1 MiB 0.17 vs 0.11),
 # and, where ranks outnumber CPUs and every step waits for the scheduler to run them all, up to
 # SHM_CROWDED_SMALL_BYTES (4 ranks, 2 vCPUs: 512 KiB 0.45 vs 0.63 ms; 1 MiB 0.49-0.72 vs 0.45-0.52).
+# Past it all2all's smaller share of the work wins, as the ranks take turns on the CPUs: at 1 MiB each
+# rank of naive reads 4 MiB, of all2all 1 MiB (plus 3/4 MiB in and out), and the CPU time of a call
+# summed over the 4 ranks (counted, paired call by call in one job, 3 jobs at load 12-14) was
+# all2all 1.51 / 1.31 / 2.06 ms against naive 1.95 / 1.73 / 2.03 (768 KiB: 1.14 / 1.04 / 1.80 vs
+# 1.28 / 1.22 / 1.68); naive's 1 MiB missed Open MPI on an idle machine (0.657 vs 0.503 ms).
 SHM_SMALL_BYTES = 128 * 1024
-SHM_CROWDED_SMALL_BYTES = 1 << 20
+SHM_CROWDED_SMALL_BYTES = 512 * 1024
 
 
 @dataclass(frozen=True)
