@@ -264,15 +264,15 @@ def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 
     ocg, k = oc // groups, cg * kh * kw
     if _direct_depthwise(cg, groups) and not any(t is not None and t.requires_grad for t in (xs, ws, bs)):
         return _depthwise(xs.pad(((0, 0), (0, 0), (ph, ph), (pw, pw))), ws, bs, stride2, dilation2)
+    if (packed_weight is not None and not any(t is not None and t.requires_grad for t in (xs, ws, bs))
+            and conv2d_reads_packed(xs, weight.shape, stride, padding, dilation, groups)):
+        out = conv2d_prepacked(xs, packed_weight, weight.shape, stride, padding, dilation, groups)
+        return out if bs is None else out + bs.reshape(1, oc, 1, 1)
     with no_grad():
         padded = xs.pad(((0, 0), (0, 0), (ph, ph), (pw, pw)))
         cols = _im2col(padded, (kh, kw), stride2, dilation2, groups)             # G K (N OH OW)
         oh, ow = _windows_out(padded.shape, (kh, kw), stride2, dilation2)
-        if (packed_weight is not None and not any(t is not None and t.requires_grad for t in (xs, ws, bs))
-                and prepacked_matmul_applies(groups * ocg, k, cols.shape[2], dtype)):
-            out = matmul_prepacked_a(packed_weight, cols, ocg, k)
-        else:
-            out = ws.reshape(groups, ocg, k).matmul(cols)                        # G OCg (N OH OW)
+        out = ws.reshape(groups, ocg, k).matmul(cols)                            # G OCg (N OH OW)
         out = out.reshape(oc, n, oh, ow).permute(1, 0, 2, 3)
         if bs is not None:
             out = out + bs.reshape(1, oc, 1, 1)
@@ -308,6 +308,41 @@ def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 
 
     inputs = [xs, ws] if bs is None else [xs, ws, bs]
     return custom_gradient(out, inputs, [ws, cols], rule)
+
+
+def conv2d_reads_packed(x: Tensor, weight_shape: tuple[int, ...], stride: Any = 1, padding: Any = 0,
+                        dilation: Any = 1, groups: int = 1) -> bool:
+    """Whether `conv2d_prepacked` computes this convolution of x by a constant weight of
+    `weight_shape` (x's dtype): no gradient to compute, not depthwise (computed directly), and a
+    product the native kernel runs. Where it does, the weight's packed form is all it reads."""
+    _check_nchw(x, "conv2d")
+    oc, cg, kh, kw = weight_shape
+    if x.requires_grad or _direct_depthwise(cg, groups) or groups < 1 or oc % groups:
+        return False
+    (ph, pw), stride2, dilation2 = _pair(padding, "padding"), _pair(stride, "stride"), _pair(dilation, "dilation")
+    n, _, h, w = x.shape
+    oh, ow = _windows_out((n, cg * groups, h + 2 * ph, w + 2 * pw), (kh, kw), stride2, dilation2)
+    return prepacked_matmul_applies(oc, cg * kh * kw, n * oh * ow, x.dtype)
+
+
+def conv2d_prepacked(x: Tensor, packed_weight: Tensor, weight_shape: tuple[int, ...], stride: Any = 1,
+                     padding: Any = 0, dilation: Any = 1, groups: int = 1) -> Tensor:
+    """`conv2d(x, weight, None, …)` from the weight's packed form alone (`packed_weight`, as
+    conv2d takes it), where `conv2d_reads_packed` holds: a caller that packs a constant weight at
+    load need not upload the weight itself as well (resnet18: 44 MB of fresh memory less per load)."""
+    if not conv2d_reads_packed(x, weight_shape, stride, padding, dilation, groups):
+        raise ValueError(f"conv2d_prepacked: a convolution of {x.shape} by a {weight_shape} weight (groups={groups}) "
+                         "does not read a packed weight (conv2d_reads_packed): call conv2d with the weight")
+    oc, cg, kh, kw = weight_shape
+    if x.shape[1] != cg * groups:
+        raise ValueError(f"conv2d: input channels {x.shape[1]}, weight shape {weight_shape} and groups={groups} do not match "
+                         f"(need in_channels/groups == weight.shape[1] and out_channels divisible by groups)")
+    (ph, pw), stride2, dilation2 = _pair(padding, "padding"), _pair(stride, "stride"), _pair(dilation, "dilation")
+    padded = x.pad(((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    cols = _im2col(padded, (kh, kw), stride2, dilation2, groups)                 # G K (N OH OW)
+    oh, ow = _windows_out(padded.shape, (kh, kw), stride2, dilation2)
+    out = matmul_prepacked_a(packed_weight, cols, oc // groups, cg * kh * kw)     # G OCg (N OH OW)
+    return out.reshape(oc, x.shape[0], oh, ow).permute(1, 0, 2, 3)
 
 
 def _direct_depthwise(in_per_group: int, groups: int) -> bool:

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from tinydist.codegen.matmul_packing import pack_a_array
-from tinydist.frontend.functional import conv2d
+from tinydist.frontend.functional import conv2d, conv2d_prepacked, conv2d_reads_packed
 from tinydist.frontend.movement import cat
 from tinydist.frontend.tensor import Tensor
 from tinydist.graph import dtypes
@@ -60,24 +60,29 @@ def op_conv(ctx: Any, x: Tensor, w: Value, b: Value = None) -> Tensor:
     x = pad_or_crop(x, [(0, 0), (0, 0)] + pairs)
     if nd == 3:
         out = _conv3d(x, as_tensor(ctx, w, "W"), strides, dilations, groups)
+    elif _packable(x, w, groups) and conv2d_reads_packed(x, w.shape, tuple(strides), 0, tuple(dilations), groups):
+        # the packed form only: the weight itself is uploaded where some call reads it
+        out = conv2d_prepacked(x, _packed_weight(ctx, w, groups), w.shape, tuple(strides), 0, tuple(dilations), groups)
     else:
-        out = conv2d(x, as_tensor(ctx, w, "W"), None, tuple(strides), 0, tuple(dilations), groups,
-                     packed_weight=_packed_weight(ctx, x, w, groups))
+        out = conv2d(x, as_tensor(ctx, w, "W"), None, tuple(strides), 0, tuple(dilations), groups)
     if b is not None:
         out = out + as_tensor(ctx, b, "bias").reshape((1, oc) + (1,) * (out.ndim - 2))
     return out.reshape(out.shape[:2] + out.shape[3:]) if nd == 1 else out
 
 
-def _packed_weight(ctx: Any, x: Tensor, w: Value, groups: int) -> Tensor | None:
+def _packable(x: Tensor, w: Value, groups: int) -> bool:
+    """Whether the weight is packed at load (`_packed_weight`): a constant, on a host device, of
+    x's float dtype, no gradient to compute, not depthwise (computed directly)."""
+    return (isinstance(w, np.ndarray) and peer_group(x.device) == "host" and not x.requires_grad
+            and x.dtype in (dtypes.float32, dtypes.float64) and dtypes.to_dtype(w.dtype) == x.dtype
+            and not (w.shape[1] == 1 and groups > 1))
+
+
+def _packed_weight(ctx: Any, w: np.ndarray, groups: int) -> Tensor:
     """A constant weight of a convolution run as a matmul on a host device, packed once here, at
     load, into the layout the native kernel reads as operand A (`pack_a_array`, per group), not
     again on every call (resnet18's 512-channel 3x3 convolution, M=512 K=4608 N=49, kernel alone:
-    96.7 -> 108.9 GFLOP/s). None where it would not be read: a weight computed at run time, another
-    device or dtype, a depthwise convolution (computed directly), a gradient to compute."""
-    if (not isinstance(w, np.ndarray) or peer_group(x.device) != "host" or x.requires_grad
-            or x.dtype not in (dtypes.float32, dtypes.float64) or dtypes.to_dtype(w.dtype) != x.dtype
-            or (w.shape[1] == 1 and groups > 1)):
-        return None
+    96.7 -> 108.9 GFLOP/s)."""
     matrices = np.ascontiguousarray(w).reshape(groups, w.shape[0] // groups, -1)
     if groups == 1:
         return ctx.lift_made(("W packed A", groups), lambda: pack_a_array(matrices[0]))
