@@ -1,7 +1,7 @@
 """The matmul's micro-kernel: an MR×NR tile of C held in vector registers over a KC-long panel
 of A and B, one `llvm.fma` per vector per step of k (on AVX-512 at MR=8, NR=32: 2 aligned
 vmovaps, 8 vbroadcastss and 16 vfmadd231ps zmm per step, nothing spilled, and 3 prefetches of
-B), with masked loads and stores of C only on an edge tile. The loops around it are the driver's (`tinydist.codegen.matmul`).
+B; K_UNROLL steps per loop iteration), with masked loads and stores of C only on an edge tile. The loops around it are the driver's (`tinydist.codegen.matmul`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,12 @@ LINE = 64               # bytes per cache line
 # K = N = 4096 (164-167 GFLOP/s medians) and 512 x 1536 (174-175); 4096 was best at M = 8, 1536.
 PREFETCH_BYTES = 4096
 PREFETCH_MIN_KC = 128   # steps of k below which a packed panel's loop prefetches nothing
+# Steps of k per iteration of the k loop (the rest, kc % K_UNROLL, one at a time): the loop's
+# counter adds and compare-and-branch run once per group, not per step; on this Sapphire Rapids
+# core they share issue ports with the FMAs. Same-process A/B against one step per iteration
+# (bench/gemm.py's prepacked shapes, CPU clock, load 13-16): 64x384x384 77 / 73 %, 64x768x768
+# 75 / 68 %, 64x4096x4096 69 / 65 %, 512x4096x4096 77 / 74 % of peak; 8 steps ran no faster than 4.
+K_UNROLL = 4
 
 
 def micro_kernel(m: MatmulModule, rows: int, panels: int = 1, direct: bool = False) -> ir.Function:
@@ -70,16 +76,10 @@ def micro_kernel(m: MatmulModule, rows: int, panels: int = 1, direct: bool = Fal
         for i in range(mr):
             for line in range(0, nv * lanes * m.itemsize, LINE):
                 m.prefetch(b, b.gep(c_row(i), [i64(line)], source_etype=BYTE), 3, write=True)
-    blocks = {n: fn.append_basic_block(n) for n in ("load_c", "load_full", "load_masked", "zero_c", "loop")}
+    blocks = {n: fn.append_basic_block(n) for n in ("load_c", "load_full", "load_masked", "zero_c", "start")}
     # A packed panel's k loop prefetches B (below), but not a short one's (kc < PREFETCH_MIN_KC,
     # e.g. attention's 32): that is in L1 already, and the three prefetches per step cost it 3-4 %.
-    prefetching_loop = None if direct or panels > 1 else fn.append_basic_block("loop_prefetching")
-
-    def enter_loop() -> None:
-        if prefetching_loop is None:
-            b.branch(blocks["loop"])
-        else:
-            b.cbranch(long_kc, prefetching_loop, blocks["loop"])
+    prefetching = not direct and panels == 1
     b.cbranch(accumulate, blocks["load_c"], blocks["zero_c"])
     b.position_at_end(blocks["load_c"])
     b.cbranch(full, blocks["load_full"], blocks["load_masked"])
@@ -89,29 +89,26 @@ def micro_kernel(m: MatmulModule, rows: int, panels: int = 1, direct: bool = Fal
         starts[name] = [[m.masked_load(b, b.at(c_row(i), i64(v * lanes), m.elem), masks[v]) if masked
                          else b.load(b.at(c_row(i), i64(v * lanes), m.elem), typ=m.vec, align=m.itemsize)
                          for v in range(nv)] for i in range(mr)]
-        enter_loop()
+        b.branch(blocks["start"])
     b.position_at_end(blocks["zero_c"])
     starts["zero_c"] = [[zero] * nv for _ in range(mr)]
-    enter_loop()
+    b.branch(blocks["start"])
+    b.position_at_end(blocks["start"])
+    tile = [[b.phi(m.vec, name=f"start.c{i}_{v}") for v in range(nv)] for i in range(mr)]
+    for name, values in starts.items():
+        for i in range(mr):
+            for v in range(nv):
+                tile[i][v].add_incoming(values[i][v], blocks[name])
 
-    def k_loop(block: ir.Block, prefetching: bool) -> tuple[list[list[ir.Value]], ir.Block]:
-        """The k loop in `block`, entered from the start blocks: the tile after its last step,
-        and the block that leaves it."""
-        b.position_at_end(block)
-        k = b.phi(I64, name=f"{block.name}.k")
-        acc = [[b.phi(m.vec, name=f"{block.name}.c{i}_{v}") for v in range(nv)] for i in range(mr)]
-        for name, values in starts.items():
-            k.add_incoming(i64(0), blocks[name])
-            for i in range(mr):
-                for v in range(nv):
-                    acc[i][v].add_incoming(values[i][v], blocks[name])
+    def step(k: ir.Value, acc: list[list[ir.Value]], prefetch: bool) -> list[list[ir.Value]]:
+        """One step of k: the tile after acc += A[:, k] * B[k, :]."""
         b_rows = [b.at(start, b.mul(k, ldb), m.elem) for start in panel_starts]
         b_addresses = [b.at(b_rows[v // per_panel], i64(v % per_panel * lanes), m.elem) for v in range(nv)]
         if direct or panels > 1:   # a panel may lie (partly) past B's last column
             b_vecs = [m.masked_load(b, address, mask) for address, mask in zip(b_addresses, masks)]
         else:
             b_vecs = [b.load(address, typ=m.vec, align=ALIGN) for address in b_addresses]
-        if prefetching:
+        if prefetch:
             # Packed B streams through L1 PREFETCH_BYTES ahead of its loads (a 128 KiB micro-panel
             # does not fit in L1, so every call reads it from L2), and the next micro-panel is
             # brought into L2 meanwhile, each call of the ir loop its share (`next`, `next_step`
@@ -127,26 +124,66 @@ def micro_kernel(m: MatmulModule, rows: int, panels: int = 1, direct: bool = Fal
             splat = b.shuffle_vector(b.insert_element(ir.Constant(m.vec, ir.Undefined), a_scalar, i64(0)),
                                      ir.Constant(m.vec, ir.Undefined), ir.Constant(ir.VectorType(I32, lanes), None))
             new_acc.append([b.call(m.fma, [splat, b_vecs[v], acc[i][v]]) for v in range(nv)])
-        k_next = b.add(k, i64(1), name=f"{block.name}.k.next")
+        return new_acc
+
+    def k_loop(name: str, first: ir.Value, acc: list[list[ir.Value]], unroll: int, prefetch: bool
+               ) -> tuple[ir.Value, list[list[ir.Value]]]:
+        """Steps first, first+1, ... of k while a whole group of `unroll` fits below kc, `unroll`
+        steps per iteration: the k where it stopped and the tile then (the loop's exit block is current)."""
+        entry = b.block
+        header, body, done = (fn.append_basic_block(f"{name}.{part}") for part in ("header", "body", "exit"))
+        b.branch(header)
+        b.position_at_end(header)
+        k = b.phi(I64, name=f"{name}.k")
+        k.add_incoming(first, entry)
+        phis = [[b.phi(m.vec, name=f"{name}.c{i}_{v}") for v in range(nv)] for i in range(mr)]
         for i in range(mr):
             for v in range(nv):
-                acc[i][v].add_incoming(new_acc[i][v], b.block)
-        k.add_incoming(k_next, b.block)
-        b.cbranch(b.icmp_signed("<", k_next, kc), block, store)
-        return new_acc, b.block
+                phis[i][v].add_incoming(acc[i][v], entry)
+        b.cbranch(b.icmp_signed("<=", b.add(k, i64(unroll)), kc), body, done)
+        b.position_at_end(body)
+        new_acc = phis
+        for u in range(unroll):
+            new_acc = step(b.add(k, i64(u)) if u else k, new_acc, prefetch)
+        k.add_incoming(b.add(k, i64(unroll), name=f"{name}.k.next"), b.block)
+        for i in range(mr):
+            for v in range(nv):
+                phis[i][v].add_incoming(new_acc[i][v], b.block)
+        b.branch(header)
+        b.position_at_end(done)
+        return k, phis
+
+    ends: list[tuple[list[list[ir.Value]], ir.Block]] = []
+
+    # A full-height tile's loop takes K_UNROLL steps per iteration, the last kc % K_UNROLL one at a
+    # time; the edge and small-M kernels one (unrolling them too made the float32 module compile
+    # in 745-762 ms instead of 590-673, for tiles that carry little of the work).
+    unroll = K_UNROLL if rows == m.t.mr and not direct else 1
+
+    def loops(name: str, prefetch: bool) -> None:
+        k, acc = k_loop(f"{name}.unrolled" if unroll > 1 else name, i64(0), tile, unroll, prefetch)
+        if unroll > 1:
+            _, acc = k_loop(f"{name}.rest", k, acc, 1, prefetch)
+        ends.append((acc, b.block))
+        b.branch(store)
 
     store = fn.append_basic_block("store")
-    loops = [(blocks["loop"], False)] + ([(prefetching_loop, True)] if prefetching_loop is not None else [])
-    ends = [k_loop(block, prefetching) for block, prefetching in loops]
-    b.position_at_end(store)
-    if len(ends) == 1:
-        new_acc = ends[0][0]
+    if prefetching:
+        long_kc = b.icmp_signed(">=", kc, i64(PREFETCH_MIN_KC))
+        with b.if_else(long_kc) as (with_prefetch, without):
+            with with_prefetch:
+                loops("prefetching", True)
+            with without:
+                loops("loop", False)
+        b.unreachable()
     else:
-        new_acc = [[b.phi(m.vec, name=f"c{i}_{v}") for v in range(nv)] for i in range(mr)]
-        for values, block in ends:
-            for i in range(mr):
-                for v in range(nv):
-                    new_acc[i][v].add_incoming(values[i][v], block)
+        loops("loop", False)
+    b.position_at_end(store)
+    new_acc = [[b.phi(m.vec, name=f"c{i}_{v}") for v in range(nv)] for i in range(mr)]
+    for values, block in ends:
+        for i in range(mr):
+            for v in range(nv):
+                new_acc[i][v].add_incoming(values[i][v], block)
 
     b.position_at_end(store)
     with b.if_else(full, likely=True) as (whole, edge):
