@@ -121,12 +121,13 @@ def _one_thread_entry(fn, want: np.ndarray, *arrays: np.ndarray) -> None:
 def test_cheap_kernels_stay_on_one_thread() -> None:
     """A kernel of 65,536 elements and one add is ~5 µs of one thread: halves of 2-3 µs save less
     than the waits they add (the old rule split it from 32K elements; densenet at batch 8, made of
-    such kernels, ran 0.47x of its own one thread on two). A costly expression over as many
-    elements (a tanh each) still splits."""
+    such kernels, ran 0.47x of its own one thread on two). A costly expression over twice as many
+    elements (a tanh each: an exp, a division, ~100 µs in all) still splits."""
     rng = np.random.default_rng(6)
     x = rng.standard_normal((256, 256)).astype(np.float32)
     _one_thread_entry(lambda t: t + 1.0, x.astype(np.float64) + 1.0, x)
-    _check(lambda t: (t * 2.0).tanh(), np.tanh(x.astype(np.float64) * 2), x, rtol=1e-5, atol=1e-6)
+    y = rng.standard_normal((512, 256)).astype(np.float32)
+    _check(lambda t: (t * 2.0).tanh(), np.tanh(y.astype(np.float64) * 2), y, rtol=1e-5, atol=1e-6)
 
 
 def test_a_frame_whose_splits_save_less_than_its_waits_stays_on_one_thread() -> None:

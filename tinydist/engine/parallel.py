@@ -60,7 +60,7 @@ SPLIT_MIN_US = MATMUL_SPLIT_FLOPS / MATMUL_FLOPS_PER_US
 # division (or square root) and per transcendental (tens of instructions a vector). Fitted to the
 # kernels of densenet (batch 8) and bert6_384 (batch 1) timed alone at load 9 (µs, the estimate in
 # brackets): a 34,656-element padding copy 5.7 (3.5), add+max over 32,768 4.0 (5.6), max-pool
-# windows over 73,728 14.2 (8.1), bert6_384's x·c over 98,304 9.8 (10.8), mul+add+div 20.9 (24),
+# windows over 73,728 14.2 (8.1), bert6_384's x·c over 98,304 9.8 (10.8), mul+add+div 20.9 (53),
 # its softmax's exp+sum over 49,152 20.8 (23.6) and exp+div 23.6 (30). Elements alone (the old
 # rule: from 32K) split the cheap ones into 2-3 µs pieces, less than their waits: densenet at
 # batch 8 ran 0.47x of its own one thread on two.
@@ -108,7 +108,8 @@ def estimated_us(call: Call) -> float:
         return _matmul_flops_us(call) + _matmul_packing_us(call)
     if isinstance(call, KernelCall):
         ns = KERNEL_NS_PER_ELEMENT
-        for node in call.ast.root.walk():
+        # equal nodes once (a fused chain repeats loads and subexpressions that LLVM computes once)
+        for node in set(call.ast.root.walk()):
             op = node.arg if node.op == "reduce" else node.op
             if op == "load":
                 ns += KERNEL_NS_PER_LOAD
