@@ -78,8 +78,8 @@ PHASE_WAIT_US = 3.0
 FRAME_WAKE_US = 10.0
 # ... and a frame runs on one thread unless its splits save at least this share of its estimated
 # time after those costs: the estimate is good to ~2x a kernel, and a split also moves data between
-# the cores' caches that it does not count (the coverage set's 20-300 µs frames ran 0.42-0.99x of
-# their own one thread on two, every split in them saving a few µs)
+# the cores' caches that it does not count (quiet, at 7c1e3ce, the coverage-set frames that split
+# ran 0.42-0.90x of their own one thread on two, bar efficientnet b8 at 1.03x)
 FRAME_MIN_SAVING = 0.1
 # a matmul whose pieces share no work is cut finer than one piece per thread: a thread that lost
 # its core for a while leaves less for the others to wait on (pieces of one program cost nothing
