@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import tinydist as td
-from tinydist.engine.parallel import KERNEL_SPLIT_ELEMENTS, MATMUL_SPLIT_FLOPS, _bounds
+from tinydist.engine.parallel import MATMUL_SPLIT_FLOPS, _bounds
 
 
 def _run(fn, threads: int, *arrays: np.ndarray, calls: int = 4) -> tuple[list[np.ndarray], object]:
@@ -69,14 +69,24 @@ def test_bert_layer_shapes_split_in_pieces_of_rows_heads_and_rows_of_scores() ->
     rng = np.random.default_rng(5)
     q = rng.standard_normal((12, 64, 32)).astype(np.float32)
     k = rng.standard_normal((12, 32, 64)).astype(np.float32)
-    want = q.astype(np.float64) @ k
-    _check(lambda a, b: a @ b, want, q, k, rtol=1e-4, atol=1e-4)
-    scores = rng.standard_normal((12, 64, 64)).astype(np.float32)
-    e = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    _check(lambda t: t.softmax(-1), e / e.sum(axis=-1, keepdims=True), scores, rtol=1e-5, atol=1e-6)
-    x = rng.standard_normal((64, 384)).astype(np.float32)
+    v = rng.standard_normal((12, 64, 32)).astype(np.float32)
     w = rng.standard_normal((384, 1536)).astype(np.float32)
     weight = td.Tensor(w)
+    # the layer's attention (scores, softmax, value product) and the product of its heads with a
+    # weight: alone, a 23 µs product is a frame too small for a split to pay for waking the worker
+    # (`FRAME_MIN_SAVING`)
+    scores = q.astype(np.float64) @ k
+    e = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    heads = (e / e.sum(axis=-1, keepdims=True)) @ v
+    want = heads.transpose(1, 0, 2).reshape(64, 384) @ w
+
+    def layer(a: td.Tensor, b: td.Tensor, c: td.Tensor) -> td.Tensor:
+        return ((a @ b).softmax(-1) @ c).permute(1, 0, 2).reshape(64, 384) @ weight
+    _check(layer, want, q, k, v, rtol=1e-4, atol=1e-4)
+    _, strategy = _run(layer, 2, q, k, v)
+    pieces = [len(phase) for phase in strategy.phases]  # type: ignore[attr-defined]
+    assert pieces.count(4) == 2 and pieces.count(2) >= 2, pieces  # both products over the heads in 4 runs; rows in 2
+    x = rng.standard_normal((64, 384)).astype(np.float32)
     _check(lambda t: t @ weight, x.astype(np.float64) @ w, x, rtol=1e-4, atol=1e-4)
     _, strategy = _run(lambda t: t @ weight, 2, x)
     assert max(len(phase) for phase in strategy.phases) == 2  # type: ignore[attr-defined]
@@ -95,11 +105,43 @@ def test_convolution_split_over_output_channels() -> None:
 def test_elementwise_and_row_reduce_split_over_rows() -> None:
     rng = np.random.default_rng(3)
     x = rng.standard_normal((300, 512)).astype(np.float32)
-    assert x.size >= KERNEL_SPLIT_ELEMENTS
     x64 = x.astype(np.float64)
     e = np.exp(x64 - x64.max(axis=1, keepdims=True))
     _check(lambda t: t.softmax(-1), e / e.sum(axis=1, keepdims=True), x, rtol=1e-5, atol=1e-6)
     _check(lambda t: (t * 2.0 + 1.0).tanh(), np.tanh(x64 * 2 + 1), x, rtol=1e-5, atol=1e-6)
+
+
+def _one_thread_entry(fn, want: np.ndarray, *arrays: np.ndarray) -> None:
+    """`fn` on 2 threads runs as one thread's entry point (nothing split) and is still right."""
+    outs, strategy = _run(fn, 2, *arrays)
+    assert getattr(strategy, "phases", None) is None, "split although the split cannot pay for its waits"
+    np.testing.assert_allclose(outs[-1], want, rtol=1e-4, atol=1e-4)
+
+
+def test_cheap_kernels_stay_on_one_thread() -> None:
+    """A kernel of 65,536 elements and one add is ~5 µs of one thread: halves of 2-3 µs save less
+    than the waits they add (the old rule split it from 32K elements; densenet at batch 8, made of
+    such kernels, ran 0.47x of its own one thread on two). A costly expression over twice as many
+    elements (a tanh each: an exp, a division, ~100 µs in all) still splits."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((256, 256)).astype(np.float32)
+    _one_thread_entry(lambda t: t + 1.0, x.astype(np.float64) + 1.0, x)
+    y = rng.standard_normal((512, 256)).astype(np.float32)
+    _check(lambda t: (t * 2.0).tanh(), np.tanh(y.astype(np.float64) * 2), y, rtol=1e-5, atol=1e-6)
+
+
+def test_a_frame_whose_splits_save_less_than_its_waits_stays_on_one_thread() -> None:
+    """A 64x128x128 product is just over the matmul rule (2.1 MFLOP, ~14 µs): on its own it is the
+    whole frame, and the ~7 µs its halves save does not pay for waking the worker; the frame runs
+    on one thread. Twice its size on either side the split pays, and the frame splits."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((64, 128)).astype(np.float32)
+    w = rng.standard_normal((128, 128)).astype(np.float32)
+    assert 2 * 64 * 128 * 128 >= MATMUL_SPLIT_FLOPS
+    weight = td.Tensor(w)
+    _one_thread_entry(lambda t: t @ weight, x.astype(np.float64) @ w, x)
+    big = rng.standard_normal((512, 128)).astype(np.float32)
+    _check(lambda t: t @ weight, big.astype(np.float64) @ w, big, rtol=1e-4, atol=1e-4)
 
 
 def test_two_captures_alternating_on_one_pool() -> None:
