@@ -182,10 +182,10 @@ def main(argv: list[str]) -> None:
     ctl_fd, fds_fd, address_space, cpu_seconds = (int(a) for a in argv)
     ctl = socket.socket(fileno=ctl_fd)
     fds = socket.socket(fileno=fds_fd)
-    # everything that reads files or /proc happens before the filter: the loader and LLVM's host
-    # description (it reads /proc/cpuinfo), one engine built and thrown away
+    # everything that reads files or /proc happens before the filter: the loader and LLVM's
+    # native target
     from tinydist.runtime.cpu import loader
-    loader._host_machine_spec()
+    loader._host_target()
     worker = Worker(ctl, fds)
     sandboxed = confine(address_space, cpu_seconds)
     worker.reply(0, True, 0.0, "seccomp" if sandboxed else "rlimits")
