@@ -183,6 +183,32 @@ def test_conv2d(check, rng, kw):
     check([N("Conv", ["x", "w", "b"], ["y"], **kw)], {"x": f(rng, 2, 3, 9, 8)}, inits={"w": f(rng, 4, 3, 3, 3), "b": f(rng, 4)})
 
 
+@pytest.mark.parametrize("kw", [dict(pads=[1, 1, 1, 1]), dict(strides=[2, 2], pads=[1, 0, 2, 1]),
+                                dict(dilations=[2, 1], pads=[2, 1, 2, 1])])
+def test_conv_with_few_pixels_per_channel_runs_pixels_first(rng, monkeypatch, kw):
+    """A convolution with few output pixels for its channels (resnet18's 512-channel 7x7 layers)
+    runs its product turned around: the weight's transpose packed as B at load, once, whatever
+    the number of calls, and the outputs are onnxruntime's; one with many pixels keeps the
+    weight packed as A."""
+    import tinydist.onnx as tdo
+    import tinydist.onnx.ops.conv as conv
+    from tests.onnx.conftest import make_model, reference
+    packed: list[tuple[str, tuple[int, ...]]] = []
+    pack_a, pack_b = conv.pack_a_array, conv.pack_b_array
+    monkeypatch.setattr(conv, "pack_a_array", lambda a: (packed.append(("a", a.shape)), pack_a(a))[1])
+    monkeypatch.setattr(conv, "pack_b_array", lambda b: (packed.append(("b", b.shape)), pack_b(b))[1])
+    nodes = [N("Conv", ["x", "w", "b"], ["y"], **kw), N("Relu", ["y"], ["z"])]
+    inits = {"w": f(rng, 48, 16, 3, 3), "b": f(rng, 48)}
+    for shape, want in (((2, 16, 7, 7), [("b", (144, 48))]), ((1, 16, 40, 40), [("a", (48, 144))])):
+        packed.clear()
+        model = tdo.load(make_model(nodes, {"x": f(rng, *shape)}, ["z"], inits))
+        for _ in range(3):
+            feeds = {"x": f(rng, *shape)}
+            np.testing.assert_allclose(model(feeds)["z"], reference(make_model(nodes, feeds, ["z"], inits), feeds)[0],
+                                       rtol=1e-4, atol=1e-4)
+        assert packed == want
+
+
 def test_conv_groups_depthwise_1d_dynamic(check, rng):
     check([N("Conv", ["x", "w"], ["y"], group=2, pads=[1, 1, 1, 1])], {"x": f(rng, 1, 4, 6, 6)}, inits={"w": f(rng, 6, 2, 3, 3)})
     check([N("Conv", ["x", "w"], ["y"], group=4)], {"x": f(rng, 1, 4, 6, 6)}, inits={"w": f(rng, 4, 1, 3, 3)})

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from tinydist.codegen.matmul_packing import pack_a_array
-from tinydist.frontend.functional import conv2d
+from tinydist.codegen.matmul_packing import pack_a_array, pack_b_array
+from tinydist.frontend.functional import conv2d, conv_pixels_first
 from tinydist.frontend.movement import cat
 from tinydist.frontend.tensor import Tensor
 from tinydist.graph import dtypes
@@ -61,11 +61,23 @@ def op_conv(ctx: Any, x: Tensor, w: Value, b: Value = None) -> Tensor:
     if nd == 3:
         out = _conv3d(x, as_tensor(ctx, w, "W"), strides, dilations, groups)
     else:
-        out = conv2d(x, as_tensor(ctx, w, "W"), None, tuple(strides), 0, tuple(dilations), groups,
-                     packed_weight=_packed_weight(ctx, x, w, groups))
+        sizes = [(size - d * (k - 1) - 1) // s + 1 for size, k, s, d in zip(x.shape[2:], kernel, strides, dilations)]
+        if conv_pixels_first(oc, x.shape[0] * math.prod(sizes), math.prod(kernel), groups):
+            out = conv2d(x, as_tensor(ctx, w, "W"), None, tuple(strides), 0, tuple(dilations), groups,
+                         packed_weight_t=_packed_weight_t(ctx, x, w))
+        else:
+            out = conv2d(x, as_tensor(ctx, w, "W"), None, tuple(strides), 0, tuple(dilations), groups,
+                         packed_weight=_packed_weight(ctx, x, w, groups))
     if b is not None:
         out = out + as_tensor(ctx, b, "bias").reshape((1, oc) + (1,) * (out.ndim - 2))
     return out.reshape(out.shape[:2] + out.shape[3:]) if nd == 1 else out
+
+
+def _packable(x: Tensor, w: Value) -> bool:
+    """Whether a convolution's weight is packed at load: a constant, for a host device, of the
+    input's float dtype, with no gradient to compute."""
+    return (isinstance(w, np.ndarray) and peer_group(x.device) == "host" and not x.requires_grad
+            and x.dtype in (dtypes.float32, dtypes.float64) and dtypes.to_dtype(w.dtype) == x.dtype)
 
 
 def _packed_weight(ctx: Any, x: Tensor, w: Value, groups: int) -> Tensor | None:
@@ -74,14 +86,23 @@ def _packed_weight(ctx: Any, x: Tensor, w: Value, groups: int) -> Tensor | None:
     again on every call (resnet18's 512-channel 3x3 convolution, M=512 K=4608 N=49, kernel alone:
     96.7 -> 108.9 GFLOP/s). None where it would not be read: a weight computed at run time, another
     device or dtype, a depthwise convolution (computed directly), a gradient to compute."""
-    if (not isinstance(w, np.ndarray) or peer_group(x.device) != "host" or x.requires_grad
-            or x.dtype not in (dtypes.float32, dtypes.float64) or dtypes.to_dtype(w.dtype) != x.dtype
-            or (w.shape[1] == 1 and groups > 1)):
+    if not _packable(x, w) or (w.shape[1] == 1 and groups > 1):
         return None
+    assert isinstance(w, np.ndarray)
     matrices = np.ascontiguousarray(w).reshape(groups, w.shape[0] // groups, -1)
     if groups == 1:
         return ctx.lift_made(("W packed A", groups), lambda: pack_a_array(matrices[0]))
     return ctx.lift_made(("W packed A", groups), lambda: np.concatenate([pack_a_array(m) for m in matrices]))
+
+
+def _packed_weight_t(ctx: Any, x: Tensor, w: Value) -> Tensor | None:
+    """A one-group convolution's constant weight for the product turned around (pixels × weight,
+    `conv_pixels_first`): its (Cg·KH·KW, OC) transpose packed at load as operand B (`pack_b_array`).
+    None where `_packed_weight` would give none."""
+    if not _packable(x, w):
+        return None
+    assert isinstance(w, np.ndarray)
+    return ctx.lift_made(("W packed B",), lambda: pack_b_array(np.ascontiguousarray(w.reshape(w.shape[0], -1).T)))
 
 
 def op_conv_transpose(ctx: Any, x: Tensor, w: Value, b: Value = None) -> Tensor:
