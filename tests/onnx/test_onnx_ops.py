@@ -188,8 +188,8 @@ def test_conv2d(check, rng, kw):
 def test_conv_with_few_pixels_per_channel_runs_pixels_first(rng, monkeypatch, kw):
     """A convolution with few output pixels for its channels (resnet18's 512-channel 7x7 layers)
     runs its product turned around: the weight's transpose packed as B at load, once, whatever
-    the number of calls, and the outputs are onnxruntime's; one with many pixels keeps the
-    weight packed as A."""
+    the number of calls, and the outputs are onnxruntime's; one with many pixels, or with too
+    few channels to fill the kernel's vectors, keeps the weight packed as A."""
     import tinydist.onnx as tdo
     import tinydist.onnx.ops.conv as conv
     from tests.onnx.conftest import make_model, reference
@@ -198,8 +198,9 @@ def test_conv_with_few_pixels_per_channel_runs_pixels_first(rng, monkeypatch, kw
     monkeypatch.setattr(conv, "pack_a_array", lambda a: (packed.append(("a", a.shape)), pack_a(a))[1])
     monkeypatch.setattr(conv, "pack_b_array", lambda b: (packed.append(("b", b.shape)), pack_b(b))[1])
     nodes = [N("Conv", ["x", "w", "b"], ["y"], **kw), N("Relu", ["y"], ["z"])]
-    inits = {"w": f(rng, 48, 16, 3, 3), "b": f(rng, 48)}
-    for shape, want in (((2, 16, 7, 7), [("b", (144, 48))]), ((1, 16, 40, 40), [("a", (48, 144))])):
+    for channels, shape, want in ((128, (2, 16, 7, 7), [("b", (144, 128))]), (128, (1, 16, 72, 72), [("a", (128, 144))]),
+                                  (16, (2, 16, 7, 7), [("a", (16, 144))])):
+        inits = {"w": f(rng, channels, 16, 3, 3), "b": f(rng, channels)}
         packed.clear()
         model = tdo.load(make_model(nodes, {"x": f(rng, *shape)}, ["z"], inits))
         for _ in range(3):

@@ -14,7 +14,7 @@ import numpy as np
 
 from tinydist.base.config import settings
 from tinydist.base.errors import WorkTooLarge
-from tinydist.codegen.matmul_tiling import packed_a_elements, packed_b_elements
+from tinydist.codegen.matmul_tiling import DEFAULT_TILINGS, packed_a_elements, packed_b_elements
 from tinydist.frontend.autograd import custom_gradient, no_grad
 from tinydist.frontend.arguments import normalize_axes
 from tinydist.frontend.tensor import Tensor
@@ -237,17 +237,22 @@ def _col2im(cols: Tensor, shape: tuple[int, ...], out_hw: tuple[int, int], kerne
     return total
 
 
-def conv_pixels_first(out_channels: int, pixels: int, kernel_area: int, groups: int) -> bool:
+def conv_pixels_first(out_channels: int, pixels: int, kernel_area: int, groups: int, dtype: str = "float32") -> bool:
     """Whether a convolution's product runs turned around, pixels × weight (`conv2d`'s
     `packed_weight_t`), rather than weight × columns: where the output has few pixels for its
-    channels. The kernel vectorises the product's columns, NR = 32 at a time, so weight × columns
-    of resnet18's 7x7 layers (49 pixels) computes 64 columns for 49; turned around the 512
-    channels are the columns and nothing is wasted. Kernel alone, one core, CPU time, pixels-first
-    / weight-first (load 8-13 on 2 CPUs): 512 channels 7x7 0.62-0.81, 256 at 14x14 0.89-0.91, 128
-    at 28x28 0.87-1.00, 1x1 stride 2 0.91-1.00 — but 64 channels at 56x56 1.11-1.19, where the
-    pixels are many and the output's transposed reads downstream grow. A 1x1 convolution's rows
-    would gather single channels a plane apart, so only spatial kernels turn, and one group."""
-    return groups == 1 and kernel_area > 1 and pixels <= PIXELS_FIRST_PER_CHANNEL * out_channels
+    channels, and channels enough to fill the kernel's vectors. The kernel vectorises the
+    product's columns, NR (32 float32) at a time, so weight × columns of resnet18's 7x7 layers
+    (49 pixels) computes 64 columns for 49; turned around the 512 channels are the columns and
+    nothing is wasted. Kernel alone, one core, CPU time, pixels-first / weight-first (load 8-13 on
+    2 CPUs): 512 channels 7x7 0.62-0.81, 256 at 14x14 0.89-0.91, 128 at 28x28 0.87-1.00 (batch 8:
+    0.84-0.89) — but 64 channels at 56x56 1.11-1.19, where the pixels are many. The coverage
+    set's 8-16-channel convolutions turned around lost (densenet 0.72-0.77x onnxruntime -> 0.90-0.92x):
+    8 channels fill a quarter of a vector, hence at least 4·NR channels, a multiple of NR. A 1x1
+    convolution's rows would gather single channels a plane apart, so only spatial kernels turn,
+    and one group."""
+    nr = DEFAULT_TILINGS[dtype].nr if dtype in DEFAULT_TILINGS else 0
+    return (groups == 1 and kernel_area > 1 and nr > 0 and out_channels % nr == 0 and out_channels >= 4 * nr
+            and pixels <= PIXELS_FIRST_PER_CHANNEL * out_channels)
 
 
 def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,

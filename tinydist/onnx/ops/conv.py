@@ -62,7 +62,7 @@ def op_conv(ctx: Any, x: Tensor, w: Value, b: Value = None) -> Tensor:
         out = _conv3d(x, as_tensor(ctx, w, "W"), strides, dilations, groups)
     else:
         sizes = [(size - d * (k - 1) - 1) // s + 1 for size, k, s, d in zip(x.shape[2:], kernel, strides, dilations)]
-        if conv_pixels_first(oc, x.shape[0] * math.prod(sizes), math.prod(kernel), groups):
+        if conv_pixels_first(oc, x.shape[0] * math.prod(sizes), math.prod(kernel), groups, x.dtype.name):
             out = conv2d(x, as_tensor(ctx, w, "W"), None, tuple(strides), 0, tuple(dilations), groups,
                          packed_weight_t=_packed_weight_t(ctx, x, w))
         else:
