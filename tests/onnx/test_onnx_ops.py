@@ -194,9 +194,9 @@ def test_conv_with_few_pixels_per_channel_runs_pixels_first(rng, monkeypatch, kw
     import tinydist.onnx.ops.conv as conv
     from tests.onnx.conftest import make_model, reference
     packed: list[tuple[str, tuple[int, ...]]] = []
-    pack_a, pack_b = conv.pack_a_array, conv.pack_b_array
+    pack_a, pack_b = conv.pack_a_array, conv.pack_b_array_of_transpose
     monkeypatch.setattr(conv, "pack_a_array", lambda a: (packed.append(("a", a.shape)), pack_a(a))[1])
-    monkeypatch.setattr(conv, "pack_b_array", lambda b: (packed.append(("b", b.shape)), pack_b(b))[1])
+    monkeypatch.setattr(conv, "pack_b_array_of_transpose", lambda a: (packed.append(("b", a.T.shape)), pack_b(a))[1])
     nodes = [N("Conv", ["x", "w", "b"], ["y"], **kw), N("Relu", ["y"], ["z"])]
     for channels, shape, want in ((128, (2, 16, 7, 7), [("b", (144, 128))]), (128, (1, 16, 72, 72), [("a", (128, 144))]),
                                   (16, (2, 16, 7, 7), [("a", (16, 144))])):

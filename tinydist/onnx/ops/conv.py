@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from tinydist.codegen.matmul_packing import pack_a_array, pack_b_array
+from tinydist.codegen.matmul_packing import pack_a_array, pack_b_array_of_transpose
 from tinydist.frontend.functional import conv2d, conv_pixels_first
 from tinydist.frontend.movement import cat
 from tinydist.frontend.tensor import Tensor
@@ -97,12 +97,12 @@ def _packed_weight(ctx: Any, x: Tensor, w: Value, groups: int) -> Tensor | None:
 
 def _packed_weight_t(ctx: Any, x: Tensor, w: Value) -> Tensor | None:
     """A one-group convolution's constant weight for the product turned around (pixels × weight,
-    `conv_pixels_first`): its (Cg·KH·KW, OC) transpose packed at load as operand B (`pack_b_array`).
+    `conv_pixels_first`): its (Cg·KH·KW, OC) transpose packed at load as operand B (`pack_b_array_of_transpose`).
     None where `_packed_weight` would give none."""
     if not _packable(x, w):
         return None
     assert isinstance(w, np.ndarray)
-    return ctx.lift_made(("W packed B",), lambda: pack_b_array(np.ascontiguousarray(w.reshape(w.shape[0], -1).T)))
+    return ctx.lift_made(("W packed B",), lambda: pack_b_array_of_transpose(np.ascontiguousarray(w).reshape(w.shape[0], -1)))
 
 
 def op_conv_transpose(ctx: Any, x: Tensor, w: Value, b: Value = None) -> Tensor:
