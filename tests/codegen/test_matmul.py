@@ -10,7 +10,7 @@ import pytest
 
 from tinydist.codegen.compiler import HostCompiler
 from tinydist.codegen.matmul import SIGNATURE, matmul_ir, signature
-from tinydist.codegen.matmul_packing import PACK_B_SIGNATURE, pack_a_array, pack_b_array, pack_b_ir
+from tinydist.codegen.matmul_packing import PACK_B_SIGNATURE, pack_a_array, pack_b_array, pack_b_array_of_transpose, pack_b_ir
 from tinydist.codegen.matmul_tiling import (
     DEFAULT_TILINGS, GATHERED_B_TILINGS, StridedOperand, Tiling, packed_a_elements, packed_b_elements, tiling_for,
     workspace_bytes,
@@ -284,6 +284,17 @@ def test_prepacked_b_matches_packing_per_call(kernels, packed_kernels, dtype: st
     _run(kernels[dtype, small], a, b, per_call, batch, M, N, K, (M * K, K * N, M * N), tiling)
     np.testing.assert_array_equal(packed_c, per_call)
     _check(packed_c, a, b, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("small", [False, True], ids=["default_tiling", "small_tiling"])
+@pytest.mark.parametrize("N,K", [(512, 4608), (128, 1030), (64, 7), (96, 2100), (16, 9), (2048, 3), (4096, 5), (100, 33)])
+def test_pack_b_array_of_transpose_is_pack_b_array(dtype: str, small: bool, N: int, K: int) -> None:
+    """A turned-around convolution's weight (N x K) packed as B straight from its rows: the same
+    elements as packing its transpose, with and without the fast path (N a multiple of NR in one NC block)."""
+    tiling = SMALL_TILING[dtype] if small else None
+    a = _operands(np.random.default_rng(K * N), dtype, (N, K))[0]
+    np.testing.assert_array_equal(pack_b_array_of_transpose(a, tiling), pack_b_array(np.ascontiguousarray(a.T), tiling))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

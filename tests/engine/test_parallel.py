@@ -102,6 +102,23 @@ def test_convolution_split_over_output_channels() -> None:
     _check(lambda t: t.conv2d(weight, padding=1), want, x, rtol=1e-4, atol=1e-4)
 
 
+def test_convolution_turned_around_split_over_output_rows() -> None:
+    """A convolution run pixels x weight (its windows a strided A, its weight packed as B) splits
+    into pieces of its output rows, each gathering its own view of the windows (29 MFLOP: a frame
+    worth a second thread, `FRAME_MIN_SAVING`)."""
+    from tinydist.codegen.matmul_packing import pack_b_array
+    from tinydist.frontend.functional import conv2d
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((1, 64, 16, 16)).astype(np.float32)
+    w = rng.standard_normal((128, 64, 3, 3)).astype(np.float32)
+    assert 2 * 14 * 14 * 128 * 576 >= MATMUL_SPLIT_FLOPS
+    weight = td.Tensor(w)
+    packed = td.Tensor(pack_b_array(np.ascontiguousarray(w.reshape(128, -1).T))).realize()
+    windows = np.lib.stride_tricks.sliding_window_view(x, (3, 3), axis=(2, 3))
+    want = np.einsum("nchwij,ocij->nohw", windows.astype(np.float64), w.astype(np.float64))
+    _check(lambda t: conv2d(t * 1, weight, packed_weight_t=packed), want, x, rtol=1e-4, atol=1e-4)
+
+
 def test_elementwise_and_row_reduce_split_over_rows() -> None:
     rng = np.random.default_rng(3)
     x = rng.standard_normal((300, 512)).astype(np.float32)

@@ -203,6 +203,33 @@ def test_conv2d(check, rng, kw):
     check([N("Conv", ["x", "w", "b"], ["y"], **kw)], {"x": f(rng, 2, 3, 9, 8)}, inits={"w": f(rng, 4, 3, 3, 3), "b": f(rng, 4)})
 
 
+@pytest.mark.parametrize("kw", [dict(pads=[1, 1, 1, 1]), dict(strides=[2, 2], pads=[1, 0, 2, 1]),
+                                dict(dilations=[2, 1], pads=[2, 1, 2, 1])])
+def test_conv_with_few_pixels_per_channel_runs_pixels_first(rng, monkeypatch, kw):
+    """A convolution with few output pixels for its channels (resnet18's 512-channel 7x7 layers)
+    runs its product turned around: the weight's transpose packed as B at load, once, whatever
+    the number of calls, and the outputs are onnxruntime's; one with many pixels, or with too
+    few channels to fill the kernel's vectors, keeps the weight packed as A."""
+    import tinydist.onnx as tdo
+    import tinydist.onnx.ops.conv as conv
+    from tests.onnx.conftest import make_model, reference
+    packed: list[tuple[str, tuple[int, ...]]] = []
+    pack_a, pack_b = conv.pack_a_array, conv.pack_b_array_of_transpose
+    monkeypatch.setattr(conv, "pack_a_array", lambda a: (packed.append(("a", a.shape)), pack_a(a))[1])
+    monkeypatch.setattr(conv, "pack_b_array_of_transpose", lambda a: (packed.append(("b", a.T.shape)), pack_b(a))[1])
+    nodes = [N("Conv", ["x", "w", "b"], ["y"], **kw), N("Relu", ["y"], ["z"])]
+    for channels, shape, want in ((128, (2, 16, 7, 7), [("b", (144, 128))]), (128, (1, 16, 72, 72), [("a", (128, 144))]),
+                                  (16, (2, 16, 7, 7), [("a", (16, 144))])):
+        inits = {"w": f(rng, channels, 16, 3, 3), "b": f(rng, channels)}
+        packed.clear()
+        model = tdo.load(make_model(nodes, {"x": f(rng, *shape)}, ["z"], inits))
+        for _ in range(3):
+            feeds = {"x": f(rng, *shape)}
+            np.testing.assert_allclose(model(feeds)["z"], reference(make_model(nodes, feeds, ["z"], inits), feeds)[0],
+                                       rtol=1e-4, atol=1e-4)
+        assert packed == want
+
+
 def test_conv_groups_depthwise_1d_dynamic(check, rng):
     check([N("Conv", ["x", "w"], ["y"], group=2, pads=[1, 1, 1, 1])], {"x": f(rng, 1, 4, 6, 6)}, inits={"w": f(rng, 6, 2, 3, 3)})
     check([N("Conv", ["x", "w"], ["y"], group=4)], {"x": f(rng, 1, 4, 6, 6)}, inits={"w": f(rng, 4, 1, 3, 3)})

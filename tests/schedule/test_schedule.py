@@ -227,6 +227,32 @@ def test_conv_with_a_packed_weight_reads_it_and_gathers_its_columns():
     np.testing.assert_allclose(y.numpy(), expected, rtol=1e-4, atol=1e-4)
 
 
+def test_conv_turned_around_gathers_its_windows_as_rows_of_a():
+    """A convolution given its weight's transpose packed as B (`packed_weight_t`: the product turned
+    around, pixels x weight): one matmul, B the packed buffer itself and A gathered from the padded
+    input through the windows' view, one row per output pixel (no im2col copy, no A or B block
+    in the workspace but A's); strided and padded, the output equals numpy's within rounding."""
+    from tinydist.codegen.matmul_packing import pack_b_array
+    from tinydist.codegen.matmul_tiling import workspace_bytes
+    from tinydist.frontend.functional import conv2d
+    rng = np.random.default_rng(6)
+    x_np = rng.standard_normal((2, 16, 11, 11)).astype(np.float32)
+    w_np = rng.standard_normal((40, 16, 3, 3)).astype(np.float32)
+    b_np = rng.standard_normal(40).astype(np.float32)
+    packed = td.Tensor(pack_b_array(np.ascontiguousarray(w_np.reshape(40, -1).T))).realize()
+    y = conv2d(td.Tensor(x_np) * 1, td.Tensor(w_np), td.Tensor(b_np), stride=2, padding=1, packed_weight_t=packed)
+    schedule, _ = create_schedule([y.node])
+    (call,) = [c for c in schedule.linear if isinstance(c, MatmulCall)]
+    assert call.prepacked == "b" and call.strided is not None and call.strided.operand == "a"
+    assert (call.batch, call.m, call.n, call.k) == (1, 2 * 6 * 6, 40, 144)
+    assert schedule.specs[call.workspace].nbytes == workspace_bytes(72, 40, 144, strided=call.strided, prepacked="b")
+    assert not [c for c in schedule.linear if isinstance(c, CopyCall) and schedule.specs[c.dst].nbytes >= 72 * 144 * 4]
+    padded = np.pad(x_np, ((0, 0), (0, 0), (1, 1), (1, 1)))
+    windows = np.lib.stride_tricks.sliding_window_view(padded, (3, 3), axis=(2, 3))[:, :, ::2, ::2]
+    expected = np.einsum("nchwij,ocij->nohw", windows.astype(np.float64), w_np.astype(np.float64)) + b_np[:, None, None]
+    np.testing.assert_allclose(y.numpy(), expected, rtol=1e-4, atol=1e-4)
+
+
 def test_depthwise_conv_is_one_direct_kernel():
     """A depthwise convolution (one input channel per group) reads its windows in place: no
     im2col copy, no per-channel matmul; one reduce kernel, computed once however often its

@@ -7,7 +7,9 @@ call's output:
 - a matmul over its batch (attention heads: each piece a run of whole products) or, in a batch of
   one, over M in multiples of the micro-tile's MR rows (each piece a contiguous block of rows of
   A and C; B, a packed weight or a convolution's strided columns, shared — an unpacked B is
-  packed by every piece, so such a product gets one piece per thread). Every element of C is
+  packed by every piece, so such a product gets one piece per thread); a convolution turned
+  around (its windows a strided A) over its outermost row axis, each piece a view of its own.
+  Every element of C is
   the same FMA chain whichever tile computes it (`tinydist.codegen.matmul`), so the results are
   bitwise those of one thread. Each piece past the first gets a workspace of its own.
 - a kernel (elementwise, or a reduce over inner axes) over its outermost axis longer than 1:
@@ -203,6 +205,21 @@ def _split_matmul(call: MatmulCall, b: Sequence[Any], device: Device, pieces: in
         def args(lo: int, hi: int, work: int) -> tuple[int, ...]:
             return (c + lo * call.n * size, a + lo * call.k * size, bb, work, 1, hi - lo, call.n, call.k,
                     call.a_batch_stride, call.b_batch_stride, (hi - lo) * call.n, *view)
+    elif call.batch == 1 and call.strided is not None and call.strided.operand == "a":
+        # a convolution turned around (pixels × weight): pieces of its outermost row axis (images
+        # or output rows), each a view of its own of the same form, so the same program
+        (outer, outer_stride), *inner_axes = call.strided.rows
+        inner = math.prod(size for size, _ in inner_axes)
+        ranges = _bounds(outer, pieces)
+        if len(ranges) < 2:
+            return None
+
+        def args(lo: int, hi: int, work: int) -> tuple[int, ...]:
+            assert call.strided is not None
+            rows = dataclasses.replace(call.strided, rows=((hi - lo, outer_stride), *inner_axes),
+                                       offset=call.strided.offset + lo * outer_stride)
+            return (c + lo * inner * call.n * size, a, bb, work, 1, (hi - lo) * inner, call.n, call.k,
+                    call.a_batch_stride, call.b_batch_stride, (hi - lo) * inner * call.n, *rows.arguments())
     else:
         return None
     out = []

@@ -14,7 +14,7 @@ import numpy as np
 
 from tinydist.base.config import settings
 from tinydist.base.errors import WorkTooLarge
-from tinydist.codegen.matmul_tiling import packed_a_elements, packed_b_elements
+from tinydist.codegen.matmul_tiling import DEFAULT_TILINGS, packed_a_elements, packed_b_elements
 from tinydist.frontend.autograd import custom_gradient, no_grad
 from tinydist.frontend.arguments import normalize_axes
 from tinydist.frontend.tensor import Tensor
@@ -32,6 +32,7 @@ def _pair(value: Any, name: str) -> tuple[int, int]:
 # ---- matmul -----------------------------------------------------------------------------------
 
 FEW_OUTPUTS, LONG_REDUCTION = 256, 1024   # below / above these, dot products beat packing operands
+PIXELS_FIRST_PER_CHANNEL = 8   # a convolution with at most this many output pixels per channel turns its product around
 
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     """numpy.matmul semantics: 1-D operands are promoted and the added axis removed; batch axes broadcast."""
@@ -236,13 +237,36 @@ def _col2im(cols: Tensor, shape: tuple[int, ...], out_hw: tuple[int, int], kerne
     return total
 
 
+def conv_pixels_first(out_channels: int, pixels: int, kernel_area: int, groups: int, dtype: str = "float32") -> bool:
+    """Whether a convolution's product runs turned around, pixels × weight (`conv2d`'s
+    `packed_weight_t`), rather than weight × columns: where the output has few pixels for its
+    channels, and channels enough to fill the kernel's vectors. The kernel vectorises the
+    product's columns, NR (32 float32) at a time, so weight × columns of resnet18's 7x7 layers
+    (49 pixels) computes 64 columns for 49; turned around the 512 channels are the columns and
+    nothing is wasted. Kernel alone, one core, CPU time, pixels-first / weight-first (load 8-13 on
+    2 CPUs): 512 channels 7x7 0.62-0.81, 256 at 14x14 0.89-0.91, 128 at 28x28 0.87-1.00 (batch 8:
+    0.84-0.89) — but 64 channels at 56x56 1.11-1.19, where the pixels are many. The coverage
+    set's 8-16-channel convolutions turned around lost (densenet 0.72-0.77x onnxruntime -> 0.90-0.92x):
+    8 channels fill a quarter of a vector, hence at least 4·NR channels, a multiple of NR. A 1x1
+    convolution's rows would gather single channels a plane apart, so only spatial kernels turn,
+    and one group."""
+    nr = DEFAULT_TILINGS[dtype].nr if dtype in DEFAULT_TILINGS else 0
+    return (groups == 1 and kernel_area > 1 and nr > 0 and out_channels % nr == 0 and out_channels >= 4 * nr
+            and pixels <= PIXELS_FIRST_PER_CHANNEL * out_channels)
+
+
 def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
-           dilation: Any = 1, groups: int = 1, packed_weight: Tensor | None = None) -> Tensor:
+           dilation: Any = 1, groups: int = 1, packed_weight: Tensor | None = None,
+           packed_weight_t: Tensor | None = None) -> Tensor:
     """2-D cross-correlation (as torch.nn.functional.conv2d): im2col, then weights @ columns.
 
     `packed_weight`: the weight, a constant, packed at load per group (`pack_a_array` of each
     (OC/G, Cg·KH·KW) matrix, concatenated): where nothing needs a gradient and the product runs
     the native kernel, it reads that (`matmul_prepacked_a`) instead of packing the weight per call.
+    `packed_weight_t` (one group only): the weight's (Cg·KH·KW, OC) transpose packed as B
+    (`pack_b_array`): the product is then turned around, pixels × weight (`conv_pixels_first`
+    says where that pays), each pixel's window gathered as a row of A, the output pixel-major.
+    Either is read through `conv2d_prepacked`, as a caller holding only the packed form calls it.
 
     Its gradient is its own rule (autograd.custom_gradient), all matmuls on the packed kernel:
     weight gradient = columns @ output-gradientᵀ, input gradient = col2im(weightsᵀ @ output-gradient).
@@ -264,10 +288,12 @@ def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 
     ocg, k = oc // groups, cg * kh * kw
     if _direct_depthwise(cg, groups) and not any(t is not None and t.requires_grad for t in (xs, ws, bs)):
         return _depthwise(xs.pad(((0, 0), (0, 0), (ph, ph), (pw, pw))), ws, bs, stride2, dilation2)
-    if (packed_weight is not None and not any(t is not None and t.requires_grad for t in (xs, ws, bs))
-            and conv2d_reads_packed(xs, weight.shape, stride, padding, dilation, groups)):
-        out = conv2d_prepacked(xs, packed_weight, weight.shape, stride, padding, dilation, groups)
-        return out if bs is None else out + bs.reshape(1, oc, 1, 1)
+    inference = not any(t is not None and t.requires_grad for t in (xs, ws, bs))
+    for packed, turned in ((packed_weight_t, True), (packed_weight, False)):
+        if (packed is not None and inference
+                and conv2d_reads_packed(xs, weight.shape, stride, padding, dilation, groups, turned=turned)):
+            out = conv2d_prepacked(xs, packed, weight.shape, stride, padding, dilation, groups, turned=turned)
+            return out if bs is None else out + bs.reshape(1, oc, 1, 1)
     with no_grad():
         padded = xs.pad(((0, 0), (0, 0), (ph, ph), (pw, pw)))
         cols = _im2col(padded, (kh, kw), stride2, dilation2, groups)             # G K (N OH OW)
@@ -311,26 +337,30 @@ def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 
 
 
 def conv2d_reads_packed(x: Tensor, weight_shape: tuple[int, ...], stride: Any = 1, padding: Any = 0,
-                        dilation: Any = 1, groups: int = 1) -> bool:
+                        dilation: Any = 1, groups: int = 1, turned: bool = False) -> bool:
     """Whether `conv2d_prepacked` computes this convolution of x by a constant weight of
     `weight_shape` (x's dtype): no gradient to compute, not depthwise (computed directly), and a
-    product the native kernel runs. Where it does, the weight's packed form is all it reads."""
+    product the native kernel runs — weight × columns, or `turned` (one group), pixels × weight.
+    Where it does, the weight's packed form is all it reads."""
     _check_nchw(x, "conv2d")
     oc, cg, kh, kw = weight_shape
-    if x.requires_grad or _direct_depthwise(cg, groups) or groups < 1 or oc % groups:
+    if x.requires_grad or _direct_depthwise(cg, groups) or groups < 1 or oc % groups or (turned and groups != 1):
         return False
     (ph, pw), stride2, dilation2 = _pair(padding, "padding"), _pair(stride, "stride"), _pair(dilation, "dilation")
     n, _, h, w = x.shape
     oh, ow = _windows_out((n, cg * groups, h + 2 * ph, w + 2 * pw), (kh, kw), stride2, dilation2)
+    if turned:
+        return prepacked_matmul_applies(n * oh * ow, cg * kh * kw, oc, x.dtype)
     return prepacked_matmul_applies(oc, cg * kh * kw, n * oh * ow, x.dtype)
 
 
 def conv2d_prepacked(x: Tensor, packed_weight: Tensor, weight_shape: tuple[int, ...], stride: Any = 1,
-                     padding: Any = 0, dilation: Any = 1, groups: int = 1) -> Tensor:
+                     padding: Any = 0, dilation: Any = 1, groups: int = 1, turned: bool = False) -> Tensor:
     """`conv2d(x, weight, None, …)` from the weight's packed form alone (`packed_weight`, as
-    conv2d takes it), where `conv2d_reads_packed` holds: a caller that packs a constant weight at
-    load need not upload the weight itself as well (resnet18: 44 MB of fresh memory less per load)."""
-    if not conv2d_reads_packed(x, weight_shape, stride, padding, dilation, groups):
+    conv2d takes it, or with `turned` its `packed_weight_t`), where `conv2d_reads_packed` holds: a
+    caller that packs a constant weight at load need not upload the weight itself as well
+    (resnet18: 44 MB of fresh memory less per load)."""
+    if not conv2d_reads_packed(x, weight_shape, stride, padding, dilation, groups, turned=turned):
         raise ValueError(f"conv2d_prepacked: a convolution of {x.shape} by a {weight_shape} weight (groups={groups}) "
                          "does not read a packed weight (conv2d_reads_packed): call conv2d with the weight")
     oc, cg, kh, kw = weight_shape
@@ -339,8 +369,12 @@ def conv2d_prepacked(x: Tensor, packed_weight: Tensor, weight_shape: tuple[int, 
                          f"(need in_channels/groups == weight.shape[1] and out_channels divisible by groups)")
     (ph, pw), stride2, dilation2 = _pair(padding, "padding"), _pair(stride, "stride"), _pair(dilation, "dilation")
     padded = x.pad(((0, 0), (0, 0), (ph, ph), (pw, pw)))
-    cols = _im2col(padded, (kh, kw), stride2, dilation2, groups)                 # G K (N OH OW)
     oh, ow = _windows_out(padded.shape, (kh, kw), stride2, dilation2)
+    n, k = x.shape[0], cg * kh * kw
+    if turned:  # pixels × weight: (N OH OW) K rows, each a window gathered from the padded input
+        rows = _windows(padded, (kh, kw), stride2, dilation2).permute(0, 2, 3, 1, 4, 5).contiguous()
+        return matmul_prepacked(rows.reshape(n * oh * ow, k), packed_weight, k, oc).reshape(n, oh, ow, oc).permute(0, 3, 1, 2)
+    cols = _im2col(padded, (kh, kw), stride2, dilation2, groups)                 # G K (N OH OW)
     out = matmul_prepacked_a(packed_weight, cols, oc // groups, cg * kh * kw)     # G OCg (N OH OW)
     return out.reshape(oc, x.shape[0], oh, ow).permute(1, 0, 2, 3)
 

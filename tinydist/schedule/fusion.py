@@ -309,7 +309,8 @@ class _Fuser:
 
     def _prepacked_matmul(self, node: LazyNode) -> Step[int]:
         """A matmul whose B is a weight packed at load (`functional.matmul_prepacked`): one packed
-        operand for the whole batch, read as it is (no B block in the workspace); or whose A is
+        operand for the whole batch, read as it is (no B block in the workspace), times an A that
+        may be read through a strided view (a convolution's windows, pixels first); or whose A is
         (`functional.matmul_prepacked_a`, a convolution's weight): one packed item per batch item
         or one for all, times a B that may be read through a strided view (the columns)."""
         a_node, b_node = node.srcs
@@ -328,7 +329,12 @@ class _Fuser:
             strides = (0 if a_node.numel == per_item else per_item, 0 if b_node.shape[0] == 1 else k * n)
         else:
             k = a_node.shape[2]
-            a = yield self.buffer_of(a_node)
+            # a convolution turned around (pixels × weight): its rows, the windows, gathered in place
+            found = self._strided_view(a_node, "a") if peer_group(node.device) == "host" else None
+            a_source = a_node
+            if found is not None:
+                a_source, strided = found
+            a = yield self.buffer_of(a_source)
             b = yield self.buffer_of(b_node)
             strides = (0 if a_node.shape[0] == 1 else m * k, 0)
         workspace = self._new_buffer(None, BufferSpec(workspace_bytes(m, n, k, node.dtype.name, strided=strided,

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from tinydist.codegen.matmul_packing import pack_a_array
-from tinydist.frontend.functional import conv2d, conv2d_prepacked, conv2d_reads_packed
+from tinydist.codegen.matmul_packing import pack_a_array, pack_b_array_of_transpose
+from tinydist.frontend.functional import conv2d, conv2d_prepacked, conv2d_reads_packed, conv_pixels_first
 from tinydist.frontend.movement import cat
 from tinydist.frontend.tensor import Tensor
 from tinydist.graph import dtypes
@@ -60,9 +60,11 @@ def op_conv(ctx: Any, x: Tensor, w: Value, b: Value = None) -> Tensor:
     x = pad_or_crop(x, [(0, 0), (0, 0)] + pairs)
     if nd == 3:
         out = _conv3d(x, as_tensor(ctx, w, "W"), strides, dilations, groups)
-    elif _packable(x, w, groups) and conv2d_reads_packed(x, w.shape, tuple(strides), 0, tuple(dilations), groups):
+    elif _packable(x, w, groups) and conv2d_reads_packed(x, w.shape, tuple(strides), 0, tuple(dilations), groups,
+                                                        turned=(turned := _turned(x, w.shape, strides, dilations, groups))):
         # the packed form only: the weight itself is uploaded where some call reads it
-        out = conv2d_prepacked(x, _packed_weight(ctx, w, groups), w.shape, tuple(strides), 0, tuple(dilations), groups)
+        packed = _packed_weight_t(ctx, w) if turned else _packed_weight(ctx, w, groups)
+        out = conv2d_prepacked(x, packed, w.shape, tuple(strides), 0, tuple(dilations), groups, turned=turned)
     else:
         out = conv2d(x, as_tensor(ctx, w, "W"), None, tuple(strides), 0, tuple(dilations), groups)
     if b is not None:
@@ -78,6 +80,13 @@ def _packable(x: Tensor, w: Value, groups: int) -> bool:
             and not (w.shape[1] == 1 and groups > 1))
 
 
+def _turned(x: Tensor, weight_shape: tuple[int, ...], strides: list[int], dilations: list[int], groups: int) -> bool:
+    """Whether this convolution's product runs pixels × weight (`conv_pixels_first`)."""
+    oc, kernel = weight_shape[0], weight_shape[2:]
+    sizes = [(size - d * (k - 1) - 1) // s + 1 for size, k, s, d in zip(x.shape[2:], kernel, strides, dilations)]
+    return conv_pixels_first(oc, x.shape[0] * math.prod(sizes), math.prod(kernel), groups, x.dtype.name)
+
+
 def _packed_weight(ctx: Any, w: np.ndarray, groups: int) -> Tensor:
     """A constant weight of a convolution run as a matmul on a host device, packed once here, at
     load, into the layout the native kernel reads as operand A (`pack_a_array`, per group), not
@@ -87,6 +96,13 @@ def _packed_weight(ctx: Any, w: np.ndarray, groups: int) -> Tensor:
     if groups == 1:
         return ctx.lift_made(("W packed A", groups), lambda: pack_a_array(matrices[0]))
     return ctx.lift_made(("W packed A", groups), lambda: np.concatenate([pack_a_array(m) for m in matrices]))
+
+
+def _packed_weight_t(ctx: Any, w: np.ndarray) -> Tensor:
+    """A one-group convolution's constant weight for the product turned around (pixels × weight,
+    `conv_pixels_first`): its (Cg·KH·KW, OC) transpose packed at load as operand B
+    (`pack_b_array_of_transpose`)."""
+    return ctx.lift_made(("W packed B",), lambda: pack_b_array_of_transpose(np.ascontiguousarray(w).reshape(w.shape[0], -1)))
 
 
 def op_conv_transpose(ctx: Any, x: Tensor, w: Value, b: Value = None) -> Tensor:
