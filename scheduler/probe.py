@@ -132,6 +132,11 @@ def _sample(group: Any, reps: int, devices: Sequence[str]) -> _Samples:
 
     for i in range(reps + 1):                              # pass 0 is the warm-up (kernels compiled, links warm)
         for nbytes in sizes if _large_pass(i) else (SMALL,):
+            if group.world > 1:
+                # every rank starts its exchanges together: without this, a rank's first exchange waited
+                # for its peer to finish the stage 3 before it (at 16 MiB, tens of ms under load), and
+                # that wait was priced as the link's α (3.3-30 ms at 8 B, the 1 MiB plans 2-5x too slow)
+                dist.barrier()
             for peer in peers:                             # the round-robin order: every rank's the same
                 # each exchange its own call from this thread, as each collective is: the hop onto the loop counts
                 timed(got.exchanges[peer, nbytes], i > 0, dist.run_on_loop, _exchange, group, peer, mine[nbytes], into[nbytes])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from tinydist.scheduler.errors import MembershipError, NodeFailed, PlanError
@@ -117,6 +118,33 @@ def test_probe_fit_inverts_the_planners_stage_costs():
             assert cost(n, link) == pytest.approx(t)
     alpha, bandwidth = _fit([2e-4], [4e-3], 1, 1, LARGE)
     assert LinkModel("tcp", alpha, 1 / bandwidth).time(LARGE) == pytest.approx(4e-3)
+
+
+def test_every_probe_exchange_starts_after_a_barrier_not_behind_the_peers_copy_back(monkeypatch):
+    """The exchanges time the link alone: between the stage before (a rank's copy back, which ends
+    at different times on different ranks) and every exchange there is a barrier, so no exchange
+    is priced with the wait for a peer still copying."""
+    from types import SimpleNamespace
+
+    import tinydist.frontend.tensor as tensor_module
+    import tinydist.multi as multi
+    from tinydist import dist
+    from tinydist.scheduler import probe
+    events: list[str] = []
+    result = SimpleNamespace(numpy=lambda: np.zeros(2, np.float32))
+    monkeypatch.setattr(dist, "barrier", lambda: events.append("barrier"))
+    monkeypatch.setattr(dist, "run_on_loop", lambda *a: events.append("exchange"))
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: events.append("call") or result)
+    monkeypatch.setattr(multi, "allreduce", lambda *a, **k: events.append("reduce") or [result])
+    monkeypatch.setattr(tensor_module, "Tensor", lambda *a, **k: events.append("copy") or result)
+    probe._sample(SimpleNamespace(rank=0, world=2, links={1: None}), 4, ["CPU:0", "CPU:1"])
+    assert events.count("exchange") == 8          # one peer; passes 0-4 at SMALL, the even ones at LARGE too
+    assert events.index("copy", events.index("exchange")) < len(events) - 1   # copies back between exchanges
+    last = None
+    for event in events:
+        if event == "exchange":
+            assert last in ("barrier", "exchange"), events
+        last = event
 
 
 def two_by_two(tcp: LinkModel, mem: LinkModel, call: LinkModel) -> Topology:
