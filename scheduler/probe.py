@@ -134,8 +134,8 @@ def _sample(group: Any, reps: int, devices: Sequence[str]) -> _Samples:
         for nbytes in sizes if _large_pass(i) else (SMALL,):
             if group.world > 1:
                 # every rank starts its exchanges together: without this, a rank's first exchange waited
-                # for its peer to finish the stage 3 before it (at 16 MiB, tens of ms under load), and
-                # that wait was priced as the link's α (3.3-30 ms at 8 B, the 1 MiB plans 2-5x too slow)
+                # for its peer to finish the copy back before it, and that wait was priced as the link's
+                # α (tcp at 8 B, load 7.6-20.7: 0.8-35.9 ms without the barrier, 1.2-7.7 ms with it)
                 dist.barrier()
             for peer in peers:                             # the round-robin order: every rank's the same
                 # each exchange its own call from this thread, as each collective is: the hop onto the loop counts
