@@ -102,17 +102,6 @@ NATIVE_WAIT_SECONDS = 0.02
 # sleeping at once made a 4 KiB allreduce 1.46x and 8 KiB 1.26x Open MPI's (whose oversubscribed
 # ranks yield while they poll); with the yields 0.36x and 0.23x.
 YIELD_SECONDS = 200e-6
-# A sched_yield that returns only after YIELD_SLOW_BASE_SECONDS plus the message's time at
-# YIELD_SLOW_BYTES_PER_SECOND, with the peer still not there, gave the CPU to a task outside the
-# group (a peer's own step is shorter than that); so did a wait that finds its yield window gone by
-# as long (it was preempted): under EEVDF a yield pushes the yielder's deadline
-# back a whole slice (0.75 ms or more), so on a crowded host every further yield costs a slice too,
-# while a futex sleeper is woken by the post and placed with its lag. Then the group's native waits
-# sleep at once, without yielding, for CALM_SECONDS. Measured, 4 ranks on 2 vCPUs at load ~10 (other
-# jobs): yields 200 us, 4 KiB 0.45-1.0 ms a call; no yields 0.086-0.10 ms.
-YIELD_SLOW_BASE_SECONDS = 50e-6
-YIELD_SLOW_BYTES_PER_SECOND = 2e9
-CALM_SECONDS = 50e-3
 SYS_SCHED_YIELD = 24     # x86-64
 SLEEP_SLICE_NS = 2_000_000
 _OPS = ("sum", "prod", "max", "min")
@@ -204,9 +193,7 @@ def allreduce_ir(name: str, grp: ShmGroup, detail: int, futex: int) -> str:
         # the budget ran out, or a futex wake brought no step (someone saw the group fail)
         # %peer_cpu: the peer's CPU_WORD; %cpu: 1 + this rank's CPU. A peer that last ran on our CPU
         # is not running (or we are not): spinning holds the CPU it needs, so yield at once
-        # until then (CLOCK_MONOTONIC ns) the waits sleep without yielding: a yield was slow (YIELD_SLOW_*)
-        "@calm_until = internal global i64 0, align 8",
-        "define internal i64 @wait_peer(ptr %word, i64 %target, i64 %spin_ns, ptr %peer_cpu, i64 %cpu, i64 %slow_ns) {", "entry:",
+        "define internal i64 @wait_peer(ptr %word, i64 %target, i64 %spin_ns, ptr %peer_cpu, i64 %cpu) {", "entry:",
         "  %ts = alloca [2 x i64], align 8", "  %sl = alloca [2 x i64], align 8",
         "  %t0 = call i64 @now(ptr %ts)",
         "  %nospin = icmp eq i64 %spin_ns, 0", "  %pc0 = load atomic i64, ptr %peer_cpu monotonic, align 8",
@@ -227,21 +214,9 @@ def allreduce_ir(name: str, grp: ShmGroup, detail: int, futex: int) -> str:
         "  %got5 = icmp uge i64 %v5, %target", "  br i1 %got5, label %done, label %yieldmore",
         "yieldmore:", "  %t5 = call i64 @now(ptr %ts)", "  %e5 = sub i64 %t5, %t0",
         f"  %ylimit = add i64 %spin_ns, {int(YIELD_SECONDS * 1e9)}",
-        "  %yielded = icmp uge i64 %e5, %ylimit", "  br i1 %yielded, label %expired, label %calmcheck",
-        # the window ran out long ago: this rank was off its CPU (preempted) for longer than a peer's step
-        "expired:", "  %offlimit = add i64 %ylimit, %slow_ns", "  %preempted = icmp ugt i64 %e5, %offlimit",
-        "  br i1 %preempted, label %becalm, label %sleep",
-        "calmcheck:", "  %calm = load atomic i64, ptr @calm_until monotonic, align 8",
-        "  %crowded = icmp ult i64 %t5, %calm", "  br i1 %crowded, label %sleep, label %doyield",
+        "  %yielded = icmp uge i64 %e5, %ylimit", "  br i1 %yielded, label %sleep, label %doyield",
         "doyield:", f"  %yr = call i64 (i64, ...) inttoptr (i64 {syscall} to ptr)(i64 {SYS_SCHED_YIELD})",
-        "  %t6 = call i64 @now(ptr %ts)", "  %took = sub i64 %t6, %t5",
-        "  %slow = icmp uge i64 %took, %slow_ns", "  br i1 %slow, label %slowyield, label %yielding",
-        # a long yield that brought no step: someone outside the group had the CPU
-        "slowyield:", "  %v6 = load atomic i64, ptr %word acquire, align 8",
-        "  %got6 = icmp uge i64 %v6, %target", "  br i1 %got6, label %done, label %becalm",
-        "becalm:", "  %tc = phi i64 [%t6, %slowyield], [%t5, %expired]",
-        f"  %until = add i64 %tc, {int(CALM_SECONDS * 1e9)}",
-        "  store atomic i64 %until, ptr @calm_until monotonic, align 8", "  br label %sleep",
+        "  br label %yielding",
         "sleep:", "  %v2 = load atomic i64, ptr %word acquire, align 8",
         "  %got2 = icmp uge i64 %v2, %target", "  br i1 %got2, label %done, label %late",
         "late:", "  %t2 = call i64 @now(ptr %ts)", "  %e2 = sub i64 %t2, %t0",
@@ -278,8 +253,6 @@ def allreduce_ir(name: str, grp: ShmGroup, detail: int, futex: int) -> str:
         "  %cnp = getelementptr inbounds i64, ptr %entry, i64 2", "  %count = load i64, ptr %cnp",
         "  %dgp = getelementptr inbounds i64, ptr %entry, i64 3", "  %dbase = load i64, ptr %dgp",
         "  %snp = getelementptr inbounds i64, ptr %entry, i64 4", "  %spin = load i64, ptr %snp",
-        f"  %yslowb = udiv i64 %nbytes, {int(YIELD_SLOW_BYTES_PER_SECOND / 1e9)}",
-        f"  %yslow = add i64 %yslowb, {int(YIELD_SLOW_BASE_SECONDS * 1e9)}",
         "  %mdp5 = getelementptr inbounds i64, ptr %entry, i64 5", "  %mode = load i64, ptr %mdp5",
         "  %split = icmp ne i64 %mode, 0",
         f"  %mixed = mul i64 %seq, {_MIX - (1 << 64)}", "  %d0 = xor i64 %dbase, %mixed",
@@ -322,7 +295,7 @@ def allreduce_ir(name: str, grp: ShmGroup, detail: int, futex: int) -> str:
     ]
     for k, r in enumerate(peers):
         after = f"wait{k + 1}" if k + 1 < len(peers) else "check"
-        lines += [f"wait{k}:", f"  %w{k} = call i64 @wait_peer(ptr {word(r, 0)}, i64 %target, i64 %spin, ptr {word(r, CPU_WORD)}, i64 %cpu, i64 %yslow)",
+        lines += [f"wait{k}:", f"  %w{k} = call i64 @wait_peer(ptr {word(r, 0)}, i64 %target, i64 %spin, ptr {word(r, CPU_WORD)}, i64 %cpu)",
                   f"  %wok{k} = icmp eq i64 %w{k}, 0", f"  br i1 %wok{k}, label %{after}, label %waitfail{k}",
                   f"waitfail{k}:", f"  ret i64 %w{k}"]
     lines.append("check:")
@@ -374,7 +347,7 @@ def allreduce_ir(name: str, grp: ShmGroup, detail: int, futex: int) -> str:
               "  br label %twait0"]
     for k, r in enumerate(peers):
         after = f"twait{k + 1}" if k + 1 < len(peers) else "gather"
-        lines += [f"twait{k}:", f"  %tw{k} = call i64 @wait_peer(ptr {word(r, 0)}, i64 %target2, i64 %spin, ptr {word(r, CPU_WORD)}, i64 %cpu, i64 %yslow)",
+        lines += [f"twait{k}:", f"  %tw{k} = call i64 @wait_peer(ptr {word(r, 0)}, i64 %target2, i64 %spin, ptr {word(r, CPU_WORD)}, i64 %cpu)",
                   f"  %twok{k} = icmp eq i64 %tw{k}, 0", f"  br i1 %twok{k}, label %{after}, label %twaitfail{k}",
                   f"twaitfail{k}:", f"  ret i64 {WAIT2}"]
     lines += ["gather:", f"  %gsl = mul i64 %parity, {slot}", f"  %gcpy = inttoptr i64 {memcpy} to ptr"]
@@ -405,8 +378,6 @@ def allreduce_ir(name: str, grp: ShmGroup, detail: int, futex: int) -> str:
               f"  %rc = call i64 @{name}(ptr %ep, ptr %a1, ptr %a2, i64 %ca)",
               f"  call void {_api('PyEval_RestoreThread')}(ptr %ts)",
               f"  %res = call ptr {_api('PyLong_FromLongLong')}(i64 %rc)", "  ret ptr %res", "}",
-              # until when the waits sleep without yielding (`FastAllreduce.calm_until_ns`)
-              f"define i64 @{name}_calm() {{", "  %c = load atomic i64, ptr @calm_until monotonic, align 8", "  ret i64 %c", "}",
               f"define i64 @{name}_data(ptr %x) {{",
               f"  %p = getelementptr inbounds i8, ptr %x, i64 {_PY_DATA}", "  %d = load i64, ptr %p", "  ret i64 %d", "}", ""]
     return "\n".join(lines)
@@ -443,11 +414,9 @@ class FastAllreduce:
     """The native allreduce of one `ProcessGroup` on its group segment. `all_reduce` returns None for
     a call it does not take (the caller then runs the segment path); see the module docstring."""
 
-    def __init__(self, group: ProcessGroup, grp: ShmGroup, program: Program, detail: np.ndarray, calm: Program) -> None:
+    def __init__(self, group: ProcessGroup, grp: ShmGroup, program: Program, detail: np.ndarray) -> None:
         # `program` (the `<name>_py` entry) keeps the code mapped while `call`, its builtin, exists
         self.group, self.grp, self.program, self.detail = group, grp, program, detail
-        self._calm_program = calm      # keeps `_calm`'s code mapped
-        self._calm = ctypes.CFUNCTYPE(ctypes.c_int64)(calm.address)
         self.call, self._definition = builtin(program.address, program.name)
         self.entries: dict[tuple[Any, ...], _Entry | None] = {}
         self.completed = 0      # allreduces this path completed (tests and bench/allreduce.py read it; ~40 ns)
@@ -472,13 +441,7 @@ class FastAllreduce:
         probe = np.arange(3, dtype=np.float32)
         if data(probe) != probe.ctypes.data:
             return None
-        return cls(group, grp, program, detail, native_loader.load(code, f"{name}_calm", []))
-
-    def calm_until_ns(self) -> int:
-        """Until when (`time.monotonic_ns()`) the native waits sleep on the futex without yielding first:
-        CALM_SECONDS after the last yield that gave the CPU away for longer than a peer's step
-        (`YIELD_SLOW_BASE_SECONDS`); 0 if none did."""
-        return int(self._calm())
+        return cls(group, grp, program, detail)
 
     def _barrier_entry(self) -> _Entry | None:
         """A barrier's call: no bytes, the sum kernel over none, `{"coll": "barrier"}` (the segment path's header)."""

@@ -7,8 +7,6 @@
     shm_fast.py late        rank 1 calls 0.3 s after its peers (past the native wait): the group's wait takes over
                             (naive and all2all)
     shm_fast.py kill        rank 1 is SIGKILLed while its peers wait in a fast call: RankFailed on every survivor
-    shm_fast.py crowded     rank 0 shares its CPU with a busy process and waits for a late rank 1: its yields give
-                            the CPU away for a slice, so its waits turn to sleeping without yielding (CROWDED True)
 """
 
 import os
@@ -117,32 +115,6 @@ def main() -> None:
                 dist.all_reduce(x, algorithm=algorithm, out=x)
                 print("RESULT", algorithm, x[0], x[-1], flush=True)
                 x.fill(r + 1.0)
-    elif mode == "crowded":
-        x = np.full(100, r + 1.0)
-        hog = None
-        if r == 0:
-            os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-            hog = os.fork()
-            if hog == 0:                 # runnable on rank 0's CPU the whole time: a yield hands it a slice
-                while True:
-                    pass
-        before = fast_calls()
-        for tries in range(1, 6):        # rank 0 may be off its CPU until rank 1 came, and not wait at all
-            dist.barrier()
-            start = time.monotonic_ns()
-            if r == 1:
-                time.sleep(0.05)         # rank 0 is in its native wait by now, most likely
-            x.fill(r + 1.0)
-            dist.all_reduce(x, out=x)
-            turned = np.array([float(r == 0 and dist.get_group().fast.calm_until_ns() > start)])
-            dist.all_reduce(turned, out=turned)      # rank 0's verdict, for both ranks
-            if turned[0]:
-                break
-        if hog is not None:
-            os.kill(hog, signal.SIGKILL)
-            os.waitpid(hog, 0)
-        print("RESULT", x[0], "CROWDED", bool(turned[0]), "within 5 tries", "native", fast_calls() - before == 2 * tries,
-              flush=True)
     elif mode == "kill":
         x = np.full(100, r + 1.0)
         dist.all_reduce(x, out=x)
