@@ -122,13 +122,16 @@ def test_the_call_and_stream_caps_come_from_the_policy(make_server, connect, lab
         channel = grpc.aio.secure_channel(server.target, lab.creds["bob"].channel_credentials())
         event = asyncio.Event()
 
-        async def first_then_wait() -> Any:
-            yield pb.WriteRequest(lease=lease, handle=handle, data=b"a").SerializeToString()
+        async def wait_then_write() -> Any:
+            # admission counts a stream when it opens, before its first message; a message written
+            # before the refusal arrives could race it, and grpc.aio's client then reports INTERNAL
+            # in place of the server's status (grpc/grpc#36066): so the message goes after the event
             await event.wait()
+            yield pb.WriteRequest(lease=lease, handle=handle, data=b"a").SerializeToString()
 
         write = channel.stream_unary(SERVICE + "WriteStream", request_serializer=None, response_deserializer=None)
         ping = channel.stream_unary(SERVICE + "Ping", request_serializer=None, response_deserializer=None)
-        streams = [write(first_then_wait(), timeout=30) for _ in range(3)]
+        streams = [write(wait_then_write(), timeout=30) for _ in range(3)]
         codes = {asyncio.ensure_future(call.code()) for call in streams}
         first, held = await asyncio.wait(codes, timeout=30, return_when=asyncio.FIRST_COMPLETED)
         results = [task.result().name for task in first]  # one stream of three: over max_streams
