@@ -375,8 +375,8 @@ def conv2d_prepacked(x: Tensor, packed_weight: Tensor, weight_shape: tuple[int, 
         rows = _windows(padded, (kh, kw), stride2, dilation2).permute(0, 2, 3, 1, 4, 5).contiguous()
         return matmul_prepacked(rows.reshape(n * oh * ow, k), packed_weight, k, oc).reshape(n, oh, ow, oc).permute(0, 3, 1, 2)
     cols = _im2col(padded, (kh, kw), stride2, dilation2, groups)                 # G K (N OH OW)
-    out = matmul_prepacked_a(packed_weight, cols, oc // groups, cg * kh * kw)     # G OCg (N OH OW)
-    return out.reshape(oc, x.shape[0], oh, ow).permute(1, 0, 2, 3)
+    out = matmul_prepacked_a(packed_weight, cols, oc // groups, k)               # G OCg (N OH OW)
+    return out.reshape(oc, n, oh, ow).permute(1, 0, 2, 3)
 
 
 def _direct_depthwise(in_per_group: int, groups: int) -> bool:

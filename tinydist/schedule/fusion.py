@@ -316,26 +316,19 @@ class _Fuser:
         a_node, b_node = node.srcs
         count, m, n = node.shape
         operand = node.arg[0]
-        strided: StridedOperand | None = None
+        # the operand not packed may be a strided view read in place: a convolution's columns (B,
+        # beside its packed weight) or, turned around (pixels × weight), its windows (A)
+        loose, loose_node = ("b", b_node) if operand == "a" else ("a", a_node)
+        found = self._strided_view(loose_node, loose) if peer_group(node.device) == "host" else None
+        source, strided = found if found is not None else (loose_node, None)
+        a = yield self.buffer_of(a_node if operand == "a" else source)
+        b = yield self.buffer_of(source if operand == "a" else b_node)
         if operand == "a":
             k = b_node.shape[1]
-            found = self._strided_view(b_node, "b") if peer_group(node.device) == "host" else None
-            b_source = b_node
-            if found is not None:
-                b_source, strided = found
-            a = yield self.buffer_of(a_node)
-            b = yield self.buffer_of(b_source)
             per_item = packed_a_elements(m, k, node.dtype.name)
             strides = (0 if a_node.numel == per_item else per_item, 0 if b_node.shape[0] == 1 else k * n)
         else:
             k = a_node.shape[2]
-            # a convolution turned around (pixels × weight): its rows, the windows, gathered in place
-            found = self._strided_view(a_node, "a") if peer_group(node.device) == "host" else None
-            a_source = a_node
-            if found is not None:
-                a_source, strided = found
-            a = yield self.buffer_of(a_source)
-            b = yield self.buffer_of(b_node)
             strides = (0 if a_node.shape[0] == 1 else m * k, 0)
         workspace = self._new_buffer(None, BufferSpec(workspace_bytes(m, n, k, node.dtype.name, strided=strided,
                                                                       prepacked=operand),
