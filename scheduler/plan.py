@@ -145,31 +145,40 @@ def inter_cost(algorithm: str, G: int, n: float, link: LinkModel, call: LinkMode
     """The across-groups stage: `algorithm`'s steps over `link`, plus one dist call's own cost `call`."""
     if G <= 1:
         return 0.0
-    if algorithm == "naive":
-        steps = link.alpha + (G - 1) * n * link.beta + (G - 1) * link.overhead
+    if algorithm == "naive":                   # every step a message of n bytes
+        step = link.at(n)
+        steps = step.alpha + (G - 1) * n * step.beta + (G - 1) * step.overhead
     elif algorithm == "ring":
         steps = 2 * (G - 1) * link.time(n / G)
-    else:
-        steps = 2 * (link.alpha + (G - 1) * link.overhead) + 2 * (G - 1) / G * n * link.beta
+    else:                                      # every step a message of n/G bytes
+        step = link.at(n / G)
+        steps = 2 * (step.alpha + (G - 1) * step.overhead) + 2 * (G - 1) / G * n * step.beta
     return steps + call.time(n)
 
 
-def calibrate_call(topology: Topology, world: int, small: tuple[int, float], large: tuple[int, float]) -> LinkModel:
+def calibrate_call(topology: Topology, world: int, *timings: tuple[int, float]) -> LinkModel:
     """A tinydist.dist call's own cost (α_c per call, β_c per byte) from a naive all_reduce over
-    `world` ranks timed at two sizes, `(bytes, seconds)` each: what the naive steps over the slowest
-    measured link between the ranks do not explain. Negative leftovers (noise) count as zero."""
+    `world` ranks timed at two or more sizes, `(bytes, seconds)` each, ascending: what the naive steps
+    over the slowest measured link between the ranks do not explain, one line between each two
+    neighbouring sizes (`LinkModel.segments`, as the probe fits the links). Negative leftovers (noise)
+    count as zero."""
     nodes = topology.live_nodes
     link = topology.slowest((a, b) for i, a in enumerate(nodes) for b in nodes[i + 1:])
     if world <= 1 or link is None:
         return NO_CALL
-    (n0, t0), (n1, t1) = small, large
-    rest0, rest1 = (max(t - inter_cost("naive", world, n, link), 0.0) for n, t in ((n0, t0), (n1, t1)))
-    beta = max(rest1 - rest0, 0.0) / (n1 - n0)
-    return LinkModel("call", max(rest0 - n0 * beta, 0.0), beta)
+    rest = [(n, max(t - inter_cost("naive", world, n, link), 0.0)) for n, t in timings]
+    lines = []
+    for i, ((n0, r0), (n1, r1)) in enumerate(zip(rest, rest[1:])):
+        beta = max(r1 - r0, 0.0) / (n1 - n0)
+        # beyond the first line the intercept may be negative (scheduler.probe._fit): priced from n0 on only
+        lines.append((float(n1), max(r0 - n0 * beta, 0.0) if i == 0 else r0 - n0 * beta, beta))
+    *segments, (_, alpha, beta) = lines
+    return LinkModel("call", alpha, beta, segments=tuple(segments))
 
 
 def broadcast_cost(g: int, n: float, link: LinkModel) -> float:
-    return 0.0 if g <= 1 else link.alpha + g * n * link.beta
+    step = link.at(n)                          # g copies of n bytes each
+    return 0.0 if g <= 1 else step.alpha + g * n * step.beta
 
 
 def flat_ring_cost(D: int, n: float, link: LinkModel) -> float:
