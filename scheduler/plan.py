@@ -20,9 +20,10 @@ n bytes, g devices per group, G groups, link (α, β, o) and the dist call's own
   flat ring    2(D-1)·(α + nβ/D) over D devices, (α, β) of the slowest link on the ring
 
 Every term is measured at join (scheduler.probe): each link's α and β by an exchange between the
-two ranks (8 B and 16 MiB), the in-process link and the copy back by stages 1 and 3 as execute runs
-them, each timed alone, and c by
-`calibrate_call`: a real naive dist.all_reduce at 8 B and 16 MiB, less what its links' steps
+two ranks (8 B, 1 MiB and 16 MiB: one line up to 1 MiB, one beyond, each step priced on the line its
+message falls on, `LinkModel.at`), the in-process link and the copy back by stages 1 and 3 as
+execute runs them, each timed alone, and c by
+`calibrate_call`: a real naive dist.all_reduce at the same sizes, less what its links' steps
 explain. Why c: on two network-namespace hosts (bench/cluster.py, 2 shared cores) a 2-rank
 dist.all_reduce of 8 B took 0.75 ms where one exchange took 0.32 ms (the header exchange is a
 second round trip), and of 16 MiB 24.6 ms where the exchange took 17.3 ms (a fresh result, its
@@ -159,19 +160,19 @@ def inter_cost(algorithm: str, G: int, n: float, link: LinkModel, call: LinkMode
 def calibrate_call(topology: Topology, world: int, *timings: tuple[int, float]) -> LinkModel:
     """A tinydist.dist call's own cost (α_c per call, β_c per byte) from a naive all_reduce over
     `world` ranks timed at two or more sizes, `(bytes, seconds)` each, ascending: what the naive steps
-    over the slowest measured link between the ranks do not explain, one line between each two
-    neighbouring sizes (`LinkModel.segments`, as the probe fits the links). Negative leftovers (noise)
-    count as zero."""
+    over the slowest measured link between the ranks do not explain, as the probe fits the links
+    (`scheduler.probe._fit_pieces`): a line from the smallest size to each larger one, a message
+    priced on the line to the first size at or above it (the last beyond). Negative leftovers
+    (noise) count as zero."""
     nodes = topology.live_nodes
     link = topology.slowest((a, b) for i, a in enumerate(nodes) for b in nodes[i + 1:])
     if world <= 1 or link is None:
         return NO_CALL
-    rest = [(n, max(t - inter_cost("naive", world, n, link), 0.0)) for n, t in timings]
+    (n0, r0), *rest = [(n, max(t - inter_cost("naive", world, n, link), 0.0)) for n, t in timings]
     lines = []
-    for i, ((n0, r0), (n1, r1)) in enumerate(zip(rest, rest[1:])):
+    for n1, r1 in rest:
         beta = max(r1 - r0, 0.0) / (n1 - n0)
-        # beyond the first line the intercept may be negative (scheduler.probe._fit): priced from n0 on only
-        lines.append((float(n1), max(r0 - n0 * beta, 0.0) if i == 0 else r0 - n0 * beta, beta))
+        lines.append((float(n1), max(r0 - n0 * beta, 0.0), beta))
     *segments, (_, alpha, beta) = lines
     return LinkModel("call", alpha, beta, segments=tuple(segments))
 

@@ -1,7 +1,8 @@
 """Measure the links of a tinydist.dist group as the allreduce stages use them (the planner's α and β).
 
-Every pass of the probe samples, in turn, what one hierarchical allreduce does (at 8 B for α and
-16 MiB for β, the extra time per byte), so a burst of load from elsewhere lands on all of them alike:
+Every pass of the probe samples, in turn, what one hierarchical allreduce does (at 8 B, 1 MiB and
+16 MiB: every link is fitted to two lines, one up to MID = 1 MiB through the first two sizes, one
+beyond it through the last two, `LinkModel.segments`), so a burst of load from elsewhere lands on all of them alike:
 every pair's exchange (both ranks send n bytes, receive n and add them in, as every step of naive,
 ring and all2all does; each one a separate call from this thread onto the group's loop, as every
 collective is), then scheduler.execute's three stages chained as it runs them after a barrier:
@@ -13,6 +14,11 @@ it, from which the planner takes what a dist call costs beyond its links' steps
 back, α + g·nβ, `Topology.copy_back`). With one device (neither in-process stage runs) both are a
 host copy.
 
+Why three sizes: one line through 8 B and 16 MiB priced 1 MiB on an 8 B α that is mostly a fixed
+cost and on the rate beyond the caches, which 1 MiB does not pay: on two network-namespace hosts
+(bench/cluster.py) stage 1 at 1 MiB was predicted 1.06-1.44 ms and took 0.53-0.54 ms alone, the
+copy back 0.94-1.38 ms against 0.19-0.21 ms, and the 1 MiB plan came out 0.47-1.33x; below 1 MiB
+the reduce ran 0.24 ns/B and the copy 0.07-0.08 ns/B, beyond it 0.77-1.29 and 0.71-0.88 ns/B.
 Why 16 MiB, not 4 MiB: 4 MiB buffers stay in this machine's 32 MiB L3, and the rate measured there
 does not hold beyond it: on two network-namespace hosts (bench/cluster.py, 2 shared cores) the
 in-process stage ran 0.42 ns/B at 4 MiB and 0.92 ns/B at 16 MiB, and the 16 MiB plans were
@@ -50,7 +56,7 @@ from tinydist.scheduler.topology import LinkModel
 SMALL, LARGE = 8, 16 << 20
 # MID: where the probe's two lines meet (module docstring, "Why three sizes")
 MID = 1 << 20
-SIZES = (SMALL, MID, LARGE)
+SIZES = (SMALL, MID, LARGE)    # ascending (`_fit_pieces`, plan.calibrate_call)
 KINDS = ("mem", "shm", "tcp", "rdma_bnxt", "other")
 
 
@@ -83,21 +89,21 @@ async def _exchange(group: Any, peer: int, mine: np.ndarray, into: np.ndarray) -
 
 def _fit(small: list[float], large: list[float], per_alpha: int, per_beta: int, large_bytes: int,
          small_bytes: int = SMALL) -> tuple[float, float]:
-    """(α, bandwidth) of t(n) = per_alpha·α + per_beta·nβ from medians at `small_bytes` and `large_bytes`.
-    From SMALL, α is at least 0; from a larger `small_bytes` it is the line's intercept, negative where
-    the rate beyond it is steeper than its time at `small_bytes` over its bytes (the line is priced only
-    from `small_bytes` on, where it gives that time back: clamped to 0, it priced 16 MiB 1.3x slow)."""
+    """(α, bandwidth) of t(n) = per_alpha·α + per_beta·nβ from medians at `small_bytes` and `large_bytes`."""
     t_small, t_large = statistics.median(small), statistics.median(large)
     beta = max(t_large - t_small, 1e-12) / (per_beta * (large_bytes - small_bytes))   # a noisy large below the small: no slope
-    alpha = (t_small - per_beta * small_bytes * beta) / per_alpha
-    return (max(alpha, 0.0) if small_bytes <= SMALL else alpha), 1.0 / beta
+    return max(t_small - per_beta * small_bytes * beta, 0.0) / per_alpha, 1.0 / beta
 
 
 def _fit_pieces(samples: dict[int, list[float]], per_alpha: int, per_beta: int) -> tuple[float, float, float, float]:
     """(α, bandwidth) up to MID, on the line through SMALL and MID, then (α, bandwidth) beyond it, on
-    the line through MID and LARGE: the two segments of `_model`."""
+    the line through SMALL and LARGE: the two segments of `_model`. Both start at SMALL, so α (the
+    fixed cost of a message) is never negative; only the rate per byte depends on the size. A line
+    through MID and LARGE instead had a negative α here (-0.4 to -1.3 ms), and with it the planner
+    chose the in-process ring at 16 MiB (2(g-1)·α, below naive's (g-1)·α) for what is an artefact of
+    the fit: it ran 1.56-1.66x its prediction."""
     return (*_fit(samples[SMALL], samples[MID], per_alpha, per_beta, MID),
-            *_fit(samples[MID], samples[LARGE], per_alpha, per_beta, LARGE, MID))
+            *_fit(samples[SMALL], samples[LARGE], per_alpha, per_beta, LARGE))
 
 
 def _model(kind: str, alpha_lo: float, bw_lo: float, alpha_hi: float, bw_hi: float) -> LinkModel:
@@ -226,10 +232,8 @@ def measure_links(node_ids: list[str], reps: int = 20, devices: Sequence[str] = 
         for j in range(i, group.world):
             alpha_lo, bw_lo, alpha_hi, bw_hi, kind = (float(x) for x in table[i, j])
             if bw_hi > 0:
-                # the coordinator keeps one line per link (LinkRecord): the one through SMALL and LARGE
-                t_small, t_large = alpha_lo + SMALL / bw_lo, alpha_hi + LARGE / bw_hi
-                bw = (LARGE - SMALL) / max(t_large - t_small, 1e-12)
-                records.append(LinkRecord(node_ids[i], node_ids[j], KINDS[int(kind)], max(t_small - SMALL / bw, 0.0), bw))
+                # the coordinator keeps one line per link (LinkRecord): the one beyond MID, through SMALL and LARGE
+                records.append(LinkRecord(node_ids[i], node_ids[j], KINDS[int(kind)], alpha_hi, bw_hi))
                 models[node_ids[i], node_ids[j]] = _model(KINDS[int(kind)], alpha_lo, bw_lo, alpha_hi, bw_hi)
     copy_back = {node_ids[i]: _model("copy", *(float(x) for x in table[i, group.world + 1, :4])) for i in range(group.world)}
     # the call follows stage 1 with no barrier, so a rank that finished stage 1 early waits in its call for
