@@ -51,14 +51,18 @@ coord, node, rank, world, ndev, sizes, reps, pki, address = sys.argv[1:10]
 rank, world, ndev, reps = int(rank), int(world), int(ndev), int(reps)
 creds = Credentials.load(f"{pki}/clients/{node}.pem", f"{pki}/clients/{node}.key", f"{pki}/ca.pem")
 devices = [f"CPU:{i}" for i in range(ndev)]
-job = ClusterJob.start(coord, node, devices, world_size=world, rank=rank, credentials=creds, address=address)
+job = ClusterJob.start(coord, node, devices, world_size=world, rank=rank, credentials=creds, address=address, probe=False)
+probe_started = time.perf_counter()
+job.measure_links()                                              # what ClusterJob.start runs with probe=True
+probe_s = time.perf_counter() - probe_started
 topo = job.topology()
 if rank == 0:
-    links = [{"a": a, "b": b, "kind": m.kind, "alpha_s": m.alpha, "beta_s_per_byte": m.beta}
-             for (a, b), m in sorted(topo.measured.items())]
-    print("LINKS " + json.dumps(links), flush=True)
-    print("CALL " + json.dumps({"alpha_s": topo.call.alpha, "beta_s_per_byte": topo.call.beta}), flush=True)
-    print("COPY " + json.dumps({node: {"alpha_s": m.alpha, "beta_s_per_byte": m.beta} for node, m in sorted(topo.copy_back.items())}), flush=True)
+    def model(m):
+        return {"alpha_s": m.alpha, "beta_s_per_byte": m.beta, "segments": m.segments}
+    print("LINKS " + json.dumps([{"a": a, "b": b, "kind": m.kind, **model(m)} for (a, b), m in sorted(topo.measured.items())]), flush=True)
+    print("CALL " + json.dumps(model(topo.call)), flush=True)
+    print("COPY " + json.dumps({node: model(m) for node, m in sorted(topo.copy_back.items())}), flush=True)
+    print("PROBE " + json.dumps(probe_s), flush=True)
 
 def timed(fn):
     dist.barrier()
@@ -104,9 +108,9 @@ job.close()
 '''
 
 
-def run_two_hosts(sizes: str, repeats: int, between: str) -> tuple[list[dict], dict, dict, list[dict], str]:
+def run_two_hosts(sizes: str, repeats: int, between: str) -> tuple[list[dict], dict, dict, float, list[dict], str]:
     """The 2x2 job on two namespace hosts: (measured links, the dist call's own cost, each node's copy
-    back, one result per size and plan, load)."""
+    back, the probe's seconds on rank 0, one result per size and plan, load)."""
     from tests.cluster import netns
     from tests.cluster.helpers import Output, env
     from tinydist.security import pki
@@ -146,11 +150,19 @@ def run_two_hosts(sizes: str, repeats: int, between: str) -> tuple[list[dict], d
         links = json.loads(next(line for line in lines if line.startswith("LINKS "))[6:])
         call = json.loads(next(line for line in lines if line.startswith("CALL "))[5:])
         copy = json.loads(next(line for line in lines if line.startswith("COPY "))[5:])
-        return links, call, copy, [json.loads(line[7:]) for line in lines if line.startswith("RESULT ")], load
+        probe_s = json.loads(next(line for line in lines if line.startswith("PROBE "))[6:])
+        return links, call, copy, probe_s, [json.loads(line[7:]) for line in lines if line.startswith("RESULT ")], load
 
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms"
+
+
+def _model(m: dict) -> str:
+    """A measured link's segments as printed: α and β up to each bound, then beyond the last."""
+    below = "".join(f"up to {bound / (1 << 20):g} MiB α={alpha * 1e6:.1f} µs, β={beta * 1e9:.3f} ns/B; "
+                    for bound, alpha, beta in m["segments"])
+    return f"{below}{'beyond ' if below else ''}α={m['alpha_s'] * 1e6:.1f} µs, β={m['beta_s_per_byte'] * 1e9:.3f} ns/B"
 
 
 def main() -> int:
@@ -169,19 +181,17 @@ def main() -> int:
         print(f"bench/cluster.py needs two network-namespace hosts: {reason}")
         return 2
     start_load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    links, call, copy, results, end_load = run_two_hosts(args.sizes, args.repeats, args.between)
+    links, call, copy, probe_s, results, end_load = run_two_hosts(args.sizes, args.repeats, args.between)
     print(f"cpus: {os.cpu_count()}; load {start_load} at start, {end_load} at end; 2 hosts (network namespaces, "
           f"veth) x 1 node x 2 CPU devices; float32 sum; median of {args.repeats} after 1 warm-up, plans in turn")
-    print("links measured by the probe at join (tinydist.scheduler.probe: exchanges between the hosts, the in-process "
-          "allreduce read back, at 8 B for α and 16 MiB for β):")
+    print(f"links measured by the probe at join in {probe_s:.2f} s (tinydist.scheduler.probe: exchanges between the hosts, "
+          "the in-process allreduce read back, at 8 B, 1 MiB and 16 MiB, one line up to 1 MiB, one beyond):")
     for link in links:
-        print(f"  {link['a']} - {link['b']}: {link['kind']} α={link['alpha_s'] * 1e6:.1f} µs, "
-              f"β={link['beta_s_per_byte'] * 1e9:.3f} ns/B ({1 / link['beta_s_per_byte'] / 1e9:.2f} GB/s)")
+        print(f"  {link['a']} - {link['b']}: {link['kind']} {_model(link)}")
     for node, m in copy.items():
-        print(f"  {node} copy back to its devices: α={m['alpha_s'] * 1e6:.1f} µs, β={m['beta_s_per_byte'] * 1e9:.3f} ns/B "
-              f"({1 / m['beta_s_per_byte'] / 1e9:.2f} GB/s)")
-    print(f"  one dist call beyond its links' steps (naive dist.all_reduce at 8 B and 16 MiB, less the exchange model): "
-          f"α_c={call['alpha_s'] * 1e6:.1f} µs, β_c={call['beta_s_per_byte'] * 1e9:.3f} ns/B")
+        print(f"  {node} copy back to its devices: {_model(m)}")
+    print(f"  one dist call beyond its links' steps (naive dist.all_reduce at the same sizes, less the exchange model): "
+          f"{_model(call)}")
     print("| size | plan | chosen | predicted | measured | measured/predicted | stages predicted (in / across / back) "
           "| stages measured alone (in / across / back) |")
     print("|---|---|---|---|---|---|---|---|")

@@ -26,7 +26,7 @@ import numpy as np
 from tinydist.scheduler.errors import ClusterError, CoordinatorLost, NodeFailed
 from tinydist.scheduler.node import Credentials, NodeAgent
 from tinydist.scheduler.plan import Plan, calibrate_call, plan_allreduce
-from tinydist.scheduler.topology import LinkModel, Topology
+from tinydist.scheduler.topology import Topology
 from tinydist.base.logs import get_logger
 from tinydist.graph.collectives import AUTO
 from tinydist.graph.reduce_ops import MEAN, collective_op
@@ -90,10 +90,10 @@ class ClusterJob:
         measured = measure_links(self.node_ids(), devices=self.devices)
         self.agent.report_links([r for r in measured.links if r.src == self.agent.node_id])
         topo = self.topology()
-        for r in measured.links:
-            topo.set_measured(r.src, r.dst, LinkModel(r.kind, r.latency_s, 1.0 / r.bandwidth_bps))
+        for (a, b), model in measured.models.items():
+            topo.set_measured(a, b, model)
         topo.copy_back = dict(measured.copy_back)
-        topo.call = calibrate_call(topo, self.world_size, measured.call_small, measured.call_large)
+        topo.call = calibrate_call(topo, self.world_size, *measured.calls)
         self._plans.clear()
 
     def topology(self) -> Topology:

@@ -20,9 +20,10 @@ n bytes, g devices per group, G groups, link (α, β, o) and the dist call's own
   flat ring    2(D-1)·(α + nβ/D) over D devices, (α, β) of the slowest link on the ring
 
 Every term is measured at join (scheduler.probe): each link's α and β by an exchange between the
-two ranks (8 B and 16 MiB), the in-process link and the copy back by stages 1 and 3 as execute runs
-them, each timed alone, and c by
-`calibrate_call`: a real naive dist.all_reduce at 8 B and 16 MiB, less what its links' steps
+two ranks (8 B, 1 MiB and 16 MiB: one line up to 1 MiB, one beyond, each step priced on the line its
+message falls on, `LinkModel.at`), the in-process link and the copy back by stages 1 and 3 as
+execute runs them, each timed alone, and c by
+`calibrate_call`: a real naive dist.all_reduce at the same sizes, less what its links' steps
 explain. Why c: on two network-namespace hosts (bench/cluster.py, 2 shared cores) a 2-rank
 dist.all_reduce of 8 B took 0.75 ms where one exchange took 0.32 ms (the header exchange is a
 second round trip), and of 16 MiB 24.6 ms where the exchange took 17.3 ms (a fresh result, its
@@ -145,31 +146,40 @@ def inter_cost(algorithm: str, G: int, n: float, link: LinkModel, call: LinkMode
     """The across-groups stage: `algorithm`'s steps over `link`, plus one dist call's own cost `call`."""
     if G <= 1:
         return 0.0
-    if algorithm == "naive":
-        steps = link.alpha + (G - 1) * n * link.beta + (G - 1) * link.overhead
+    if algorithm == "naive":                   # every step a message of n bytes
+        step = link.at(n)
+        steps = step.alpha + (G - 1) * n * step.beta + (G - 1) * step.overhead
     elif algorithm == "ring":
         steps = 2 * (G - 1) * link.time(n / G)
-    else:
-        steps = 2 * (link.alpha + (G - 1) * link.overhead) + 2 * (G - 1) / G * n * link.beta
+    else:                                      # every step a message of n/G bytes
+        step = link.at(n / G)
+        steps = 2 * (step.alpha + (G - 1) * step.overhead) + 2 * (G - 1) / G * n * step.beta
     return steps + call.time(n)
 
 
-def calibrate_call(topology: Topology, world: int, small: tuple[int, float], large: tuple[int, float]) -> LinkModel:
+def calibrate_call(topology: Topology, world: int, *timings: tuple[int, float]) -> LinkModel:
     """A tinydist.dist call's own cost (α_c per call, β_c per byte) from a naive all_reduce over
-    `world` ranks timed at two sizes, `(bytes, seconds)` each: what the naive steps over the slowest
-    measured link between the ranks do not explain. Negative leftovers (noise) count as zero."""
+    `world` ranks timed at two or more sizes, `(bytes, seconds)` each, ascending: what the naive steps
+    over the slowest measured link between the ranks do not explain, as the probe fits the links
+    (`scheduler.probe._fit_pieces`): a line from the smallest size to each larger one, a message
+    priced on the line to the first size at or above it (the last beyond). Negative leftovers
+    (noise) count as zero."""
     nodes = topology.live_nodes
     link = topology.slowest((a, b) for i, a in enumerate(nodes) for b in nodes[i + 1:])
     if world <= 1 or link is None:
         return NO_CALL
-    (n0, t0), (n1, t1) = small, large
-    rest0, rest1 = (max(t - inter_cost("naive", world, n, link), 0.0) for n, t in ((n0, t0), (n1, t1)))
-    beta = max(rest1 - rest0, 0.0) / (n1 - n0)
-    return LinkModel("call", max(rest0 - n0 * beta, 0.0), beta)
+    (n0, r0), *rest = [(n, max(t - inter_cost("naive", world, n, link), 0.0)) for n, t in timings]
+    lines = []
+    for n1, r1 in rest:
+        beta = max(r1 - r0, 0.0) / (n1 - n0)
+        lines.append((float(n1), max(r0 - n0 * beta, 0.0), beta))
+    *segments, (_, alpha, beta) = lines
+    return LinkModel("call", alpha, beta, segments=tuple(segments))
 
 
 def broadcast_cost(g: int, n: float, link: LinkModel) -> float:
-    return 0.0 if g <= 1 else link.alpha + g * n * link.beta
+    step = link.at(n)                          # g copies of n bytes each
+    return 0.0 if g <= 1 else step.alpha + g * n * step.beta
 
 
 def flat_ring_cost(D: int, n: float, link: LinkModel) -> float:

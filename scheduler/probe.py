@@ -1,7 +1,8 @@
 """Measure the links of a tinydist.dist group as the allreduce stages use them (the planner's α and β).
 
-Every pass of the probe samples, in turn, what one hierarchical allreduce does (at 8 B for α and
-16 MiB for β, the extra time per byte), so a burst of load from elsewhere lands on all of them alike:
+Every pass of the probe samples, in turn, what one hierarchical allreduce does (at 8 B, 1 MiB and
+16 MiB: every link is fitted to two lines, one up to MID = 1 MiB through the first two sizes, one
+beyond it through the last two, `LinkModel.segments`), so a burst of load from elsewhere lands on all of them alike:
 every pair's exchange (both ranks send n bytes, receive n and add them in, as every step of naive,
 ring and all2all does; each one a separate call from this thread onto the group's loop, as every
 collective is), then scheduler.execute's three stages chained as it runs them after a barrier:
@@ -13,6 +14,11 @@ it, from which the planner takes what a dist call costs beyond its links' steps
 back, α + g·nβ, `Topology.copy_back`). With one device (neither in-process stage runs) both are a
 host copy.
 
+Why three sizes: one line through 8 B and 16 MiB priced 1 MiB on an 8 B α that is mostly a fixed
+cost and on the rate beyond the caches, which 1 MiB does not pay: on two network-namespace hosts
+(bench/cluster.py) stage 1 at 1 MiB was predicted 1.06-1.44 ms and took 0.53-0.54 ms alone, the
+copy back 0.94-1.38 ms against 0.19-0.21 ms, and the 1 MiB plan came out 0.47-1.33x; below 1 MiB
+the reduce ran 0.24 ns/B and the copy 0.07-0.08 ns/B, beyond it 0.77-1.29 and 0.71-0.88 ns/B.
 Why 16 MiB, not 4 MiB: 4 MiB buffers stay in this machine's 32 MiB L3, and the rate measured there
 does not hold beyond it: on two network-namespace hosts (bench/cluster.py, 2 shared cores) the
 in-process stage ran 0.42 ns/B at 4 MiB and 0.92 ns/B at 16 MiB, and the 16 MiB plans were
@@ -48,6 +54,9 @@ from tinydist.scheduler.topology import LinkModel
 # LARGE: several chunks of tinydist.dist's algorithms (CHUNK_BYTES), and with the buffers it is reduced
 # between beyond a 32 MiB L3, so neither the kernel's socket buffers nor the CPU caches hide the rate
 SMALL, LARGE = 8, 16 << 20
+# MID: where the probe's two lines meet (module docstring, "Why three sizes")
+MID = 1 << 20
+SIZES = (SMALL, MID, LARGE)    # ascending (`_fit_pieces`, plan.calibrate_call)
 KINDS = ("mem", "shm", "tcp", "rdma_bnxt", "other")
 
 
@@ -78,11 +87,28 @@ async def _exchange(group: Any, peer: int, mine: np.ndarray, into: np.ndarray) -
             np.add(into, np.frombuffer(view, np.float32), out=into)
 
 
-def _fit(small: list[float], large: list[float], per_alpha: int, per_beta: int, large_bytes: int) -> tuple[float, float]:
-    """(α, bandwidth) of t(n) = per_alpha·α + per_beta·nβ from medians at SMALL and `large_bytes`."""
+def _fit(small: list[float], large: list[float], per_alpha: int, per_beta: int, large_bytes: int,
+         small_bytes: int = SMALL) -> tuple[float, float]:
+    """(α, bandwidth) of t(n) = per_alpha·α + per_beta·nβ from medians at `small_bytes` and `large_bytes`."""
     t_small, t_large = statistics.median(small), statistics.median(large)
-    beta = max(t_large - t_small, 1e-12) / (per_beta * (large_bytes - SMALL))   # a noisy large below the small: no slope
-    return max(t_small - per_beta * SMALL * beta, 0.0) / per_alpha, 1.0 / beta
+    beta = max(t_large - t_small, 1e-12) / (per_beta * (large_bytes - small_bytes))   # a noisy large below the small: no slope
+    return max(t_small - per_beta * small_bytes * beta, 0.0) / per_alpha, 1.0 / beta
+
+
+def _fit_pieces(samples: dict[int, list[float]], per_alpha: int, per_beta: int) -> tuple[float, float, float, float]:
+    """(α, bandwidth) up to MID, on the line through SMALL and MID, then (α, bandwidth) beyond it, on
+    the line through SMALL and LARGE: the two segments of `_model`. Both start at SMALL, so α (the
+    fixed cost of a message) is never negative; only the rate per byte depends on the size. A line
+    through MID and LARGE instead had a negative α here (-0.4 to -1.3 ms), and with it the planner
+    chose the in-process ring at 16 MiB (2(g-1)·α, below naive's (g-1)·α) for what is an artefact of
+    the fit: it ran 1.56-1.66x its prediction."""
+    return (*_fit(samples[SMALL], samples[MID], per_alpha, per_beta, MID),
+            *_fit(samples[SMALL], samples[LARGE], per_alpha, per_beta, LARGE))
+
+
+def _model(kind: str, alpha_lo: float, bw_lo: float, alpha_hi: float, bw_hi: float) -> LinkModel:
+    """The planner's link from `_fit_pieces`: messages of at most MID on the first line, larger on the second."""
+    return LinkModel(kind, alpha_hi, 1.0 / bw_hi, segments=((float(MID), alpha_lo, 1.0 / bw_lo),))
 
 
 @dataclass
@@ -106,7 +132,7 @@ def _sample(group: Any, reps: int, devices: Sequence[str]) -> _Samples:
     from tinydist import dist
     from tinydist.frontend.tensor import Tensor
     from tinydist.multi import allreduce
-    sizes = (SMALL, LARGE)
+    sizes = SIZES
     mine = {nbytes: np.ones(nbytes // 4, np.float32) for nbytes in sizes}
     into = {nbytes: np.zeros(nbytes // 4, np.float32) for nbytes in sizes}
     local = {nbytes: [Tensor(mine[nbytes], device=d) for d in devices] for nbytes in sizes}
@@ -131,7 +157,7 @@ def _sample(group: Any, reps: int, devices: Sequence[str]) -> _Samples:
         return out
 
     for i in range(reps + 1):                              # pass 0 is the warm-up (kernels compiled, links warm)
-        for nbytes in sizes if _large_pass(i) else (SMALL,):
+        for nbytes in sizes if _large_pass(i) else (SMALL, MID):
             if group.world > 1:
                 # every rank starts its exchanges together: without this, a rank's first exchange waited
                 # for its peer to finish the copy back before it, and that wait was priced as the link's
@@ -168,13 +194,14 @@ def _host_copy() -> tuple[float, float]:
 @dataclass
 class Measured:
     """What the probe measured: every link of the job, each node's copy back to its devices (the
-    planner's `Topology.copy_back`), and a naive dist.all_reduce over the whole group at SMALL and
-    at LARGE, `(bytes, seconds)` each, the median on the rank that reached it last (the input of
-    `tinydist.scheduler.plan.calibrate_call`)."""
+    planner's `Topology.copy_back`), and a naive dist.all_reduce over the whole group at each of
+    SIZES, `(bytes, seconds)` each, the median on the rank that reached it last (the input of
+    `tinydist.scheduler.plan.calibrate_call`). `links` are the records the coordinator keeps (the
+    line beyond MID); `models` the planner's piecewise links by node pair."""
     links: list[LinkRecord]
+    models: dict[tuple[str, str], LinkModel]
     copy_back: dict[str, LinkModel]
-    call_small: tuple[int, float]
-    call_large: tuple[int, float]
+    calls: list[tuple[int, float]]
 
 
 def measure_links(node_ids: list[str], reps: int = 20, devices: Sequence[str] = ()) -> Measured:
@@ -186,28 +213,31 @@ def measure_links(node_ids: list[str], reps: int = 20, devices: Sequence[str] = 
     got = _sample(group, reps, devices)
     g = len(devices)
     # the in-process stages fitted to the planner's formulas: stage 1 (g-1)·(α + nγ), stage 3 α + g·nβ
-    (mem_lat, mem_bw), back = ((_fit(got.reduced[SMALL], got.reduced[LARGE], g - 1, g - 1, LARGE),
-                                _fit(got.back[SMALL], got.back[LARGE], 1, g, LARGE)) if g > 1 else (_host_copy(),) * 2)
-    calls = [statistics.median(got.calls[n]) for n in (SMALL, LARGE)] if group.world > 1 else [0.0, 0.0]
-    row = np.zeros((1, group.world + 2, 3))
+    mem, back = ((_fit_pieces(got.reduced, g - 1, g - 1), _fit_pieces(got.back, 1, g)) if g > 1
+                 else (_host_copy() * 2,) * 2)
+    calls = [statistics.median(got.calls[n]) for n in SIZES] if group.world > 1 else [0.0] * len(SIZES)
+    # per rank: each peer's link (α, bandwidth up to MID, α, bandwidth beyond it, kind), its own mem link,
+    # then its dist call times, then its copy back
+    row = np.zeros((1, group.world + 2, 5))
     for peer in dict.fromkeys(p for p, _ in got.exchanges):
-        lat, bw = _fit(got.exchanges[peer, SMALL], got.exchanges[peer, LARGE], 1, 1, LARGE)
+        pieces = _fit_pieces({n: got.exchanges[peer, n] for n in SIZES}, 1, 1)
         kind = getattr(group.links[peer], "kind", "tcp")
-        row[0, peer] = (lat, bw, KINDS.index(kind) if kind in KINDS else len(KINDS) - 1)
-    row[0, group.rank] = (mem_lat, mem_bw, 0)
-    row[0, group.world, :2] = calls                       # after the links: this rank's dist call times,
-    row[0, group.world + 1, :2] = back                    # then its copy back (α, bandwidth)
+        row[0, peer] = (*pieces, KINDS.index(kind) if kind in KINDS else len(KINDS) - 1)
+    row[0, group.rank] = (*mem, 0)
+    row[0, group.world, :len(SIZES)] = calls
+    row[0, group.world + 1, :4] = back
     table = dist.all_gather(row, axis=0).numpy() if group.world > 1 else row
-    records = []
+    records, models = [], {}
     for i in range(group.world):
         for j in range(i, group.world):
-            lat, bw, kind = table[i, j]
-            if bw > 0:
-                records.append(LinkRecord(node_ids[i], node_ids[j], KINDS[int(kind)], float(lat), float(bw)))
-    copy_back = {node_ids[i]: LinkModel("copy", float(table[i, group.world + 1, 0]), 1.0 / float(table[i, group.world + 1, 1]))
-                 for i in range(group.world)}
+            alpha_lo, bw_lo, alpha_hi, bw_hi, kind = (float(x) for x in table[i, j])
+            if bw_hi > 0:
+                # the coordinator keeps one line per link (LinkRecord): the one beyond MID, through SMALL and LARGE
+                records.append(LinkRecord(node_ids[i], node_ids[j], KINDS[int(kind)], alpha_hi, bw_hi))
+                models[node_ids[i], node_ids[j]] = _model(KINDS[int(kind)], alpha_lo, bw_lo, alpha_hi, bw_hi)
+    copy_back = {node_ids[i]: _model("copy", *(float(x) for x in table[i, group.world + 1, :4])) for i in range(group.world)}
     # the call follows stage 1 with no barrier, so a rank that finished stage 1 early waits in its call for
     # the last one, and that wait is stage 1's, which the planner prices already; the last rank to arrive
     # waits for nobody: its call is the call's own time
-    last_to_arrive = table[:, group.world, :2].min(axis=0)
-    return Measured(records, copy_back, (SMALL, float(last_to_arrive[0])), (LARGE, float(last_to_arrive[1])))
+    last_to_arrive = table[:, group.world, :len(SIZES)].min(axis=0)
+    return Measured(records, models, copy_back, [(n, float(t)) for n, t in zip(SIZES, last_to_arrive)])

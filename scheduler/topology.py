@@ -10,6 +10,12 @@ Every link kind has an α–β model (`LinkModel`): sending n bytes costs α + n
 message a sender injects at once costs `overhead` (the per-message gap). Defaults are rough
 figures; measured values (`tinydist.scheduler.probe`, reported to the coordinator) replace them per pair.
 
+Measured links are piecewise: the probe times every link at 8 B, 1 MiB and 16 MiB, and a message
+of at most 1 MiB is priced on the line through 8 B and 1 MiB, a larger one on the line through 8 B
+and 16 MiB (`LinkModel.segments`, `LinkModel.at`): one α, the rate per byte by size. One line through 8 B and 16 MiB priced 1 MiB on the
+rate of buffers beyond the CPU caches and on an 8 B α that is mostly a fixed cost the 1 MiB line
+does not show the same way: bench/cluster.py predicted 1 MiB 1.2-2.1x slow (docs/cluster.md).
+
 `Topology.call` is what one tinydist.dist collective costs on top of its links' steps: the header
 exchange that opens every call, its timeout guard, and the result's allocation and copy out (α per
 call, β per byte of the tensor). Measured at join (`tinydist.scheduler.plan.calibrate_call`); zero
@@ -33,16 +39,33 @@ class LinkModel:
     alpha: float          # seconds per message (latency)
     beta: float           # seconds per byte (1 / bandwidth)
     overhead: float = 0.0  # seconds per additional message injected concurrently by one sender
+    # (up to bytes, α, β) for messages of at most that many bytes, ascending; alpha and beta above are
+    # the last segment's (beyond every bound): the probe's piecewise fit (module docstring)
+    segments: tuple[tuple[float, float, float], ...] = ()
+
+    def at(self, nbytes: float) -> LinkModel:
+        """The (α, β) that prices a message of `nbytes`: the first segment that holds it, else the last."""
+        for bound, alpha, beta in self.segments:
+            if nbytes <= bound:
+                return LinkModel(self.kind, alpha, beta, self.overhead)
+        return LinkModel(self.kind, self.alpha, self.beta, self.overhead) if self.segments else self
 
     def time(self, nbytes: float, messages: int = 1) -> float:
-        return self.alpha + nbytes * self.beta + max(0, messages - 1) * self.overhead
+        link = self.at(nbytes)
+        return link.alpha + nbytes * link.beta + max(0, messages - 1) * link.overhead
 
     @property
     def bandwidth(self) -> float:
         return 1.0 / self.beta if self.beta > 0 else math.inf
 
     def describe(self) -> str:
-        return f"{self.kind} α={self.alpha * 1e6:.1f} µs, {self.bandwidth / 1e9:.2f} GB/s"
+        below = "".join(f" (≤{_size(bound)}: α={alpha * 1e6:.1f} µs, {1 / beta / 1e9 if beta > 0 else math.inf:.2f} GB/s)"
+                        for bound, alpha, beta in self.segments)
+        return f"{self.kind} α={self.alpha * 1e6:.1f} µs, {self.bandwidth / 1e9:.2f} GB/s{below}"
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / (1 << 20):g} MiB" if nbytes >= 1 << 20 else f"{nbytes / 1024:g} KiB"
 
 
 # Rough defaults; measured links override them. "mem": devices of one process (host memcpy for CPU

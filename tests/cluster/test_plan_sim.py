@@ -120,6 +120,41 @@ def test_probe_fit_inverts_the_planners_stage_costs():
     assert LinkModel("tcp", alpha, 1 / bandwidth).time(LARGE) == pytest.approx(4e-3)
 
 
+def test_probe_prices_a_cache_resident_size_on_its_own_line_not_on_the_streaming_one():
+    """Timings shaped like bench/cluster.py's (2 devices per process, 2 hosts): a fixed cost at 8 B
+    that 1 MiB hardly adds to, and a per-byte rate beyond the caches 3-10x the one below them. The
+    probe's three sizes give one line up to MID and one beyond it, and every stage priced at each
+    probed size gives its timing back; the old single line through 8 B and 16 MiB priced 1 MiB
+    2.1x (stage 1), 3.9x (the copy back) and 1.8x (an exchange) too slow. The planner picks the line by
+    each step's message: naive's n, ring's and all2all's n/G, the call's n."""
+    from tinydist.scheduler.plan import broadcast_cost, calibrate_call, inter_cost, intra_cost
+    from tinydist.scheduler.probe import LARGE, MID, SMALL, _fit, _fit_pieces, _model
+    g = 2
+    for timings, per_alpha, per_beta, cost in (
+            ((300e-6, 550e-6, 14e-3), g - 1, g - 1, lambda n, link: intra_cost("naive", g, n, link)),
+            ((19e-6, 190e-6, 12e-3), 1, g, lambda n, link: broadcast_cost(g, n, link)),
+            ((700e-6, 1.5e-3, 25e-3), 1, 1, lambda n, link: link.time(n))):
+        samples = {n: [t, 2 * t, t / 2] for n, t in zip((SMALL, MID, LARGE), timings)}
+        link = _model("mem", *_fit_pieces(samples, per_alpha, per_beta))
+        for n, t in zip((SMALL, MID, LARGE), timings):
+            assert cost(n, link) == pytest.approx(t)
+        alpha, bandwidth = _fit(samples[SMALL], samples[LARGE], per_alpha, per_beta, LARGE)
+        assert cost(MID, LinkModel("mem", alpha, 1 / bandwidth)) / timings[1] > 1.3      # the old fit at 1 MiB
+    # one step's message picks the line: naive's n = 1 MiB and all2all's n/2 = 512 KiB on the first,
+    # naive's 16 MiB on the second; ring over 2 groups is 2 steps of n/2
+    tcp = LinkModel("tcp", 0.0, 2e-9, segments=((float(MID), 700e-6, 0.7e-9),))
+    assert inter_cost("naive", 2, MID, tcp) == pytest.approx(700e-6 + MID * 0.7e-9)
+    assert inter_cost("all2all", 2, MID, tcp) == pytest.approx(2 * 700e-6 + MID * 0.7e-9)
+    assert inter_cost("ring", 2, LARGE, tcp) == pytest.approx(2 * (LARGE / 2) * 2e-9)
+    assert inter_cost("naive", 2, LARGE, tcp) == pytest.approx(LARGE * 2e-9)
+    # the call's leftover fitted the same way, one line per pair of neighbouring sizes
+    t = two_by_two(tcp, LinkModel("mem", 1e-6, 1e-10), LinkModel("call", 0.0, 0.0))
+    rest = {SMALL: 300e-6, MID: 300e-6 + MID * 0.1e-9, LARGE: 300e-6 + MID * 0.1e-9 + (LARGE - MID) * 2e-9}
+    call = calibrate_call(t, 2, *((n, inter_cost("naive", 2, n, tcp) + r) for n, r in rest.items()))
+    for n, r in rest.items():
+        assert call.time(n) == pytest.approx(r)
+
+
 def test_every_probe_exchange_starts_after_a_barrier_not_behind_the_peers_copy_back(monkeypatch):
     """The exchanges time the link alone: between the stage before (a rank's copy back, which ends
     at different times on different ranks) and every exchange there is a barrier, so no exchange
@@ -138,7 +173,7 @@ def test_every_probe_exchange_starts_after_a_barrier_not_behind_the_peers_copy_b
     monkeypatch.setattr(multi, "allreduce", lambda *a, **k: events.append("reduce") or [result])
     monkeypatch.setattr(tensor_module, "Tensor", lambda *a, **k: events.append("copy") or result)
     probe._sample(SimpleNamespace(rank=0, world=2, links={1: None}), 4, ["CPU:0", "CPU:1"])
-    assert events.count("exchange") == 8          # one peer; passes 0-4 at SMALL, the even ones at LARGE too
+    assert events.count("exchange") == 13         # one peer; passes 0-4 at SMALL and MID, the even ones at LARGE too
     assert events.index("copy", events.index("exchange")) < len(events) - 1   # copies back between exchanges
     last = None
     for event in events:
