@@ -87,12 +87,11 @@ async def _exchange(group: Any, peer: int, mine: np.ndarray, into: np.ndarray) -
             np.add(into, np.frombuffer(view, np.float32), out=into)
 
 
-def _fit(small: list[float], large: list[float], per_alpha: int, per_beta: int, large_bytes: int,
-         small_bytes: int = SMALL) -> tuple[float, float]:
-    """(α, bandwidth) of t(n) = per_alpha·α + per_beta·nβ from medians at `small_bytes` and `large_bytes`."""
+def _fit(small: list[float], large: list[float], per_alpha: int, per_beta: int, large_bytes: int) -> tuple[float, float]:
+    """(α, bandwidth) of t(n) = per_alpha·α + per_beta·nβ from medians at SMALL and `large_bytes`."""
     t_small, t_large = statistics.median(small), statistics.median(large)
-    beta = max(t_large - t_small, 1e-12) / (per_beta * (large_bytes - small_bytes))   # a noisy large below the small: no slope
-    return max(t_small - per_beta * small_bytes * beta, 0.0) / per_alpha, 1.0 / beta
+    beta = max(t_large - t_small, 1e-12) / (per_beta * (large_bytes - SMALL))   # a noisy large below the small: no slope
+    return max(t_small - per_beta * SMALL * beta, 0.0) / per_alpha, 1.0 / beta
 
 
 def _fit_pieces(samples: dict[int, list[float]], per_alpha: int, per_beta: int) -> tuple[float, float, float, float]:

@@ -12,9 +12,9 @@ figures; measured values (`tinydist.scheduler.probe`, reported to the coordinato
 
 Measured links are piecewise: the probe times every link at 8 B, 1 MiB and 16 MiB, and a message
 of at most 1 MiB is priced on the line through 8 B and 1 MiB, a larger one on the line through 8 B
-and 16 MiB (`LinkModel.segments`, `LinkModel.at`): one α, the rate per byte by size. One line through 8 B and 16 MiB priced 1 MiB on the
-rate of buffers beyond the CPU caches and on an 8 B α that is mostly a fixed cost the 1 MiB line
-does not show the same way: bench/cluster.py predicted 1 MiB 1.2-2.1x slow (docs/cluster.md).
+and 16 MiB (`LinkModel.segments`, `LinkModel.at`): one α, the rate per byte by size. One line
+through 8 B and 16 MiB priced 1 MiB at the rate of buffers beyond the CPU caches, which a 1 MiB
+message does not pay (scheduler.probe, "Why three sizes"; docs/cluster.md).
 
 `Topology.call` is what one tinydist.dist collective costs on top of its links' steps: the header
 exchange that opens every call, its timeout guard, and the result's allocation and copy out (α per
