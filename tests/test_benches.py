@@ -76,7 +76,7 @@ def test_cluster_bench_predicts_and_measures_every_plan_on_two_namespace_hosts()
     finally:
         bench.kill()
     assert bench.returncode == 0, out + err
-    assert "  node-0 - node-1: tcp α=" in out and "  node-0 - node-0: mem α=" in out, out
+    assert "  node-0 - node-1: tcp up to 1 MiB α=" in out and "  node-0 - node-0: mem up to 1 MiB α=" in out, out
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| 0.0625 MiB | hierarchical/")]
     assert sorted(row[1].rsplit("+", 1)[1] for row in rows) == ["all2all", "naive", "ring"], out
     assert [row[2] for row in rows].count("yes") == 1, out                  # the planner's own choice, marked
