@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import re
 import subprocess
@@ -16,8 +17,9 @@ import pytest
 from tinydist.base.errors import CompileError
 from tinydist.codegen.compile_cache import CompileCache, decode_entry
 from tinydist.codegen.compiler import HostCompiler, host_target
-from tinydist.runtime.cpu.loader import NativeLoader
+from tinydist.runtime.cpu.loader import OBJECTS_PER_ENGINE, NativeLoader, defined_symbols
 from tinydist.runtime.device import Device
+from tinydist.runtime.program import Program
 
 from .helpers import SCALE_IR, SPIN_IR, Kernels, clock_gettime_address, spin_reference
 
@@ -390,6 +392,66 @@ def test_loader_refuses_a_second_definition_of_a_symbol() -> None:
     out = np.zeros(1, np.int32)
     first.cfunc(out.ctypes.data)
     assert out[0] == 1   # still the first definition
+
+
+_WEAK_IR = """
+define weak i32 @rt_weak_helper() {{
+entry:
+  ret i32 {value}
+}}
+
+define void @{entry}(ptr %out) {{
+entry:
+  %v = call i32 @rt_weak_helper()
+  store i32 %v, ptr %out
+  ret void
+}}
+"""
+
+
+def _run_i32(program: Program) -> int:
+    out = np.zeros(1, np.int32)
+    program.cfunc(out.ctypes.data)
+    return int(out[0])
+
+
+def test_loaded_objects_share_engines() -> None:
+    loader = NativeLoader()
+    compiler = HostCompiler()
+    objects = [compiler.compile(_DUP_IR.format(value=n).replace("rt_dup", f"rt_share_{n}")) for n in range(OBJECTS_PER_ENGINE + 1)]
+    programs = [loader.load(code, f"rt_share_{n}", ["w"]) for n, code in enumerate(objects)]
+    assert (loader.loaded, loader.engines) == (OBJECTS_PER_ENGINE + 1, 2)
+    assert [_run_i32(p) for p in programs] == list(range(OBJECTS_PER_ENGINE + 1))
+    del programs
+    gc.collect()
+    assert (loader.loaded, loader.engines) == (0, 0)
+
+
+def test_a_reloaded_symbol_runs_its_new_definition() -> None:
+    # the engine an unloaded object was linked into keeps its definitions until it goes: a new
+    # object defining the same name must not be linked there, or the name resolves to the old code
+    loader = NativeLoader()
+    compiler = HostCompiler()
+    first = loader.load(compiler.compile(_DUP_IR.format(value=1)), "rt_dup", ["w"])
+    assert _run_i32(first) == 1
+    del first
+    gc.collect()
+    assert _run_i32(loader.load(compiler.compile(_DUP_IR.format(value=2)), "rt_dup", ["w"])) == 2
+
+
+def test_a_weak_helper_resolves_within_its_own_object() -> None:
+    loader = NativeLoader()
+    compiler = HostCompiler()
+    one = loader.load(compiler.compile(_WEAK_IR.format(value=1, entry="rt_weak_one")), "rt_weak_one", ["w"])
+    two = loader.load(compiler.compile(_WEAK_IR.format(value=2, entry="rt_weak_two")), "rt_weak_two", ["w"])
+    assert (_run_i32(one), _run_i32(two)) == (1, 2)
+    assert loader.engines == 2
+
+
+def test_defined_symbols_reads_the_elf_symbol_table() -> None:
+    code = HostCompiler().compile(_WEAK_IR.format(value=1, entry="rt_weak_read"))
+    assert defined_symbols(code) == {"rt_weak_helper", "rt_weak_read"}
+    assert defined_symbols(b"\xcf\xfa\xed\xfe" + code[4:]) is None  # not ELF (here: a Mach-O magic)
 
 
 def test_loader_errors() -> None:

@@ -102,29 +102,29 @@ def test_a_dropped_kernel_is_unloaded_once_its_last_holder_lets_go(monkeypatch: 
     assert native_loader.loaded == before  # 7001 gone; 7002 kept by the LRU
 
 
-def test_the_heap_is_trimmed_every_trim_every_engines_disposed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_heap_is_trimmed_every_trim_every_objects_unloaded(monkeypatch: pytest.MonkeyPatch) -> None:
     # glibc gives freed memory back only from the top of the heap: a process meeting new shapes
     # kept climbing by memory already free (all of bench/kernel_memory.py's residue was [heap])
     import tinydist.runtime.cpu.loader as loader
 
-    trims: list[int] = []  # engines disposed at each trim
+    trims: list[int] = []  # objects unloaded at each trim
 
     def trim(pad: int) -> int:
         assert pad == 0
-        trims.append(native_loader.disposed)
+        trims.append(native_loader.unloaded)
         return 1
 
     monkeypatch.setattr(loader, "_malloc_trim", trim)
     monkeypatch.setattr(loader, "TRIM_EVERY", 4)
     _compile_at_o0(monkeypatch)
     compiler = DeviceCompiler(get_engine().device("CPU:0"), capacity=1)
-    start = native_loader.disposed
+    start = native_loader.unloaded
     for n in range(7101, 7111):  # 10 kernels through an LRU of 1: each drops (and unloads) the last
         compiler.kernel(_ast(n))
         gc.collect()
-    assert native_loader.disposed - start >= 9
-    assert len(trims) >= 2 and all(b - a >= 4 for a, b in zip(trims, trims[1:]))  # one per 4 disposals, no more
-    assert native_loader.disposed - trims[-1] < 4  # and never one missed
+    assert native_loader.unloaded - start >= 9
+    assert len(trims) >= 2 and all(b - a >= 4 for a, b in zip(trims, trims[1:]))  # one per 4 unloads, no more
+    assert native_loader.unloaded - trims[-1] < 4  # and never one missed
 
 
 @pytest.mark.parametrize("schedules", [8, 64])
