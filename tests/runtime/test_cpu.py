@@ -345,6 +345,20 @@ def test_a_process_loading_a_corrupted_entry_still_runs_its_kernel(tmp_path) -> 
     assert "compile cache entry is bad" in second.stdout + second.stderr
 
 
+def test_a_hit_renews_an_old_entry_for_the_eviction_order(tmp_path) -> None:
+    from tinydist.codegen.compile_cache import RENEW_AFTER_SECONDS
+    cache = CompileCache(HostCompiler(), directory=tmp_path, enabled=True)
+    old, fresh = (SCALE_IR.replace("rt_scale", f"rt_scale_{name}") for name in ("old", "fresh"))
+    code = cache.compile(old)
+    cache.compile(fresh)
+    os.utime(cache.path(old), (1, 1))
+    written = cache.path(fresh).stat().st_mtime
+    assert cache.compile(old) == code and cache.compile(fresh)
+    assert cache.statistics.hits == 2
+    assert cache.path(old).stat().st_mtime > RENEW_AFTER_SECONDS
+    assert cache.path(fresh).stat().st_mtime == written  # used within the window: no write
+
+
 def test_cache_stays_under_its_cap_evicting_the_least_recently_used(tmp_path) -> None:
     from tinydist.base.config import settings
     compiler = HostCompiler()

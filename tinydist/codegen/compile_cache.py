@@ -10,7 +10,7 @@ never half a file. A bad entry (truncated, garbage, flipped bits: each of which 
 segfault or abort before checksums) fails the check, is logged, deleted and compiled again.
 
 The cache holds at most `COMPILE_CACHE_MAX_MB`: past that, the entries used longest ago (a hit
-renews an entry's mtime) are deleted until it is back under nine tenths of the cap.
+renews an entry's mtime once a minute at most) are deleted until it is back under nine tenths of the cap.
 
 A generated kernel (the matmul, whose IR takes ~0.1 s of Python to build and print) can be looked
 up before its IR exists (`compile_generated`): keyed by what the generator was asked for and a
@@ -39,6 +39,21 @@ log = structlog.get_logger("tinydist.compile_cache")
 MAGIC = b"TDKO\x01\x00\x00\x00"
 _HEADER = len(MAGIC) + hashlib.sha256().digest_size
 _STALE_TEMP_SECONDS = 3600.0  # a temp file this old belongs to a writer that died
+# A hit renews an entry's mtime only when it is older than this: the eviction order needs no finer
+# grain, and a hit then costs no write (a first call's hits of just-written entries: none).
+RENEW_AFTER_SECONDS = 60.0
+
+
+def _read_all(fd: int, size: int) -> bytes:
+    """The file's `size` bytes (fewer if it ends sooner) through a descriptor open on it: one
+    read for an entry, since an entry's file never changes once renamed into place."""
+    data = os.read(fd, size)
+    while len(data) < size:
+        more = os.read(fd, size - len(data))
+        if not more:
+            break
+        data += more
+    return data
 
 
 @dataclass
@@ -122,19 +137,22 @@ class CompileCache:
 
     def _read(self, path: Path) -> bytes | None:
         try:
-            data = path.read_bytes()
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
             return None
+        try:
+            status = os.fstat(fd)
+            data = _read_all(fd, status.st_size)
+            if time.time() - status.st_mtime > RENEW_AFTER_SECONDS:
+                os.utime(fd)  # the eviction order: least recently used first
+        finally:
+            os.close(fd)
         code, problem = decode_entry(data)
         if code is None:
             self.statistics.corrupt += 1
             log.warning("compile cache entry is bad; deleted, compiling again", path=str(path), problem=problem)
             path.unlink(missing_ok=True)
             return None
-        try:
-            os.utime(path)  # the eviction order: least recently used first
-        except FileNotFoundError:
-            pass  # evicted by another process since the read: the code in hand is still good
         return code
 
     def _write(self, path: Path, entry: bytes) -> None:
