@@ -10,9 +10,9 @@ new object can join it. One process-wide engine (before 156e4d4) never gave anyt
 new shape kept ~0.17 MiB of RSS and ~2 memory mappings for the life of the process
 (`bench/kernel_memory.py` measures both ways). An engine of its own per object gave everything
 back but doubled a cache hit's link (`compile/cache-hit`, idle: 0.47 -> 0.93 ms read+link): an
-engine and its target machine cost ~190 us to build (200 builds, idle), against ~60-85 us to link
-an object into one that exists; shared by 16 objects, a load costs 63 us and a process holds at
-most 15 dead objects' pages per live one. The engine never generates code (the object is compiled
+engine and its target machine cost 124-236 us to build (200 builds), against 56-85 us to link an
+object into one that exists; shared by 16 objects, a load cost 63 us, and a live object keeps at
+most 15 dead ones' pages mapped. The engine never generates code (the object is compiled
 already; it only relocates it), so its target machine is the generic one for the triple. (ORC's
 LLJIT links an object into a shared JIT without any, but llvmlite gives each object a JIT library
 that is never freed: ~9 KiB of RSS per load that stays, measured over 4,000 loads.)
@@ -20,7 +20,8 @@ that is never freed: ~9 KiB of RSS per load that stays, measured over 4,000 load
 An engine resolves a symbol to the first object in it that defines one, dead ones' included (their
 pages stay until the engine goes), so an object joins an engine only if none of the global
 symbols it defines (read from its ELF symbol table) was ever defined there; else a new engine is
-started. A weak helper of a reloaded kernel would otherwise run the dead copy's code.
+started. Otherwise a weak helper that two objects define runs the first one's copy for the
+second object too, dead or alive (tests/runtime/test_cpu.py shows it).
 
 Every `TRIM_EVERY` objects unloaded, the C heap's free pages go back to the system
 (`malloc_trim(0)`, glibc): a process meeting new shapes frees a kernel's engine, its lowering and
