@@ -223,8 +223,7 @@ class NativeLoader:
             self._symbols[entry] = digest
         if self._dead:
             self._try_dispose()
-        if self.unloaded - self._trimmed >= TRIM_EVERY:
-            self._trim_heap()
+        self._trim_heap()
         prototype = ctypes.CFUNCTYPE(None, *(ARG_KINDS[kind] for kind in signature))
         cfunc = prototype(address)
         cfunc._tinydist_code = owner  # type: ignore[attr-defined]  # the code stays mapped while this callable exists
